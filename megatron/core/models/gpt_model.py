@@ -1,0 +1,113 @@
+"""GPTModel: embedding -> transformer block -> output layer -> vocab-parallel loss.
+
+GPT and Llama are configurations of this one model (see TransformerConfig). A
+pipeline stage builds the same class with `pre_process` (embedding, first stage),
+`post_process` (final norm, output layer and loss, last stage) and the global
+indices of its layers; parameter names are identical in every layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.sharding import InitSpec, make_param
+from megatron.core.transformer.block import TransformerBlock
+from megatron.core.transformer.layer import hidden_dropout
+from megatron.core.transformer.rotary import rotary_frequencies
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Token embeddings (vocab-parallel) plus optional learned absolute positions."""
+
+    def __init__(self, config, *, tp_group, rng_tracker, device=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
+            vocab_size=config.vocab_size, dtype=config.params_dtype, device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                          dtype=config.params_dtype, device=device)
+            weight = self.position_embeddings.weight
+            weight.init_spec = InitSpec(tuple(weight.shape), std=config.init_method_std)
+            weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP)."""
+        partial = self.word_embeddings(input_ids.t())
+        if self.config.sequence_parallel:
+            hidden = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            hidden = reduce_from_tensor_parallel_region(partial, self.tp_group)
+        if self.position_embeddings is not None:
+            local_s = hidden.shape[0]
+            start = dist.get_rank(self.tp_group) * local_s if self.config.sequence_parallel else 0
+            positions = torch.arange(start, start + local_s, device=hidden.device)
+            hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
+        return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
+                              self.config.sequence_parallel)
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config, *, tp_group, rng_tracker, layer_ids=None, pre_process: bool = True,
+                 post_process: bool = True, device=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.tied = not config.untie_embeddings_and_output_weights
+        layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, tp_group=tp_group, rng_tracker=rng_tracker,
+                                                    device=device)
+        self.decoder = TransformerBlock(config, layer_ids, tp_group=tp_group, rng_tracker=rng_tracker,
+                                        post_process=post_process, device=device)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
+                init_std=config.init_method_std, sequence_parallel=config.sequence_parallel,
+                dtype=config.params_dtype, device=device, skip_weight=self.tied and pre_process,
+                valid_rows=config.vocab_size, weight_seed_name=WORD_EMBEDDINGS if self.tied else None)
+            if self.tied and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+        if self.tied and pre_process and not post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        angles = None
+        if config.position_embedding_type == "rope":
+            angles = rotary_frequencies(config.seq_length, config.kv_channels, config.rotary_base, device=device)
+        self.register_buffer("rotary_angles", angles, persistent=False)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.tied and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
+
+        Returns hidden states (not the last stage), the per-token loss [b, s] in fp32
+        (last stage, labels given), or the full logits [b, s, vocab] (labels None).
+        """
+        hidden = self.embedding(inputs) if self.pre_process else inputs
+        hidden = self.decoder(hidden, self.rotary_angles)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(hidden, self.output_weight())
+        if labels is None:
+            full = gather_from_tensor_parallel_region(logits, self.tp_group)
+            return full[..., : self.config.vocab_size].transpose(0, 1)
+        vocab_start = dist.get_rank(self.tp_group) * logits.shape[-1]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, vocab_start, self.config.vocab_size)
+        return loss.t()

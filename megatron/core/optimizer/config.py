@@ -1,0 +1,43 @@
+"""OptimizerConfig: AdamW, learning-rate schedule, clipping and mixed precision settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self):
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
+            raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError("--loss-scale-window and --hysteresis must be >= 1")

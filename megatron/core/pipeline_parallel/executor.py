@@ -1,0 +1,159 @@
+"""Runs a schedule's action list: forward and backward of model chunks, batched p2p transfers.
+
+The executor owns the tensors in flight: inputs received (kept until their
+backward, which needs their gradient), outputs (released once sent: only their
+autograd graph is kept) and gradients received. It measures how long it waits
+on transfers, which is this rank's pipeline idle time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
+
+
+@dataclass
+class PipelineSpec:
+    """What the executor needs to know about the pipeline of this rank.
+
+    `p2p_shape` is the shape of the activation passed between stages ([s, b, h],
+    s divided by tp under sequence parallelism); `group_size` is Megatron's
+    microbatch group size per virtual stage (None: p).
+    """
+
+    p2p_shape: tuple
+    p2p_dtype: torch.dtype
+    num_microbatches: int
+    group_size: int | None = None
+
+
+@dataclass
+class StepStats:
+    losses: list = field(default_factory=list)
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.compute_seconds + self.wait_seconds
+        return self.wait_seconds / total if total else 0.0
+
+
+def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward from a loss (grad None) or from an output whose storage was released
+    after sending (its shape no longer matches its gradient: bypass autograd's check)."""
+    if grad is None:
+        output.backward()
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Free an output's activation memory once sent; its grad_fn stays for backward."""
+    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+
+
+class PipelineExecutor:
+    """Executes one iteration of the schedule for this rank.
+
+    `chunks[c]` is local model chunk c (a DistributedDataParallel module), called
+    as chunk(inputs, labels) -> hidden states or per-token loss. `batch(mb)` returns
+    (input_ids, labels, loss_mask) of microbatch mb.
+    """
+
+    def __init__(self, chunks: list, mesh, spec: PipelineSpec):
+        self.chunks, self.mesh, self.spec = chunks, mesh, spec
+        self.p, self.v, self.rank = mesh.pp_size, len(chunks), mesh.pp_rank
+        self.steps = build_schedule(self.p, self.v, spec.num_microbatches, self.rank,
+                                    group_size=spec.group_size)
+        self.last_backward = self._last_backward_index()
+
+    def _last_backward_index(self) -> dict:
+        """Microbatch of each chunk's final backward: the data-parallel reduction of that
+        chunk's gradients starts during it."""
+        last = {}
+        for step in self.steps:
+            for action in step:
+                if action.kind is ActionKind.BACKWARD:
+                    last[action.chunk] = action.microbatch
+        return last
+
+    def _is_first(self, chunk: int) -> bool:
+        return self.rank == 0 and chunk == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.rank == self.p - 1 and chunk == self.v - 1
+
+    def run(self, batch, loss_scale: float = 1.0) -> StepStats:
+        stats = StepStats()
+        m = self.spec.num_microbatches
+        inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
+        device = next(self.chunks[0].parameters()).device
+        for step in self.steps:
+            start = time.perf_counter()
+            action = step[0]
+            key = (action.microbatch, action.chunk)
+            if action.kind is ActionKind.FORWARD:
+                outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / m)
+                stats.compute_seconds += time.perf_counter() - start
+            elif action.kind is ActionKind.BACKWARD:
+                self._backward(action, inputs, outputs, received_grads, input_grads)
+                inputs.pop(key, None), outputs.pop(key, None)
+                stats.compute_seconds += time.perf_counter() - start
+            else:
+                self._communicate(step, inputs, outputs, received_grads, input_grads, device)
+                stats.wait_seconds += time.perf_counter() - start
+        return stats
+
+    def _forward(self, action, inputs, batch, stats, scale):
+        key = (action.microbatch, action.chunk)
+        input_ids, labels, loss_mask = batch(action.microbatch)
+        chunk_input = input_ids if self._is_first(action.chunk) else inputs[key]
+        chunk = self.chunks[action.chunk]
+        if not self._is_last(action.chunk):
+            return chunk(chunk_input)
+        token_losses = chunk(chunk_input, labels)
+        mask = loss_mask.to(token_losses.dtype)
+        loss = (token_losses * mask).sum() / mask.sum()
+        stats.losses.append(loss.detach())
+        return loss * scale
+
+    def _backward(self, action, inputs, outputs, received_grads, input_grads):
+        key = (action.microbatch, action.chunk)
+        chunk = self.chunks[action.chunk]
+        chunk.set_is_last_microbatch(self.last_backward[action.chunk] == action.microbatch)
+        output = outputs[key]
+        grad = None if self._is_last(action.chunk) else received_grads.pop(key)
+        _run_backward(output, grad)
+        if not self._is_first(action.chunk):
+            input_grads[key] = inputs[key].grad
+
+    def _communicate(self, step, inputs, outputs, received_grads, input_grads, device):
+        ops = []
+        for action in step:
+            key = (action.microbatch, action.chunk)
+            kind = action.kind
+            if kind is ActionKind.SEND_FORWARD:
+                ops.append(dist.P2POp(dist.isend, outputs[key].detach(), self.mesh.pp_peer(+1)))
+            elif kind is ActionKind.SEND_BACKWARD:
+                ops.append(dist.P2POp(dist.isend, input_grads.pop(key), self.mesh.pp_peer(-1)))
+            elif kind is ActionKind.RECV_FORWARD:
+                buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device,
+                                     requires_grad=True)
+                inputs[key] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer.data, self.mesh.pp_peer(-1)))
+            else:
+                buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device)
+                received_grads[key] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.pp_peer(+1)))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        for action in step:
+            if action.kind is ActionKind.SEND_FORWARD:
+                _release(outputs[(action.microbatch, action.chunk)])

@@ -1,0 +1,57 @@
+"""Cross-entropy over logits split by vocabulary across tp ranks, never gathering them.
+
+Columns at or beyond the real vocabulary size (padding added so the vocabulary
+divides evenly) are excluded from the softmax, so padding never changes the loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    # The three reductions here move s*b scalars each: not part of the per-layer volume.
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, vocab_size):
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+        padding = columns >= vocab_size
+        if padding.any():
+            logits = logits.masked_fill(padding, float("-inf"))
+        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        exp_logits = (logits - logits_max.unsqueeze(-1)).exp_()
+
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= local_vocab)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - logits_max
+        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), group)
+
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        loss = sum_exp.log() - target_logit
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax
+        inside = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token loss (fp32, shape of `target`) from this rank's logit columns
+    [vocab_start, vocab_start + logits.shape[-1]); `vocab_size` is the real vocabulary."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

@@ -1,0 +1,62 @@
+"""Self-attention with tensor-parallel heads and grouped-query attention.
+
+The fused QKV projection's output rows are laid out per query group:
+[q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...], so
+splitting the rows contiguously across tp ranks hands each rank whole groups.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.rotary import apply_rotary
+
+
+def core_attention(q, k, v, dropout_p: float, backend: str):
+    """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d]."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.permute(2, 0, 1, 3)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, config, *, tp_group, rng_tracker, device=None):
+        super().__init__()
+        tp = dist.get_world_size(tp_group)
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.head_dim = config.kv_channels
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.local_groups = config.num_query_groups // tp
+        qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      dtype=config.params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=config.init_method_std,
+                                               **common)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                             init_std=config.output_layer_init_std, **common)
+
+    def _attend(self, q, k, v):
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if dropout_p == 0.0:
+            return core_attention(q, k, v, 0.0, self.config.attention_backend)
+        with self.rng_tracker.fork():
+            return core_attention(q, k, v, dropout_p, self.config.attention_backend)
+
+    def forward(self, x, rotary_angles=None):
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if rotary_angles is not None:
+            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+        if self.config.recompute_granularity == "selective":
+            context = checkpoint(self._attend, self.rng_tracker, q, k, v)
+        else:
+            context = self._attend(q, k, v)
+        return self.linear_proj(context.reshape(s, b, -1))

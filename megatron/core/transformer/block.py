@@ -1,0 +1,47 @@
+"""A stack of transformer layers with Megatron's full-layer recomputation options."""
+from __future__ import annotations
+
+import torch
+
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.layer import TransformerLayer
+from megatron.core.transformer.norm import Norm
+
+
+class TransformerBlock(torch.nn.Module):
+    """Layers `layer_ids` (global indices, which name the modules: `layers.<global index>`,
+    so names agree in every pipeline layout) and, on the last stage, the final norm."""
+
+    def __init__(self, config, layer_ids, *, tp_group, rng_tracker, post_process: bool, device=None):
+        super().__init__()
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.layers = torch.nn.ModuleDict({
+            str(i): TransformerLayer(config, tp_group=tp_group, rng_tracker=rng_tracker, device=device)
+            for i in layer_ids
+        })
+        self.final_layernorm = Norm(config, config.hidden_size, device) if post_process else None
+
+    def _recomputed_groups(self):
+        """Yield (layers, recompute?) in order, following --recompute-method."""
+        layers = list(self.layers.values())
+        config = self.config
+        if config.recompute_granularity != "full" or not self.training:
+            yield layers, False
+            return
+        n = config.recompute_num_layers
+        if config.recompute_method == "uniform":
+            for start in range(0, len(layers), n):
+                yield layers[start:start + n], True
+        else:  # block: the first n layers of this chunk are recomputed, the rest keep activations
+            for index, layer in enumerate(layers):
+                yield [layer], index < n
+
+    def forward(self, x, rotary_angles=None):
+        for group, recompute in self._recomputed_groups():
+            def run(h, group=group):
+                for layer in group:
+                    h = layer(h, rotary_angles)
+                return h
+            x = checkpoint(run, self.rng_tracker, x) if recompute else run(x)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -1,0 +1,127 @@
+"""TransformerConfig: the model's shape and numerics, one dataclass for GPT and Llama."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+KERNEL_IMPLS = ("auto", "triton", "torch")
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    params_dtype: torch.dtype = torch.float32
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    attention_backend: str = "auto"
+    normalization_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                                 f"({self.num_attention_heads}), or give --kv-channels")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        self.validate()
+
+    def validate(self) -> None:
+        def need(condition: bool, message: str):
+            if not condition:
+                raise ValueError(message)
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                     "ffn_hidden_size", "kv_channels", "make_vocab_size_divisible_by"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        need(self.normalization in NORMALIZATIONS,
+             f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
+        need(self.position_embedding_type in POSITION_EMBEDDINGS,
+             f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDINGS)}, "
+             f"got {self.position_embedding_type!r}")
+        need(self.num_attention_heads % self.num_query_groups == 0,
+             f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
+             f"({self.num_query_groups})")
+        need(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
+             f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length ({self.seq_length})")
+        need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
+             f"rotary embeddings need an even head dimension, got --kv-channels {self.kv_channels}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            need(0.0 <= getattr(self, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+        need(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
+             f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
+        need(self.recompute_method in RECOMPUTE_METHODS,
+             f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_granularity == "full":
+            need(self.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform or block")
+            need((self.recompute_num_layers or 0) >= 1,
+                 "--recompute-granularity full needs --recompute-num-layers >= 1")
+        else:
+            need(self.recompute_method is None,
+                 "--recompute-method only applies with --recompute-granularity full")
+        for name in ("attention_backend", "normalization_impl"):
+            need(getattr(self, name) in KERNEL_IMPLS,
+                 f"--{name.replace('_', '-')} must be one of {', '.join(KERNEL_IMPLS)}")
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        tp = self.tensor_model_parallel_size
+        checks = (
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--num-query-groups", self.num_query_groups),
+            ("--ffn-hidden-size", self.ffn_hidden_size),
+        )
+        for flag, value in checks:
+            if value % tp:
+                hint = ""
+                if flag == "--num-query-groups":
+                    hint = " (each tp rank holds whole key/value groups; use a tp size that divides the groups)"
+                raise ValueError(f"{flag} ({value}) is not divisible by --tensor-model-parallel-size ({tp}){hint}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does."""
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def output_layer_init_std(self) -> float:
+        """Projections into the residual stream are scaled by 1/sqrt(2 L) (GPT-2, Megatron)."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

@@ -1,0 +1,40 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.norm import Norm
+
+
+def hidden_dropout(x, p: float, training: bool, rng_tracker, sequence_parallel: bool):
+    """Dropout on the residual stream. Under sequence parallelism each tp rank holds a
+    different sequence shard, so it draws from the tensor-parallel stream."""
+    if p == 0.0 or not training:
+        return x
+    context = rng_tracker.fork() if sequence_parallel else contextlib.nullcontext()
+    with context:
+        return F.dropout(x, p, training=True)
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(self, config, *, tp_group, rng_tracker, device=None):
+        super().__init__()
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = Norm(config, config.hidden_size, device)
+        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, device=device)
+        self.pre_mlp_layernorm = Norm(config, config.hidden_size, device)
+        self.mlp = MLP(config, tp_group=tp_group, device=device)
+
+    def _dropout(self, x):
+        return hidden_dropout(x, self.config.hidden_dropout, self.training, self.rng_tracker,
+                              self.config.sequence_parallel)
+
+    def forward(self, x, rotary_angles=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

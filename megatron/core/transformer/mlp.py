@@ -1,0 +1,35 @@
+"""Feed-forward block: GELU MLP or SwiGLU, split across tp ranks."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(torch.nn.Module):
+    """fc1 (column-parallel) -> activation -> fc2 (row-parallel).
+
+    With SwiGLU, fc1 stacks [gate; up] rows; both halves are split the same way so
+    every rank holds matching gate and up columns of the intermediate activation.
+    """
+
+    def __init__(self, config, *, tp_group, device=None):
+        super().__init__()
+        self.swiglu = config.swiglu
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      dtype=config.params_dtype, device=device)
+        stacked = 2 if config.swiglu else 1
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, stacked * config.ffn_hidden_size,
+                                               init_std=config.init_method_std, stacked=stacked, **common)
+        self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size,
+                                            init_std=config.output_layer_init_std, **common)
+
+    def forward(self, x):
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)

@@ -1,0 +1,103 @@
+"""Run-level config dataclasses: parallel layout and the training loop's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.parallel_state import ParallelDims
+from megatron.core.transformer.config import TransformerConfig
+
+
+@dataclass
+class ParallelConfig:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    microbatch_group_size: int | None
+    backend: str | None
+    timeout_minutes: int
+    bucket_size: int
+
+    @classmethod
+    def from_args(cls, args, world_size: int) -> "ParallelConfig":
+        dims = ParallelDims.from_world(world_size, tp=args.tensor_model_parallel_size,
+                                       cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
+        virtual = cls._virtual_stages(args, dims.pp)
+        if args.distributed_timeout_minutes < 1:
+            raise ValueError("--distributed-timeout-minutes must be >= 1")
+        if args.ddp_bucket_size < 1:
+            raise ValueError("--ddp-bucket-size must be >= 1")
+        return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
+                   microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+                   backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
+                   bucket_size=args.ddp_bucket_size)
+
+    @staticmethod
+    def _virtual_stages(args, pp: int) -> int:
+        per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+        if per_stage is not None and per_rank is not None:
+            raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank")
+        if per_stage is None and per_rank is None:
+            return 1
+        if pp == 1:
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        if per_rank is not None:
+            if per_rank < 1:
+                raise ValueError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+            return per_rank
+        if per_stage < 1:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+        layers_per_rank = args.num_layers // pp
+        if args.num_layers % pp or layers_per_rank % per_stage:
+            raise ValueError(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
+                             f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})")
+        return layers_per_rank // per_stage
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+
+    def validate_layers(self, num_layers: int) -> None:
+        stages = self.pp * self.virtual_stages
+        if num_layers % stages:
+            raise ValueError(f"--num-layers ({num_layers}) must be divisible by the number of pipeline stages "
+                             f"({self.pp} ranks x {self.virtual_stages} virtual stages = {stages})")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+    seed: int
+    log_interval: int
+    tensorboard_dir: str | None
+
+    @classmethod
+    def from_args(cls, args, dp: int) -> "TrainingConfig":
+        mbs = args.micro_batch_size
+        if mbs < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
+        gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp
+        if gbs < 1 or gbs % (mbs * dp):
+            raise ValueError(f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({mbs}) x "
+                             f"data-parallel size ({dp}) = {mbs * dp}")
+        for flag, value in (("--train-iters", args.train_iters), ("--log-interval", args.log_interval)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        return cls(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=gbs // (mbs * dp),
+                   train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+                   tensorboard_dir=args.tensorboard_dir)
+
+
+@dataclass
+class RunConfig:
+    model: TransformerConfig
+    optimizer: OptimizerConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    sequence_parallel_requested: bool = False

@@ -1,0 +1,41 @@
+"""Process-group start-up: torchrun environment, or a one-rank run without a launcher."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank). Without torchrun's variables this is a one-rank run."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None, timeout_minutes: int, device: torch.device) -> str:
+    """Initialise the default process group; nccl on CUDA, gloo otherwise, unless told."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                device_id=device if backend == "nccl" else None)
+    return backend

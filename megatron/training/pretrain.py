@@ -1,0 +1,106 @@
+"""Entry point shared by pretrain_gpt.py and pretrain_llama.py."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import parse_run_config
+from megatron.training.flops import flops_per_iteration
+from megatron.training.initialize import init_distributed, launch_environment, select_device
+from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
+from megatron.training.training import Trainer, timed_step
+
+
+def _precision(run) -> str:
+    if run.optimizer.bf16:
+        return "bf16 weights, fp32 master weights and gradient reduction"
+    if run.optimizer.fp16:
+        scaler = (f"constant loss scale {run.optimizer.loss_scale}" if run.optimizer.loss_scale
+                  else "dynamic loss scaling")
+        return f"fp16 weights, fp32 master weights and gradient reduction, {scaler}"
+    return "fp32"
+
+
+def startup_summary(trainer: Trainer, backend: str) -> list[str]:
+    run, mesh = trainer.run, trainer.mesh
+    model = run.model
+    lines = [
+        f"> layout: {mesh.dims.describe()}, virtual stages per pipeline rank {run.parallel.virtual_stages}, "
+        f"backend {backend}, device {trainer.device.type}",
+        f"> model: {model.num_layers} layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}, "
+        f"heads {model.num_attention_heads} (query groups {model.num_query_groups}), seq {model.seq_length}, "
+        f"vocab {model.vocab_size} (padded {model.padded_vocab_size}), {model.normalization}, "
+        f"{model.position_embedding_type} positions, {'SwiGLU' if model.swiglu else 'GELU'} MLP",
+        f"> precision: {_precision(run)}",
+        f"> batch: micro {run.training.micro_batch_size} x dp {mesh.dp_size} x "
+        f"{run.training.num_microbatches} microbatches = global {run.training.global_batch_size}",
+        "> kernels: attention torch scaled_dot_product_attention; normalization torch; apex not used",
+    ]
+    if run.sequence_parallel_requested and not model.sequence_parallel:
+        lines.append("> note: --sequence-parallel has no effect with --tensor-model-parallel-size 1")
+    return lines
+
+
+def _gather_parameter_counts(trainer: Trainer) -> list[int]:
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, trainer.parameters_on_rank())
+    return counts
+
+
+def train(trainer: Trainer, emit) -> None:
+    run = trainer.run
+    training = run.training
+    flops = flops_per_iteration(run.model, training.global_batch_size)
+    world = dist.get_world_size()
+    tensorboard = TensorBoardWriter(training.tensorboard_dir, enabled=dist.get_rank() == world - 1)
+    totals = IntervalTotals()
+    for iteration in range(1, training.train_iters + 1):
+        result, elapsed = timed_step(trainer, iteration)
+        totals.add(result.loss, elapsed, result.skipped, result.grad_norm, result.idle_fraction)
+        if iteration % training.log_interval and iteration != training.train_iters:
+            continue
+        seconds = totals.elapsed / totals.iterations
+        loss = totals.loss_sum / totals.loss_count if totals.loss_count else math.nan
+        emit(format_iteration_line(
+            iteration=iteration, train_iters=training.train_iters,
+            consumed_samples=iteration * training.global_batch_size, elapsed_ms=seconds * 1000.0,
+            tflops_per_gpu=flops / seconds / world / 1e12, lr=result.lr,
+            global_batch_size=training.global_batch_size, lm_loss=loss, loss_scale=result.loss_scale,
+            grad_norm=result.grad_norm, skipped=totals.skipped, nan=totals.nan))
+        if trainer.mesh.pp_size > 1:
+            idle = totals.idle_sum / totals.iterations
+            print(f"  rank {dist.get_rank()} (pp rank {trainer.mesh.pp_rank}): pipeline idle fraction {idle:.3f}",
+                  flush=True)
+        tensorboard.scalars(iteration, {"lm loss": loss, "learning-rate": result.lr, "grad-norm": result.grad_norm,
+                                        "loss-scale": result.loss_scale, "iteration-time": seconds})
+        totals = IntervalTotals()
+
+
+def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
+    rank, world_size, local_rank = launch_environment()
+    last_rank = rank == world_size - 1
+    try:
+        run = parse_run_config(sys.argv[1:] if argv is None else argv, defaults, world_size, prog)
+    except ValueError as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    device = select_device(local_rank)
+    backend = init_distributed(run.parallel.backend, run.parallel.timeout_minutes, device)
+    try:
+        trainer = Trainer(run, device)
+        counts = _gather_parameter_counts(trainer)
+        if last_rank:
+            for line in startup_summary(trainer, backend):
+                print(line, flush=True)
+            print(f"> parameters per rank: {counts} (total across pipeline stages of one model replica "
+                  f"depends on tp sharding)", flush=True)
+        train(trainer, emit=(lambda line: print(line, flush=True)) if last_rank else (lambda line: None))
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,103 @@
+"""The training loop: build the model chunks of this rank, then step them iteration by iteration."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.data_parallel import DDPConfig, DistributedDataParallel
+from megatron.core.distributed.finalize import finalize_model_grads
+from megatron.core.models.stages import build_model_chunks
+from megatron.core.optimizer.lr_schedule import learning_rate
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.parallel_state import ParallelMesh
+from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
+from megatron.core.tensor_parallel.random import RNGTracker, derive_seed
+from megatron.core.tensor_parallel.sharding import initialize_parameters
+from megatron.data.batches import collate, microbatch_indices
+from megatron.data.mock import MockGPTDataset
+
+
+@dataclass
+class IterationResult:
+    loss: float
+    grad_norm: float | None
+    skipped: bool
+    lr: float
+    loss_scale: float
+    idle_fraction: float
+
+
+class Trainer:
+    """Everything one rank needs to train: mesh, model chunks, optimizer, data, executor."""
+
+    def __init__(self, run, device: torch.device):
+        self.run, self.device = run, device
+        model_cfg, parallel, training = run.model, run.parallel, run.training
+        self.mesh = ParallelMesh(parallel.dims, device.type)
+        torch.manual_seed(derive_seed(training.seed, self.mesh.pp_rank))
+        self.rng_tracker = RNGTracker(device, training.seed, self.mesh.tp_rank)
+        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, self.rng_tracker, device)
+        for module in modules:
+            initialize_parameters(module, training.seed)
+        ddp_config = DDPConfig(bucket_size=parallel.bucket_size)
+        self.chunks = [DistributedDataParallel(m, ddp_config, self.mesh.dp_cp_group) for m in modules]
+        params = [p for m in modules for p in m.parameters()]
+        self.optimizer = MixedPrecisionOptimizer(params, run.optimizer, self.mesh)
+        self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, training.seed)
+        s = model_cfg.seq_length // (parallel.tp if model_cfg.sequence_parallel else 1)
+        spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
+                            p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
+                            group_size=parallel.microbatch_group_size)
+        self.executor = PipelineExecutor(self.chunks, self.mesh, spec)
+
+    def batch_fn(self, iteration: int):
+        training = self.run.training
+
+        def batch(microbatch: int):
+            indices = microbatch_indices(iteration, microbatch, micro_batch_size=training.micro_batch_size,
+                                         global_batch_size=training.global_batch_size,
+                                         dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
+            return collate([self.dataset[i] for i in indices], self.device)
+
+        return batch
+
+    def parameters_on_rank(self) -> int:
+        return sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters())
+
+    def train_step(self, iteration: int) -> IterationResult:
+        opt_cfg = self.run.optimizer
+        lr = learning_rate(iteration, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, style=opt_cfg.lr_decay_style,
+                           warmup_iters=opt_cfg.lr_warmup_iters, decay_iters=opt_cfg.lr_decay_iters)
+        self.optimizer.set_lr(lr)
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        loss_scale = self.optimizer.loss_scale
+        stats = self.executor.run(self.batch_fn(iteration), loss_scale=loss_scale)
+        finalize_model_grads(self.chunks, self.mesh)
+        result = self.optimizer.step()
+        return IterationResult(loss=self._average_loss(stats.losses), grad_norm=result.grad_norm,
+                               skipped=result.skipped, lr=lr, loss_scale=loss_scale,
+                               idle_fraction=stats.idle_fraction)
+
+    def _average_loss(self, losses: list) -> float:
+        """Mean lm loss of the global batch, known on every rank (the last stage computes it)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:
+            total[0] = torch.stack(losses).double().sum()
+            total[1] = len(losses)
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+
+def timed_step(trainer: Trainer, iteration: int) -> tuple[IterationResult, float]:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = trainer.train_step(iteration)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start

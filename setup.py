@@ -1,0 +1,22 @@
+"""Install the `megatron` and `kernels` packages.
+
+torch is required but never upgraded here: GPU users bring their own build, and a
+CPU-only machine should run `pip install torch==2.13.0` first (see README.md).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-4d",
+    version="0.1.0",
+    description="Megatron-style 4D-parallel (TP/SP, CP, DP, PP) training for GPT and Llama models",
+    packages=find_packages(include=["megatron", "megatron.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "regex",
+        "sentencepiece",
+        "triton>=3.2; sys_platform == 'linux'",
+    ],
+    extras_require={"test": ["pytest"], "plot": ["matplotlib"], "tensorboard": ["tensorboard"]},
+)
