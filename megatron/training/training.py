@@ -67,7 +67,9 @@ class Trainer:
     def parameters_on_rank(self) -> int:
         return sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters())
 
-    def train_step(self, iteration: int) -> IterationResult:
+    def forward_backward(self, iteration: int):
+        """Run all microbatches of `iteration` and leave the reduced gradients in `main_grad`.
+        Returns (mean lm loss, learning rate, loss scale, pipeline idle fraction)."""
         opt_cfg = self.run.optimizer
         lr = learning_rate(iteration, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, style=opt_cfg.lr_decay_style,
                            warmup_iters=opt_cfg.lr_warmup_iters, decay_iters=opt_cfg.lr_decay_iters)
@@ -78,10 +80,13 @@ class Trainer:
         loss_scale = self.optimizer.loss_scale
         stats = self.executor.run(self.batch_fn(iteration), loss_scale=loss_scale)
         finalize_model_grads(self.chunks, self.mesh)
+        return self._average_loss(stats.losses), lr, loss_scale, stats.idle_fraction
+
+    def train_step(self, iteration: int) -> IterationResult:
+        loss, lr, loss_scale, idle = self.forward_backward(iteration)
         result = self.optimizer.step()
-        return IterationResult(loss=self._average_loss(stats.losses), grad_norm=result.grad_norm,
-                               skipped=result.skipped, lr=lr, loss_scale=loss_scale,
-                               idle_fraction=stats.idle_fraction)
+        return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped, lr=lr,
+                               loss_scale=loss_scale, idle_fraction=idle)
 
     def _average_loss(self, losses: list) -> float:
         """Mean lm loss of the global batch, known on every rank (the last stage computes it)."""

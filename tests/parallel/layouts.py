@@ -1,0 +1,52 @@
+"""Tiny GPT and Llama runs under any layout, returning what equivalence tests compare."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.training import Trainer
+
+BASE = ["--num-layers", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "5", "--mock-data", "--vocab-size", "100", "--lr", "3e-3", "--lr-warmup-iters", "1",
+        "--lr-decay-style", "cosine", "--attention-dropout", "0", "--hidden-dropout", "0"]
+MODELS = {
+    "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4"]),
+    "llama": (LLAMA_DEFAULTS, ["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+                               "--num-query-groups", "4", "--ffn-hidden-size", "96"]),
+}
+
+
+def model_flags(model: str, extra: list[str]) -> tuple[dict, list[str]]:
+    defaults, flags = MODELS[model]
+    return defaults, BASE + flags + list(extra)
+
+
+def named_params(trainer: Trainer):
+    for chunk in trainer.chunks:
+        yield from chunk.module.named_parameters()
+
+
+def seed_key(name: str, param) -> str:
+    """The name under which the one-process model holds this parameter (tied copies map to the embedding)."""
+    return param.init_spec.seed_name or name
+
+
+def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
+    """Train on this rank; return losses per iteration, initial weights and gradients of iteration `grads_at`."""
+    defaults, argv = model_flags(model, extra)
+    run = parse_run_config(argv, defaults, dist.get_world_size())
+    trainer = Trainer(run, torch.device("cpu"))
+    initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    losses, grads = [], {}
+    for iteration in range(1, iterations + 1):
+        loss, *_ = trainer.forward_backward(iteration)
+        if iteration == grads_at:
+            grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
+        trainer.optimizer.step()
+        losses.append(loss)
+    return {"losses": losses, "initial": initial, "grads": grads}
+
+
+def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
+    return [train(model, extra) for model, extra in runs]

@@ -1,0 +1,254 @@
+"""Pipeline schedules as data: coverage, p2p matching, deadlock freedom, bubble, in-flight activations."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.core.pipeline_parallel.schedules import (
+    Action,
+    ActionKind,
+    build_schedule,
+    interleaved_order,
+    num_warmup_microbatches,
+    peer_rank,
+)
+from megatron.core.pipeline_parallel.simulate import (
+    ScheduleError,
+    analytic_bubble_fraction,
+    bubble_fraction,
+    peak_in_flight,
+    simulate,
+    simulate_steps,
+)
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+SF, RF, SB, RB = ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD, ActionKind.SEND_BACKWARD, ActionKind.RECV_BACKWARD
+GRID = [(p, v, m) for p in (2, 4, 8) for v in (1, 2, 4) for m in (p, 2 * p, 4 * p)]
+# Interleaved with microbatch groups larger than p, and with a last group of m % g >= p microbatches.
+GROUPED = [(4, 2, 16, 8), (4, 2, 10, 5), (4, 4, 12, 8), (2, 2, 5, 3), (2, 3, 7, 5), (8, 2, 20, 12)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def schedules(p, v, m, group_size=None):
+    return [build_schedule(p, v, m, r, group_size=group_size) for r in range(p)]
+
+
+def stage(p, rank, chunk):
+    return chunk * p + rank
+
+
+def check_coverage(steps, p, v, m, rank):
+    """Every (microbatch, chunk) forwarded once, then backwarded once; transfers exactly where a stage has a peer."""
+    assert all(len(s) == 1 for s in steps if s[0].kind.is_compute), "a compute step holds one action"
+    assert all(s and not any(a.kind.is_compute for a in s) for s in steps if not s[0].kind.is_compute)
+    actions = [a for s in steps for a in s]
+    units = {(mb, c) for mb in range(m) for c in range(v)}
+    position = {}
+    for i, a in enumerate(actions):
+        key = (a.kind, a.microbatch, a.chunk)
+        assert key not in position, f"{a} appears twice on rank {rank}"
+        position[key] = i
+    for kind in (F, B):
+        assert {(a.microbatch, a.chunk) for a in actions if a.kind is kind} == units
+    for mb, c in units:
+        assert position[(F, mb, c)] < position[(B, mb, c)]
+    last = p * v - 1
+    expected = {
+        SF: {u for u in units if stage(p, rank, u[1]) != last},
+        RB: {u for u in units if stage(p, rank, u[1]) != last},
+        RF: {u for u in units if stage(p, rank, u[1]) != 0},
+        SB: {u for u in units if stage(p, rank, u[1]) != 0},
+    }
+    for kind, wanted in expected.items():
+        assert {(a.microbatch, a.chunk) for a in actions if a.kind is kind} == wanted, kind
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_every_unit_forwarded_and_backwarded_once(p, v, m):
+    for rank, steps in enumerate(schedules(p, v, m)):
+        check_coverage(steps, p, v, m, rank)
+
+
+def messages(steps, p, rank, sending):
+    """Per peer rank: (is forward, microbatch, sender's stage) of each message sent or received, in posting order."""
+    per_peer = {}
+    for step in steps:
+        for a in step:
+            if a.kind.is_compute or (a.kind in (SF, SB)) != sending:
+                continue
+            forward = a.kind in (SF, RF)
+            own = stage(p, rank, a.chunk)
+            sender_stage = own if sending else (own - 1 if forward else own + 1)
+            per_peer.setdefault(peer_rank(a.kind, rank, p), []).append((forward, a.microbatch, sender_stage))
+    return per_peer
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_sends_and_receives_pair_up_in_order(p, v, m):
+    """Between each pair of ranks the receiver posts the sender's messages in the sender's order, across
+    directions too (p == 2 has forward and backward messages on one pair), so order-only matching works."""
+    lists = schedules(p, v, m)
+    sent = [messages(s, p, r, sending=True) for r, s in enumerate(lists)]
+    received = [messages(s, p, r, sending=False) for r, s in enumerate(lists)]
+    for src in range(p):
+        for dst in range(p):
+            assert sent[src].get(dst, []) == received[dst].get(src, []), (src, dst)
+
+
+@pytest.mark.parametrize("times", [(1.0, 1.0), (1.0, 2.0)])
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_simulated_bubble_equals_megatron_formula(p, v, m, times):
+    timeline = simulate(p, v, m, forward_time=times[0], backward_time=times[1])  # raises on deadlock or mismatch
+    expected = (p - 1) / m if v == 1 else (p - 1) / (v * m)
+    assert analytic_bubble_fraction(p, v, m) == pytest.approx(expected, rel=1e-12)
+    assert bubble_fraction(timeline) == pytest.approx([expected] * p, rel=1e-12)
+    busy = m * v * (times[0] + times[1])
+    assert timeline.makespan == pytest.approx(busy * (1 + expected), rel=1e-12)
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_in_flight_activations_follow_warmup(p, v, m):
+    for rank, steps in enumerate(schedules(p, v, m)):
+        if v == 1:
+            warmup = min(p - rank - 1, m)
+        else:
+            warmup = min(2 * (p - rank - 1) + (v - 1) * p, v * m)
+        assert num_warmup_microbatches(p, v, m, rank) == warmup
+        # The first steady-state forward runs before the first backward: one more than the warm-up.
+        assert peak_in_flight(steps) == min(warmup + 1, v * m), rank
+
+
+@pytest.mark.parametrize("p,v,m,g", GROUPED)
+def test_group_size_larger_than_p_and_short_last_group(p, v, m, g):
+    lists = schedules(p, v, m, group_size=g)
+    for rank, steps in enumerate(lists):
+        check_coverage(steps, p, v, m, rank)
+        assert peak_in_flight(steps) == min(2 * (p - rank - 1) + (v - 1) * g + 1, v * m)
+    timeline = simulate(p, v, m, group_size=g, forward_time=1.0, backward_time=1.0)
+    assert bubble_fraction(timeline) == pytest.approx([(p - 1) / (v * m)] * p, rel=1e-12)
+
+
+def test_interleaved_order_matches_megatron_table():
+    # Megatron's get_schedule_table example: PP2, group 3, 5 microbatches, 2 chunks.
+    expected = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    assert interleaved_order(5, 2, 3) == expected
+
+
+def test_no_pipelining_is_plain_gradient_accumulation():
+    steps = build_schedule(1, 1, 3, 0)
+    assert steps == [[Action(k, mb, 0)] for mb in range(3) for k in (F, B)]
+    assert build_schedule(1, 1, 3, 0, kind="1f1b") == steps == build_schedule(1, 1, 3, 0, kind="none")
+    assert bubble_fraction(simulate(1, 1, 3)) == [0.0]
+
+
+def test_1f1b_steps_for_two_ranks():
+    """The exact lists for p=2, m=3, showing Megatron's batching: forward output with the next gradient's receive."""
+    a = Action
+    assert build_schedule(2, 1, 3, 0) == [
+        [a(F, 0, 0)], [a(SF, 0, 0)],  # warm-up
+        [a(F, 1, 0)], [a(SF, 1, 0), a(RB, 0, 0)], [a(B, 0, 0)],
+        [a(F, 2, 0)], [a(SF, 2, 0), a(RB, 1, 0)], [a(B, 1, 0)],
+        [a(RB, 2, 0)], [a(B, 2, 0)],  # cool-down
+    ]
+    assert build_schedule(2, 1, 3, 1) == [
+        [a(RF, 0, 0)],
+        [a(F, 0, 0)], [a(B, 0, 0)], [a(RF, 1, 0), a(SB, 0, 0)],
+        [a(F, 1, 0)], [a(B, 1, 0)], [a(RF, 2, 0), a(SB, 1, 0)],
+        [a(F, 2, 0)], [a(B, 2, 0)], [a(SB, 2, 0)],
+    ]
+    timeline = simulate(2, 1, 3, forward_time=1.0, backward_time=2.0)
+    assert [(e.start, e.end) for e in timeline.events[1]] == [(1, 2), (2, 4), (4, 5), (5, 7), (7, 8), (8, 10)]
+    assert timeline.makespan == 12  # (m + p - 1) * (f + b)
+
+
+def test_simulator_reports_deadlock():
+    a = Action
+    rank0 = [[a(F, 0, 0)], [a(RB, 0, 0)], [a(SF, 0, 0)], [a(B, 0, 0)]]  # waits for the gradient before sending
+    rank1 = [[a(RF, 0, 0)], [a(F, 0, 0)], [a(B, 0, 0)], [a(SB, 0, 0)]]
+    with pytest.raises(ScheduleError, match=r"^deadlock: rank 0 at step 1 \[RECV_BACKWARD.*rank 1 at step 0"):
+        simulate_steps([rank0, rank1], v=1)
+
+
+def test_simulator_reports_messages_out_of_order():
+    lists = schedules(2, 1, 3)
+    recvs = [(i, j) for i, step in enumerate(lists[1]) for j, act in enumerate(step) if act.kind is RF]
+    (i0, j0), (i1, j1) = recvs[:2]
+    lists[1][i0][j0], lists[1][i1][j1] = Action(RF, 1, 0), Action(RF, 0, 0)
+    message = r"p2p mismatch rank 0 -> 1: .*SEND_FORWARD\(mb=0, chunk=0\) met .*RECV_FORWARD\(mb=1"
+    with pytest.raises(ScheduleError, match=message):
+        simulate_steps(lists, v=1)
+
+
+def test_simulator_reports_forward_without_input():
+    lists = schedules(2, 1, 2)
+    lists[1] = [s for s in lists[1] if s != [Action(RF, 0, 0)]]  # drop the first receive
+    with pytest.raises(ScheduleError, match=r"FORWARD\(mb=0, chunk=0\): its input has not been received"):
+        simulate_steps(lists, v=1)
+
+
+@pytest.mark.parametrize(
+    "steps,message",
+    [
+        ([[(F, 0)], [(F, 0)], [(B, 0)]], r"rank 0 step 1 FORWARD\(mb=0, chunk=0\): runs twice"),
+        ([[(B, 0)], [(F, 0)]], r"BACKWARD\(mb=0, chunk=0\): runs before its forward"),
+        ([[(F, 0)], [(SF, 0)], [(B, 0)]], r"SEND_FORWARD\(mb=0, chunk=0\): the last stage has no next stage"),
+        ([[(F, 0), (B, 0)]], r"mixes a computation"),
+    ],
+)
+def test_simulator_rejects_inconsistent_single_rank_lists(steps, message):
+    lists = [[[Action(kind, mb, 0) for kind, mb in step] for step in steps]]
+    with pytest.raises(ScheduleError, match=message):
+        simulate_steps(lists, v=1)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,message",
+    [
+        ((0, 1, 4, 0), {}, r"p \(pipeline-model-parallel size\) must be a positive integer, got 0"),
+        ((2, 1, 0, 0), {}, r"m \(microbatches\) must be a positive integer"),
+        ((2, 1, 4, 2), {}, r"pipeline rank must be in \[0, 2\), got 2"),
+        ((2, 1, 4, 0), {"kind": "gpipe"}, r"unknown schedule kind 'gpipe'"),
+        ((2, 1, 4, 0), {"kind": "none"}, r"'none' \(no pipelining\) needs p == 1"),
+        ((2, 2, 4, 0), {"kind": "1f1b"}, r"'1f1b' runs one model chunk per rank, got v=2"),
+        ((2, 1, 4, 0), {"kind": "interleaved"}, r"needs v >= 2"),
+        ((1, 2, 4, 0), {}, r"need --pipeline-model-parallel-size >= 2"),
+        ((4, 2, 3, 0), {}, r"at least as many microbatches as pipeline stages: got 3 .*--global-batch-size"),
+        ((4, 2, 8, 0), {"group_size": 3}, r"--microbatch-group-size-per-virtual-pipeline-stage must be in \[4, 8\]"),
+        ((4, 2, 8, 0), {"group_size": 9}, r"must be in \[4, 8\]"),
+        ((4, 1, 8, 0), {"group_size": 4}, r"only applies to the interleaved schedule"),
+    ],
+)
+def test_bad_arguments_raise_one_line_value_errors(args, kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        build_schedule(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("p,m,g", [(4, 6, None), (4, 10, None), (2, 5, None), (4, 13, 6)])
+def test_last_microbatch_group_smaller_than_p_is_refused(p, m, g):
+    """A last group of 0 < m % g < p microbatches would leave rank 0 waiting for a chunk input that
+    cannot arrive in time (Megatron refuses it too); m % g == 0 or >= p is supported (see GROUPED)."""
+    with pytest.raises(ValueError, match=r"leave a last group of \d < \d .*--global-batch-size") as info:
+        build_schedule(p, 2, m, 0, group_size=g)
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" in str(info.value)
+
+
+def run_tool(*flags):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "plot_pipeline_schedule.py"), *flags],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plot_tool_prints_bubble_and_rejects_bad_flags(tmp_path):
+    result = run_tool("--pp", "4", "--vpp", "2", "--microbatches", "8")
+    assert result.returncode == 0, result.stderr
+    assert "simulated 0.1875" in result.stdout and "analytic (p-1)/(v*m) 0.1875" in result.stdout
+    for flags in (["--pp", "0", "--microbatches", "8"], ["--pp", "4", "--vpp", "2", "--microbatches", "6"]):
+        bad = run_tool(*flags)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith("plot_pipeline_schedule.py: error: ")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "schedule.png"
+    drawn = run_tool("--pp", "2", "--vpp", "2", "--microbatches", "4", "-o", str(out))
+    assert drawn.returncode == 0, drawn.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
