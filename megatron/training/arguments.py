@@ -82,6 +82,10 @@ def _training_flags(p):
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*")
     g.add_argument("--tensorboard-dir")
+    g.add_argument("--device-memory-gb", type=float,
+                   help="device memory to check the memory estimate against (default: the CUDA device's)")
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory estimate exceeds device memory")
     o = p.add_argument_group("optimizer and precision")
     o.add_argument("--lr", type=float, default=1e-4)
     o.add_argument("--min-lr", type=float, default=0.0)

@@ -76,6 +76,8 @@ class TrainingConfig:
     seed: int
     log_interval: int
     tensorboard_dir: str | None
+    device_memory_gb: float | None = None
+    skip_memory_check: bool = False
 
     @classmethod
     def from_args(cls, args, dp: int) -> "TrainingConfig":
@@ -89,9 +91,12 @@ class TrainingConfig:
         for flag, value in (("--train-iters", args.train_iters), ("--log-interval", args.log_interval)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.device_memory_gb is not None and args.device_memory_gb <= 0:
+            raise ValueError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
         return cls(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=gbs // (mbs * dp),
                    train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
-                   tensorboard_dir=args.tensorboard_dir)
+                   tensorboard_dir=args.tensorboard_dir, device_memory_gb=args.device_memory_gb,
+                   skip_memory_check=args.skip_memory_check)
 
 
 @dataclass

@@ -33,6 +33,10 @@ class OptimizerConfig:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        decay_iters = self.lr_decay_iters
+        if self.lr_decay_style != "constant" and decay_iters is not None and decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"--lr-decay-iters ({decay_iters}) must exceed --lr-warmup-iters "
+                             f"({self.lr_warmup_iters}) unless --lr-decay-style constant")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
         if self.loss_scale is not None and self.loss_scale <= 0:

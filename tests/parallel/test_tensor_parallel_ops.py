@@ -1,0 +1,114 @@
+"""Tensor-parallel collectives, vocab-parallel cross-entropy and the RNG tracker on 2 gloo ranks,
+each against the same computation done in one process."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import mappings as M
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.random import RNGTracker, checkpoint
+from tests.distributed import run_distributed
+
+WORLD = 2
+
+
+def _inputs(rank, shape):
+    """Per-rank input and upstream gradient; every rank can rebuild every rank's tensors."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _run(fn, rank, in_shape, out_shape):
+    x, _ = _inputs(rank, in_shape)
+    x.requires_grad_(True)
+    y = fn(x, dist.group.WORLD)
+    grad = torch.Generator().manual_seed(200 + rank)
+    upstream = torch.randn(out_shape, generator=grad, dtype=torch.float64)
+    y.backward(upstream)
+    return y.detach(), x.grad
+
+
+def _upstream(rank, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64)
+
+
+def check_collectives(rank):
+    xs = [_inputs(r, (4, 2, 6))[0] for r in range(WORLD)]
+    cases = {
+        # name: (function, output shape, expected forward, expected input gradient)
+        "copy": (M.copy_to_tensor_parallel_region, (4, 2, 6), xs[rank],
+                 sum(_upstream(r, (4, 2, 6)) for r in range(WORLD))),
+        "reduce": (M.reduce_from_tensor_parallel_region, (4, 2, 6), sum(xs), _upstream(rank, (4, 2, 6))),
+        "scatter_last": (M.scatter_to_tensor_parallel_region, (4, 2, 3), xs[rank].chunk(WORLD, -1)[rank],
+                         torch.cat([_upstream(r, (4, 2, 3)) for r in range(WORLD)], -1)),
+        "gather_last": (M.gather_from_tensor_parallel_region, (4, 2, 12), torch.cat(xs, -1),
+                        _upstream(rank, (4, 2, 12)).chunk(WORLD, -1)[rank]),
+        "scatter_seq": (M.scatter_to_sequence_parallel_region, (2, 2, 6), xs[rank].chunk(WORLD, 0)[rank],
+                        torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0)),
+        "gather_seq": (M.gather_from_sequence_parallel_region, (8, 2, 6), torch.cat(xs, 0),
+                       sum(_upstream(r, (8, 2, 6)) for r in range(WORLD)).chunk(WORLD, 0)[rank]),
+        "reduce_scatter_seq": (M.reduce_scatter_to_sequence_parallel_region, (2, 2, 6), sum(xs).chunk(WORLD, 0)[rank],
+                               torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0)),
+    }
+    for name, (fn, out_shape, expected_y, expected_grad) in cases.items():
+        y, grad = _run(fn, rank, (4, 2, 6), out_shape)
+        torch.testing.assert_close(y, expected_y, msg=f"{name} forward")
+        torch.testing.assert_close(grad, expected_grad, msg=f"{name} backward")
+
+
+def check_cross_entropy(rank):
+    vocab, padded = 10, 12
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(5, 3, padded, generator=g, dtype=torch.float64)
+    target = torch.randint(0, vocab, (5, 3), generator=g)
+    reference_logits = full[..., :vocab].clone().requires_grad_(True)
+    expected = F.cross_entropy(reference_logits.reshape(-1, vocab), target.reshape(-1), reduction="none").view(5, 3)
+    expected.sum().backward()
+    local = full.chunk(WORLD, -1)[rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, target, dist.group.WORLD, rank * (padded // WORLD), vocab)
+    loss.sum().backward()
+    torch.testing.assert_close(loss, expected.detach().float(), rtol=1e-6, atol=1e-6)
+    expected_grad = torch.cat([reference_logits.grad, torch.zeros(5, 3, padded - vocab, dtype=torch.float64)], -1)
+    torch.testing.assert_close(local.grad, expected_grad.chunk(WORLD, -1)[rank].to(local.grad.dtype), rtol=1e-6,
+                               atol=1e-6)
+
+
+def check_rng_tracker(rank):
+    torch.manual_seed(5)
+    tracker = RNGTracker("cpu", seed=5, tp_rank=rank)
+    outside = F.dropout(torch.ones(64), 0.5)
+    with tracker.fork():
+        inside = F.dropout(torch.ones(64), 0.5)
+    masks = [None] * WORLD
+    dist.all_gather_object(masks, (outside, inside))
+    assert torch.equal(masks[0][0], masks[1][0]), "dropout outside tp regions must agree across tp ranks"
+    assert not torch.equal(masks[0][1], masks[1][1]), "dropout inside tp regions must differ across tp ranks"
+    again = RNGTracker("cpu", seed=5, tp_rank=rank)
+    with again.fork():
+        assert torch.equal(F.dropout(torch.ones(64), 0.5), inside), "same seed must give the same mask"
+
+    def dropped(x):
+        with tracker.fork():
+            return F.dropout(x, 0.5) * x
+    x = torch.randn(32, requires_grad=True)
+    state, global_state = tracker.get_state(), torch.get_rng_state()
+    dropped(x).sum().backward()
+    direct = x.grad.clone()
+    x.grad = None
+    tracker.set_state(state)
+    torch.set_rng_state(global_state)
+    checkpoint(dropped, tracker, x).sum().backward()
+    torch.testing.assert_close(x.grad, direct, msg="recomputed dropout must replay the forward mask")
+
+
+def all_checks(rank):
+    check_collectives(rank)
+    check_cross_entropy(rank)
+    check_rng_tracker(rank)
+    return True
+
+
+def test_tensor_parallel_ops_match_one_process():
+    assert run_distributed(WORLD, all_checks) == [True] * WORLD

@@ -1,0 +1,115 @@
+"""Training behaviour: seeds, mixed precision, the fp16 loss scaler, recomputation, tied embeddings,
+and the CLI end to end (torchrun with 4 ranks prints the one-rank losses)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.training import Trainer
+from tests.distributed import run_distributed
+from tests.parallel.layouts import model_flags, named_params, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trainer(model, extra):
+    defaults, argv = model_flags(model, extra)
+    return Trainer(parse_run_config(argv, defaults, dist.get_world_size()), torch.device("cpu"))
+
+
+def _weights(trainer):
+    return {n: p.detach().clone() for n, p in named_params(trainer)}
+
+
+def check_seed_changes_weights():
+    a, b = _weights(_trainer("llama", [])), _weights(_trainer("llama", ["--seed", "7"]))
+    assert all(not torch.equal(a[n], b[n]) for n in a if a[n].std() > 0), "a new --seed must change random weights"
+
+
+def check_low_precision_trains(precision):
+    # fp16 starts from a moderate scale: from the default 2**32 the dynamic scaler skips ~30 iterations first
+    scale = ["--initial-loss-scale", "4096"] if precision == "--fp16" else []
+    trainer = _trainer("llama", [precision, "--lr", "1e-2", "--train-iters", "20"] + scale)
+    assert all(p.dtype == (torch.bfloat16 if precision == "--bf16" else torch.float16)
+               for _, p in named_params(trainer))
+    losses = [trainer.train_step(i).loss for i in range(1, 21)]
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, f"{precision} loss did not fall: {losses}"
+
+
+def check_fp16_scaler_skips_injected_inf():
+    trainer = _trainer("gpt", ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1"])
+    before = _weights(trainer)
+    trainer.forward_backward(1)
+    next(iter(named_params(trainer)))[1].main_grad.view(-1)[0] = float("inf")
+    result = trainer.optimizer.step()
+    assert result.skipped and trainer.optimizer.loss_scale == 512.0
+    after = _weights(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step must not change weights"
+    assert not trainer.train_step(2).skipped
+
+
+def check_recompute_replays():
+    """Recomputation (with dropout on) gives the losses and gradients of storing activations."""
+    dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    variants = [[], ["--recompute-granularity", "selective"],
+                ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+                ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"]]
+    results = [train("gpt", dropout + v, iterations=2) for v in variants]
+    for variant, result in zip(variants[1:], results[1:]):
+        assert result["losses"] == results[0]["losses"], variant
+        for name, (grad, _) in result["grads"].items():
+            assert torch.equal(grad, results[0]["grads"][name][0]), f"{variant} {name}"
+
+
+def single_rank_checks(rank):
+    check_seed_changes_weights()
+    check_low_precision_trains("--bf16")
+    check_low_precision_trains("--fp16")
+    check_fp16_scaler_skips_injected_inf()
+    check_recompute_replays()
+    return True
+
+
+def tied_embedding_copies(rank):
+    trainer = _trainer("gpt", ["--pipeline-model-parallel-size", "2"])
+    for iteration in range(1, 4):
+        trainer.train_step(iteration)
+    module = trainer.chunks[0].module
+    weight = module.embedding.word_embeddings.weight if rank == 0 else module.output_layer.weight
+    return weight.detach().clone()
+
+
+def test_single_rank_training_behaviour():
+    assert run_distributed(1, single_rank_checks) == [True]
+
+
+def test_tied_embeddings_stay_identical_across_stages():
+    first, last = run_distributed(2, tied_embedding_copies)
+    assert torch.equal(first, last)
+
+
+def _losses(output: str) -> list[str]:
+    return re.findall(r"lm loss: (\S+) \|", output)
+
+
+def test_cli_torchrun_matches_one_rank():
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+             "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env.update({k: v for k, v in __import__("os").environ.items() if k in ("PATH", "HOME", "PYTHONPATH")})
+    one = subprocess.run([sys.executable, "pretrain_llama.py"] + flags, capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=300)
+    four = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                           "pretrain_llama.py"] + flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert four.returncode == 0, four.stderr[-2000:]
+    assert len(_losses(one.stdout)) == 5 and _losses(four.stdout) == _losses(one.stdout)
+    assert "throughput per GPU (TFLOP/s/GPU)" in four.stdout and "number of nan iterations:   0 |" in four.stdout

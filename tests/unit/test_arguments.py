@@ -1,0 +1,80 @@
+"""Every validation error of the command line names the flag and what would be valid."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
+
+
+def parse(extra, world_size=1, defaults=GPT_DEFAULTS):
+    return parse_run_config(TINY + extra, defaults, world_size)
+
+
+ERRORS = [
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by tensor (2) x context (1) x pipeline (1)"),
+    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, "launch a multiple of 4 ranks"),
+    (["--global-batch-size", "6"], 4, "--global-batch-size (6) must be a multiple of --micro-batch-size (2) x data-parallel size (4) = 8"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers (4) must be divisible by the number of pipeline stages"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     "must be a multiple of --num-layers-per-virtual-pipeline-stage (3)"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
+    (["--context-parallel-size", "2"], 2, "context parallelism is not built yet"),
+    (["--use-distributed-optimizer"], 1, "the distributed optimizer is not built yet"),
+    (["--data-path", "x"], 1, "indexed datasets are not built yet"),
+    (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    (["--bf16", "--fp16"], 1, "mutually exclusive"),
+    (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"], 1, "--lr-decay-iters (5) must exceed"),
+    (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-method", "block"], 1, "--recompute-method only applies with --recompute-granularity full"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, "need 0 <= --min-lr"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1)"),
+    (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
+    (["--normalization", "BatchNorm"], 1, "invalid choice: 'BatchNorm'"),
+    (["--device-memory-gb", "0"], 1, "--device-memory-gb must be > 0"),
+]
+
+
+@pytest.mark.parametrize("extra,world,message", ERRORS, ids=[m[:40] for _, _, m in ERRORS])
+def test_error_message(extra, world, message):
+    with pytest.raises(ValueError) as info:
+        parse(extra, world)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_gqa_tensor_parallel_must_divide_groups():
+    with pytest.raises(ValueError, match=r"--num-query-groups \(2\) is not divisible by --tensor-model-parallel-size \(4\) \(each tp rank holds whole key/value groups"):
+        parse(["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+               "--tensor-model-parallel-size", "4"], world_size=4, defaults=LLAMA_DEFAULTS)
+
+
+def test_defaults_and_derived_values():
+    run = parse(["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], world_size=4)
+    assert (run.parallel.tp, run.parallel.dp, run.training.num_microbatches) == (2, 2, 4)
+    assert run.model.padded_vocab_size == 256 and run.model.normalization == "LayerNorm"
+    llama = parse([], defaults=LLAMA_DEFAULTS)
+    assert llama.model.swiglu and not llama.model.add_bias_linear and llama.model.untie_embeddings_and_output_weights
+    assert llama.model.normalization == "RMSNorm" and llama.model.position_embedding_type == "rope"
+
+
+def test_sequence_parallel_without_tp_is_noted_not_applied():
+    run = parse(["--sequence-parallel"])
+    assert run.sequence_parallel_requested and not run.model.sequence_parallel
+
+
+def test_cli_prints_one_error_line_and_exits_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--global-batch-size", "3"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --global-batch-size (3) must be a multiple of --micro-batch-size (2) x data-parallel size (1) = 2"]
