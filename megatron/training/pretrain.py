@@ -72,9 +72,9 @@ def train(trainer: Trainer, emit) -> None:
             global_batch_size=training.global_batch_size, lm_loss=loss, loss_scale=result.loss_scale,
             grad_norm=result.grad_norm, skipped=totals.skipped, nan=totals.nan))
         if trainer.mesh.pp_size > 1:
-            idle = totals.idle_sum / totals.iterations
-            print(f"  rank {dist.get_rank()} (pp rank {trainer.mesh.pp_rank}): pipeline idle fraction {idle:.3f}",
-                  flush=True)
+            idle = [None] * world
+            dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
+            emit(f"  pipeline idle fraction per rank (measured time waiting on p2p / step time): {idle}")
         tensorboard.scalars(iteration, {"lm loss": loss, "learning-rate": result.lr, "grad-norm": result.grad_norm,
                                         "loss-scale": result.loss_scale, "iteration-time": seconds})
         totals = IntervalTotals()

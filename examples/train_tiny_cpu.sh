@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Quick start: a tiny Llama trained on CPU by 8 gloo ranks, composing
+# tensor parallelism with sequence parallelism (TP=2), interleaved pipeline
+# parallelism (PP=2, 2 virtual stages per rank) and data parallelism (DP=2),
+# on deterministic synthetic data. Installs what it needs first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install_deps.sh
+export OMP_NUM_THREADS=1
+python -m torch.distributed.run --nproc-per-node 8 pretrain_llama.py \
+  --tensor-model-parallel-size 2 --sequence-parallel \
+  --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \
+  --num-layers 4 --hidden-size 64 --ffn-hidden-size 172 --num-attention-heads 4 \
+  --group-query-attention --num-query-groups 2 --seq-length 64 \
+  --micro-batch-size 2 --global-batch-size 16 --train-iters 30 --log-interval 5 \
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 3 --lr-decay-style cosine \
+  --mock-data --vocab-size 256 "$@"
