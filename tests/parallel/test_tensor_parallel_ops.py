@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import RNGTracker, checkpoint
+from megatron.core.tensor_parallel.sharding import initialize_parameters
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.layer import TransformerLayer
 from tests.distributed import run_distributed
 
 WORLD = 2
@@ -103,8 +106,26 @@ def check_rng_tracker(rank):
     torch.testing.assert_close(x.grad, direct, msg="recomputed dropout must replay the forward mask")
 
 
+def check_layer_communication_volume(rank):
+    """A layer's counted tp traffic equals Megatron's analytic volume: 4 all-reduces of s*b*h
+    without SP; 4 all-gathers + 4 reduce-scatters of s*b*h with SP."""
+    s, b, h = 8, 2, 32
+    volume = s * b * h * 4
+    for sp, expected in ((False, {"all_reduce": 4 * volume}),
+                         (True, {"all_gather": 4 * volume, "reduce_scatter": 4 * volume})):
+        config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
+                                   tensor_model_parallel_size=WORLD, sequence_parallel=sp)
+        layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, rank))
+        initialize_parameters(layer, seed=0)
+        x = torch.randn(s // WORLD if sp else s, b, h, requires_grad=True)
+        with M.COMM_STATS.counting() as stats:
+            layer(x).sum().backward()
+        assert stats.bytes == expected, (sp, stats.bytes)
+
+
 def all_checks(rank):
     check_collectives(rank)
+    check_layer_communication_volume(rank)
     check_cross_entropy(rank)
     check_rng_tracker(rank)
     return True
