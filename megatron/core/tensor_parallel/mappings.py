@@ -97,120 +97,50 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce the gradient across the group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    """Forward: all-reduce (sum) across the group. Backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone() if _size(group) > 1 else x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _all_reduce_out_of_place(x: torch.Tensor, group) -> torch.Tensor:
+    # autograd must not see its input modified in place
+    return _all_reduce(x.clone() if _size(group) > 1 else x, group)
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim."""
+def _region(name: str, forward_op, backward_op, doc: str):
+    """An autograd Function applying `forward_op` forward and `backward_op` to the gradient."""
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
+    class _Region(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward_op(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.group), None
 
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Forward: all-gather along the last dim. Backward: keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+    _Region.__name__ = _Region.__qualname__ = name
+    _Region.__doc__ = doc
+    return _Region.apply
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather along dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """Forward: all-gather along dim 0. Backward: reduce-scatter along dim 0 (the gathered
-    activation feeds a tensor-parallel matmul, so each rank holds a partial gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Forward: reduce-scatter along dim 0. Backward: all-gather along dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
-
-
-def copy_to_tensor_parallel_region(x, group):
-    return _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x, group):
-    return _ReduceFromRegion.apply(x, group)
-
-
-def scatter_to_tensor_parallel_region(x, group):
-    return _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x, group):
-    return _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    return _ScatterToSequenceRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    return _GatherFromSequenceRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _ReduceScatterToSequenceRegion.apply(x, group)
+copy_to_tensor_parallel_region = _region(
+    "CopyToRegion", _identity, _all_reduce, "Forward: identity. Backward: all-reduce (sum) the gradient.")
+reduce_from_tensor_parallel_region = _region(
+    "ReduceFromRegion", _all_reduce_out_of_place, _identity, "Forward: all-reduce (sum). Backward: identity.")
+scatter_to_tensor_parallel_region = _region(
+    "ScatterToRegion", _split_last, _gather_last,
+    "Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim.")
+gather_from_tensor_parallel_region = _region(
+    "GatherFromRegion", _gather_last, _split_last,
+    "Forward: all-gather along the last dim. Backward: keep this rank's slice.")
+scatter_to_sequence_parallel_region = _region(
+    "ScatterToSequenceRegion", _split_first, _gather_first,
+    "Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather along dim 0.")
+gather_from_sequence_parallel_region = _region(
+    "GatherFromSequenceRegion", _gather_first, _reduce_scatter_first,
+    "Forward: all-gather along dim 0. Backward: reduce-scatter along dim 0 (the gathered activation "
+    "feeds a tensor-parallel matmul, so each rank holds a partial gradient).")
+reduce_scatter_to_sequence_parallel_region = _region(
+    "ReduceScatterToSequenceRegion", _reduce_scatter_first, _gather_first,
+    "Forward: reduce-scatter along dim 0. Backward: all-gather along dim 0.")
