@@ -113,10 +113,12 @@ class PipelineExecutor:
 
     def _forward(self, action, inputs, batch, stats, scale):
         key = (action.microbatch, action.chunk)
-        input_ids, labels, loss_mask = batch(action.microbatch)
-        chunk_input = input_ids if self._is_first(action.chunk) else inputs[key]
+        first, last = self._is_first(action.chunk), self._is_last(action.chunk)
+        # only the first and last stage read data (input ids, labels)
+        input_ids, labels, loss_mask = batch(action.microbatch) if first or last else (None, None, None)
+        chunk_input = input_ids if first else inputs[key]
         chunk = self.chunks[action.chunk]
-        if not self._is_last(action.chunk):
+        if not last:
             return chunk(chunk_input)
         token_losses = chunk(chunk_input, labels)
         mask = loss_mask.to(token_losses.dtype)
