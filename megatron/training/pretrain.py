@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.flops import flops_per_iteration
+from megatron.training.kernel_paths import kernel_paths
 from megatron.training.initialize import init_distributed, launch_environment, select_device
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 from megatron.training.training import Trainer, timed_step
@@ -25,7 +26,7 @@ def _precision(run) -> str:
     return "fp32"
 
 
-def startup_summary(trainer: Trainer, backend: str) -> list[str]:
+def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
     run, mesh = trainer.run, trainer.mesh
     model = run.model
     lines = [
@@ -38,7 +39,8 @@ def startup_summary(trainer: Trainer, backend: str) -> list[str]:
         f"> precision: {_precision(run)}",
         f"> batch: micro {run.training.micro_batch_size} x dp {mesh.dp_size} x "
         f"{run.training.num_microbatches} microbatches = global {run.training.global_batch_size}",
-        "> kernels: attention torch scaled_dot_product_attention; normalization torch; apex not used",
+        f"> kernels: attention {paths['attention']}; normalization {paths['normalization']}; "
+        "NVIDIA apex not used (optional; nothing here needs it)",
     ]
     if run.sequence_parallel_requested and not model.sequence_parallel:
         lines.append("> note: --sequence-parallel has no effect with --tensor-model-parallel-size 1")
@@ -91,12 +93,18 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     device = select_device(local_rank)
+    try:
+        paths = kernel_paths(run.model, device)
+    except ValueError as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     backend = init_distributed(run.parallel.backend, run.parallel.timeout_minutes, device)
     try:
         trainer = Trainer(run, device)
         counts = _gather_parameter_counts(trainer)
         if last_rank:
-            for line in startup_summary(trainer, backend):
+            for line in startup_summary(trainer, backend, paths):
                 print(line, flush=True)
             print(f"> parameters per rank: {counts} (total across pipeline stages of one model replica "
                   f"depends on tp sharding)", flush=True)

@@ -10,13 +10,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.flash_attention import flash_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.rotary import apply_rotary
 
 
 def core_attention(q, k, v, dropout_p: float, backend: str):
-    """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d]."""
+    """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
+
+    Without dropout: the flash-attention kernel or its torch reference (`backend`). The
+    kernel has no dropout, so attention dropout runs torch's SDPA (validated at start-up).
+    """
+    if dropout_p == 0.0:
+        out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=backend)
+        return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                          enable_gqa=k.shape[1] != q.shape[1])

@@ -1,17 +1,11 @@
-"""LayerNorm / RMSNorm modules; the math is dispatched to a fused kernel or torch."""
+"""LayerNorm / RMSNorm modules; the math runs in the fused Triton kernel or the torch reference
+(`--normalization-impl`, see kernels/normalization.py)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.normalization import layer_norm, rms_norm
 from megatron.core.tensor_parallel.sharding import InitSpec, make_param
-
-
-def normalize(x, weight, bias, eps: float, kind: str, impl: str):
-    """Normalise over the last dimension with the chosen implementation."""
-    if kind == "RMSNorm":
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 class Norm(torch.nn.Module):
@@ -31,4 +25,6 @@ class Norm(torch.nn.Module):
                                    device, **attrs)
 
     def forward(self, x):
-        return normalize(x, self.weight, self.bias, self.eps, self.kind, self.impl)
+        if self.kind == "RMSNorm":
+            return rms_norm(x, self.weight, self.eps, impl=self.impl)
+        return layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
