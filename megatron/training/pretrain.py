@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.training.arguments import parse_run_config
 from megatron.training.flops import flops_per_iteration
 from megatron.training.kernel_paths import kernel_paths
+from megatron.training.memory_check import check_memory
 from megatron.training.initialize import init_distributed, launch_environment, select_device
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 from megatron.training.training import Trainer, timed_step
@@ -95,6 +96,7 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
     device = select_device(local_rank)
     try:
         paths = kernel_paths(run.model, device)
+        memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
     except ValueError as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -104,7 +106,7 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         trainer = Trainer(run, device)
         counts = _gather_parameter_counts(trainer)
         if last_rank:
-            for line in startup_summary(trainer, backend, paths):
+            for line in startup_summary(trainer, backend, paths) + memory_lines:
                 print(line, flush=True)
             print(f"> parameters per rank: {counts} (total across pipeline stages of one model replica "
                   f"depends on tp sharding)", flush=True)

@@ -78,3 +78,15 @@ def test_cli_prints_one_error_line_and_exits_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --global-batch-size (3) must be a multiple of --micro-batch-size (2) x data-parallel size (1) = 2"]
+
+
+def test_cli_refuses_a_job_that_does_not_fit_unless_told():
+    small = TINY + ["--device-memory-gb", "0.001"]
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: estimated peak memory") and "--skip-memory-check" in lines[0]
+    forced = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small + ["--skip-memory-check"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert forced.returncode == 0 and "iteration        2/       2" in forced.stdout

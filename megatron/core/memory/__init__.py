@@ -1,0 +1,8 @@
+"""Per-rank memory estimator and layout planner (after Fujii et al., arXiv 2411.06465).
+
+Pure arithmetic on TransformerConfig + MemoryLayout; see docs/memory.md.
+"""
+from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, RankEstimate, estimate_memory
+from megatron.core.memory.layout import MemoryLayout
+
+__all__ = ["DEFAULT_THRESHOLD", "MemoryEstimate", "MemoryLayout", "RankEstimate", "estimate_memory"]

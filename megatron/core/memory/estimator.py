@@ -1,0 +1,137 @@
+"""The memory estimate of every pipeline rank: model states + activation peak + transients.
+
+All tp, cp and dp ranks of one pipeline stage hold identical shapes, so one
+`RankEstimate` per pipeline rank describes the whole world. A rank's peak is
+
+    weights + grads + optimizer + max(activations + transients,
+                                      after-backward temporaries + runtime allowance)
+
+because the optimizer step (and the tied-embedding gradient reduction) run after
+the last backward, when no activation is alive.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron.core.memory.activations import ActivationModel
+from megatron.core.memory.inflight import rank_in_flight
+from megatron.core.memory.kernels import KernelChoice, resolve_kernels
+from megatron.core.memory.layout import MemoryLayout
+from megatron.core.memory.model_states import model_states, optimizer_step_temporary
+from megatron.core.memory.parameters import chunk_shapes, rank_chunks, total_parameters
+from megatron.core.memory.transients import (
+    Allowances,
+    Transients,
+    after_backward_temporary,
+    estimate_transients,
+    largest_temporary,
+)
+
+DEFAULT_THRESHOLD = 0.8  # Fujii et al.: no run estimated below 80% of device memory ran out of it
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    pp_rank: int
+    parameters: int
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    transients_bytes: int
+    after_backward_bytes: int
+    host_bytes: int
+    peak_microbatches: int
+    chunk_activation_bytes: tuple[int, ...]  # one microbatch on each local chunk
+    transients: Transients
+
+    @property
+    def states_bytes(self) -> int:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        during = self.activations_bytes + self.transients_bytes
+        after = self.after_backward_bytes + self.transients.runtime_bytes
+        return self.states_bytes + max(during, after)
+
+    def to_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in (
+            "pp_rank", "parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+            "transients_bytes", "host_bytes", "total_bytes", "after_backward_bytes", "peak_microbatches")}
+        out["chunk_activation_bytes"] = list(self.chunk_activation_bytes)
+        out["transients"] = asdict(self.transients)
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    ranks: tuple[RankEstimate, ...]
+    total_parameters: int
+    kernels: KernelChoice
+    layout: MemoryLayout
+
+    @property
+    def max_total_bytes(self) -> int:
+        return max(r.total_bytes for r in self.ranks)
+
+    @property
+    def worst_rank(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    def fits(self, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> bool:
+        return self.max_total_bytes <= threshold * device_bytes
+
+    def to_dict(self, device_bytes: int | None = None, threshold: float = DEFAULT_THRESHOLD) -> dict:
+        return {
+            "ranks": [r.to_dict() for r in self.ranks],
+            "total_parameters": self.total_parameters,
+            "max_total_bytes": self.max_total_bytes,
+            "device_memory_bytes": device_bytes,
+            "threshold": threshold,
+            "fits": None if device_bytes is None else self.fits(device_bytes, threshold),
+            "layout": asdict(self.layout),
+            "kernels": asdict(self.kernels),
+        }
+
+
+def estimate_rank(config, layout: MemoryLayout, model: ActivationModel, allowances: Allowances,
+                  pp_rank: int) -> RankEstimate:
+    chunks = rank_chunks(config, layout, pp_rank)
+    shapes = [s for c in chunks for s in chunk_shapes(config, layout.tp, c)]
+    states = model_states(config, layout, shapes)
+    activations = [model.chunk(c) for c in chunks]
+    dims = model.dims
+    inflight = rank_in_flight(layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes)
+    tied = not config.untie_embeddings_and_output_weights
+    largest = largest_temporary(
+        dims, config, shapes, has_last=any(c.post_process for c in chunks),
+        tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
+        recompute_working=max(a.recompute_working_bytes for a in activations))
+    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes, largest=largest,
+                                     activations=inflight.activations_bytes)
+    has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
+    after = after_backward_temporary(dims, layout, optimizer_step_temporary(config, layout, shapes), has_copy)
+    return RankEstimate(
+        pp_rank=pp_rank, parameters=states.parameters, weights_bytes=states.weights_bytes,
+        grads_bytes=states.grads_bytes, optimizer_bytes=states.optimizer_bytes,
+        activations_bytes=inflight.activations_bytes, transients_bytes=transients.total,
+        after_backward_bytes=after, host_bytes=states.host_bytes, peak_microbatches=inflight.peak_microbatches,
+        chunk_activation_bytes=tuple(a.bytes for a in activations), transients=transients)
+
+
+def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",
+                    allowances: Allowances | None = None) -> MemoryEstimate:
+    """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
+    if config.tensor_model_parallel_size != layout.tp:
+        raise ValueError(f"the model config is split for tp={config.tensor_model_parallel_size} "
+                         f"but the layout has tp={layout.tp}")
+    if config.seq_length % (layout.cp * (layout.tp if config.sequence_parallel else 1)):
+        raise ValueError(f"--seq-length ({config.seq_length}) must be divisible by context-parallel size "
+                         f"x tensor-parallel size under sequence parallelism")
+    kernels = resolve_kernels(config, layout.device_type, attention)
+    model = ActivationModel(config, layout, kernels)
+    allowances = allowances or Allowances.default(layout.device_type)
+    ranks = tuple(estimate_rank(config, layout, model, allowances, r) for r in range(layout.pp))
+    return MemoryEstimate(ranks=ranks, total_parameters=total_parameters(config, layout.tp), kernels=kernels,
+                          layout=layout)

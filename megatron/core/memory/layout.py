@@ -1,0 +1,68 @@
+"""What the estimator needs besides the model config: the parallel layout, the batch and the device.
+
+`MemoryLayout` is built from a RunConfig by megatron/training/memory_check.py, or
+directly by the planner; it holds only numbers, so every estimate is a pure
+function of (TransformerConfig, MemoryLayout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICE_TYPES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """Parallel sizes, batch, and what runs where.
+
+    `num_microbatches` is per data-parallel rank per iteration
+    (global batch / (micro batch x dp)). `grad_dtype_bytes` is the element size of
+    the DDP gradient buffer (`main_grad`; fp32 in our trainer whatever the weights).
+    `distributed_optimizer` shards optimizer state over dp x cp (estimate only: not
+    built in the trainer yet). `offload_optimizer_fraction` is the hook for the
+    offload optimizer (not built): the share of optimizer state kept in host memory
+    instead of on the device; 0 until that optimizer exists.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    microbatch_group_size: int | None = None
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    distributed_optimizer: bool = False
+    offload_optimizer_fraction: float = 0.0
+    grad_dtype_bytes: int = 4
+    device_type: str = "cuda"
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError("virtual pipeline stages need a pipeline-parallel size > 1")
+        if not 0.0 <= self.offload_optimizer_fraction <= 1.0:
+            raise ValueError(f"offload_optimizer_fraction must be in [0, 1], got {self.offload_optimizer_fraction}")
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def chunk_position(self, pp_rank: int, chunk: int) -> tuple[bool, bool]:
+        """(first stage?, last stage?) of local model chunk `chunk` on pipeline rank `pp_rank`."""
+        stage = chunk * self.pp + pp_rank
+        return stage == 0, stage == self.stages - 1
+
+    def describe(self) -> str:
+        text = f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp}"
+        if self.virtual_stages > 1:
+            text += f" VPP={self.virtual_stages}"
+        return text + f" micro-batch {self.micro_batch_size} x {self.num_microbatches}"

@@ -1,0 +1,111 @@
+"""Enumerate parallel layouts, keep those whose memory estimate fits, rank them by step time.
+
+A layout is (tp, cp, pp, virtual stages, dp, micro batch, recomputation) for a
+fixed number of GPUs and global batch. Sequence parallelism is on whenever
+tp > 1 (same communication volume, less activation memory). Layouts our code
+would refuse (sizes that do not divide, interleaving without enough
+microbatches) are skipped, using the same validation as training
+(TransformerConfig, build_schedule). Context parallelism is not built in the
+trainer yet, so callers enumerate cp = 1 unless asked.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.core.memory.layout import MemoryLayout
+from megatron.core.memory.step_time import Hardware, StepTime, step_time
+from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
+
+RECOMPUTE = {
+    "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
+    "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: object  # TransformerConfig of this layout (tp, sequence parallelism, recomputation applied)
+    layout: MemoryLayout
+    recompute: str
+    estimate: MemoryEstimate
+    time: StepTime
+
+
+@dataclass(frozen=True)
+class Search:
+    """What to enumerate. None: every valid value."""
+
+    tps: tuple[int, ...] | None = None
+    cps: tuple[int, ...] = (1,)
+    pps: tuple[int, ...] | None = None
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    virtual_stages: tuple[int, ...] | None = None
+    max_virtual_stages: int = 8
+    distributed_optimizer: bool = False
+    device_type: str = "cuda"
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _valid_schedule(pp: int, v: int, m: int) -> bool:
+    """Whether build_schedule accepts (pp, v, m) (its argument checks, without building the lists)."""
+    try:
+        num_warmup_microbatches(pp, v, m, 0)
+    except ValueError:
+        return False
+    return True
+
+
+def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
+    """(tp, cp, pp, v, dp) that divide the GPUs and the layers; tp stays inside a node."""
+    for tp in search.tps or [t for t in _divisors(num_gpus) if t <= hw.gpus_per_node]:
+        for cp in search.cps:
+            if num_gpus % (tp * cp):
+                continue
+            for pp in search.pps or _divisors(num_gpus // (tp * cp)):
+                if num_gpus % (tp * cp * pp) or config.num_layers % pp:
+                    continue
+                virtuals = [1] if pp == 1 else _divisors(config.num_layers // pp)
+                for v in virtuals:
+                    if v <= search.max_virtual_stages and (search.virtual_stages is None or v in search.virtual_stages):
+                        yield tp, cp, pp, v, num_gpus // (tp * cp * pp)
+
+
+def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Search, hw: Hardware):
+    """Yield (config, layout, recompute name) for every valid layout."""
+    for tp, cp, pp, v, dp in _mesh_shapes(config, num_gpus, search, hw):
+        for mbs in search.micro_batch_sizes:
+            m = global_batch_size // (mbs * dp)
+            if global_batch_size % (mbs * dp) or (v > 1 and not _valid_schedule(pp, v, m)):
+                continue
+            layout = MemoryLayout(tp=tp, cp=cp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
+                                  num_microbatches=m, distributed_optimizer=search.distributed_optimizer,
+                                  device_type=search.device_type)
+            for name in search.recompute:
+                try:
+                    cfg = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                              **RECOMPUTE[name])
+                except ValueError:  # tp does not divide the heads, groups or ffn
+                    continue
+                if cfg.seq_length % (tp * cp) == 0:
+                    yield cfg, layout, name
+
+
+def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
+         hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int]:
+    """(layouts that fit, fastest first; number of valid layouts rejected for memory)."""
+    fitting, rejected = [], 0
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, hw):
+        estimate = estimate_memory(cfg, layout)
+        if not estimate.fits(device_bytes, threshold):
+            rejected += 1
+            continue
+        fitting.append(Candidate(cfg, layout, name, estimate, step_time(cfg, layout, hw)))
+    fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    return fitting, rejected

@@ -1,0 +1,108 @@
+"""Memory that exists only for a while: communication buffers, the largest temporary, allowances.
+
+Unlike parameters, gradients, optimizer state and saved activations (exact and
+checked against measurement on CPU), these are estimates from the shapes our
+code allocates and are NOT validated by measurement yet:
+
+- p2p: buffers of the pipeline executor over the schedule (`inflight.walk`), the
+  amount they add on top of the activation peak;
+- tp: one [s, b, h] buffer of a tensor-parallel collective (the copy the
+  all-reduce makes, or the gathered gradient in backward);
+- cp: the ring's send and receive buffers of k and v blocks (cp is not built yet);
+- dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
+  in place (NCCL's own buffers are in the runtime allowance);
+- the largest temporary during forward/backward, the max of: the last stage's
+  logits (and their fp32 / vocabulary-masked copies in the cross entropy), a
+  weight gradient before it is added to `main_grad` (two of them for an
+  embedding tied within one stage: the output layer's gradient waits for the
+  embedding's), the MLP's activation gradients, and the recomputed activations
+  of one checkpointed group;
+- after backward (a separate phase: activations are gone): the optimizer step's
+  temporaries, and the concatenated tied-embedding gradient all-reduced between
+  the first and last stage;
+- fragmentation: a fixed fraction of the dynamic memory (activations +
+  transients) for the CUDA caching allocator's rounding and unusable free
+  blocks; and a runtime allowance for the CUDA context, cuBLAS workspaces and
+  NCCL communicator buffers, which torch's allocator does not see. Both are
+  assumptions, not measurements (none on GPU yet); both are 0 on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.memory.activations import FP32, Dims
+from megatron.core.memory.parameters import Shape, numel
+
+FRAGMENTATION_FRACTION = 0.10
+CUDA_RUNTIME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Transients:
+    p2p_bytes: int
+    tp_bytes: int
+    cp_bytes: int
+    dp_bucket_bytes: int
+    largest_temporary_bytes: int
+    largest_temporary: str
+    fragmentation_bytes: int
+    runtime_bytes: int
+
+    @property
+    def total(self) -> int:
+        return (self.p2p_bytes + self.tp_bytes + self.cp_bytes + self.dp_bucket_bytes
+                + self.largest_temporary_bytes + self.fragmentation_bytes + self.runtime_bytes)
+
+
+def logits_temporary(dims: Dims, vocab_size: int) -> int:
+    """Output-layer logits [s, b, V/t] in the weight dtype, plus the cross entropy's fp32
+    copy when it must cast or mask padding columns (the softmax itself is saved)."""
+    padded = dims.vocab * dims.tp != vocab_size
+    extra = FP32 if dims.p != FP32 or padded else 0
+    return dims.s * dims.b * dims.vocab * (dims.p + extra)
+
+
+def largest_temporary(dims: Dims, config, shapes: list[Shape], has_last: bool, tied_in_one_stage: bool,
+                      recompute_working: int) -> tuple[int, str]:
+    largest_param = max((numel(s) for s in shapes), default=0)
+    candidates = {
+        "weight gradient": largest_param * dims.p * (2 if tied_in_one_stage else 1),
+        "mlp activation gradients": dims.s * dims.b * dims.ffn * dims.p * (3 if config.swiglu else 2),
+        "recomputation": recompute_working,
+    }
+    if has_last:
+        candidates["logits"] = logits_temporary(dims, config.vocab_size)
+    name = max(candidates, key=candidates.get)
+    return candidates[name], name
+
+
+def after_backward_temporary(dims: Dims, layout, optimizer_step: int, has_embedding_copy: bool) -> int:
+    """The larger of the optimizer step's temporaries and the tied-embedding gradient
+    all-reduce's flattened copy (finalize_model_grads concatenates the gradients)."""
+    tied_copy = dims.vocab * dims.h * layout.grad_dtype_bytes if has_embedding_copy else 0
+    return max(optimizer_step, tied_copy)
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """Fragmentation fraction and runtime bytes; defaults depend on the device type."""
+
+    fragmentation_fraction: float
+    runtime_bytes: int
+
+    @classmethod
+    def default(cls, device_type: str) -> "Allowances":
+        if device_type == "cuda":
+            return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES)
+        return cls(0.0, 0)
+
+
+def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int,
+                        largest: tuple[int, str], activations: int) -> Transients:
+    tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
+    cp_bytes = 2 * 2 * dims.s * dims.b * dims.groups * dims.d * dims.p if layout.cp > 1 else 0
+    dynamic = activations + p2p_extra + tp_bytes + cp_bytes + largest[0]
+    return Transients(p2p_bytes=p2p_extra, tp_bytes=tp_bytes, cp_bytes=cp_bytes, dp_bucket_bytes=0,
+                      largest_temporary_bytes=largest[0], largest_temporary=largest[1],
+                      fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
+                      runtime_bytes=allowances.runtime_bytes)

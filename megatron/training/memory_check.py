@@ -1,0 +1,158 @@
+"""Glue between the command line / RunConfig and the memory estimator.
+
+- `check_memory`: what pretrain_*.py runs at start-up: estimate every rank, return
+  the per-rank table as log lines, refuse (ValueError, one line) when the worst
+  rank's estimate exceeds device memory unless told to skip the check;
+- `parse_tool_command_line`: the tools' command line: the same model / parallel /
+  batch flags as pretrain_*.py (parsed by `parse_run_config`) plus the tools' own,
+  accepting features the trainer does not have yet (distributed optimizer, cp > 1)
+  so that their memory can be estimated.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.core.memory.layout import MemoryLayout
+from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentError, parse_run_config
+
+GIB = float(1 << 30)
+FAMILIES = {"gpt": GPT_DEFAULTS, "llama": LLAMA_DEFAULTS}
+COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "total")
+
+
+def layout_from_run(run, device_type: str, *, cp: int | None = None,
+                    distributed_optimizer: bool = False) -> MemoryLayout:
+    par, training = run.parallel, run.training
+    return MemoryLayout(tp=par.tp, cp=cp or par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
+                        microbatch_group_size=par.microbatch_group_size, micro_batch_size=training.micro_batch_size,
+                        num_microbatches=training.num_microbatches, distributed_optimizer=distributed_optimizer,
+                        device_type=device_type)
+
+
+def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:
+    """`--device-memory-gb` (GiB, 2**30 bytes), else the CUDA device's total memory, else None (no limit known)."""
+    if device_memory_gb is not None:
+        return int(device_memory_gb * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in GiB, or MiB below 1 GiB (tiny CPU models would print 0.00 GiB)."""
+    if nbytes < GIB:
+        return f"{nbytes / (1 << 20):.2f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str]:
+    layout = estimate.layout
+    device = f"{_size(device_bytes)} device" if device_bytes else "no device limit"
+    scale, unit = (GIB, "GiB") if estimate.max_total_bytes >= GIB else (float(1 << 20), "MiB")
+    lines = [f"> memory estimate per rank in {unit} ({layout.describe()}, {estimate.kernels.describe()}, "
+             f"{layout.device_type}, {device}; identical on every tp/cp/dp rank of a pipeline stage):",
+             "  pp rank      parameters " + " ".join(f"{c:>11}" for c in COLUMNS) + "   % device"]
+    for r in estimate.ranks:
+        values = (r.weights_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.transients_bytes,
+                  r.total_bytes)
+        share = f"{100.0 * r.total_bytes / device_bytes:9.1f}%" if device_bytes else "        -"
+        lines.append(f"  {r.pp_rank:7d} {r.parameters:15,d} " + " ".join(f"{v / scale:>11.2f}" for v in values)
+                     + f"  {share}")
+    worst = estimate.worst_rank
+    lines.append(f"> total parameters {estimate.total_parameters:,}; worst rank: pp rank {worst.pp_rank} "
+                 f"({worst.peak_microbatches} microbatch-chunks in flight, largest temporary "
+                 f"{worst.transients.largest_temporary}); host memory (offloaded optimizer) "
+                 f"{_size(worst.host_bytes)}")
+    return lines
+
+
+def check_memory(run, device: torch.device, device_memory_gb: float | None, skip: bool) -> list[str]:
+    """Estimate `run` on `device`; return log lines, raise ValueError when it cannot fit."""
+    estimate = estimate_memory(run.model, layout_from_run(run, device.type))
+    device_bytes = device_memory_bytes(device, device_memory_gb)
+    lines = format_table(estimate, device_bytes)
+    if device_bytes is None:
+        lines.append("> memory check: no device memory to compare with (CPU without --device-memory-gb); not checked")
+        return lines
+    peak, worst = estimate.max_total_bytes, estimate.worst_rank.pp_rank
+    if peak > device_bytes:
+        message = (f"estimated peak memory {_size(peak)} (pipeline rank {worst}) exceeds device memory "
+                   f"{_size(device_bytes)}; raise tensor/pipeline parallelism, recompute activations or lower "
+                   f"--micro-batch-size (tools/plan_parallelism.py ranks layouts that fit), "
+                   f"or pass --skip-memory-check")
+        if not skip:
+            raise ValueError(message)
+        lines.append(f"> WARNING (--skip-memory-check): {message}")
+    elif peak > DEFAULT_THRESHOLD * device_bytes:
+        lines.append(f"> warning: estimated peak {_size(peak)} is above {DEFAULT_THRESHOLD:.0%} of device memory; "
+                     f"it may run out of memory")
+    else:
+        lines.append(f"> memory check: estimated peak {_size(peak)} is {peak / device_bytes:.0%} of device memory")
+    return lines
+
+
+# ----------------------------------------------------------------------------- tools' command line
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ArgumentError(message)
+
+
+def tool_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False, add_help=False)
+    parser.add_argument("--num-gpus", type=int, required=True, help="world size (all GPUs of the job)")
+    parser.add_argument("--model-family", choices=sorted(FAMILIES), default="gpt",
+                        help="defaults of pretrain_gpt.py or pretrain_llama.py")
+    parser.add_argument("--device-memory-gb", type=float, help="device memory in GiB (default: this CUDA device's)")
+    parser.add_argument("--device-type", choices=["cuda", "cpu"], default="cuda",
+                        help="device the run will use: decides the attention/norm/dropout kernels (default cuda)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="shard optimizer state over dp x cp (estimate only: not built in the trainer yet)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="context-parallel size (estimate only: not built in the trainer yet)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and the values following it (for nargs='*' flags like --data-path)."""
+    out, skipping = [], False
+    for token in argv:
+        if token == flag or token.startswith(flag + "="):
+            skipping = token == flag
+            continue
+        if skipping and not token.startswith("--"):
+            continue
+        skipping = False
+        out.append(token)
+    return out
+
+
+def run_config_for_tool(rest: list[str], family: str, world_size: int, prog: str):
+    """The RunConfig of pretrain_*.py flags `rest`, without data: --vocab-size is required,
+    --mock-data and --train-iters are filled in, --data-path is ignored."""
+    if world_size < 1:
+        raise ArgumentError(f"--num-gpus must be >= 1, got {world_size}")
+    if not any(t == "--vocab-size" or t.startswith("--vocab-size=") for t in rest):
+        raise ArgumentError("--vocab-size is required (the estimator does not read tokenizer files)")
+    argv = _without(rest, "--data-path")
+    if "--mock-data" not in argv:
+        argv.append("--mock-data")
+    if not any(t == "--train-iters" or t.startswith("--train-iters=") for t in argv):
+        argv += ["--train-iters", "1"]
+    return parse_run_config(argv, FAMILIES[family], world_size, prog)
+
+
+def parse_tool_command_line(parser: argparse.ArgumentParser, argv: list[str]):
+    """(tool args, RunConfig) for estimate_memory.py; cp is taken out of the world size
+    before parse_run_config (which refuses cp > 1) so dp comes out right."""
+    args, rest = parser.parse_known_args(argv)
+    cp = args.context_parallel_size
+    if cp < 1 or args.num_gpus % cp:
+        raise ArgumentError(f"--num-gpus ({args.num_gpus}) must be a multiple of --context-parallel-size ({cp})")
+    if args.device_memory_gb is not None and args.device_memory_gb <= 0:
+        raise ArgumentError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
+    run = run_config_for_tool(rest, args.model_family, args.num_gpus // cp, parser.prog)
+    return args, run

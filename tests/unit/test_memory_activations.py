@@ -1,0 +1,168 @@
+"""Saved-activation formulas: closed forms per layer, the paper's Llama form, kernels, recomputation.
+
+The exact agreement with measured saved tensors is in tests/parallel/test_memory_measured.py;
+these tests pin the formulas themselves.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.memory import MemoryLayout
+from megatron.core.memory.activations import ActivationModel, Ledger, recompute_groups
+from megatron.core.memory.kernels import resolve_kernels
+from megatron.core.memory.parameters import Chunk
+from megatron.core.transformer.config import TransformerConfig
+
+S, B, H, A, G, D, F = 4096, 2, 4096, 32, 8, 128, 14336
+LLAMA = TransformerConfig(num_layers=4, hidden_size=H, ffn_hidden_size=F, num_attention_heads=A, num_query_groups=G,
+                          vocab_size=128256, seq_length=S, normalization="RMSNorm", position_embedding_type="rope",
+                          swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                          attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.bfloat16)
+GPT = TransformerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=50257, seq_length=1024,
+                        params_dtype=torch.bfloat16)
+
+
+def layer_bytes(config, tp=1, device="cuda", **layout):
+    config = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    lay = MemoryLayout(tp=tp, micro_batch_size=B, device_type=device, **layout)
+    model = ActivationModel(config, lay, resolve_kernels(config, device))
+    led = Ledger()
+    model.layer(led, 0, "x")
+    return led.total
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_llama_layer_on_cuda_against_the_paper(t):
+    """Paper (Fujii et al., bf16, flash, SP, no dropout): s b h (12 + 4k/a + 8 f/h) / t bytes per layer.
+    With our Triton kernels (attention, norms) our layer adds what the code really keeps: the
+    column-parallel inputs all-gathered over the full sequence (2 x 2sbh (1 - 1/t)), a second copy of
+    the attention output (the kernel keeps its [b, s, a, d] output, the projection a reshaped copy),
+    RMSNorm's fp32 rstd, the kernel's fp32 log-sum-exp, and RoPE's fp32 cos/sin."""
+    assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton"
+    sbh = S * B * H
+    paper = sbh * (12 + 4 * G / A + 8 * F / H) / t
+    gathered_excess = 2 * 2 * sbh * (1 - 1 / t)
+    output_copy = 2 * S * B * A * D / t
+    rstd = 2 * 4 * S * B / t
+    lse = 4 * B * A * S / t
+    rope = 4 * S * D * 4
+    assert layer_bytes(LLAMA, t) == paper + gathered_excess + output_copy + rstd + lse + rope
+
+
+def test_llama_layer_with_torch_sdpa_on_cuda():
+    """--attention-backend torch: SDPA flash keeps q, k, v as views, so the whole QKV output stays
+    alive (through v) next to the rotated q and k; the projection input is a view of its output."""
+    torch_attention = dataclasses.replace(LLAMA, attention_backend="torch")
+    assert resolve_kernels(torch_attention, "cuda").attention == "flash"
+    sb = S * B
+    rotated = 2 * sb * (A + G) * D  # q_rot, k_rot
+    qkv = 2 * sb * (A + 2 * G) * D
+    copies = 2 * sb * (A + 2 * G) * D + 2 * sb * A * D  # Triton: contiguous q, k, v + kernel output
+    assert layer_bytes(torch_attention) - layer_bytes(LLAMA) == rotated + qkv - copies
+
+
+def test_gpt_layer_on_cuda_closed_form():
+    """GPT (LayerNorm with fp32 stats, GELU, biases, dropout 0.1 -> bool masks on CUDA, flash):
+    2sbh (LN1 in) + 2sbh (QKV in) + 6sbh (QKV out: q, k, v views) + 2sbh (attention out) + sbh (mask)
+    + 2sbh (LN2 in) + 2sbh (fc1 in) + 8sbh (fc1 out) + 8sbh (fc2 in) + sbh (mask) + 4 x 4sb (LN stats)
+    + 4 b a s (lse)."""
+    s, b, h, a = 1024, B, 1024, 16
+    sbh = s * b * h
+    assert layer_bytes(GPT) == 34 * sbh + 16 * s * b + 4 * b * a * s
+
+
+def test_cpu_math_attention_keeps_s_squared_terms():
+    """With dropout on CPU, SDPA runs the math path: softmax, dropout noise and dropped probabilities
+    [b, a, s, s] in fp32 -- 12 b a s^2 bytes that grow quadratically."""
+    fp32 = dataclasses.replace(GPT, params_dtype=torch.float32)  # no constant-size fp32 weight copies in the norms
+    small = dataclasses.replace(fp32, seq_length=128, max_position_embeddings=256)
+    double = dataclasses.replace(fp32, seq_length=256, max_position_embeddings=256)
+    quad = lambda c: 12 * B * 16 * c.seq_length ** 2  # noqa: E731
+    linear_small = layer_bytes(small, device="cpu") - quad(small)
+    linear_double = layer_bytes(double, device="cpu") - quad(double)
+    assert linear_double == 2 * linear_small
+    assert resolve_kernels(small, "cpu").attention == "math"
+    assert resolve_kernels(dataclasses.replace(small, attention_dropout=0.0), "cpu").attention == "flash"
+
+
+def test_kernel_choices_by_device():
+    """Following kernels/dispatch.py: Triton on CUDA where the kernel takes the shape and dtype
+    (attention: no dropout, fp16/bf16, head dims it supports), torch otherwise; torch on CPU."""
+    cpu, cuda = resolve_kernels(GPT, "cpu"), resolve_kernels(GPT, "cuda")
+    assert (cpu.dropout_mask_bytes, cuda.dropout_mask_bytes) == (2, 1)
+    assert (cpu.norm, cuda.norm) == ("torch", "triton")
+    assert (cpu.torch_rms_norm, cuda.torch_rms_norm) == ("composite", "fused")
+    assert (cpu.attention, cuda.attention) == ("math", "flash")  # GPT has attention dropout
+    assert resolve_kernels(LLAMA, "cpu").attention == "flash"
+    fp32_gqa = dataclasses.replace(LLAMA, params_dtype=torch.float32)
+    assert resolve_kernels(fp32_gqa, "cuda").attention == "math"
+    assert resolve_kernels(dataclasses.replace(GPT, params_dtype=torch.float32, attention_dropout=0.0),
+                           "cuda").attention == "efficient"
+    assert resolve_kernels(dataclasses.replace(LLAMA, normalization_impl="torch"), "cuda").norm == "torch"
+    assert resolve_kernels(GPT, "cuda", attention="math").attention == "math"
+    with pytest.raises(ValueError, match="attention implementation"):
+        resolve_kernels(GPT, "cuda", attention="sdpa")
+
+
+def test_ledger_counts_a_storage_once():
+    led = Ledger()
+    led.save("qkv", 10)
+    led.save("qkv", 10)
+    led.save("out", 5)
+    assert led.total == 15
+    with pytest.raises(AssertionError):
+        led.save("qkv", 11)
+
+
+def _chunk_bytes(config, **layout):
+    lay = MemoryLayout(micro_batch_size=B, **layout)
+    model = ActivationModel(config, lay, resolve_kernels(config, lay.device_type))
+    return model.chunk(Chunk(0, tuple(range(config.num_layers)), False, False))
+
+
+def test_full_recomputation_keeps_group_inputs_only():
+    residual = S * B * H * 2
+    uniform = dataclasses.replace(LLAMA, recompute_granularity="full", recompute_method="uniform",
+                                  recompute_num_layers=2)
+    result = _chunk_bytes(uniform)
+    assert result.bytes == 2 * residual  # two groups of two layers: their inputs (the first is the chunk input)
+    assert result.recompute_working_bytes == 2 * layer_bytes(LLAMA) - residual  # the second layer's input recomputed
+    block = dataclasses.replace(uniform, recompute_method="block", recompute_num_layers=1)
+    plain = _chunk_bytes(LLAMA).bytes
+    assert _chunk_bytes(block).bytes == plain - layer_bytes(LLAMA) + residual
+
+
+def test_selective_recomputation_keeps_core_attention_inputs():
+    """Selective: the checkpointed core attention keeps its inputs (q_rot, k_rot and v, a view that keeps
+    the whole QKV output) and the projection input, nothing inside. With SDPA flash that saves the lse;
+    with our Triton kernel it *costs* memory: the kernel alone keeps only contiguous q, k, v copies, its
+    output and the lse, while the checkpoint's inputs hold s b g d more (the k part of the QKV output)."""
+    lse = 4 * B * A * S
+    for backend, saved in (("torch", lse), ("auto", lse - 2 * S * B * G * D)):
+        plain = dataclasses.replace(LLAMA, attention_backend=backend)
+        selective = dataclasses.replace(plain, recompute_granularity="selective")
+        assert layer_bytes(plain) - layer_bytes(selective) == saved
+    gpt_cpu = layer_bytes(GPT, device="cpu") - layer_bytes(dataclasses.replace(GPT, recompute_granularity="selective"),
+                                                           device="cpu")
+    assert gpt_cpu > 12 * B * 16 * 1024 ** 2  # the s^2 probabilities are gone
+
+
+def test_recompute_groups_follow_the_block():
+    full = dataclasses.replace(LLAMA, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+    assert recompute_groups(full, 4) == [(0, 3, True), (3, 4, True)]
+    block = dataclasses.replace(full, recompute_method="block", recompute_num_layers=1)
+    assert recompute_groups(block, 3) == [(0, 1, True), (1, 2, False), (2, 3, False)]
+    assert recompute_groups(LLAMA, 4) == [(0, 4, False)]
+
+
+def test_first_and_last_stage_extras():
+    """First stage: token ids; last stage: the fp32 softmax over the local vocabulary dominates."""
+    lay = MemoryLayout(micro_batch_size=B)
+    model = ActivationModel(LLAMA, lay, resolve_kernels(LLAMA, "cuda"))
+    middle = model.chunk(Chunk(0, (0,), False, False)).bytes
+    first = model.chunk(Chunk(0, (0,), True, False)).bytes
+    last = model.chunk(Chunk(0, (0,), False, True)).items
+    assert first - middle == B * S * 8
+    assert last["softmax"] == S * B * 128256 * 4
+    assert last["loss_mask"] == B * S * 4

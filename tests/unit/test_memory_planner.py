@@ -1,0 +1,75 @@
+"""The step-time model and the layout planner."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.memory import MemoryLayout
+from megatron.core.memory.planner import Search, enumerate_layouts, plan
+from megatron.core.memory.step_time import Hardware, bubble_units, step_time
+from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.transformer.config import TransformerConfig
+
+MODEL = TransformerConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
+                          vocab_size=32000, seq_length=2048, normalization="RMSNorm", position_embedding_type="rope",
+                          swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                          attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.bfloat16)
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (4, 2), (2, 4)])
+def test_bubble_is_proportional_and_stops_growing_with_m(p, v):
+    """What `bubble_units` relies on: idle time = units x (forward + backward) for any backward/forward
+    ratio, and the same for every m >= p (multiples of p for interleaving)."""
+    for ratio in (1.5, 2.0, 3.0):
+        for m in (p, 3 * p, 6 * p):
+            idle = simulate(p, v, m, forward_time=1.0, backward_time=ratio).makespan - v * m * (1 + ratio)
+            assert idle == pytest.approx(bubble_units(p, v, 6 * p, None) * (1 + ratio))
+    assert bubble_units(p, v, 6 * p, None) == pytest.approx(p - 1)
+
+
+def test_step_time_components():
+    one = step_time(MODEL, MemoryLayout(num_microbatches=8))
+    assert (one.tp_comm_s, one.dp_comm_s, one.bubble_s) == (0.0, 0.0, 0.0)
+    tp = step_time(dataclasses.replace(MODEL, tensor_model_parallel_size=2, sequence_parallel=True),
+                   MemoryLayout(tp=2, num_microbatches=8))
+    assert tp.tp_comm_s > 0 and tp.compute_s == pytest.approx(one.compute_s / 2)
+    pp = step_time(MODEL, MemoryLayout(pp=4, num_microbatches=8))
+    vpp = step_time(MODEL, MemoryLayout(pp=4, virtual_stages=2, num_microbatches=8))
+    assert vpp.bubble_s == pytest.approx(pp.bubble_s / 2, rel=0.05)  # p2p time is per chunk, not halved
+    full = step_time(dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=1), MemoryLayout(num_microbatches=8))
+    assert full.compute_s > one.compute_s
+    dp = step_time(MODEL, MemoryLayout(dp=8, num_microbatches=1))
+    assert dp.dp_comm_s > 0
+
+
+def test_enumeration_is_valid_and_complete():
+    layouts = list(enumerate_layouts(MODEL, 8, 32, Search(micro_batch_sizes=(1, 2)), Hardware()))
+    assert layouts
+    for config, layout, name in layouts:
+        assert layout.world_size == 8
+        assert config.tensor_model_parallel_size == layout.tp
+        assert config.sequence_parallel == (layout.tp > 1)
+        assert 32 % (layout.micro_batch_size * layout.dp) == 0
+        assert config.num_layers % layout.stages == 0
+    shapes = {(lay.tp, lay.pp, lay.virtual_stages) for _, lay, _ in layouts}
+    assert {(1, 1, 1), (8, 1, 1), (2, 4, 2), (1, 8, 1)} <= shapes
+    assert all(lay.cp == 1 for _, lay, _ in layouts)
+
+
+def test_plan_drops_what_does_not_fit_and_sorts_by_time():
+    fitting, rejected = plan(MODEL, 8, 32, 6 * GIB, search=Search(micro_batch_sizes=(1, 2)))
+    assert fitting and rejected
+    assert all(c.estimate.max_total_bytes <= 0.8 * 6 * GIB for c in fitting)
+    times = [c.time.total_s for c in fitting]
+    assert times == sorted(times)
+    none, _ = plan(MODEL, 8, 32, GIB // 100)
+    assert none == []
+
+
+def test_search_restrictions():
+    search = Search(tps=(2,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",))
+    layouts = list(enumerate_layouts(MODEL, 8, 32, search, Hardware()))
+    assert {(lay.tp, lay.pp, lay.dp, name) for _, lay, name in layouts} == {(2, 2, 2, "none")}
+    assert {lay.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}

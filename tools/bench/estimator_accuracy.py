@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Memory estimate vs. measurement, per rank, on CPU (gloo ranks), for tiny GPT and Llama runs.
+
+    python tools/bench/estimator_accuracy.py
+
+Layouts: DP, TP, TP+SP, PP, interleaved PP, full and selective recomputation, fp32 and
+bf16; GPT with dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path),
+and, when the Triton interpreter is available, our Triton attention and norm kernels.
+
+Measured on each rank after one training iteration (so Adam state exists):
+- parameters / weights: the model chunks' parameters; gradients: the DDP
+  `main_grad` buffers (plus any `param.grad` left); optimizer: fp32 master copies
+  that are not model parameters, and every tensor in AdamW's state;
+- activations: unique storages that autograd saves for backward, seen by
+  `torch.autograd.graph.saved_tensors_hooks` around each forward of the
+  pipeline executor, parameters excluded, plus the p2p-received input the
+  executor holds until that backward; summed over the (microbatch, chunk)
+  forwards alive at each point of the schedule, and the peak taken.
+The estimate is `estimate_memory` for the same RunConfig on device type "cpu".
+Transients are not measured (CPU has no allocator statistics).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels run on CPU tensors
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from kernels.dispatch import INTERPRETER  # noqa: E402
+from megatron.core.memory.estimator import estimate_memory  # noqa: E402
+from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.memory_check import layout_from_run  # noqa: E402
+from megatron.training.training import Trainer  # noqa: E402
+
+BASE = ["--num-layers", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "1", "--mock-data", "--vocab-size", "100"]
+MODELS = {  # GPT keeps its dropout (CPU attention takes the math path); Llama has none (CPU flash path)
+    "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4"]),
+    "llama": (LLAMA_DEFAULTS, ["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+                               "--num-query-groups", "4", "--ffn-hidden-size", "96"]),
+    # head dim 64, which our Triton flash-attention kernel takes; 2 layers, 2 microbatches (interpreter speed)
+    "llama-d64": (LLAMA_DEFAULTS, ["--hidden-size", "128", "--num-attention-heads", "2", "--ffn-hidden-size", "192",
+                                   "--num-layers", "2", "--global-batch-size", "4"]),
+}
+TP2, SP, PP2, VPP2 = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
+                      ["--pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"])
+FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+SELECTIVE = ["--recompute-granularity", "selective"]
+BF16 = ["--bf16"]
+TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
+# world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
+LAYOUTS = {
+    **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
+    2: [("dp2", "gpt", []), ("dp2-bf16", "llama", BF16), ("tp2", "gpt", TP2), ("tp2-sp", "llama", TP2 + SP),
+        ("tp2-sp-selective", "gpt", TP2 + SP + SELECTIVE), ("pp2-vpp2", "llama", PP2 + VPP2),
+        ("pp2-vpp2-full-uniform", "gpt", PP2 + VPP2 + FULL_UNIFORM),
+        ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16)],
+    4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
+        ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16)],
+}
+COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+
+
+def _storage(t: torch.Tensor):
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _unique_bytes(tensors) -> int:
+    return sum(dict(_storage(t) for t in tensors).values())
+
+
+class SavedTensorMeter:
+    """Wraps a PipelineExecutor's forward / backward to track the saved activations alive."""
+
+    def __init__(self, executor, params):
+        self.param_ptrs = {_storage(p)[0] for p in params}
+        self.live: dict = {}
+        self.peak_bytes = self.peak_microbatches = 0
+        forward, backward = executor._forward, executor._backward
+
+        def metered_forward(action, inputs, batch, stats, scale):
+            key = (action.microbatch, action.chunk)
+            storages = self.live.setdefault(key, {})
+
+            def pack(t):
+                ptr, nbytes = _storage(t)
+                if ptr not in self.param_ptrs:
+                    storages[ptr] = nbytes
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(action, inputs, batch, stats, scale)
+            if key in inputs:  # the p2p-received input, held by the executor until this backward
+                storages.setdefault(*_storage(inputs[key]))
+            self._mark()
+            return out
+
+        def metered_backward(action, *args):
+            backward(action, *args)
+            self.live.pop((action.microbatch, action.chunk))
+
+        executor._forward, executor._backward = metered_forward, metered_backward
+
+    def _mark(self) -> None:
+        union = {ptr: n for storages in self.live.values() for ptr, n in storages.items()}
+        self.peak_bytes = max(self.peak_bytes, sum(union.values()))
+        self.peak_microbatches = max(self.peak_microbatches, len(self.live))
+
+
+def measure(trainer: Trainer) -> dict:
+    params = [p for chunk in trainer.chunks for p in chunk.module.parameters()]
+    meter = SavedTensorMeter(trainer.executor, params)
+    trainer.train_step(1)
+    optimizer = trainer.optimizer
+    model_ptrs = {_storage(p)[0] for p in params}
+    masters = [p for p in optimizer.main_params if _storage(p)[0] not in model_ptrs]
+    state = [t for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    grads = [c.buffer.data for c in trainer.chunks] + [p.grad for p in params if p.grad is not None]
+    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(params),
+            "grads_bytes": _unique_bytes(grads), "optimizer_bytes": _unique_bytes(masters + state),
+            "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
+
+
+def run_config(model: str, flags: list[str], world_size: int):
+    defaults, model_flags = MODELS[model]
+    return parse_run_config(BASE + model_flags + flags, defaults, world_size)
+
+
+def estimate(model: str, flags: list[str], world_size: int, pp_rank: int) -> dict:
+    run = run_config(model, flags, world_size)
+    rank = estimate_memory(run.model, layout_from_run(run, "cpu")).ranks[pp_rank]
+    return {name: getattr(rank, name) for name in COMPONENTS + ("peak_microbatches",)}
+
+
+def measure_layouts(rank: int, layouts: list) -> list[dict]:
+    """On every rank of a gloo world: measure each layout, return (pp rank, measured) per layout."""
+    out = []
+    for _, model, flags in layouts:
+        trainer = Trainer(run_config(model, flags, dist.get_world_size()), torch.device("cpu"))
+        out.append({"pp_rank": trainer.mesh.pp_rank, "measured": measure(trainer)})
+    return out
+
+
+def compare(world_size: int, layouts: list, per_rank: list) -> list[dict]:
+    """One row per (layout, rank): measured, estimated and relative error of each component."""
+    rows = []
+    for index, (name, model, flags) in enumerate(layouts):
+        for rank, results in enumerate(per_rank):
+            got = results[index]
+            expected = estimate(model, flags, world_size, got["pp_rank"])
+            rows.append({"layout": f"{model} {name}", "rank": rank, "pp_rank": got["pp_rank"],
+                         "measured": got["measured"], "estimate": expected})
+    return rows
+
+
+def relative_error(measured: int, estimated: int) -> float:
+    return (estimated - measured) / measured if measured else float(estimated != 0)
+
+
+def _cells(m: dict, e: dict) -> list[str]:
+    cells = [f"{m[c]:,} / {e[c]:,}" for c in COMPONENTS[:4]]
+    cells.append(f"{m['activations_bytes']:,} / {e['activations_bytes']:,} "
+                 f"({relative_error(m['activations_bytes'], e['activations_bytes']):+.2%})")
+    return cells + [f"{m['peak_microbatches']} / {e['peak_microbatches']}"]
+
+
+def main() -> int:
+    from tests.distributed import run_distributed
+
+    print("Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n")
+    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | activations (error) "
+          "| microbatch-chunks in flight |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for world, layouts in LAYOUTS.items():
+        grouped: dict = {}
+        for row in compare(world, layouts, run_distributed(world, measure_layouts, layouts)):
+            m, e = row["measured"], row["estimate"]
+            worst = max([worst] + [abs(relative_error(m[c], e[c])) for c in COMPONENTS])
+            key = (row["layout"], row["pp_rank"], tuple(_cells(m, e)))
+            grouped.setdefault(key, []).append(str(row["rank"]))
+        for (layout, pp_rank, cells), ranks in grouped.items():
+            print(f"| {layout} | {world} | {','.join(ranks)} ({pp_rank}) | " + " | ".join(cells) + " |")
+    print(f"\nlargest relative error over all components and ranks: {worst:.4%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Estimate the peak memory of every rank of a training run before launching it.
+
+    python tools/estimate_memory.py --num-gpus 8 --model-family llama --device-memory-gb 80 \\
+        --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 \\
+        --seq-length 4096 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 64 --bf16 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+
+Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
+(--model-family picks whose defaults) plus --num-gpus (the world size), and
+accepts --use-distributed-optimizer and --context-parallel-size, which the
+trainer does not have yet. Prints one row per pipeline rank (weights, grads,
+optimizer, activations, transients, total, % of device), or --json.
+
+Exit status: 0 when the worst rank is <= 80% of device memory (or no device
+memory is known), 1 when above, 2 on invalid input (one error line).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron.core.memory.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
+from megatron.training.arguments import GPT_DEFAULTS, build_parser  # noqa: E402
+from megatron.training.memory_check import (  # noqa: E402
+    device_memory_bytes,
+    format_table,
+    layout_from_run,
+    parse_tool_command_line,
+    tool_parser,
+)
+
+PROG = "tools/estimate_memory.py"
+
+
+def main(argv: list[str]) -> int:
+    parser = tool_parser(PROG, "Per-rank memory estimate of a pretrain_*.py run")
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        build_parser(GPT_DEFAULTS, "pretrain_*.py flags").print_help()
+        return 0
+    try:
+        args, run = parse_tool_command_line(parser, argv)
+        layout = layout_from_run(run, args.device_type, cp=args.context_parallel_size,
+                                 distributed_optimizer=args.use_distributed_optimizer)
+        estimate = estimate_memory(run.model, layout)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_bytes = device_memory_bytes(device, args.device_memory_gb)
+    if args.json:
+        print(json.dumps(estimate.to_dict(device_bytes, DEFAULT_THRESHOLD), indent=2))
+    else:
+        for line in format_table(estimate, device_bytes):
+            print(line)
+        if args.use_distributed_optimizer or args.context_parallel_size > 1:
+            print("> note: the distributed optimizer and context parallelism are estimated only; "
+                  "the trainer does not run them yet")
+        if device_bytes is None:
+            print("> no device memory known: pass --device-memory-gb to check the estimate")
+        else:
+            verdict = "fits" if estimate.fits(device_bytes) else "does NOT fit"
+            print(f"> {verdict}: worst rank {estimate.max_total_bytes / device_bytes:.1%} of device memory "
+                  f"(threshold {DEFAULT_THRESHOLD:.0%})")
+    if device_bytes is None:
+        return 0
+    return 0 if estimate.fits(device_bytes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
