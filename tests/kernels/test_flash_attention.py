@@ -14,26 +14,9 @@ import torch
 
 from kernels import dispatch
 from kernels import flash_attention as fa
+from tests.kernels.checks import TOL, assert_close
 
 pytest.importorskip("triton")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    monkeypatch.setattr(dispatch, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"),
-                                                                                   dtype=dtype, device=device))
-
-
-@pytest.fixture
-def seed():
-    return torch.seed()  # a fresh seed, reported on failure
-
-
-def assert_close(name, actual, expected, tol, seed):
-    """Max abs error relative to the largest reference value; NaN never passes."""
-    err = ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
-    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} (seed {seed})"
 
 
 def qkv(batch, s_q, s_k, heads, kv_heads, head_dim, dtype):

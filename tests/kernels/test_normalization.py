@@ -8,29 +8,11 @@ allocator is patched), so an element a kernel fails to write fails the compariso
 import pytest
 import torch
 
-from kernels import dispatch
 from kernels import normalization as nm
+from tests.kernels.checks import TOL, assert_close
 
 pytest.importorskip("triton")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 EPS = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    monkeypatch.setattr(dispatch, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"),
-                                                                                   dtype=dtype, device=device))
-
-
-@pytest.fixture
-def seed():
-    return torch.seed()  # a fresh seed, reported on failure
-
-
-def assert_close(name, actual, expected, tol, seed):
-    """Max abs error relative to the largest reference value; NaN never passes."""
-    err = ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
-    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} (seed {seed})"
 
 
 def run_norm(kind, impl, x, weight, bias, residual):

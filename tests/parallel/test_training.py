@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments import parse_run_config
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, train

@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.sharding import InitSpec, make_param
+from megatron.core.tensor_parallel.sharding import InitSpec
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.layer import hidden_dropout
 from megatron.core.transformer.rotary import rotary_frequencies
