@@ -64,6 +64,8 @@ def _parallel_flags(p):
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
@@ -121,6 +123,9 @@ def _refuse_unbuilt(args) -> None:
         (args.context_parallel_size != 1, "--context-parallel-size > 1: context parallelism is not built yet"),
         (args.use_distributed_optimizer, "--use-distributed-optimizer: the distributed optimizer is not built yet"),
         (bool(args.data_path), "--data-path: indexed datasets are not built yet; use --mock-data"),
+        (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None,
+         "--decoder-first/last-pipeline-num-layers: uneven pipeline splits are not supported; --num-layers must "
+         "divide evenly by pipeline stages x virtual stages"),
     ]
     for condition, message in unbuilt:
         if condition:

@@ -108,8 +108,7 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         if last_rank:
             for line in startup_summary(trainer, backend, paths) + memory_lines:
                 print(line, flush=True)
-            print(f"> parameters per rank: {counts} (total across pipeline stages of one model replica "
-                  f"depends on tp sharding)", flush=True)
+            print(f"> parameters per rank (rank order): {counts}", flush=True)
         train(trainer, emit=(lambda line: print(line, flush=True)) if last_rank else (lambda line: None))
     finally:
         dist.destroy_process_group()

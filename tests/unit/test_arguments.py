@@ -41,6 +41,10 @@ ERRORS = [
     (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
     (["--normalization", "BatchNorm"], 1, "invalid choice: 'BatchNorm'"),
     (["--device-memory-gb", "0"], 1, "--device-memory-gb must be > 0"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
+     "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], 2,
+     "uneven pipeline splits are not supported"),
 ]
 
 

@@ -104,6 +104,9 @@ class TransformerConfig:
             ("--num-query-groups", self.num_query_groups),
             ("--ffn-hidden-size", self.ffn_hidden_size),
         )
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
+                             f"({tp}) with --sequence-parallel (each tp rank holds an equal sequence shard)")
         for flag, value in checks:
             if value % tp:
                 hint = ""
