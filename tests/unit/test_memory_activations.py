@@ -35,19 +35,17 @@ def layer_bytes(config, tp=1, device="cuda", **layout):
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_llama_layer_on_cuda_against_the_paper(t):
     """Paper (Fujii et al., bf16, flash, SP, no dropout): s b h (12 + 4k/a + 8 f/h) / t bytes per layer.
-    With our Triton kernels (attention, norms) our layer adds what the code really keeps: the
-    column-parallel inputs all-gathered over the full sequence (2 x 2sbh (1 - 1/t)), a second copy of
+    With our Triton kernels (attention, norms) our layer adds what the code really keeps: a second copy of
     the attention output (the kernel keeps its [b, s, a, d] output, the projection a reshaped copy),
     RMSNorm's fp32 rstd, the kernel's fp32 log-sum-exp, and RoPE's fp32 cos/sin."""
     assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton"
     sbh = S * B * H
     paper = sbh * (12 + 4 * G / A + 8 * F / H) / t
-    gathered_excess = 2 * 2 * sbh * (1 - 1 / t)
     output_copy = 2 * S * B * A * D / t
     rstd = 2 * 4 * S * B / t
     lse = 4 * B * A * S / t
     rope = 4 * S * D * 4
-    assert layer_bytes(LLAMA, t) == paper + gathered_excess + output_copy + rstd + lse + rope
+    assert layer_bytes(LLAMA, t) == paper + output_copy + rstd + lse + rope
 
 
 def test_llama_layer_with_torch_sdpa_on_cuda():

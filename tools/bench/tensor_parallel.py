@@ -8,7 +8,10 @@ Analytic (forward + backward, per layer, activations of s*b*h elements):
 - without SP: 4 all-reduces (2 forward: after attention and MLP; 2 backward: the
   inputs of the QKV and fc1 projections);
 - with SP: 4 all-gathers + 4 reduce-scatters of the full s*b*h tensor, which move
-  the same bytes as the 4 all-reduces (an all-reduce = reduce-scatter + all-gather).
+  the same bytes as the 4 all-reduces (an all-reduce = reduce-scatter + all-gather),
+  plus 2 all-gathers in backward that re-gather the inputs of the QKV and fc1
+  projections: like Megatron, we save only their sequence shards (1/tp of the
+  activation memory) and gather again for the weight gradients.
 Counted sizes: an all-reduce's input, an all-gather's full output, a reduce-scatter's
 full input. The "ring bytes" column counts an all-reduce as RS + AG, i.e. 2x.
 """
@@ -71,7 +74,7 @@ def measure(world: int, args, sequence_parallel: bool) -> dict:
 def analytic(args, sequence_parallel: bool) -> dict:
     volume = args.seq_length * args.micro_batch_size * args.hidden_size * 4  # fp32 bytes
     if sequence_parallel:
-        return {"all_gather": 4 * volume, "reduce_scatter": 4 * volume}
+        return {"all_gather": (4 + 2) * volume, "reduce_scatter": 4 * volume}
     return {"all_reduce": 4 * volume}
 
 

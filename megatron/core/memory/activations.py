@@ -9,9 +9,9 @@ choices documented in megatron/core/memory/kernels.py. Sizes per microbatch
 (b = micro batch, s = sequence on this cp rank, t = tp, p = weight bytes):
 
 - the residual stream is [s/t, b, h] under sequence parallelism, else [s, b, h];
-- column-parallel layers under SP save their *all-gathered* input [s, b, h]
-  (our ColumnParallelLinear gathers before F.linear; Megatron instead saves the
-  shard and gathers again in backward), without SP the norm output [s, b, h];
+- column-parallel layers save their input as it arrives: the norm output, a
+  sequence shard [s/t, b, h] under SP (the layer gathers it again in backward,
+  as Megatron does), else [s, b, h];
 - QKV output [s, b, (a + 2g) d / t]; attention per `KernelChoice.attention`;
   output-projection input [s, b, a d / t]; MLP: fc1 output, (SwiGLU: silu output),
   fc2 input; hidden dropout saves a mask of the residual's size;
@@ -128,9 +128,9 @@ class ActivationModel:
             led.save(f"{name}.normalized", rows * d.h * FP32)
         return f"{name}.out"
 
-    def _column_input(self, led: Ledger, name: str, norm_out: str) -> None:
+    def _column_input(self, led: Ledger, norm_out: str) -> None:
         d = self.dims
-        led.save(f"{name}.gathered" if d.sp else norm_out, d.s * d.b * d.h * d.p)
+        led.save(norm_out, d.s_res * d.b * d.h * d.p)
 
     def _dropout(self, led: Ledger, name: str) -> None:
         if self.config.hidden_dropout > 0.0:
@@ -186,10 +186,10 @@ class ActivationModel:
     def layer(self, led: Ledger, i: int, x_tag: str) -> tuple[str, int]:
         """Saves of global layer i whose input is `x_tag`; returns (output tag, recompute bytes)."""
         d, cfg = self.dims, self.config
-        self._column_input(led, f"{i}.qkv_in", self._norm(led, f"{i}.ln1", x_tag))
+        self._column_input(led, self._norm(led, f"{i}.ln1", x_tag))
         core = self._attention(led, i, cfg.recompute_granularity == "selective")
         self._dropout(led, f"{i}.drop1")
-        self._column_input(led, f"{i}.fc1_in", self._norm(led, f"{i}.ln2", f"{i}.mid"))
+        self._column_input(led, self._norm(led, f"{i}.ln2", f"{i}.mid"))
         sb = d.s * d.b
         led.save(f"{i}.fc1_out", sb * (2 if cfg.swiglu else 1) * d.ffn * d.p)
         if cfg.swiglu:
@@ -212,7 +212,7 @@ class ActivationModel:
 
     def head(self, led: Ledger, x_tag: str) -> None:
         d = self.dims
-        self._column_input(led, "output_layer_in", self._norm(led, "final_norm", x_tag))
+        self._column_input(led, self._norm(led, "final_norm", x_tag))
         led.save("softmax", d.s * d.b * d.vocab * FP32)
         led.save("target", d.s * d.b * INT64)
         led.save("target_outside", d.s * d.b * BOOL)

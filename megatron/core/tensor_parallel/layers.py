@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.mappings import (
+    all_gather_sequence,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, make_param
@@ -28,6 +29,29 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by {denominator}")
     return numerator // denominator
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b, saving only the sequence shard x (not the gathered
+    input): backward gathers x again for the weight gradient, as Megatron does, so sequence
+    parallelism keeps 1/tp of each column-parallel layer's input. Backward also
+    reduce-scatters the input gradient back to sequence shards."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        gathered = all_gather_sequence(x, ctx.group)
+        grad_weight = grad_out.flatten(0, -2).t().mm(gathered.flatten(0, -2))
+        del gathered
+        grad_bias = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
+        grad_input = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group)
+        return grad_input, grad_weight, grad_bias, None
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -65,10 +89,9 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
+            y = _SequenceGatheredLinear.apply(x, weight, self.bias, self.tp_group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

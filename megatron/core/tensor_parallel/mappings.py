@@ -97,6 +97,11 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+# Plain (non-autograd) sequence collectives, for autograd Functions that schedule their own.
+all_gather_sequence = _gather_first
+reduce_scatter_sequence = _reduce_scatter_first
+
+
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
