@@ -67,3 +67,30 @@ def test_layout_matches_one_process(results, world, layout, model):
             assert torch.equal(weight, shard(reference["initial"][name][0], spec)), f"rank {rank} init {name}"
             seen.add(name)
     assert seen == set(reference["grads"]), f"parameters missing from the layout: {set(reference['grads']) - seen}"
+
+
+PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
+LOW_PRECISION_LAYOUTS = {"tp2-sp": TP2 + SP, "pp2-vpp2": PP2 + VPP}
+
+
+@pytest.fixture(scope="module")
+def low_precision_results():
+    runs = {1: [("reference", p) for p in PRECISIONS], 2: [(l, p) for l in LOW_PRECISION_LAYOUTS for p in PRECISIONS]}
+    out = {}
+    for world, names in runs.items():
+        flags = [("llama", PRECISIONS[p] + ([] if l == "reference" else LOW_PRECISION_LAYOUTS[l])) for l, p in names]
+        per_rank = run_distributed(world, train_many, flags)
+        for index, name in enumerate(names):
+            out[name] = per_rank[-1][index]["losses"]
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LOW_PRECISION_LAYOUTS))
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_low_precision_layout_tracks_one_process(low_precision_results, layout, precision):
+    """bf16 / fp16 weights with fp32 master weights and reduction: the same losses as one
+    process up to the low-precision rounding of different summation orders."""
+    reference = low_precision_results[("reference", precision)]
+    losses = low_precision_results[(layout, precision)]
+    for it, (loss, expected) in enumerate(zip(losses, reference), start=1):
+        assert abs(loss - expected) <= 2e-3 * abs(expected), f"iteration {it}: {loss} vs {expected}"
