@@ -35,6 +35,19 @@ def _row_base(b, head, n_rows, n_heads, HEAD_DIM: tl.constexpr):
 
 
 @jit
+def _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's query block of one (batch, head): its first row, batch index, head, the
+    offsets of the q rows and of its K/V head, row indices and head-dim indices."""
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    kv_head = head // (n_heads // n_kv_heads)
+    q_base = _row_base(b, head, s_q, n_heads, HEAD_DIM)
+    kv_base = _row_base(b, kv_head, s_k, n_kv_heads, HEAD_DIM)
+    return start_m, b, head, q_base, kv_base, start_m + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+
+
+@jit
 def _load_tile(base, rows, row_stride, cols, n_rows, MASK: tl.constexpr, COMPUTE: tl.constexpr):
     """Load a [rows, cols] tile (rows past n_rows read as 0 when MASK) and convert it to COMPUTE."""
     ptrs = base + rows[:, None] * row_stride + cols[None, :]
@@ -113,15 +126,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, kv_stride, offs_m, offs_d, s_k,
 def _attn_fwd_kernel(Q, K, V, O, LSE, s_q, s_k, n_heads, n_kv_heads, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
-    kv_head = head // (n_heads // n_kv_heads)
-    q_base = _row_base(b, head, s_q, n_heads, HEAD_DIM)
-    kv_base = _row_base(b, kv_head, s_k, n_kv_heads, HEAD_DIM)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-
+    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM,
+                                                                     BLOCK_M)
     q = _load_tile(Q + q_base, offs_m, n_heads * HEAD_DIM, offs_d, s_q, True, COMPUTE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -231,15 +237,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_d,
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, n_heads, n_kv_heads, qk_scale, softmax_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
-    kv_head = head // (n_heads // n_kv_heads)
-    q_base = _row_base(b, head, s_q, n_heads, HEAD_DIM)
-    kv_base = _row_base(b, kv_head, s_k, n_kv_heads, HEAD_DIM)
+    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM,
+                                                                     BLOCK_M)
     q_stride = n_heads * HEAD_DIM
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     q = _load_tile(Q + q_base, offs_m, q_stride, offs_d, s_q, True, COMPUTE)
     do = _load_tile(DO + q_base, offs_m, q_stride, offs_d, s_q, True, COMPUTE)
     stat_rows = (b.to(tl.int64) * n_heads + head) * s_q + offs_m
