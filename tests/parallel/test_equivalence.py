@@ -15,9 +15,12 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
 VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 
+SMALL_BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets, each reduced when its gradients are ready
+VPP_GROUP4 = ["--num-virtual-stages-per-pipeline-rank", "2", "--microbatch-group-size-per-virtual-pipeline-stage", "4"]
+
 LAYOUTS = {
-    2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP},
-    4: {"dp4": [], "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4},
+    2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-g4": PP2 + VPP_GROUP4},
+    4: {"dp4-buckets": SMALL_BUCKETS, "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4},
     8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP},
 }
 MODELS = ("gpt", "llama")
