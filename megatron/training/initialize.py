@@ -30,12 +30,16 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str | None, timeout_minutes: int, device: torch.device) -> str:
-    """Initialise the default process group; nccl on CUDA, gloo otherwise, unless told."""
+def choose_backend(backend: str | None, device: torch.device) -> str:
+    """nccl on CUDA, gloo otherwise, unless --distributed-backend says; refuse nccl without CUDA."""
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
+    return backend
+
+
+def init_distributed(backend: str, timeout_minutes: int, device: torch.device) -> None:
+    """Initialise the default process group from the launcher's environment."""
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
-    return backend

@@ -12,7 +12,7 @@ from megatron.training.arguments import parse_run_config
 from megatron.training.flops import flops_per_iteration
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
-from megatron.training.initialize import init_distributed, launch_environment, select_device
+from megatron.training.initialize import choose_backend, init_distributed, launch_environment, select_device
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 from megatron.training.training import Trainer, timed_step
 
@@ -83,33 +83,37 @@ def train(trainer: Trainer, emit) -> None:
         totals = IntervalTotals()
 
 
+def _validate(argv, defaults, world_size: int, local_rank: int, prog):
+    """Everything that can be refused before any process group exists: the command line,
+    the backend, forced kernel paths and the memory estimate. Raises ValueError (one line)."""
+    run = parse_run_config(argv, defaults, world_size, prog)
+    device = select_device(local_rank)
+    backend = choose_backend(run.parallel.backend, device)
+    paths = kernel_paths(run.model, device)
+    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
+    return run, device, backend, paths, memory_lines
+
+
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
     rank, world_size, local_rank = launch_environment()
-    last_rank = rank == world_size - 1
-    try:
-        run = parse_run_config(sys.argv[1:] if argv is None else argv, defaults, world_size, prog)
-    except ValueError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    device = select_device(local_rank)
     try:
-        paths = kernel_paths(run.model, device)
-        memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
+        run, device, backend, paths, memory_lines = _validate(
+            sys.argv[1:] if argv is None else argv, defaults, world_size, local_rank, prog)
     except ValueError as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    backend = init_distributed(run.parallel.backend, run.parallel.timeout_minutes, device)
+    init_distributed(backend, run.parallel.timeout_minutes, device)
     try:
         trainer = Trainer(run, device)
         counts = _gather_parameter_counts(trainer)
-        if last_rank:
+        if rank == world_size - 1:
             for line in startup_summary(trainer, backend, paths) + memory_lines:
                 print(line, flush=True)
             print(f"> parameters per rank (rank order): {counts}", flush=True)
-        train(trainer, emit=(lambda line: print(line, flush=True)) if last_rank else (lambda line: None))
+        emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
+        train(trainer, emit=emit)
     finally:
         dist.destroy_process_group()
     return 0

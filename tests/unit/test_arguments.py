@@ -84,6 +84,13 @@ def test_cli_prints_one_error_line_and_exits_2():
         "error: --global-batch-size (3) must be a multiple of --micro-batch-size (2) x data-parallel size (1) = 2"]
 
 
+def test_cli_refuses_nccl_without_cuda():
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--distributed-backend", "nccl"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --distributed-backend nccl needs CUDA devices; use gloo on CPU"]
+
+
 def test_cli_refuses_a_job_that_does_not_fit_unless_told():
     small = TINY + ["--device-memory-gb", "0.001"]
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small, capture_output=True, text=True,
