@@ -132,8 +132,8 @@ def _refuse_unbuilt(args) -> None:
             raise ArgumentError(message)
     if not args.mock_data:
         raise ArgumentError("no training data: pass --mock-data (with --vocab-size)")
-    if args.vocab_size is None:
-        raise ArgumentError("--mock-data needs --vocab-size")
+    if args.vocab_size is None or args.vocab_size < 2:
+        raise ArgumentError(f"--mock-data needs --vocab-size >= 2, got {args.vocab_size}")
 
 
 def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str | None = None) -> RunConfig:

@@ -41,6 +41,8 @@ ERRORS = [
     (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
     (["--normalization", "BatchNorm"], 1, "invalid choice: 'BatchNorm'"),
     (["--device-memory-gb", "0"], 1, "--device-memory-gb must be > 0"),
+    (["--vocab-size", "1"], 1, "--mock-data needs --vocab-size >= 2, got 1"),
+    (["--init-method-std", "0"], 1, "--init-method-std must be > 0"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel"),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], 2,

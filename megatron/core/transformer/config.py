@@ -66,6 +66,8 @@ class TransformerConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "ffn_hidden_size", "kv_channels", "make_vocab_size_divisible_by"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("rotary_base", "norm_epsilon", "init_method_std"):
+            need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         need(self.normalization in NORMALIZATIONS,
              f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
         need(self.position_embedding_type in POSITION_EMBEDDINGS,
