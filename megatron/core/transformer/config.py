@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -126,7 +126,3 @@ class TransformerConfig:
     def output_layer_init_std(self) -> float:
         """Projections into the residual stream are scaled by 1/sqrt(2 L) (GPT-2, Megatron)."""
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
