@@ -58,14 +58,17 @@ class MixedPrecisionOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
 
-    def _found_inf(self) -> bool:
-        flag = torch.zeros(1, device=self.main_params[0].device if self.main_params else None)
-        for param in self.main_params:
-            if not torch.isfinite(param.grad).all():
-                flag.fill_(1.0)
-                break
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _unscale_and_check(self, scale: float) -> bool:
+        """Divide the gradients by the loss scale; True when any rank saw inf/nan.
+        One fused pass and one synchronisation, whatever the number of parameters."""
+        device = self.main_params[0].device if self.main_params else None
+        found_inf = torch.zeros(1, device=device)
+        grads = [p.grad for p in self.main_params]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                            torch.full((1,), 1.0 / scale, device=device))
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return bool(found_inf.item())
 
     @torch.no_grad()
     def step(self) -> StepResult:
@@ -73,9 +76,7 @@ class MixedPrecisionOptimizer:
             main.grad = model.main_grad
         scale = self.loss_scale
         if self.grad_scaler is not None:
-            if scale != 1.0:
-                torch._foreach_mul_([p.grad for p in self.main_params], 1.0 / scale)
-            found_inf = self._found_inf()
+            found_inf = self._unscale_and_check(scale)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._drop_grads()
