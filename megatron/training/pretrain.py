@@ -114,6 +114,7 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
             print(f"> parameters per rank (rank order): {counts}", flush=True)
         emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
         train(trainer, emit=emit)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
     return 0
