@@ -30,7 +30,9 @@ def _child(rank: int, world_size: int, port: int, fn, args, results) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # plain pickle copies tensors by value (the queue's own pickler would share memory
         # through file descriptors that vanish when this process exits)
-        results.put((rank, True, pickle.dumps(fn(rank, *args))))
+        value = pickle.dumps(fn(rank, *args))
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
+        results.put((rank, True, value))
     except BaseException:  # report every failure, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
