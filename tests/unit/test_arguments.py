@@ -23,6 +23,8 @@ ERRORS = [
     (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, "launch a multiple of 4 ranks"),
     (["--global-batch-size", "6"], 4, "--global-batch-size (6) must be a multiple of --micro-batch-size (2) x data-parallel size (4) = 8"),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4,
+     "--ffn-hidden-size (30) is not divisible by --tensor-model-parallel-size (4)"),
     (["--pipeline-model-parallel-size", "3"], 3, "--num-layers (4) must be divisible by the number of pipeline stages"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      "must be a multiple of --num-layers-per-virtual-pipeline-stage (3)"),
