@@ -17,28 +17,25 @@ from tests.distributed import run_distributed
 WORLD = 2
 
 
-def _inputs(rank, shape):
-    """Per-rank input and upstream gradient; every rank can rebuild every rank's tensors."""
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def _run(fn, rank, in_shape, out_shape):
-    x, _ = _inputs(rank, in_shape)
-    x.requires_grad_(True)
-    y = fn(x, dist.group.WORLD)
-    grad = torch.Generator().manual_seed(200 + rank)
-    upstream = torch.randn(out_shape, generator=grad, dtype=torch.float64)
-    y.backward(upstream)
-    return y.detach(), x.grad
+def _input(rank, shape):
+    """Rank `rank`'s input; every rank can rebuild every rank's tensors."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
 
 
 def _upstream(rank, shape):
+    """The gradient rank `rank` feeds into backward."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64)
 
 
+def _run(fn, rank, in_shape, out_shape):
+    x = _input(rank, in_shape).requires_grad_(True)
+    y = fn(x, dist.group.WORLD)
+    y.backward(_upstream(rank, out_shape))
+    return y.detach(), x.grad
+
+
 def check_collectives(rank):
-    xs = [_inputs(r, (4, 2, 6))[0] for r in range(WORLD)]
+    xs = [_input(r, (4, 2, 6)) for r in range(WORLD)]
     cases = {
         # name: (function, output shape, expected forward, expected input gradient)
         "copy": (M.copy_to_tensor_parallel_region, (4, 2, 6), xs[rank],

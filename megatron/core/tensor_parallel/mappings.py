@@ -64,7 +64,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
-    gathered = _gather_first(x.movedim(-1, 0).contiguous(), group)
+    gathered = all_gather_sequence(x.movedim(-1, 0).contiguous(), group)
     return gathered.movedim(0, -1).contiguous()
 
 
@@ -75,7 +75,7 @@ def _split_first(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(n, dim=0)[dist.get_rank(group)].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
@@ -86,7 +86,7 @@ def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
@@ -95,11 +95,6 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     COMM_STATS.add("reduce_scatter", x)
     dist.reduce_scatter_single(out, x, group=group)
     return out
-
-
-# Plain (non-autograd) sequence collectives, for autograd Functions that schedule their own.
-all_gather_sequence = _gather_first
-reduce_scatter_sequence = _reduce_scatter_first
 
 
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
@@ -140,12 +135,12 @@ gather_from_tensor_parallel_region = _region(
     "GatherFromRegion", _gather_last, _split_last,
     "Forward: all-gather along the last dim. Backward: keep this rank's slice.")
 scatter_to_sequence_parallel_region = _region(
-    "ScatterToSequenceRegion", _split_first, _gather_first,
+    "ScatterToSequenceRegion", _split_first, all_gather_sequence,
     "Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather along dim 0.")
 gather_from_sequence_parallel_region = _region(
-    "GatherFromSequenceRegion", _gather_first, _reduce_scatter_first,
+    "GatherFromSequenceRegion", all_gather_sequence, reduce_scatter_sequence,
     "Forward: all-gather along dim 0. Backward: reduce-scatter along dim 0 (the gathered activation "
     "feeds a tensor-parallel matmul, so each rank holds a partial gradient).")
 reduce_scatter_to_sequence_parallel_region = _region(
-    "ReduceScatterToSequenceRegion", _reduce_scatter_first, _gather_first,
+    "ReduceScatterToSequenceRegion", reduce_scatter_sequence, all_gather_sequence,
     "Forward: reduce-scatter along dim 0. Backward: all-gather along dim 0.")
