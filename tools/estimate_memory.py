@@ -10,10 +10,13 @@ Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
 (--model-family picks whose defaults) plus --num-gpus (the world size), and
 accepts --use-distributed-optimizer and --context-parallel-size, which the
 trainer does not have yet. Prints one row per pipeline rank (weights, grads,
-optimizer, activations, transients, total, % of device), or --json.
+optimizer, activations, transients, certain, total, % of device), or --json.
 
-Exit status: 0 when the worst rank is <= 80% of device memory (or no device
-memory is known), 1 when above, 2 on invalid input (one error line).
+Exit status follows the start-up check: 1 when it would refuse the run (the
+certain part of a rank -- weights, grads, optimizer, saved activations --
+exceeds device memory), 0 otherwise, including when only the unmeasured
+allowances exceed it or the estimate is above 80% (both said in the verdict
+line); 2 on invalid input (one error line).
 """
 from __future__ import annotations
 
@@ -28,10 +31,12 @@ import torch  # noqa: E402
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, build_parser  # noqa: E402
 from megatron.training.memory_check import (  # noqa: E402
+    allowance_warning,
     device_memory_bytes,
     format_table,
     layout_from_run,
     parse_tool_command_line,
+    refusal,
     tool_parser,
 )
 
@@ -62,15 +67,25 @@ def main(argv: list[str]) -> int:
         if args.use_distributed_optimizer or args.context_parallel_size > 1:
             print("> note: the distributed optimizer and context parallelism are estimated only; "
                   "the trainer does not run them yet")
-        if device_bytes is None:
-            print("> no device memory known: pass --device-memory-gb to check the estimate")
-        else:
-            verdict = "fits" if estimate.fits(device_bytes) else "does NOT fit"
-            print(f"> {verdict}: worst rank {estimate.max_total_bytes / device_bytes:.1%} of device memory "
-                  f"(threshold {DEFAULT_THRESHOLD:.0%})")
+        print(_verdict(estimate, device_bytes))
+    return 1 if estimate.would_refuse(device_bytes) else 0
+
+
+def _verdict(estimate, device_bytes: int | None) -> str:
+    """One line: the start-up check's decision and why."""
     if device_bytes is None:
-        return 0
-    return 0 if estimate.fits(device_bytes) else 1
+        return "> no device memory known: pass --device-memory-gb to check the estimate"
+    if estimate.would_refuse(device_bytes):
+        return f"> does NOT fit, the start-up check refuses it: {refusal(estimate, device_bytes)}"
+    share = f"worst rank {estimate.max_total_bytes / device_bytes:.1%} of device memory"
+    if estimate.max_total_bytes > device_bytes:
+        return f"> may not fit, the start-up check warns: {allowance_warning(estimate, device_bytes)}"
+    if not estimate.fits(device_bytes):
+        return (f"> may not fit: {share}, above the {DEFAULT_THRESHOLD:.0%} below which no run of Fujii et al. "
+                f"ran out of memory; the start-up check warns")
+    return f"> fits: {share} (threshold {DEFAULT_THRESHOLD:.0%})"
+
+
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 
 Enumerates (tp, cp, pp, virtual stages, dp, micro batch, recomputation) for the
 given GPUs and global batch, drops layouts whose worst-rank memory estimate is
-above 80% of device memory (tools/estimate_memory.py's rule), ranks the rest by
+above 80% of device memory (Fujii et al.'s margin: a recommendation keeps it;
+the start-up check refuses only what certainly cannot fit, and the summary says
+how many dropped layouts it would still start), ranks the rest by
 an analytic step time (megatron/core/memory/step_time.py: compute, tp/cp/dp
 communication, our pipeline schedule's bubble) and prints the top ones.
 
@@ -90,7 +92,7 @@ def main(argv: list[str]) -> int:
         hw = Hardware(peak_tflops=args.peak_tflops, matmul_efficiency=args.matmul_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                       hbm_gbps=args.hbm_gbps, gpus_per_node=args.gpus_per_node)
-        fitting, rejected = plan(run.model, args.num_gpus, run.training.global_batch_size, device_bytes,
+        fitting, rejected, startable = plan(run.model, args.num_gpus, run.training.global_batch_size, device_bytes,
                                  search=search, hw=hw)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -99,13 +101,15 @@ def main(argv: list[str]) -> int:
         print(json.dumps([{"tp": c.layout.tp, "cp": c.layout.cp, "pp": c.layout.pp,
                            "virtual_stages": c.layout.virtual_stages, "dp": c.layout.dp,
                            "micro_batch_size": c.layout.micro_batch_size, "num_microbatches": c.layout.num_microbatches,
-                           "recompute": c.recompute, "max_total_bytes": c.estimate.max_total_bytes,
+                           "recompute": c.recompute, "max_certain_bytes": c.estimate.max_certain_bytes,
+                           "max_total_bytes": c.estimate.max_total_bytes,
                            "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
                           for c in fitting[: args.top]], indent=2))
         return 0 if fitting else 1
     print(f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch "
           f"{run.training.global_batch_size}; {rejected} above {DEFAULT_THRESHOLD:.0%} of "
-          f"{device_bytes / GIB:.2f} GiB dropped; {len(fitting)} fit")
+          f"{device_bytes / GIB:.2f} GiB dropped ({startable} of them would still start: their certain part "
+          f"fits); {len(fitting)} fit")
     if args.context_parallel_size == 1:
         print("> context parallelism is not built in the trainer yet: only cp=1 planned "
               "(--context-parallel-size N plans cp=N, memory and time estimated only)")

@@ -1,8 +1,11 @@
 """Glue between the command line / RunConfig and the memory estimator.
 
 - `check_memory`: what pretrain_*.py runs at start-up: estimate every rank, return
-  the per-rank table as log lines, refuse (ValueError, one line) when the worst
-  rank's estimate exceeds device memory unless told to skip the check;
+  the per-rank table as log lines; refuse (ValueError, one line) only when the
+  certain part of a rank's estimate (weights, gradients, optimizer state, saved
+  activations: what measurement confirms) exceeds device memory, unless told to
+  skip the check; warn, naming the unmeasured allowances, when only the full
+  estimate does. A check that refuses a job that would run is worse than none;
 - `parse_tool_command_line`: the tools' command line: the same model / parallel /
   batch flags as pretrain_*.py (parsed by `parse_run_config`) plus the tools' own,
   accepting features the trainer does not have yet (distributed optimizer, cp > 1)
@@ -20,7 +23,7 @@ from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentEr
 
 GIB = float(1 << 30)
 FAMILIES = {"gpt": GPT_DEFAULTS, "llama": LLAMA_DEFAULTS}
-COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "total")
+COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "certain", "total")
 
 
 def layout_from_run(run, device_type: str, *, cp: int | None = None,
@@ -53,12 +56,14 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     device = f"{_size(device_bytes)} device" if device_bytes else "no device limit"
     scale, unit = (GIB, "GiB") if estimate.max_total_bytes >= GIB else (float(1 << 20), "MiB")
     lines = [f"> memory estimate per rank in {unit} ({layout.describe()}, {estimate.kernels.describe()}, "
-             f"{layout.device_type}, {device}; identical on every tp/cp/dp rank of a pipeline stage):",
-             "  pp rank      parameters " + " ".join(f"{c:>11}" for c in COLUMNS) + "   % device"]
+             f"{layout.device_type}, {device}; identical on every tp/cp/dp rank of a pipeline stage; certain = "
+             f"weights + grads + optimizer + activations, total adds the unmeasured transients):",
+             "  pp rank      parameters " + " ".join(f"{c:>11}" for c in COLUMNS) + "  % device (certain / total)"]
     for r in estimate.ranks:
         values = (r.weights_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.transients_bytes,
-                  r.total_bytes)
-        share = f"{100.0 * r.total_bytes / device_bytes:9.1f}%" if device_bytes else "        -"
+                  r.certain_bytes, r.total_bytes)
+        share = (f"{100.0 * r.certain_bytes / device_bytes:9.1f}% / {100.0 * r.total_bytes / device_bytes:.1f}%"
+                 if device_bytes else "        -")
         lines.append(f"  {r.pp_rank:7d} {r.parameters:15,d} " + " ".join(f"{v / scale:>11.2f}" for v in values)
                      + f"  {share}")
     worst = estimate.worst_rank
@@ -69,29 +74,51 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     return lines
 
 
+def _components(rank) -> str:
+    return (f"weights {_size(rank.weights_bytes)} + grads {_size(rank.grads_bytes)} + optimizer "
+            f"{_size(rank.optimizer_bytes)} + saved activations {_size(rank.activations_bytes)}")
+
+
+def refusal(estimate: MemoryEstimate, device_bytes: int) -> str:
+    """The one-line reason the start-up check refuses a layout (`estimate.would_refuse(device_bytes)`)."""
+    rank = estimate.worst_certain_rank
+    return (f"the certain part of the memory estimate, {_size(rank.certain_bytes)} on pipeline rank {rank.pp_rank} "
+            f"({_components(rank)}), exceeds device memory {_size(device_bytes)}; raise tensor/pipeline "
+            f"parallelism, recompute activations or lower --micro-batch-size (tools/plan_parallelism.py ranks "
+            f"layouts that fit), or pass --skip-memory-check")
+
+
+def allowance_warning(estimate: MemoryEstimate, device_bytes: int) -> str:
+    """Why a layout whose full estimate exceeds device memory still starts, and what may not fit."""
+    rank = estimate.worst_rank
+    allowances = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in rank.allowances().items())
+    return (f"estimated peak {_size(rank.total_bytes)} (pipeline rank {rank.pp_rank}) exceeds device memory "
+            f"{_size(device_bytes)}, but its certain part {_size(rank.certain_bytes)} ({_components(rank)}) fits; "
+            f"the rest are unmeasured allowances, largest first: {allowances}; starting, it may run out of memory")
+
+
 def check_memory(run, device: torch.device, device_memory_gb: float | None, skip: bool) -> list[str]:
-    """Estimate `run` on `device`; return log lines, raise ValueError when it cannot fit."""
+    """Estimate `run` on `device`; return log lines, raise ValueError when its certain part cannot fit."""
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     device_bytes = device_memory_bytes(device, device_memory_gb)
-    lines = format_table(estimate, device_bytes)
+    return format_table(estimate, device_bytes) + [check_estimate(estimate, device_bytes, skip)]
+
+
+def check_estimate(estimate: MemoryEstimate, device_bytes: int | None, skip: bool) -> str:
+    """The start-up check's decision as one log line; ValueError (one line) when it refuses."""
     if device_bytes is None:
-        lines.append("> memory check: no device memory to compare with (CPU without --device-memory-gb); not checked")
-        return lines
-    peak, worst = estimate.max_total_bytes, estimate.worst_rank.pp_rank
-    if peak > device_bytes:
-        message = (f"estimated peak memory {_size(peak)} (pipeline rank {worst}) exceeds device memory "
-                   f"{_size(device_bytes)}; raise tensor/pipeline parallelism, recompute activations or lower "
-                   f"--micro-batch-size (tools/plan_parallelism.py ranks layouts that fit), "
-                   f"or pass --skip-memory-check")
+        return "> memory check: no device memory to compare with (CPU without --device-memory-gb); not checked"
+    peak = estimate.max_total_bytes
+    if estimate.would_refuse(device_bytes):
         if not skip:
-            raise ValueError(message)
-        lines.append(f"> WARNING (--skip-memory-check): {message}")
-    elif peak > DEFAULT_THRESHOLD * device_bytes:
-        lines.append(f"> warning: estimated peak {_size(peak)} is above {DEFAULT_THRESHOLD:.0%} of device memory; "
-                     f"it may run out of memory")
-    else:
-        lines.append(f"> memory check: estimated peak {_size(peak)} is {peak / device_bytes:.0%} of device memory")
-    return lines
+            raise ValueError(refusal(estimate, device_bytes))
+        return f"> WARNING (--skip-memory-check): {refusal(estimate, device_bytes)}"
+    if peak > device_bytes:
+        return f"> WARNING: {allowance_warning(estimate, device_bytes)}"
+    if peak > DEFAULT_THRESHOLD * device_bytes:
+        return (f"> warning: estimated peak {_size(peak)} is above {DEFAULT_THRESHOLD:.0%} of device memory; "
+                f"it may run out of memory")
+    return f"> memory check: estimated peak {_size(peak)} is {peak / device_bytes:.0%} of device memory"
 
 
 # ----------------------------------------------------------------------------- tools' command line

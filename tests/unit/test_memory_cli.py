@@ -9,12 +9,28 @@ import pytest
 import torch
 
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
-from megatron.training.memory_check import check_memory
+from megatron.core.memory import estimate_memory
+from megatron.training.memory_check import (
+    GIB,
+    check_estimate,
+    check_memory,
+    layout_from_run,
+    parse_tool_command_line,
+    tool_parser,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_7B = ["--model-family", "llama", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
             "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "32000", "--bf16",
             "--micro-batch-size", "1", "--global-batch-size", "64"]
+# Llama-3.1-8B as Megatron-LM trained it on 8 x H100 94 GB (93.6 GiB each): TP 2 + SP, distributed optimizer
+LLAMA31_8B = ["--num-gpus", "8", "--device-memory-gb", "93.6", "--model-family", "llama", "--num-layers", "32",
+              "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+              "--group-query-attention", "--num-query-groups", "8", "--vocab-size", "128256", "--bf16",
+              "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+              "--global-batch-size", "128"]
+TRAINED_LAYOUTS = {"seq16k-mbs1": ["--seq-length", "16384", "--micro-batch-size", "1"],
+                   "seq8k-mbs2": ["--seq-length", "8192", "--micro-batch-size", "2"]}
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8"]
 
@@ -63,13 +79,53 @@ def test_json_keys(capsys):
     assert data["total_parameters"] == 6_738_415_616
     assert sum(r["parameters"] for r in data["ranks"]) == 6_738_415_616
     assert data["device_memory_bytes"] == 80 << 30
+    assert data["would_refuse"] is False and data["max_certain_bytes"] <= data["max_total_bytes"]
+    for rank in data["ranks"]:
+        assert rank["certain_bytes"] == sum(rank[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes",
+                                                               "activations_bytes"))
+        assert sum(rank["allowances"].values()) == rank["total_bytes"] - rank["certain_bytes"]
+    assert data["max_certain_bytes"] == max(r["certain_bytes"] for r in data["ranks"])
     # the distributed optimizer shards fp32 master + m + v (12 bytes) over dp = 2
     assert data["ranks"][0]["optimizer_bytes"] == 12 * data["ranks"][0]["parameters"] // 2
 
 
-def test_exit_1_when_above_threshold(capsys):
+def test_exit_1_when_refused(capsys):
     code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device-memory-gb", "80"] + LLAMA_7B, capsys)
-    assert code == 1 and "does NOT fit" in out
+    assert code == 1 and "does NOT fit, the start-up check refuses it: the certain part" in out
+    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device-memory-gb", "80", "--json"] + LLAMA_7B,
+                            capsys)
+    data = json.loads(out)
+    assert code == 1 and data["would_refuse"] is True and data["max_certain_bytes"] > 80 * GIB
+
+
+def _llama31_estimate(layout_flags):
+    args, run = parse_tool_command_line(tool_parser("test", ""), LLAMA31_8B + layout_flags)
+    layout = layout_from_run(run, "cuda", distributed_optimizer=args.use_distributed_optimizer)
+    return estimate_memory(run.model, layout), int(args.device_memory_gb * GIB)
+
+
+@pytest.mark.parametrize("name", list(TRAINED_LAYOUTS))
+def test_layouts_megatron_trained_are_warned_not_refused(name, capsys):
+    """Llama-3.1-8B trained at these layouts; the full estimate is at or above the device
+    (94.1 and 93.6 GiB of 93.6), the certain part is not: the check warns and starts."""
+    estimate, device_bytes = _llama31_estimate(TRAINED_LAYOUTS[name])
+    assert estimate.max_certain_bytes < device_bytes and estimate.max_total_bytes > 0.99 * device_bytes
+    line = check_estimate(estimate, device_bytes, skip=False)
+    assert line.lower().startswith("> warning") and "may run out of memory" in line
+    code, out, _ = run_tool(estimate_tool, LLAMA31_8B + TRAINED_LAYOUTS[name] + ["--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["would_refuse"] is False and data["fits"] is False
+
+
+def test_warning_names_the_components_and_the_largest_allowance():
+    estimate, device_bytes = _llama31_estimate(TRAINED_LAYOUTS["seq16k-mbs1"])
+    assert estimate.max_total_bytes > device_bytes
+    line = check_estimate(estimate, device_bytes, skip=False)
+    assert "\n" not in line
+    for part in ("certain part 81.73 GiB", "weights 7.48 GiB", "grads 14.96 GiB", "optimizer 11.22 GiB",
+                 "saved activations 48.07 GiB", "largest first: largest temporary (logits) 5.87 GiB",
+                 "fragmentation allowance", "runtime allowance 1.00 GiB"):
+        assert part in line, part
 
 
 def test_without_device_memory_it_only_reports(capsys):
@@ -126,9 +182,13 @@ def _run(argv, world=1):
 
 
 def test_check_memory_refuses_and_skips():
+    """Llama-2-7B on one 80 GiB device: weights, grads and optimizer state alone are 113 GiB."""
     run = _run(LLAMA_7B[2:])
-    with pytest.raises(ValueError, match="exceeds device memory 80.00 GiB.*--skip-memory-check"):
+    with pytest.raises(ValueError) as refused:
         check_memory(run, torch.device("cpu"), 80.0, skip=False)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("the certain part of the memory estimate, ")
+    assert "exceeds device memory 80.00 GiB" in message and message.endswith("--skip-memory-check")
     lines = check_memory(run, torch.device("cpu"), 80.0, skip=True)
     assert lines[-1].startswith("> WARNING (--skip-memory-check)")
     assert any(line.strip().startswith("0 ") for line in lines)

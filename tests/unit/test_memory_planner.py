@@ -59,13 +59,25 @@ def test_enumeration_is_valid_and_complete():
 
 
 def test_plan_drops_what_does_not_fit_and_sorts_by_time():
-    fitting, rejected = plan(MODEL, 8, 32, 6 * GIB, search=Search(micro_batch_sizes=(1, 2)))
-    assert fitting and rejected
+    fitting, rejected, startable = plan(MODEL, 8, 32, 6 * GIB, search=Search(micro_batch_sizes=(1, 2)))
+    assert fitting and rejected and 0 <= startable <= rejected
     assert all(c.estimate.max_total_bytes <= 0.8 * 6 * GIB for c in fitting)
     times = [c.time.total_s for c in fitting]
     assert times == sorted(times)
-    none, _ = plan(MODEL, 8, 32, GIB // 100)
-    assert none == []
+    none, rejected, startable = plan(MODEL, 8, 32, GIB // 100)
+    assert none == [] and rejected and startable == 0
+
+
+def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
+    """Above 80% of the full estimate a layout is dropped from the recommendations, but the
+    start-up check starts it while its certain part fits."""
+    search = Search(tps=(8,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",))
+    (candidate,), _, _ = plan(MODEL, 8, 8, 64 * GIB, search=search)
+    estimate = candidate.estimate
+    between = (estimate.max_certain_bytes + estimate.max_total_bytes) // 2
+    assert estimate.max_certain_bytes < estimate.max_total_bytes
+    assert plan(MODEL, 8, 8, between, search=search) == ([], 1, 1)
+    assert plan(MODEL, 8, 8, estimate.max_certain_bytes - 1, search=search) == ([], 1, 0)
 
 
 def test_search_restrictions():

@@ -8,6 +8,13 @@ All tp, cp and dp ranks of one pipeline stage hold identical shapes, so one
 
 because the optimizer step (and the tied-embedding gradient reduction) run after
 the last backward, when no activation is alive.
+
+Only part of that is certain: weights, gradients, optimizer state and saved
+activations (`certain_bytes`) equal measured bytes on CPU; the transients and the
+after-backward temporaries are derived from our code's shapes but unmeasured,
+and the fragmentation and runtime allowances are assumptions. The start-up check
+refuses a layout only when its certain part exceeds device memory
+(`MemoryEstimate.would_refuse`); above that it warns.
 """
 from __future__ import annotations
 
@@ -50,17 +57,39 @@ class RankEstimate:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
+    def certain_bytes(self) -> int:
+        """Model states + saved activations: the part measurement confirms exactly (docs/memory.md)."""
+        return self.states_bytes + self.activations_bytes
+
+    @property
+    def _during_backward(self) -> int:
+        return self.activations_bytes + self.transients_bytes
+
+    @property
+    def _after_backward(self) -> int:
+        return self.after_backward_bytes + self.transients.runtime_bytes
+
+    @property
     def total_bytes(self) -> int:
-        during = self.activations_bytes + self.transients_bytes
-        after = self.after_backward_bytes + self.transients.runtime_bytes
-        return self.states_bytes + max(during, after)
+        return self.states_bytes + max(self._during_backward, self._after_backward)
+
+    def allowances(self) -> dict[str, int]:
+        """The unmeasured components of the phase that sets the peak, largest first (zeros left out)."""
+        if self._after_backward > self._during_backward:
+            parts = {"after-backward temporaries": self.after_backward_bytes,
+                     "runtime allowance": self.transients.runtime_bytes}
+        else:
+            parts = self.transients.components()
+        return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
             "pp_rank", "parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-            "transients_bytes", "host_bytes", "total_bytes", "after_backward_bytes", "peak_microbatches")}
+            "transients_bytes", "host_bytes", "certain_bytes", "total_bytes", "after_backward_bytes",
+            "peak_microbatches")}
         out["chunk_activation_bytes"] = list(self.chunk_activation_bytes)
         out["transients"] = asdict(self.transients)
+        out["allowances"] = self.allowances()
         return out
 
 
@@ -76,20 +105,36 @@ class MemoryEstimate:
         return max(r.total_bytes for r in self.ranks)
 
     @property
+    def max_certain_bytes(self) -> int:
+        return max(r.certain_bytes for r in self.ranks)
+
+    @property
     def worst_rank(self) -> RankEstimate:
         return max(self.ranks, key=lambda r: r.total_bytes)
 
+    @property
+    def worst_certain_rank(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.certain_bytes)
+
     def fits(self, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> bool:
+        """The full estimate within `threshold` of device memory (the planner's rule)."""
         return self.max_total_bytes <= threshold * device_bytes
+
+    def would_refuse(self, device_bytes: int | None) -> bool:
+        """The start-up check's decision: the certain part of some rank exceeds device memory.
+        Unmeasured allowances alone never refuse a run (no device memory known: never)."""
+        return device_bytes is not None and self.max_certain_bytes > device_bytes
 
     def to_dict(self, device_bytes: int | None = None, threshold: float = DEFAULT_THRESHOLD) -> dict:
         return {
             "ranks": [r.to_dict() for r in self.ranks],
             "total_parameters": self.total_parameters,
+            "max_certain_bytes": self.max_certain_bytes,
             "max_total_bytes": self.max_total_bytes,
             "device_memory_bytes": device_bytes,
             "threshold": threshold,
             "fits": None if device_bytes is None else self.fits(device_bytes, threshold),
+            "would_refuse": self.would_refuse(device_bytes),
             "layout": asdict(self.layout),
             "kernels": asdict(self.kernels),
         }

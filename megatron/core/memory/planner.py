@@ -98,14 +98,19 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
 
 
 def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-         hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int]:
-    """(layouts that fit, fastest first; number of valid layouts rejected for memory)."""
-    fitting, rejected = [], 0
+         hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
+    """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
+    valid layouts dropped above it; how many of those the start-up check would still start).
+
+    The planner recommends, so it keeps the paper's margin on the full estimate; the
+    start-up check refuses only on the certain part (MemoryEstimate.would_refuse)."""
+    fitting, rejected, startable = [], 0, 0
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, hw):
         estimate = estimate_memory(cfg, layout)
         if not estimate.fits(device_bytes, threshold):
             rejected += 1
+            startable += not estimate.would_refuse(device_bytes)
             continue
         fitting.append(Candidate(cfg, layout, name, estimate, step_time(cfg, layout, hw)))
     fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
-    return fitting, rejected
+    return fitting, rejected, startable

@@ -48,10 +48,16 @@ class Transients:
     fragmentation_bytes: int
     runtime_bytes: int
 
+    def components(self) -> dict[str, int]:
+        """Named parts, as the start-up check's warning lists them."""
+        return {"p2p buffers": self.p2p_bytes, "tp buffer": self.tp_bytes, "cp ring buffers": self.cp_bytes,
+                "dp buckets": self.dp_bucket_bytes,
+                f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
+                "fragmentation allowance": self.fragmentation_bytes, "runtime allowance": self.runtime_bytes}
+
     @property
     def total(self) -> int:
-        return (self.p2p_bytes + self.tp_bytes + self.cp_bytes + self.dp_bucket_bytes
-                + self.largest_temporary_bytes + self.fragmentation_bytes + self.runtime_bytes)
+        return sum(self.components().values())
 
 
 def logits_temporary(dims: Dims, vocab_size: int) -> int:
