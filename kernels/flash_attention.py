@@ -405,6 +405,40 @@ def flash_attention_block(q, k, v, causal, softmax_scale=None, impl="auto"):
     return flash_attention_block_torch(q, k, v, causal, softmax_scale)
 
 
+def flash_attention_block_backward_torch(q, k, v, out, lse, dout, causal, softmax_scale=None):
+    """Reference for `flash_attention_block_backward`, computed explicitly in (at least) fp32."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scale = _default_scale(q, softmax_scale)
+    batch, s_k, n_kv_heads, head_dim = k.shape
+    group = q.shape[2] // n_kv_heads
+    q_c, out_c, dout_c = (t.to(compute) for t in (q, out, dout))
+    k_c, v_c = (t.to(compute).repeat_interleave(group, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q_c, k_c) * scale
+    if causal:
+        future = torch.ones(q.shape[1], s_k, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    p = torch.exp(scores - lse.to(compute)[..., None])
+    delta = (dout_c * out_c).sum(-1).transpose(1, 2)
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout_c, v_c) - delta[..., None])
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_c) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q_c) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_c)
+    dk, dv = (t.view(batch, s_k, n_kv_heads, group, head_dim).sum(3) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_attention_block_backward(q, k, v, out, lse, dout, causal, softmax_scale=None, impl="auto"):
+    """dq, dk, dv of one (query block, K/V block) pair, given the query rows' `out` and `lse` over
+    ALL their keys (not just this block's): then P = exp(q k^T * scale - lse) is this block's share
+    of the global softmax and delta = rowsum(dout * out) the global one, so the per-block gradients
+    of a context-parallel ring add up to the exact gradients without keeping any block's output."""
+    _check_inputs(q, k, v)
+    if dispatch.use_triton(impl, q.device, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+        q, k, v, out, lse, dout = (t.contiguous() for t in (q, k, v, out, lse, dout))
+        return _attn_backward(q, k, v, out, lse, dout, None, causal, _default_scale(q, softmax_scale))
+    return flash_attention_block_backward_torch(q, k, v, out, lse, dout, causal, softmax_scale)
+
+
 def merge_attention_blocks(out1, lse1, out2, lse2):
     """Combine attention over two disjoint key sets into attention over their union.
 
