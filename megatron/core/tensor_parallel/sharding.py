@@ -1,14 +1,22 @@
 """How a parameter relates to its full-size tensor: its shard and its initialisation.
 
-Every parameter carries an `InitSpec` (attribute `param.init_spec`). The full
-tensor is generated from a seed derived from (seed, fully qualified name), which
-is the same in every parallel layout, and this rank keeps `ShardSpec.shard(full)`.
-Tests use the same `shard()` to compare a tp shard's gradient with the slice of a
-one-process gradient.
+Every parameter carries an `InitSpec` (attribute `param.init_spec`). Its initial
+value is defined at full size and is the same in every parallel layout; a rank
+holds `ShardSpec.shard(full)` of it. Tests use the same `shard()` to compare a tp
+shard's gradient with the slice of a one-process gradient.
+
+The full tensor is never built. A random tensor, viewed as rows (dim 0) of width
+prod(shape[1:]), is cut into tiles of at most TILE_ELEMENTS elements on a grid
+that depends only on the width; each tile is drawn from its own generator seeded
+by (seed, name, tile row, tile column). A rank draws only the tiles that overlap
+its shard and copies the overlap: rows for a dim-0 (column-parallel, vocabulary)
+shard, columns for a dim-1 (row-parallel) shard, both blocks of a stacked
+(SwiGLU gate/up) shard. Scratch is one fp32 tile (1 MiB), whatever the tensor.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,44 +62,94 @@ class InitSpec:
     seed_name: str | None = None
 
 
-def seed_for(seed: int, name: str) -> int:
-    """A 63-bit seed from (seed, name), stable across processes and Python versions."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+TILE_COLUMNS = 512
+TILE_ELEMENTS = 1 << 18  # 512 x 512 fp32 = 1 MiB of scratch; per-tile seeding costs ~1% of drawing it
+
+
+def seed_for(seed: int, name: str, *tile: int) -> int:
+    """A 63-bit seed from (seed, name, tile indices), stable across processes and Python versions."""
+    digest = hashlib.sha256(":".join(map(str, (seed, name) + tile)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def full_tensor(spec: InitSpec, seed: int, name: str, device) -> torch.Tensor:
-    """The full-size fp32 initial value of a parameter, identical in every layout."""
-    if spec.kind == "zeros":
-        return torch.zeros(spec.full_shape, device=device)
-    if spec.kind == "ones":
-        return torch.ones(spec.full_shape, device=device)
-    if spec.kind != "normal":
-        raise ValueError(f"unknown init kind {spec.kind!r}")
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed_for(seed, spec.seed_name or name))
-    rows = spec.valid_rows if spec.valid_rows is not None else spec.full_shape[0]
-    values = torch.empty((rows,) + tuple(spec.full_shape[1:]), device=device)
-    values.normal_(0.0, spec.std, generator=generator)
-    if rows == spec.full_shape[0]:
-        return values
-    padded = torch.zeros(spec.full_shape, device=device)
-    padded[:rows] = values
-    return padded
+def tile_shape(width: int) -> tuple[int, int]:
+    """(rows, columns) of the tiles of a tensor whose rows have `width` elements; layout-independent."""
+    columns = min(width, TILE_COLUMNS)
+    return TILE_ELEMENTS // columns, columns
 
 
-def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of a full-size tensor that `param` holds on this rank."""
-    spec: InitSpec = param.init_spec
-    return spec.shard.shard(full) if spec.shard is not None else full
+def held_ranges(shard: ShardSpec | None, size: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the full dimension `size` that `shard` keeps, in local order."""
+    if shard is None or shard.num_shards == 1:
+        return [(0, size)]
+    if size % (shard.stacked * shard.num_shards):
+        raise ValueError(f"dimension {shard.dim} of size {size} does not split into {shard.stacked} x "
+                         f"{shard.num_shards} equal shards")
+    block = size // shard.stacked
+    piece = block // shard.num_shards
+    return [(k * block + shard.rank * piece, k * block + (shard.rank + 1) * piece) for k in range(shard.stacked)]
+
+
+def _overlaps(ranges: list[tuple[int, int]], step: int, limit: int):
+    """(tile index, tile start, local offset, overlap start, overlap stop) of each tile of size `step`
+    (the last ones cut at `limit`) that overlaps a range; local offset is where the range starts locally."""
+    local = 0
+    for start, stop in ranges:
+        end = min(stop, limit)
+        for index in range(start // step, (end + step - 1) // step if end > start else 0):
+            lo, hi = max(start, index * step), min(end, (index + 1) * step)
+            yield index, index * step, local + lo - start, lo, hi
+        local += stop - start
+
+
+def _fill_normal(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+    """Draw the tiles overlapping this shard; `out` is the shard viewed as [rows, width]."""
+    shard = spec.shard
+    full_rows, width = spec.full_shape[0], math.prod(spec.full_shape[1:])
+    rows_held = held_ranges(shard if shard is not None and shard.dim == 0 else None, full_rows)
+    columns_held = held_ranges(shard if shard is not None and shard.dim == 1 else None, width)
+    valid = spec.valid_rows if spec.valid_rows is not None else full_rows
+    tile_rows, tile_columns = tile_shape(width)
+    generator = torch.Generator(device=out.device)
+    scratch = torch.empty(min(tile_rows, valid) * tile_columns, device=out.device)
+    if valid < full_rows:
+        out.zero_()  # vocabulary padding rows stay zero
+    for i, row0, local_row, r0, r1 in _overlaps(rows_held, tile_rows, valid):
+        for j, col0, local_col, c0, c1 in _overlaps(columns_held, tile_columns, width):
+            shape = (min(tile_rows, valid - row0), min(tile_columns, width - col0))
+            tile = scratch[: shape[0] * shape[1]].view(shape)
+            generator.manual_seed(seed_for(seed, name, i, j))
+            tile.normal_(0.0, spec.std, generator=generator)
+            out[local_row:local_row + r1 - r0, local_col:local_col + c1 - c0].copy_(
+                tile[r0 - row0:r1 - row0, c0 - col0:c1 - col0])
 
 
 @torch.no_grad()
+def initialize_(tensor: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+    """Fill `tensor`, this rank's shard of `spec` (any dtype), with its layout-independent initial value.
+    With `spec.shard` None, `tensor` is the full tensor every layout's shard is a slice of."""
+    expected = list(spec.full_shape)
+    if spec.shard is not None:
+        if spec.shard.dim not in (0, 1) or (spec.shard.dim == 1 and len(expected) != 2):
+            raise ValueError(f"{name}: only dim 0, or dim 1 of a matrix, can be sharded (got dim {spec.shard.dim} "
+                             f"of shape {tuple(expected)})")
+        expected[spec.shard.dim] //= spec.shard.num_shards
+    if list(tensor.shape) != expected or not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous shard of shape {tuple(expected)}, got {tuple(tensor.shape)}")
+    if spec.kind == "zeros":
+        tensor.zero_()
+    elif spec.kind == "ones":
+        tensor.fill_(1.0)
+    elif spec.kind == "normal":
+        _fill_normal(tensor.view(expected[0], -1), spec, seed, spec.seed_name or name)
+    else:
+        raise ValueError(f"{name}: unknown init kind {spec.kind!r}")
+
+
 def initialize_parameters(module: torch.nn.Module, seed: int) -> None:
     """Set every parameter of `module` from its InitSpec; names are fully qualified."""
     for name, param in module.named_parameters():
-        full = full_tensor(param.init_spec, seed, name, param.device)
-        param.copy_(shard_of(param, full).to(param.dtype))
+        initialize_(param, param.init_spec, seed, name)
 
 
 def make_param(shape, spec: InitSpec, dtype, device, **attrs) -> torch.nn.Parameter:
