@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
+source tools/python_env.sh
 export OMP_NUM_THREADS=1
-python -m torch.distributed.run --nproc-per-node 8 pretrain_llama.py \
+"$PYTHON" -m torch.distributed.run --nproc-per-node 8 pretrain_llama.py \
   --tensor-model-parallel-size 2 --sequence-parallel \
   --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \
   --num-layers 4 --hidden-size 64 --ffn-hidden-size 172 --num-attention-heads 4 \

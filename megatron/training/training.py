@@ -14,7 +14,6 @@ from megatron.core.optimizer.lr_schedule import learning_rate
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
-from megatron.core.tensor_parallel.random import RNGTracker, derive_seed
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.data.batches import collate, microbatch_indices
 from megatron.data.mock import MockGPTDataset
@@ -37,9 +36,8 @@ class Trainer:
         self.run, self.device = run, device
         model_cfg, parallel, training = run.model, run.parallel, run.training
         self.mesh = ParallelMesh(parallel.dims, device.type)
-        torch.manual_seed(derive_seed(training.seed, self.mesh.pp_rank))
-        self.rng_tracker = RNGTracker(device, training.seed, self.mesh.tp_rank)
-        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, self.rng_tracker, device)
+        torch.manual_seed(training.seed)  # dropout uses each model chunk's own streams (RNGTracker)
+        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device)
         for module in modules:
             initialize_parameters(module, training.seed)
         ddp_config = DDPConfig(bucket_size=parallel.bucket_size)
@@ -68,8 +66,9 @@ class Trainer:
         return sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters())
 
     def forward_backward(self, iteration: int):
-        """Run all microbatches of `iteration` and leave the reduced gradients in `main_grad`.
-        Returns (mean lm loss, learning rate, loss scale, pipeline idle fraction)."""
+        """Run all microbatches of `iteration` and leave the reduced gradients of the global
+        mean token loss in `main_grad`. Returns (mean lm loss, learning rate, loss scale,
+        pipeline idle fraction)."""
         opt_cfg = self.run.optimizer
         lr = learning_rate(iteration, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, style=opt_cfg.lr_decay_style,
                            warmup_iters=opt_cfg.lr_warmup_iters, decay_iters=opt_cfg.lr_decay_iters)
@@ -79,8 +78,9 @@ class Trainer:
             chunk.zero_grad_buffer()
         loss_scale = self.optimizer.loss_scale
         stats = self.executor.run(self.batch_fn(iteration), loss_scale=loss_scale)
-        finalize_model_grads(self.chunks, self.mesh)
-        return self._average_loss(stats.losses), lr, loss_scale, stats.idle_fraction
+        loss, grad_scale = self._global_token_mean(stats)
+        finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
+        return loss, lr, loss_scale, stats.idle_fraction
 
     def train_step(self, iteration: int) -> IterationResult:
         loss, lr, loss_scale, idle = self.forward_backward(iteration)
@@ -88,14 +88,17 @@ class Trainer:
         return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped, lr=lr,
                                loss_scale=loss_scale, idle_fraction=idle)
 
-    def _average_loss(self, losses: list) -> float:
-        """Mean lm loss of the global batch, known on every rank (the last stage computes it)."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if losses:
-            total[0] = torch.stack(losses).double().sum()
-            total[1] = len(losses)
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+    def _global_token_mean(self, stats) -> tuple[float, float]:
+        """(mean loss over the unmasked tokens of the global batch, factor that turns the
+        executor's per-position gradients into gradients of that mean). Sums run over the
+        world: only last-stage ranks contribute, and tp ranks' identical copies cancel in
+        the ratios. A fully masked global batch has loss 0 and zero gradients, not NaN."""
+        totals = torch.stack([stats.loss_sum, stats.tokens, stats.slots])
+        dist.all_reduce(totals)
+        loss_sum, tokens, slots = totals.tolist()
+        if tokens == 0:
+            return 0.0, 1.0
+        return loss_sum / tokens, slots / tokens
 
 
 def timed_step(trainer: Trainer, iteration: int) -> tuple[IterationResult, float]:

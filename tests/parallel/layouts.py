@@ -33,19 +33,20 @@ def seed_key(name: str, param) -> str:
 
 
 def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
-    """Train on this rank; return losses per iteration, initial weights and gradients of iteration `grads_at`."""
+    """Train on this rank; return losses and grad norms per iteration, initial weights and gradients of
+    iteration `grads_at`."""
     defaults, argv = model_flags(model, extra)
     run = parse_run_config(argv, defaults, dist.get_world_size())
     trainer = Trainer(run, torch.device("cpu"))
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
-    losses, grads = [], {}
+    losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
         if iteration == grads_at:
             grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
-        trainer.optimizer.step()
+        grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
-    return {"losses": losses, "initial": initial, "grads": grads}
+    return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms}
 
 
 def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:

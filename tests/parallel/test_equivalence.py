@@ -1,5 +1,6 @@
-"""Every parallel layout reproduces the one-process run: losses of 5 iterations and
-gradients after iteration 1 (fp32, within 1e-5 relative), and starts from the same weights."""
+"""Every parallel layout reproduces the one-process run: losses of 5 iterations, the grad
+norm and all gradients of iteration 1 (fp32, within 1e-5 relative), and starts from the same
+weights."""
 from __future__ import annotations
 
 import pytest
@@ -60,6 +61,8 @@ def test_layout_matches_one_process(results, world, layout, model):
     for rank, out in enumerate(ranks):
         for it, (loss, expected) in enumerate(zip(out["losses"], reference["losses"]), start=1):
             assert abs(loss - expected) <= 1e-5 * abs(expected), f"rank {rank} iteration {it}: {loss} vs {expected}"
+        norm, expected_norm = out["grad_norms"][0], reference["grad_norms"][0]
+        assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm: {norm} vs {expected_norm}"
     seen = set()
     for rank, out in enumerate(ranks):
         for name, (grad, spec) in out["grads"].items():

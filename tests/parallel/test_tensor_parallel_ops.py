@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.random import RNGTracker, checkpoint
+from megatron.core.tensor_parallel.random import RNGTracker, recompute
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
@@ -76,31 +76,32 @@ def check_cross_entropy(rank):
 
 
 def check_rng_tracker(rank):
-    torch.manual_seed(5)
     tracker = RNGTracker("cpu", seed=5, tp_rank=rank)
-    outside = F.dropout(torch.ones(64), 0.5)
-    with tracker.fork():
+    with tracker.fork(tensor_parallel=False):
+        outside = F.dropout(torch.ones(64), 0.5)
+    with tracker.fork(tensor_parallel=True):
         inside = F.dropout(torch.ones(64), 0.5)
     masks = [None] * WORLD
     dist.all_gather_object(masks, (outside, inside))
     assert torch.equal(masks[0][0], masks[1][0]), "dropout outside tp regions must agree across tp ranks"
     assert not torch.equal(masks[0][1], masks[1][1]), "dropout inside tp regions must differ across tp ranks"
     again = RNGTracker("cpu", seed=5, tp_rank=rank)
-    with again.fork():
+    with again.fork(tensor_parallel=True):
         assert torch.equal(F.dropout(torch.ones(64), 0.5), inside), "same seed must give the same mask"
 
     def dropped(x):
-        with tracker.fork():
-            return F.dropout(x, 0.5) * x
+        with tracker.fork(tensor_parallel=True):
+            x = F.dropout(x, 0.5) * x
+        with tracker.fork(tensor_parallel=False):
+            return F.dropout(x, 0.5)
     x = torch.randn(32, requires_grad=True)
-    state, global_state = tracker.get_state(), torch.get_rng_state()
+    state = tracker.get_state()
     dropped(x).sum().backward()
     direct = x.grad.clone()
     x.grad = None
     tracker.set_state(state)
-    torch.set_rng_state(global_state)
-    checkpoint(dropped, tracker, x).sum().backward()
-    torch.testing.assert_close(x.grad, direct, msg="recomputed dropout must replay the forward mask")
+    recompute(dropped, tracker, x).sum().backward()
+    torch.testing.assert_close(x.grad, direct, msg="recomputed dropout must replay the forward masks")
 
 
 def check_layer_communication_volume(rank):
@@ -113,7 +114,7 @@ def check_layer_communication_volume(rank):
                          (True, {"all_gather": 6 * volume, "reduce_scatter": 4 * volume})):
         config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
                                    tensor_model_parallel_size=WORLD, sequence_parallel=sp)
-        layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, rank))
+        layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
         initialize_parameters(layer, seed=0)
         x = torch.randn(s // WORLD if sp else s, b, h, requires_grad=True)
         with M.COMM_STATS.counting() as stats:

@@ -18,9 +18,6 @@ full input. The "ring bytes" column counts an all-reduce as RS + AG, i.e. 2x.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -34,41 +31,26 @@ from megatron.core.tensor_parallel.random import RNGTracker  # noqa: E402
 from megatron.core.tensor_parallel.sharding import initialize_parameters  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.layer import TransformerLayer  # noqa: E402
+from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 
-def counted_bytes(rank: int, world: int, port: int, args, sequence_parallel: bool, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def counted_bytes(rank: int, args, sequence_parallel: bool) -> dict:
+    world = dist.get_world_size()
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=8,
                                vocab_size=128, seq_length=args.seq_length, attention_dropout=0.0,
                                hidden_dropout=0.0, tensor_model_parallel_size=world,
                                sequence_parallel=sequence_parallel)
-    layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, rank))
+    layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
     initialize_parameters(layer, seed=0)
     s = args.seq_length // world if sequence_parallel else args.seq_length
     x = torch.randn(s, args.micro_batch_size, args.hidden_size, requires_grad=True)
     with COMM_STATS.counting() as stats:
         layer(x).sum().backward()
-    if rank == 0:
-        results.put(dict(stats.bytes))
-    dist.destroy_process_group()
+    return dict(stats.bytes)
 
 
 def measure(world: int, args, sequence_parallel: bool) -> dict:
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=counted_bytes, args=(r, world, port, args, sequence_parallel, results))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    counted = results.get(timeout=300)
-    for proc in procs:
-        proc.join()
-    return counted
+    return run_distributed(world, counted_bytes, args, sequence_parallel)[0]
 
 
 def analytic(args, sequence_parallel: bool) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -29,12 +28,13 @@ from megatron.core.models.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel.random import RNGTracker  # noqa: E402
 from megatron.core.tensor_parallel.sharding import initialize_parameters  # noqa: E402
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.initialize import free_port  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
 
 class BareLoop:
     def __init__(self, run, batch):
-        self.model = GPTModel(run.model, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, 0))
+        self.model = GPTModel(run.model, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0))
         initialize_parameters(self.model, run.training.seed)
         opt = run.optimizer
         params = list(self.model.parameters())
@@ -72,9 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", "8", "--seq-length", str(args.seq_length),

@@ -16,10 +16,12 @@ def _all_reduce_flat(grads: list, group) -> None:
         offset += grad.numel()
 
 
-def finalize_model_grads(chunks: list, mesh) -> None:
+def finalize_model_grads(chunks: list, mesh, grad_scale: float = 1.0) -> None:
     """`chunks`: this rank's DistributedDataParallel model chunks.
 
     - wait for the data-parallel (dp x cp) bucket reductions;
+    - multiply every gradient by `grad_scale` (the loss normalisation known only after
+      all microbatches ran: token positions / unmasked tokens of the global batch);
     - sum the gradients of replicated weights that saw only a sequence shard
       (`sequence_parallel` norm weights and row-parallel biases) across tp;
     - sum the two copies of tied embeddings across the first and last pipeline stage.
@@ -27,6 +29,8 @@ def finalize_model_grads(chunks: list, mesh) -> None:
     for chunk in chunks:
         chunk.finish_grad_sync()
     params = [p for chunk in chunks for p in chunk.module.parameters()]
+    if grad_scale != 1.0:
+        torch._foreach_mul_([p.main_grad for p in params], grad_scale)
     _all_reduce_flat([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], mesh.tp_group)
     shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
     if shared:

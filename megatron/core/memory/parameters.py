@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
+from megatron.core.transformer.config import padded_vocab_size
+
 Shape = tuple[int, ...]
 
 
@@ -58,8 +61,7 @@ def head_shapes(config, tp: int, pre_process: bool) -> list[Shape]:
 
 
 def padded_vocab(config, tp: int) -> int:
-    multiple = config.make_vocab_size_divisible_by * tp
-    return int(math.ceil(config.vocab_size / multiple) * multiple)
+    return padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp)
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,11 @@ class Chunk:
 
 
 def rank_chunks(config, layout, pp_rank: int) -> list[Chunk]:
-    """The chunks of `pp_rank`, laid out as megatron/core/models/stages.py does."""
-    stages = layout.stages
-    if config.num_layers % stages:
-        raise ValueError(f"--num-layers ({config.num_layers}) must be divisible by pipeline stages ({stages})")
-    per_stage = config.num_layers // stages
+    """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
     chunks = []
-    for c in range(layout.virtual_stages):
-        stage = c * layout.pp + pp_rank
+    for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, layout.pp, layout.virtual_stages, pp_rank)):
         first, last = layout.chunk_position(pp_rank, c)
-        chunks.append(Chunk(c, tuple(range(stage * per_stage, (stage + 1) * per_stage)), first, last))
+        chunks.append(Chunk(c, tuple(layer_ids), first, last))
     return chunks
 
 

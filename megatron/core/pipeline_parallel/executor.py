@@ -7,8 +7,9 @@ on transfers, which is this rank's pipeline idle time.
 """
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,61 @@ class PipelineSpec:
 
 @dataclass
 class StepStats:
-    losses: list = field(default_factory=list)
+    """What one iteration's schedule produced on this rank.
+
+    The loss is kept as sums, never as per-microbatch means, so the caller can form
+    the exact global mean over every unmasked token of the global batch (reduced over
+    microbatches, dp and cp): `loss_sum` (sum of masked per-token losses), `tokens`
+    (unmasked tokens) and `slots` (all token positions), fp64 tensors on the last
+    stage, zero elsewhere. `wait_seconds` is time spent waiting for p2p transfers,
+    measured with CUDA events on CUDA (host timing would only see the enqueue).
+    """
+
+    loss_sum: torch.Tensor
+    tokens: torch.Tensor
+    slots: torch.Tensor
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
+
+    @classmethod
+    def zeros(cls, device) -> "StepStats":
+        zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=device)
+        return cls(loss_sum=zero(), tokens=zero(), slots=zero())
 
     @property
     def idle_fraction(self) -> float:
         total = self.compute_seconds + self.wait_seconds
         return self.wait_seconds / total if total else 0.0
+
+
+class _SpanTimer:
+    """Sums the durations of spans of work: host clock on CPU, CUDA events on CUDA
+    (read once at the end of the step, so timing adds no synchronisation per span)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {"compute": [], "wait": []}
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, kind: str, started) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[kind].append((started, end))
+        else:
+            self.spans[kind].append(time.perf_counter() - started)
+
+    def seconds(self, kind: str) -> float:
+        if not self.cuda:
+            return sum(self.spans[kind])
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans[kind]) / 1000.0
 
 
 def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -91,24 +139,27 @@ class PipelineExecutor:
         return self.rank == self.p - 1 and chunk == self.v - 1
 
     def run(self, batch, loss_scale: float = 1.0) -> StepStats:
-        stats = StepStats()
-        m = self.spec.num_microbatches
-        inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
+        """One iteration. Each microbatch's backward starts from its masked loss sum times
+        loss_scale / (m x token positions): the mean when nothing is masked; the caller
+        rescales the reduced gradients by (positions / unmasked tokens) of the global batch."""
         device = next(self.chunks[0].parameters()).device
+        stats, timer = StepStats.zeros(device), _SpanTimer(device)
+        inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
         for step in self.steps:
-            start = time.perf_counter()
+            started = timer.start()
             action = step[0]
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.FORWARD:
-                outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / m)
-                stats.compute_seconds += time.perf_counter() - start
+                outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / self.spec.num_microbatches)
+                timer.stop("compute", started)
             elif action.kind is ActionKind.BACKWARD:
                 self._backward(action, inputs, outputs, received_grads, input_grads)
                 inputs.pop(key, None), outputs.pop(key, None)
-                stats.compute_seconds += time.perf_counter() - start
+                timer.stop("compute", started)
             else:
                 self._communicate(step, inputs, outputs, received_grads, input_grads, device)
-                stats.wait_seconds += time.perf_counter() - start
+                timer.stop("wait", started)
+        stats.compute_seconds, stats.wait_seconds = timer.seconds("compute"), timer.seconds("wait")
         return stats
 
     def _forward(self, action, inputs, batch, stats, scale):
@@ -122,9 +173,11 @@ class PipelineExecutor:
             return chunk(chunk_input)
         token_losses = chunk(chunk_input, labels)
         mask = loss_mask.to(token_losses.dtype)
-        loss = (token_losses * mask).sum() / mask.sum()
-        stats.losses.append(loss.detach())
-        return loss * scale
+        loss_sum = (token_losses * mask).sum()
+        stats.loss_sum += loss_sum.detach().double()
+        stats.tokens += mask.sum().double()
+        stats.slots += mask.numel()
+        return loss_sum * (scale / mask.numel())
 
     def _backward(self, action, inputs, outputs, received_grads, input_grads):
         key = (action.microbatch, action.chunk)
@@ -137,23 +190,24 @@ class PipelineExecutor:
             input_grads[key] = inputs[key].grad
 
     def _communicate(self, step, inputs, outputs, received_grads, input_grads, device):
-        ops = []
+        """One batched p2p step on the pipeline group (peers are global ranks within it)."""
+        ops, group = [], self.mesh.pp_group
         for action in step:
             key = (action.microbatch, action.chunk)
             kind = action.kind
             if kind is ActionKind.SEND_FORWARD:
-                ops.append(dist.P2POp(dist.isend, outputs[key].detach(), self.mesh.pp_peer(+1)))
+                ops.append(dist.P2POp(dist.isend, outputs[key].detach(), self.mesh.pp_peer(+1), group))
             elif kind is ActionKind.SEND_BACKWARD:
-                ops.append(dist.P2POp(dist.isend, input_grads.pop(key), self.mesh.pp_peer(-1)))
+                ops.append(dist.P2POp(dist.isend, input_grads.pop(key), self.mesh.pp_peer(-1), group))
             elif kind is ActionKind.RECV_FORWARD:
                 buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device,
                                      requires_grad=True)
                 inputs[key] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer.data, self.mesh.pp_peer(-1)))
+                ops.append(dist.P2POp(dist.irecv, buffer.data, self.mesh.pp_peer(-1), group))
             else:
                 buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device)
                 received_grads[key] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.pp_peer(+1)))
+                ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.pp_peer(+1), group))
         for request in dist.batch_isend_irecv(ops):
             request.wait()
         for action in step:

@@ -1,38 +1,48 @@
-"""Random-number streams for dropout under tensor parallelism, and recomputation.
+"""Random-number streams for dropout, and recomputation that replays them.
 
-Two streams exist on every rank:
-- the default stream (torch's global generator), seeded identically on all tp ranks
-  of a pipeline stage, so dropout on replicated activations agrees across tp;
-- the tensor-parallel stream, seeded with an offset per tp rank, so dropout on
-  sharded activations (attention probabilities of different heads, sequence
-  shards under sequence parallelism) differs across tp ranks.
+Each model chunk (one pipeline stage's slice of layers) owns an `RNGTracker`
+holding two dropout streams, both derived in `dropout_seeds` from
+(seed, global pipeline stage, cp rank) and, for the second, the tp rank:
+- the replicated stream: the same on every tp rank, so dropout on activations
+  that every tp rank holds in full agrees across tp;
+- the tensor-parallel stream: different per tp rank, for dropout on sharded
+  activations (attention probabilities of different heads, sequence shards under
+  sequence parallelism).
+Both differ per pipeline stage (so stage 0's masks are not reused by stage 1,
+layer for layer), per virtual chunk (they are different stages) and per cp rank
+(different tokens); both agree across dp ranks, as Megatron's do.
 
-`RNGTracker.fork()` swaps the tensor-parallel stream into the global generator
-for the duration of a block. `checkpoint()` recomputes a function in backward
-with both streams restored to their forward-time states, so dropout masks replay
-identically.
+`RNGTracker.fork(tensor_parallel)` swaps one stream into torch's global generator
+for the duration of a block. `recompute()` reruns a function in backward with the
+streams restored to their forward-time states, so dropout masks replay exactly.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 import torch.utils.checkpoint
 
-TENSOR_PARALLEL_SEED_OFFSET = 2718
+
+def _seed_from(*parts) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def derive_seed(seed: int, pp_rank: int) -> int:
-    """Seed of the default stream: same across tp and dp ranks, different per pipeline stage."""
-    return seed + 100 * pp_rank
+def dropout_seeds(seed: int, *, stage: int, cp_rank: int, tp_rank: int) -> tuple[int, int]:
+    """(replicated stream seed, tensor-parallel stream seed) of global pipeline stage `stage`
+    (chunk c of pipeline rank r is stage c * pp + r). The only place dropout seeds come from."""
+    return _seed_from("dropout", seed, stage, cp_rank), _seed_from("dropout-tp", seed, stage, cp_rank, tp_rank)
 
 
 class RNGTracker:
-    """Holds the tensor-parallel generator state for one device type."""
+    """The two dropout streams of one model chunk on one device type."""
 
-    def __init__(self, device: torch.device, seed: int, tp_rank: int):
+    def __init__(self, device, seed: int, *, stage: int = 0, cp_rank: int = 0, tp_rank: int = 0):
         self.device = torch.device(device)
-        self._state = self._seeded_state(seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
+        replicated, tensor_parallel = dropout_seeds(seed, stage=stage, cp_rank=cp_rank, tp_rank=tp_rank)
+        self._states = {False: self._seeded_state(replicated), True: self._seeded_state(tensor_parallel)}
 
     def _get_global(self) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -56,29 +66,27 @@ class RNGTracker:
         return state
 
     @contextlib.contextmanager
-    def fork(self):
-        """Run the block on the tensor-parallel stream, then return to the default stream."""
+    def fork(self, tensor_parallel: bool):
+        """Run the block on the tensor-parallel stream (True) or the replicated one (False)."""
         saved = self._get_global()
-        self._set_global(self._state)
+        self._set_global(self._states[tensor_parallel])
         try:
             yield
         finally:
-            self._state = self._get_global()
+            self._states[tensor_parallel] = self._get_global()
             self._set_global(saved)
 
-    def get_state(self) -> torch.Tensor:
-        return self._state.clone()
+    def get_state(self) -> dict:
+        return {key: state.clone() for key, state in self._states.items()}
 
-    def set_state(self, state: torch.Tensor) -> None:
-        self._state = state.clone()
+    def set_state(self, states: dict) -> None:
+        self._states = {key: state.clone() for key, state in states.items()}
 
 
-def checkpoint(function, tracker: RNGTracker | None, *args):
-    """Activation checkpointing that also replays the tensor-parallel stream.
-
-    torch's checkpoint restores the global generator for the recomputation; the
-    tracker's state is captured here and restored around the recomputation too.
-    """
+def recompute(function, tracker: RNGTracker | None, *args):
+    """Activation recomputation: drop `function`'s intermediate activations and rerun it in
+    backward, replaying the tracker's dropout streams (torch restores its global generator;
+    the tracker's states are captured here and restored around the rerun)."""
     if tracker is None:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     forward_state = tracker.get_state()

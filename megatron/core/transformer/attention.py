@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.flash_attention import flash_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.random import recompute
 from megatron.core.transformer.rotary import apply_rotary
 
 
@@ -52,7 +52,7 @@ class SelfAttention(torch.nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if dropout_p == 0.0:
             return core_attention(q, k, v, 0.0, self.config.attention_backend)
-        with self.rng_tracker.fork():
+        with self.rng_tracker.fork(tensor_parallel=True):
             return core_attention(q, k, v, dropout_p, self.config.attention_backend)
 
     def forward(self, x, rotary_angles=None):
@@ -64,7 +64,7 @@ class SelfAttention(torch.nn.Module):
         if rotary_angles is not None:
             q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
         if self.config.recompute_granularity == "selective":
-            context = checkpoint(self._attend, self.rng_tracker, q, k, v)
+            context = recompute(self._attend, self.rng_tracker, q, k, v)
         else:
             context = self._attend(q, k, v)
         return self.linear_proj(context.reshape(s, b, -1))

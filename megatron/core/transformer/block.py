@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.random import recompute
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import Norm
 
@@ -38,10 +38,10 @@ class TransformerBlock(torch.nn.Module):
                 yield [layer], index < n
 
     def forward(self, x, rotary_angles=None):
-        for group, recompute in self._recomputed_groups():
+        for group, recomputed in self._recomputed_groups():
             def run(h, group=group):
                 for layer in group:
                     h = layer(h, rotary_angles)
                 return h
-            x = checkpoint(run, self.rng_tracker, x) if recompute else run(x)
+            x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

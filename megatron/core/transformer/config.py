@@ -13,6 +13,12 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 KERNEL_IMPLS = ("auto", "triton", "torch")
 
 
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary padded to a multiple of divisible_by x tp, as Megatron does (the only place this is computed)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
 @dataclass
 class TransformerConfig:
     num_layers: int
@@ -119,8 +125,7 @@ class TransformerConfig:
     @property
     def padded_vocab_size(self) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does."""
-        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
 
     @property
     def output_layer_init_std(self) -> float:

@@ -1,8 +1,6 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -16,8 +14,7 @@ def hidden_dropout(x, p: float, training: bool, rng_tracker, sequence_parallel: 
     different sequence shard, so it draws from the tensor-parallel stream."""
     if p == 0.0 or not training:
         return x
-    context = rng_tracker.fork() if sequence_parallel else contextlib.nullcontext()
-    with context:
+    with rng_tracker.fork(tensor_parallel=sequence_parallel):
         return F.dropout(x, p, training=True)
 
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and the CPU benchmarks (not used by training)."""
