@@ -177,9 +177,11 @@ def test_block_backward_from_global_statistics(impl, causal):
         assert _relative_error(actual, expected) <= TOL, name
 
 
-def test_refuses_unknown_comm_type_and_odd_local_length():
+def test_refuses_bad_arguments_before_communicating():
     q = torch.zeros(1, 4, 2, HEAD_DIM)
     with pytest.raises(ValueError, match="comm_type must be one of"):
         context_parallel_attention(q, q, q, None, comm_type="ring")
     with pytest.raises(ValueError, match="s_local even"):
         context_parallel_attention(q[:, :3], q[:, :3], q[:, :3], None)
+    with pytest.raises(ValueError, match="h a multiple of h_kv"):
+        context_parallel_attention(torch.zeros(1, 4, 3, HEAD_DIM), q, q, None)

@@ -169,9 +169,11 @@ def context_parallel_attention(q, k, v, cp_group, comm_type="p2p", impl="auto", 
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
     dispatch.check_impl(impl)
-    if q.dim() != 4 or k.shape != v.shape or q.shape[1] != k.shape[1] or q.shape[1] % 2:
-        raise ValueError(f"expected q [b, s_local, h, d] and k, v [b, s_local, h_kv, d] with s_local even "
-                         f"(two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    # checked here, before any rank posts a transfer, rather than by the first block call
+    if (q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]
+            or q.shape[2] % k.shape[2] or q.shape[1] % 2):
+        raise ValueError(f"expected q [b, s_local, h, d] and k, v [b, s_local, h_kv, d] with h a multiple of h_kv "
+                         f"and s_local even (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     function = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return function.apply(q, k, v, cp_group, scale, impl)
