@@ -78,12 +78,21 @@ class ParallelMesh:
         self.cp_group = self.device_mesh.get_group("cp")
         self.dp_group = self.device_mesh.get_group("dp")
         self.pp_group = self.device_mesh.get_group("pp")
-        self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        self.dp_cp_group = self._dp_cp_group()
         coords = dims.coords(self.rank)
         self.tp_rank, self.cp_rank = coords["tp"], coords["cp"]
         self.dp_rank, self.pp_rank = coords["dp"], coords["pp"]
         self.pp_ranks = [dims.rank_of(self.tp_rank, self.cp_rank, self.dp_rank, p) for p in range(dims.pp)]
         self.embedding_group = self._embedding_group()
+
+    def _dp_cp_group(self):
+        """Ranks that hold the same model shard (same tp and pp rank): gradients are averaged and
+        optimizer state sharded over them. Built with public API (DeviceMesh can only flatten
+        dimensions through a private method)."""
+        mesh = self.device_mesh.mesh  # [pp, dp, cp, tp]
+        ranks = mesh.permute(0, 3, 1, 2).reshape(self.dims.pp * self.dims.tp, -1).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        return group
 
     def _embedding_group(self):
         """First and last pipeline stage of this rank's pipeline: they hold the two copies of

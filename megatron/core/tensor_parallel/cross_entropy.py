@@ -21,10 +21,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start, vocab_size):
         logits = logits.float()
         local_vocab = logits.shape[-1]
-        columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        padding = columns >= vocab_size
-        if padding.any():
-            logits = logits.masked_fill(padding, float("-inf"))
+        if vocab_start + local_vocab > vocab_size:  # this rank holds padding columns (decided on the host)
+            columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
         logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         exp_logits = (logits - logits_max.unsqueeze(-1)).exp_()
 
