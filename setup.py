@@ -8,15 +8,16 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-4d",
     version="0.1.0",
-    description="Megatron-style 4D-parallel (TP/SP, CP, DP, PP) training for GPT and Llama models",
+    description="Megatron-style parallel (TP/SP, DP, interleaved PP) training for GPT and Llama models",
     packages=find_packages(include=["megatron", "megatron.*", "kernels", "kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.5",  # SDPA enable_gqa; checked again at start-up
         "numpy",
         "regex",
         "sentencepiece",
         "triton>=3.2; sys_platform == 'linux'",
+        "tqdm",
     ],
     extras_require={"test": ["pytest"], "plot": ["matplotlib"], "tensorboard": ["tensorboard"]},
 )

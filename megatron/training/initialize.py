@@ -16,6 +16,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MINIMUM_TORCH = (2, 5)  # scaled_dot_product_attention(enable_gqa=...) appeared in torch 2.5
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Refuse a torch older than the APIs this code uses, with one line."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) < MINIMUM_TORCH:
+        raise ValueError(f"torch {version} is too old: need torch >= {MINIMUM_TORCH[0]}.{MINIMUM_TORCH[1]} "
+                         "(scaled_dot_product_attention with enable_gqa)")
+
+
 def launch_environment() -> tuple[int, int, int]:
     """(rank, world size, local rank). Without torchrun's variables this is a one-rank run."""
     if "RANK" not in os.environ:

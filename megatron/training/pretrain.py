@@ -12,7 +12,13 @@ from megatron.training.arguments import parse_run_config
 from megatron.training.flops import flops_per_iteration
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
-from megatron.training.initialize import choose_backend, init_distributed, launch_environment, select_device
+from megatron.training.initialize import (
+    check_torch_version,
+    choose_backend,
+    init_distributed,
+    launch_environment,
+    select_device,
+)
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 from megatron.training.training import Trainer, timed_step
 
@@ -86,6 +92,7 @@ def train(trainer: Trainer, emit) -> None:
 def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     """Everything that can be refused before any process group exists: the command line,
     the backend, forced kernel paths and the memory estimate. Raises ValueError (one line)."""
+    check_torch_version()
     run = parse_run_config(argv, defaults, world_size, prog)
     device = select_device(local_rank)
     backend = choose_backend(run.parallel.backend, device)
