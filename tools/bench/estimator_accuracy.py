@@ -17,7 +17,10 @@ Measured on each rank after one training iteration (so Adam state exists):
   executor holds until that backward; summed over the (microbatch, chunk)
   forwards alive at each point of the schedule, and the peak taken.
 The estimate is `estimate_memory` for the same RunConfig on device type "cpu".
-Transients are not measured (CPU has no allocator statistics).
+These are the certain part of the estimate; tests/parallel/test_memory_measured.py
+requires every component (and the microbatch-chunks in flight) to equal the
+measurement byte for byte. Transients and allowances are not measured (CPU has no
+allocator statistics).
 """
 from __future__ import annotations
 
@@ -160,35 +163,28 @@ def compare(world_size: int, layouts: list, per_rank: list) -> list[dict]:
     return rows
 
 
-def relative_error(measured: int, estimated: int) -> float:
-    return (estimated - measured) / measured if measured else float(estimated != 0)
-
-
 def _cells(m: dict, e: dict) -> list[str]:
-    cells = [f"{m[c]:,} / {e[c]:,}" for c in COMPONENTS[:4]]
-    cells.append(f"{m['activations_bytes']:,} / {e['activations_bytes']:,} "
-                 f"({relative_error(m['activations_bytes'], e['activations_bytes']):+.2%})")
-    return cells + [f"{m['peak_microbatches']} / {e['peak_microbatches']}"]
+    return [f"{m[c]:,} / {e[c]:,}" for c in COMPONENTS + ("peak_microbatches",)]
 
 
 def main() -> int:
     from tests.distributed import run_distributed
 
     print("Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n")
-    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | activations (error) "
+    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | activations "
           "| microbatch-chunks in flight |")
     print("|---|---|---|---|---|---|---|---|---|")
-    worst = 0.0
+    differing = 0
     for world, layouts in LAYOUTS.items():
         grouped: dict = {}
         for row in compare(world, layouts, run_distributed(world, measure_layouts, layouts)):
             m, e = row["measured"], row["estimate"]
-            worst = max([worst] + [abs(relative_error(m[c], e[c])) for c in COMPONENTS])
+            differing += sum(m[c] != e[c] for c in COMPONENTS + ("peak_microbatches",))
             key = (row["layout"], row["pp_rank"], tuple(_cells(m, e)))
             grouped.setdefault(key, []).append(str(row["rank"]))
         for (layout, pp_rank, cells), ranks in grouped.items():
             print(f"| {layout} | {world} | {','.join(ranks)} ({pp_rank}) | " + " | ".join(cells) + " |")
-    print(f"\nlargest relative error over all components and ranks: {worst:.4%}")
+    print(f"\n(rank, component) pairs where estimate and measurement differ: {differing}")
     return 0
 
 

@@ -20,7 +20,7 @@ choices documented in megatron/core/memory/kernels.py. Sizes per microbatch
   until the chunk's backward whether or not a layer saves it);
 - last stage: final norm, output-layer input, the vocab-parallel cross entropy's
   fp32 softmax [s, b, V/t], targets (int64) and mask (bool), and the executor's
-  loss mask [b, s] (fp32) and token count (a scalar).
+  loss mask [b, s] (fp32; the masked loss sum is scaled by a Python number).
 Recomputation: a fully recomputed group keeps only its input (torch checkpoint's
 saved inputs); selective recomputation keeps q, k, v (the checkpointed core
 attention's inputs) and the attention output.
@@ -217,7 +217,6 @@ class ActivationModel:
         led.save("target", d.s * d.b * INT64)
         led.save("target_outside", d.s * d.b * BOOL)
         led.save("loss_mask", d.b * d.s * FP32)
-        led.save("loss_denominator", FP32)
 
     # ------------------------------------------------------------------ a chunk
     def chunk(self, chunk: Chunk) -> ChunkActivations:
