@@ -61,6 +61,8 @@ def _parallel_flags(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p",
+                   help="context-parallel attention: ring of K/V blocks (p2p) or all-gather of K/V")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
@@ -120,12 +122,8 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
 def _refuse_unbuilt(args) -> None:
     """Flags whose feature has not been built yet are refused, never silently ignored."""
     unbuilt = [
-        (args.context_parallel_size != 1, "--context-parallel-size > 1: context parallelism is not built yet"),
         (args.use_distributed_optimizer, "--use-distributed-optimizer: the distributed optimizer is not built yet"),
         (bool(args.data_path), "--data-path: indexed datasets are not built yet; use --mock-data"),
-        (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None,
-         "--decoder-first/last-pipeline-num-layers: uneven pipeline splits are not supported; --num-layers must "
-         "divide evenly by pipeline stages x virtual stages"),
     ]
     for condition, message in unbuilt:
         if condition:
@@ -157,7 +155,8 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         params_dtype=dtype, tensor_model_parallel_size=parallel.tp,
-        sequence_parallel=args.sequence_parallel and parallel.tp > 1,
+        sequence_parallel=args.sequence_parallel and parallel.tp > 1, context_parallel_size=parallel.cp,
+        cp_comm_type=args.cp_comm_type,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
         normalization_impl=args.normalization_impl)

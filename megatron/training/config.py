@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.parallel_state import ParallelDims
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
 
 
@@ -19,6 +20,8 @@ class ParallelConfig:
     backend: str | None
     timeout_minutes: int
     bucket_size: int
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @classmethod
     def from_args(cls, args, world_size: int) -> "ParallelConfig":
@@ -32,7 +35,8 @@ class ParallelConfig:
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
-                   bucket_size=args.ddp_bucket_size)
+                   bucket_size=args.ddp_bucket_size, first_stage_layers=args.decoder_first_pipeline_num_layers,
+                   last_stage_layers=args.decoder_last_pipeline_num_layers)
 
     @staticmethod
     def _virtual_stages(args, pp: int) -> int:
@@ -50,21 +54,23 @@ class ParallelConfig:
             return per_rank
         if per_stage < 1:
             raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        layers_per_rank = args.num_layers // pp
-        if args.num_layers % pp or layers_per_rank % per_stage:
+        counts = layers_per_rank(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers)
+        if len(set(counts)) > 1:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs equal layers per pipeline rank; with "
+                             "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank")
+        if counts[0] % per_stage:
             raise ValueError(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
                              f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})")
-        return layers_per_rank // per_stage
+        return counts[0] // per_stage
 
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
 
     def validate_layers(self, num_layers: int) -> None:
-        stages = self.pp * self.virtual_stages
-        if num_layers % stages:
-            raise ValueError(f"--num-layers ({num_layers}) must be divisible by the number of pipeline stages "
-                             f"({self.pp} ranks x {self.virtual_stages} virtual stages = {stages})")
+        """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""
+        stage_layer_ids(num_layers, self.pp, self.virtual_stages, 0, self.first_stage_layers, self.last_stage_layers)
 
 
 @dataclass

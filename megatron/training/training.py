@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.core.context_parallel.sharding import shard as cp_shard
 from megatron.core.distributed.data_parallel import DDPConfig, DistributedDataParallel
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.models.stages import build_model_chunks
@@ -37,7 +38,8 @@ class Trainer:
         model_cfg, parallel, training = run.model, run.parallel, run.training
         self.mesh = ParallelMesh(parallel.dims, device.type)
         torch.manual_seed(training.seed)  # dropout uses each model chunk's own streams (RNGTracker)
-        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device)
+        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device,
+                                     parallel.first_stage_layers, parallel.last_stage_layers)
         for module in modules:
             initialize_parameters(module, training.seed)
         ddp_config = DDPConfig(bucket_size=parallel.bucket_size)
@@ -45,7 +47,7 @@ class Trainer:
         params = [p for m in modules for p in m.parameters()]
         self.optimizer = MixedPrecisionOptimizer(params, run.optimizer, self.mesh)
         self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, training.seed)
-        s = model_cfg.seq_length // (parallel.tp if model_cfg.sequence_parallel else 1)
+        s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
                             p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
                             group_size=parallel.microbatch_group_size)
@@ -58,7 +60,10 @@ class Trainer:
             indices = microbatch_indices(iteration, microbatch, micro_batch_size=training.micro_batch_size,
                                          global_batch_size=training.global_batch_size,
                                          dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
-            return collate([self.dataset[i] for i in indices], self.device)
+            batch = collate([self.dataset[i] for i in indices], self.device)
+            if self.mesh.cp_size == 1:
+                return batch
+            return tuple(cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1) for t in batch)
 
         return batch
 

@@ -19,10 +19,16 @@ VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 SMALL_BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets, each reduced when its gradients are ready
 VPP_GROUP4 = ["--num-virtual-stages-per-pipeline-rank", "2", "--microbatch-group-size-per-virtual-pipeline-stage", "4"]
 
+CP2 = ["--context-parallel-size", "2"]
+CP4 = ["--context-parallel-size", "4"]
+UNEVEN = ["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"]
+
 LAYOUTS = {
-    2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-g4": PP2 + VPP_GROUP4},
-    4: {"dp4-buckets": SMALL_BUCKETS, "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4},
-    8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP},
+    2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-g4": PP2 + VPP_GROUP4,
+        "pp2-uneven": PP2 + UNEVEN, "cp2": CP2, "cp2-allgather": CP2 + ["--cp-comm-type", "all_gather"]},
+    4: {"dp4-buckets": SMALL_BUCKETS, "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4, "cp4": CP4,
+        "cp2-dp2": CP2},
+    8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP, "tp2-cp2-pp2-vpp2": TP2 + SP + CP2 + PP2 + VPP},
 }
 MODELS = ("gpt", "llama")
 CASES = [(world, name, model) for world, layouts in LAYOUTS.items() for name in layouts for model in MODELS]

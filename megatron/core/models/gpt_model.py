@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.context_parallel.sharding import positions as cp_positions
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
@@ -44,8 +45,9 @@ class LanguageModelEmbedding(torch.nn.Module):
             weight.init_spec = InitSpec(tuple(weight.shape), std=config.init_method_std)
             weight.sequence_parallel = config.sequence_parallel
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP).
+        `positions` [s]: the global positions of these tokens (a cp rank's share of the sequence)."""
         partial = self.word_embeddings(input_ids.t())
         if self.config.sequence_parallel:
             hidden = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
@@ -54,15 +56,14 @@ class LanguageModelEmbedding(torch.nn.Module):
         if self.position_embeddings is not None:
             local_s = hidden.shape[0]
             start = dist.get_rank(self.tp_group) * local_s if self.config.sequence_parallel else 0
-            positions = torch.arange(start, start + local_s, device=hidden.device)
-            hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
+            hidden = hidden + self.position_embeddings(positions[start:start + local_s]).unsqueeze(1)
         return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
                               self.config.sequence_parallel)
 
 
 class GPTModel(torch.nn.Module):
     def __init__(self, config, *, tp_group, rng_tracker, layer_ids=None, pre_process: bool = True,
-                 post_process: bool = True, device=None):
+                 post_process: bool = True, cp_group=None, device=None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
@@ -73,7 +74,7 @@ class GPTModel(torch.nn.Module):
             self.embedding = LanguageModelEmbedding(config, tp_group=tp_group, rng_tracker=rng_tracker,
                                                     device=device)
         self.decoder = TransformerBlock(config, layer_ids, tp_group=tp_group, rng_tracker=rng_tracker,
-                                        post_process=post_process, device=device)
+                                        post_process=post_process, cp_group=cp_group, device=device)
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
@@ -84,9 +85,14 @@ class GPTModel(torch.nn.Module):
                 self.output_layer.weight.shared_embedding = True
         if self.tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        # the global positions of this rank's tokens: all of them, or a cp rank's load-balanced share
+        cp_size, cp_rank = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
+        self.register_buffer("positions", cp_positions(config.seq_length, cp_rank, cp_size, device=device),
+                             persistent=False)
         angles = None
         if config.position_embedding_type == "rope":
-            angles = rotary_frequencies(config.seq_length, config.kv_channels, config.rotary_base, device=device)
+            angles = rotary_frequencies(config.seq_length, config.kv_channels, config.rotary_base,
+                                        device=device)[self.positions]
         self.register_buffer("rotary_angles", angles, persistent=False)
 
     def output_weight(self) -> torch.Tensor:
@@ -100,7 +106,7 @@ class GPTModel(torch.nn.Module):
         Returns hidden states (not the last stage), the per-token loss [b, s] in fp32
         (last stage, labels given), or the full logits [b, s, vocab] (labels None).
         """
-        hidden = self.embedding(inputs) if self.pre_process else inputs
+        hidden = self.embedding(inputs, self.positions) if self.pre_process else inputs
         hidden = self.decoder(hidden, self.rotary_angles)
         if not self.post_process:
             return hidden

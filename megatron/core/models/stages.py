@@ -21,5 +21,5 @@ def build_model_chunks(config, mesh, virtual: int, seed: int, device=None, first
         chunks.append(GPTModel(
             config, tp_group=mesh.tp_group, rng_tracker=tracker, layer_ids=ids,
             pre_process=mesh.is_first_stage and c == 0, post_process=mesh.is_last_stage and c == virtual - 1,
-            device=device))
+            cp_group=mesh.cp_group, device=device))
     return chunks

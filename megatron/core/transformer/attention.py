@@ -6,22 +6,31 @@ splitting the rows contiguously across tp ranks hands each rank whole groups.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.flash_attention import flash_attention
+from megatron.core.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import recompute
 from megatron.core.transformer.rotary import apply_rotary
 
 
-def core_attention(q, k, v, dropout_p: float, backend: str):
+def core_attention(q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p"):
     """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
 
     Without dropout: the flash-attention kernel or its torch reference (`backend`). The
     kernel has no dropout, so attention dropout runs torch's SDPA (validated at start-up).
+    With a context-parallel group of size > 1 the sequence is this rank's load-balanced
+    share and attention runs across the cp ranks (no dropout there, refused at start-up).
     """
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        out = context_parallel_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group,
+                                         comm_type=cp_comm_type, impl=backend)
+        return out.transpose(0, 1)
     if dropout_p == 0.0:
         out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=backend)
         return out.transpose(0, 1)
@@ -32,11 +41,12 @@ def core_attention(q, k, v, dropout_p: float, backend: str):
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config, *, tp_group, rng_tracker, device=None):
+    def __init__(self, config, *, tp_group, rng_tracker, cp_group=None, device=None):
         super().__init__()
         tp = dist.get_world_size(tp_group)
         self.config = config
         self.rng_tracker = rng_tracker
+        self.cp_group = cp_group
         self.head_dim = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // tp
@@ -50,10 +60,12 @@ class SelfAttention(torch.nn.Module):
 
     def _attend(self, q, k, v):
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        attend = functools.partial(core_attention, q, k, v, dropout_p, self.config.attention_backend, self.cp_group,
+                                   self.config.cp_comm_type)
         if dropout_p == 0.0:
-            return core_attention(q, k, v, 0.0, self.config.attention_backend)
+            return attend()
         with self.rng_tracker.fork(tensor_parallel=True):
-            return core_attention(q, k, v, dropout_p, self.config.attention_backend)
+            return attend()
 
     def forward(self, x, rotary_angles=None):
         qkv = self.linear_qkv(x)

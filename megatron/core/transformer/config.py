@@ -11,6 +11,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 KERNEL_IMPLS = ("auto", "triton", "torch")
+CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -44,6 +45,8 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -104,6 +107,7 @@ class TransformerConfig:
             need(getattr(self, name) in KERNEL_IMPLS,
                  f"--{name.replace('_', '-')} must be one of {', '.join(KERNEL_IMPLS)}")
         self._validate_tensor_parallel()
+        self._validate_context_parallel()
 
     def _validate_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size
@@ -121,6 +125,21 @@ class TransformerConfig:
                 if flag == "--num-query-groups":
                     hint = " (each tp rank holds whole key/value groups; use a tp size that divides the groups)"
                 raise ValueError(f"{flag} ({value}) is not divisible by --tensor-model-parallel-size ({tp}){hint}")
+
+    def _validate_context_parallel(self) -> None:
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        if cp == 1:
+            return
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
+        multiple = 2 * cp * (tp if self.sequence_parallel else 1)
+        if self.seq_length % multiple:
+            detail = f" x --tensor-model-parallel-size ({tp}) under --sequence-parallel" if self.sequence_parallel else ""
+            raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by 2 x --context-parallel-size "
+                             f"({cp}){detail} = {multiple}: each cp rank holds two equal chunks")
+        if self.attention_dropout > 0:
+            raise ValueError(f"--attention-dropout {self.attention_dropout} is not supported with "
+                             f"--context-parallel-size {cp} (the ring attention has no dropout); use 0")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -19,12 +19,13 @@ def hidden_dropout(x, p: float, training: bool, rng_tracker, sequence_parallel: 
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, rng_tracker, device=None):
+    def __init__(self, config, *, tp_group, rng_tracker, cp_group=None, device=None):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, config.hidden_size, device)
-        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, device=device)
+        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
+                                            device=device)
         self.pre_mlp_layernorm = Norm(config, config.hidden_size, device)
         self.mlp = MLP(config, tp_group=tp_group, device=device)
 
