@@ -12,6 +12,9 @@ by (seed, name, tile row, tile column). A rank draws only the tiles that overlap
 its shard and copies the overlap: rows for a dim-0 (column-parallel, vocabulary)
 shard, columns for a dim-1 (row-parallel) shard, both blocks of a stacked
 (SwiGLU gate/up) shard. Scratch is one fp32 tile (1 MiB), whatever the tensor.
+Rows past `valid_rows` (vocabulary padding, which grows with tp) are zero and off
+the grid, so the real rows are the same however the vocabulary is padded.
+`make_param` allocates only this rank's shard (tools/bench/init_memory.py measures it).
 """
 from __future__ import annotations
 
