@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer.config import TransformerConfig
+from megatron.training.checkpoint_args import add_checkpoint_arguments, checkpoint_config_from_args
 from megatron.training.config import ParallelConfig, RunConfig, TrainingConfig
 
 GPT_DEFAULTS = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
@@ -69,11 +70,19 @@ def _parallel_flags(p):
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam moments over dp x cp (ZeRO-1/2): gradients are "
+                        "reduce-scattered and updated parameters all-gathered, bucket by bucket")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="reduce each gradient bucket as soon as backward completes it (default on)")
+    g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --use-distributed-optimizer: start the parameter all-gathers at the end of the "
+                        "step and wait for each bucket just before the next forward first uses it")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
-                   help="elements per gradient all-reduce bucket")
+    g.add_argument("--ddp-bucket-size", type=int,
+                   help="elements per bucket (memory chunk) of the parameter and gradient buffers "
+                        "(default max(40M, 1M x dp x cp))")
 
 
 def _training_flags(p):
@@ -115,6 +124,7 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
     _model_flags(parser)
     _parallel_flags(parser)
     _training_flags(parser)
+    add_checkpoint_arguments(parser)
     parser.set_defaults(**defaults)
     return parser
 
@@ -122,7 +132,6 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
 def _refuse_unbuilt(args) -> None:
     """Flags whose feature has not been built yet are refused, never silently ignored."""
     unbuilt = [
-        (args.use_distributed_optimizer, "--use-distributed-optimizer: the distributed optimizer is not built yet"),
         (bool(args.data_path), "--data-path: indexed datasets are not built yet; use --mock-data"),
     ]
     for condition, message in unbuilt:
@@ -169,4 +178,4 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
     training = TrainingConfig.from_args(args, parallel.dp)
     return RunConfig(model=model, optimizer=optimizer, parallel=parallel, training=training,
-                     sequence_parallel_requested=args.sequence_parallel)
+                     sequence_parallel_requested=args.sequence_parallel, checkpoint=checkpoint_config_from_args(args))

@@ -1,12 +1,14 @@
 """Run-level config dataclasses: parallel layout and the training loop's settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.parallel_state import ParallelDims
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
+from megatron.training.checkpoint_args import CheckpointConfig
 
 
 @dataclass
@@ -19,7 +21,7 @@ class ParallelConfig:
     microbatch_group_size: int | None
     backend: str | None
     timeout_minutes: int
-    bucket_size: int
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
@@ -30,12 +32,12 @@ class ParallelConfig:
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
             raise ValueError("--distributed-timeout-minutes must be >= 1")
-        if args.ddp_bucket_size < 1:
-            raise ValueError("--ddp-bucket-size must be >= 1")
+        ddp = DDPConfig(bucket_size=args.ddp_bucket_size, use_distributed_optimizer=args.use_distributed_optimizer,
+                        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
-                   bucket_size=args.ddp_bucket_size, first_stage_layers=args.decoder_first_pipeline_num_layers,
+                   ddp=ddp, first_stage_layers=args.decoder_first_pipeline_num_layers,
                    last_stage_layers=args.decoder_last_pipeline_num_layers)
 
     @staticmethod
@@ -112,3 +114,4 @@ class RunConfig:
     parallel: ParallelConfig
     training: TrainingConfig
     sequence_parallel_requested: bool = False
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

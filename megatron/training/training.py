@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel.sharding import shard as cp_shard
-from megatron.core.distributed.data_parallel import DDPConfig, DistributedDataParallel
 from megatron.core.distributed.finalize import finalize_model_grads
+from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.lr_schedule import learning_rate
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -42,10 +42,8 @@ class Trainer:
                                      parallel.first_stage_layers, parallel.last_stage_layers)
         for module in modules:
             initialize_parameters(module, training.seed)
-        ddp_config = DDPConfig(bucket_size=parallel.bucket_size)
-        self.chunks = [DistributedDataParallel(m, ddp_config, self.mesh.dp_cp_group) for m in modules]
-        params = [p for m in modules for p in m.parameters()]
-        self.optimizer = MixedPrecisionOptimizer(params, run.optimizer, self.mesh)
+        self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group) for m in modules]
+        self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh)
         self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, training.seed)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),

@@ -33,8 +33,10 @@ def seed_key(name: str, param) -> str:
 
 
 def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
-    """Train on this rank; return losses and grad norms per iteration, initial weights and gradients of
-    iteration `grads_at`."""
+    """Train on this rank; return losses and grad norms per iteration, initial weights, gradients of
+    iteration `grads_at` (whole only with the replicated optimizer: the distributed one keeps just
+    this rank's shard of each reduced gradient), the weights after the last step and the bytes of
+    optimizer state."""
     defaults, argv = model_flags(model, extra)
     run = parse_run_config(argv, defaults, dist.get_world_size())
     trainer = Trainer(run, torch.device("cpu"))
@@ -46,7 +48,10 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
             grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
-    return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms}
+    trainer.optimizer.finish_param_sync()
+    final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms, "final": final,
+            "optimizer_bytes": trainer.optimizer.state_bytes()}
 
 
 def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:

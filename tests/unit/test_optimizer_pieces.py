@@ -1,4 +1,6 @@
-"""Learning-rate schedule against hand-computed values; loss scaler rules; clipping."""
+"""Learning-rate schedule against hand-computed values; loss scaler rules; clipping; bucket layout
+(padding, shards, straddling parameters); flat-shard AdamW against torch.optim.AdamW; the weight
+decay rule by name."""
 from __future__ import annotations
 
 import math
@@ -6,9 +8,12 @@ import math
 import pytest
 import torch
 
-from megatron.core.optimizer.clip_grads import clip_grads
+from megatron.core.distributed.bucket_layout import BufferLayout, default_bucket_size
+from megatron.core.optimizer.adamw import ShardedAdamW
+from megatron.core.optimizer.grad_preparation import clip_grads
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer.lr_schedule import learning_rate
+from megatron.core.optimizer.shards import FlatShard, weight_decay_applies
 
 
 def lr(i, style, warmup=2, decay=10):
@@ -47,11 +52,72 @@ def test_dynamic_scaler_hysteresis_backoff_and_growth():
 
 
 def test_clip_grads_scales_to_max_norm():
-    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
-    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
-    params[1].grad = torch.tensor([0.0, 4.0, 0.0])
-    clip_grads(params, 5.0, 1.0)
-    total = torch.cat([p.grad for p in params]).norm().item()
+    grads = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0])]
+    clip_grads(grads, 5.0, 1.0)
+    total = torch.cat(grads).norm().item()
     assert total == pytest.approx(1.0, rel=1e-5)
-    clip_grads(params, total, 2.0)  # below the threshold: unchanged
-    assert torch.cat([p.grad for p in params]).norm().item() == pytest.approx(1.0, rel=1e-5)
+    clip_grads(grads, total, 2.0)  # below the threshold: unchanged
+    assert torch.cat(grads).norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_layout_pads_buckets_into_equal_shards_and_pieces_cover_every_parameter():
+    params = [("a", 10, False), ("b", 7, False), ("emb", 5, True), ("c", 3, False), ("d", 9, False)]
+    layout = BufferLayout(params, bucket_size=12, shards=4, align=2)
+    # a+b reach 12 -> bucket [0, 24) (17 padded to 8 x 3); emb alone [24, 32); c+d (12) [32, 48)
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 24), (24, 32), (32, 48)]
+    assert [(p.name, p.bucket, p.start) for p in layout.params] == [
+        ("a", 0, 0), ("b", 0, 10), ("emb", 1, 24), ("c", 2, 32), ("d", 2, 35)]
+    assert all(b.numel % 8 == 0 for b in layout.buckets) and layout.numel == 48
+    covered = {name: [] for name, *_ in params}
+    for index, bucket in enumerate(layout.buckets):
+        for rank in range(4):
+            for piece in layout.pieces(index, rank):
+                assert 0 <= piece.shard_start < piece.shard_end <= bucket.shard_numel
+                covered[piece.name].append((piece.param_start, piece.numel))
+    for name, numel, _ in params:  # every element of every parameter in exactly one shard
+        spans = sorted(covered[name])
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == numel
+        assert all(s + n == t for (s, n), (t, _) in zip(spans, spans[1:]))
+    assert len(covered["a"]) == 2  # a (10 elements) straddles the shards of ranks 0 and 1 (6 each)
+
+
+def test_layout_replicated_has_no_padding_and_default_bucket_size():
+    layout = BufferLayout([("a", 10, False), ("b", 7, False)], bucket_size=100)
+    assert layout.numel == 17 and [(b.start, b.end) for b in layout.buckets] == [(0, 17)]
+    assert layout.pieces(0, 0)[1].shard_start == 10
+    assert default_bucket_size(8) == 40_000_000 and default_bucket_size(64) == 64_000_000
+
+
+@pytest.mark.parametrize("name,decays", [
+    ("embedding.word_embeddings.weight", True), ("output_layer.weight", True),
+    ("decoder.layers.0.self_attention.linear_qkv.weight", True), ("decoder.layers.3.mlp.linear_fc2.weight", True),
+    ("embedding.position_embeddings.weight", True), ("decoder.layers.0.self_attention.linear_qkv.bias", False),
+    ("decoder.layers.0.input_layernorm.weight", False), ("decoder.layers.0.pre_mlp_layernorm.bias", False),
+    ("decoder.final_layernorm.weight", False)])
+def test_weight_decay_by_name(name, decays):
+    assert weight_decay_applies(name) is decays
+
+
+def test_flat_shard_adamw_equals_torch_adamw():
+    """Two parameters (one decayed, one not) in one flat shard; 3 steps with changing lr."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 3), torch.randn(3)
+    reference = [torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())]
+    torch_adam = torch.optim.AdamW([{"params": [reference[0]], "weight_decay": 0.1},
+                                    {"params": [reference[1]], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95),
+                                   eps=1e-8)
+    main = torch.cat([weight.reshape(-1), bias])
+    shard = FlatShard(main=main, grad=torch.zeros_like(main), model=main, pieces=[], decay=[(0, 12)], counted=[])
+    ours = ShardedAdamW([shard], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step, lr in enumerate((1e-2, 5e-3, 2e-3)):
+        grads = [torch.randn(4, 3), torch.randn(3)]
+        for param, grad in zip(reference, grads):
+            param.grad = grad
+        shard.grad.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        for group in torch_adam.param_groups:
+            group["lr"] = lr
+        ours.lr = lr
+        torch_adam.step()
+        ours.step()
+        expected = torch.cat([p.detach().reshape(-1) for p in reference])
+        torch.testing.assert_close(main, expected, rtol=1e-6, atol=1e-7, msg=f"step {step + 1}")

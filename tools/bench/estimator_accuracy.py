@@ -8,9 +8,9 @@ bf16; GPT with dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash 
 and, when the Triton interpreter is available, our Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
-- parameters / weights: the model chunks' parameters; gradients: the DDP
-  `main_grad` buffers (plus any `param.grad` left); optimizer: fp32 master copies
-  that are not model parameters, and every tensor in AdamW's state;
+- parameters / weights: the model chunks' parameters; gradients: the flat
+  `main_grad` buffers (plus any `param.grad` left); optimizer: the optimizer's
+  state tensors (fp32 master copies that are not the weights, Adam moments);
 - activations: unique storages that autograd saves for backward, seen by
   `torch.autograd.graph.saved_tensors_hooks` around each forward of the
   pipeline executor, parameters excluded, plus the p2p-received input the
@@ -121,13 +121,10 @@ def measure(trainer: Trainer) -> dict:
     params = [p for chunk in trainer.chunks for p in chunk.module.parameters()]
     meter = SavedTensorMeter(trainer.executor, params)
     trainer.train_step(1)
-    optimizer = trainer.optimizer
-    model_ptrs = {_storage(p)[0] for p in params}
-    masters = [p for p in optimizer.main_params if _storage(p)[0] not in model_ptrs]
-    state = [t for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t)]
-    grads = [c.buffer.data for c in trainer.chunks] + [p.grad for p in params if p.grad is not None]
+    grads = [c.buffer.grad_data for c in trainer.chunks] + [p.grad for p in params if p.grad is not None]
     return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(params),
-            "grads_bytes": _unique_bytes(grads), "optimizer_bytes": _unique_bytes(masters + state),
+            "grads_bytes": _unique_bytes(grads),
+            "optimizer_bytes": _unique_bytes(trainer.optimizer.adam.state_tensors()),
             "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
 
 

@@ -7,7 +7,7 @@ Launches --pp forked gloo ranks (one intra-op thread each) that hold a stack of
 identical residual MLP blocks split into equal-cost stages: p stages for 1F1B,
 p*v for the interleaved schedule (same blocks, same weights, same microbatches).
 Each schedule runs through our PipelineExecutor (chunks wrapped in our
-DistributedDataParallel, as the executor requires) and through torch's
+ModelChunkBuffers, as the executor requires) and through torch's
 PipelineStage + Schedule1F1B / ScheduleInterleaved1F1B. Before timing, one step
 of each checks that both produce the same losses and gradients: equal work is
 the precondition for comparing time. Then the four runs alternate (warm-up
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megatron.core.distributed.data_parallel import DDPConfig, DistributedDataParallel  # noqa: E402
+from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers  # noqa: E402
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import build_schedule  # noqa: E402
@@ -83,7 +83,7 @@ def torch_loss(output, target):
 
 class Ours:
     def __init__(self, stages: list, mesh, args):
-        self.chunks = [DistributedDataParallel(s, DDPConfig(), mesh.dp_cp_group) for s in stages]
+        self.chunks = [ModelChunkBuffers(s, DDPConfig(), mesh.dp_cp_group) for s in stages]
         spec = PipelineSpec(p2p_shape=(args.tokens, 1, args.hidden), p2p_dtype=torch.float32,
                             num_microbatches=args.microbatches)
         self.executor = PipelineExecutor(self.chunks, mesh, spec)

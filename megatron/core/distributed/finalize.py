@@ -1,4 +1,13 @@
-"""Finish an iteration's gradients: data-parallel sync, then the tp and embedding reductions."""
+"""Finish an iteration's gradients: data-parallel sync, then the tp and embedding reductions.
+
+All of it works on the local shard of each gradient (`ParamAndGradBuffer.local_grads`: the
+whole gradient with the replicated optimizer, this rank's shard after the distributed
+optimizer's reduce-scatter). The sums below are linear, so reducing shards after the dp
+average equals reducing whole gradients before it, provided the ranks that sum hold the
+same elements: tp ranks have identical buffer layouts (same shapes in the same order), and
+an embedding tied across pipeline stages has a bucket of its own on both stages, padded and
+split the same way.
+"""
 from __future__ import annotations
 
 import torch
@@ -17,10 +26,10 @@ def _all_reduce_flat(grads: list, group) -> None:
 
 
 def finalize_model_grads(chunks: list, mesh, grad_scale: float = 1.0) -> None:
-    """`chunks`: this rank's DistributedDataParallel model chunks.
+    """`chunks`: this rank's ModelChunkBuffers.
 
     - wait for the data-parallel (dp x cp) bucket reductions;
-    - multiply every gradient by `grad_scale` (the loss normalisation known only after
+    - multiply the local gradients by `grad_scale` (the loss normalisation known only after
       all microbatches ran: token positions / unmasked tokens of the global batch);
     - sum the gradients of replicated weights that saw only a sequence shard
       (`sequence_parallel` norm weights and row-parallel biases) across tp;
@@ -28,10 +37,11 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: float = 1.0) -> None:
     """
     for chunk in chunks:
         chunk.finish_grad_sync()
-    params = [p for chunk in chunks for p in chunk.module.parameters()]
+    buffers = [chunk.buffer for chunk in chunks]
     if grad_scale != 1.0:
-        torch._foreach_mul_([p.main_grad for p in params], grad_scale)
-    _all_reduce_flat([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], mesh.tp_group)
-    shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale)
+    _all_reduce_flat([g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))],
+                     mesh.tp_group)
+    shared = [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "shared_embedding", False))]
     if shared:
         _all_reduce_flat(shared, mesh.embedding_group)

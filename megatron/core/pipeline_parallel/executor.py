@@ -110,7 +110,7 @@ def _release(tensor: torch.Tensor) -> None:
 class PipelineExecutor:
     """Executes one iteration of the schedule for this rank.
 
-    `chunks[c]` is local model chunk c (a DistributedDataParallel module), called
+    `chunks[c]` is local model chunk c (a ModelChunkBuffers module), called
     as chunk(inputs, labels) -> hidden states or per-token loss. `batch(mb)` returns
     (input_ids, labels, loss_mask) of microbatch mb.
     """

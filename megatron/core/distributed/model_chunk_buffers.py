@@ -1,0 +1,95 @@
+"""One model chunk (a pipeline stage's slice of layers) with its flat parameter and gradient buffers.
+
+Gradient hooks add each parameter's gradient to its fp32 `main_grad` view and, on the last
+microbatch of the iteration, start the reduction of each bucket as soon as backward has
+completed it, so the dp x cp reduction overlaps the rest of backward (`overlap_grad_reduce`;
+without it every bucket is reduced when backward has finished). With the distributed
+optimizer and `overlap_param_gather`, the optimizer step only starts the all-gathers of the
+updated parameters and forward pre-hooks wait for a module's buckets just before its first
+use, so the gathers overlap the next iteration's forward instead of blocking the step.
+
+Usage per iteration: `zero_grad_buffer()`; before each microbatch's backward
+`set_is_last_microbatch(...)`; after the last backward `finish_grad_sync()` (called by
+`finalize_model_grads`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.bucket_layout import default_bucket_size
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+
+
+@dataclass
+class DDPConfig:
+    """`bucket_size` in elements (None: `default_bucket_size` of the dp x cp size)."""
+
+    bucket_size: int | None = None
+    grad_dtype: torch.dtype = torch.float32
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (replicated parameters "
+                             "are never gathered)")
+
+
+class ModelChunkBuffers(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, config: DDPConfig, dp_cp_group):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.sync_now = True
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
+        self.buffer = ParamAndGradBuffer(list(reversed(named)), grad_dtype=config.grad_dtype,
+                                         bucket_size=bucket_size, group=dp_cp_group,
+                                         sharded=config.use_distributed_optimizer)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
+        if config.overlap_param_gather:
+            self._hooks += [m.register_forward_pre_hook(self._wait_for_params(m)) for m in module.modules()
+                            if any(True for _ in m.parameters(recurse=False))]
+
+    def _accumulate(self, param: torch.Tensor) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.sync_now and self.config.overlap_grad_reduce:
+            self.buffer.mark_ready(param)
+
+    def _wait_for_params(self, module: torch.nn.Module):
+        buckets = {self.buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in self.buffer.bucket_of}
+
+        def hook(*_):
+            for bucket in buckets:
+                bucket.finish_param_gather()
+
+        return hook
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_is_last_microbatch(self, last: bool) -> None:
+        """Gradients of earlier microbatches only accumulate; the last one's complete each bucket."""
+        self.sync_now = last
+
+    def zero_grad_buffer(self) -> None:
+        self.buffer.zero()
+
+    def finish_grad_sync(self) -> None:
+        self.buffer.finish_grad_reduce()
+        self.sync_now = True
+
+    def start_param_gather(self) -> None:
+        self.buffer.start_param_gather()
+        if not self.config.overlap_param_gather:
+            self.buffer.finish_param_gather()
+
+    def finish_param_gather(self) -> None:
+        self.buffer.finish_param_gather()

@@ -1,0 +1,43 @@
+"""The optimizer's state and step: AdamW over a list of flat fp32 shards.
+
+Each shard gets its own exp_avg / exp_avg_sq, allocated where the shard's master weights
+live, and is stepped on its own, so the placement of each shard's state (device or pinned
+host, stepped by a CPU AdamW) can change per shard without touching the other two parts of
+the optimizer. The arithmetic is torch.optim.AdamW's single-tensor path, element for element
+(decoupled weight decay first, applied only to the shard ranges whose parameters take it).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ShardedAdamW:
+    def __init__(self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        self.shards = shards
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        self.exp_avg = [torch.zeros_like(s.main) for s in shards]
+        self.exp_avg_sq = [torch.zeros_like(s.main) for s in shards]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors that exist only for the optimizer: master copies (not the fp32 weights
+        themselves) and the moments."""
+        masters = [s.main for s in self.shards if not s.aliased]
+        return masters + self.exp_avg + self.exp_avg_sq
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        step_size = self.lr / (1 - beta1 ** self.step_count)
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        for shard, exp_avg, exp_avg_sq in zip(self.shards, self.exp_avg, self.exp_avg_sq):
+            decayed = shard.views(shard.main, shard.decay)
+            if decayed and self.weight_decay:
+                torch._foreach_mul_(decayed, 1 - self.lr * self.weight_decay)
+            exp_avg.lerp_(shard.grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(shard.grad, shard.grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            shard.main.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,65 @@
+"""The optimizer's view of this rank's buffers: one flat fp32 shard per bucket (memory chunk).
+
+With the replicated optimizer a shard is a whole bucket; with the distributed optimizer it
+is this rank's 1/(dp x cp) of it. A `FlatShard` holds views of the gradient and parameter
+buffers, the fp32 master weights (a view of the parameter buffer when the weights are fp32,
+else a copy), and per-parameter `ShardPiece`s (name -> shard slice and offset within the
+flattened parameter) from which weight decay, the norm's counting and, later, checkpoints
+by name are derived. State (Adam moments) is attached by the optimizer's middle part, which
+may place each shard's state wherever it likes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def weight_decay_applies(name: str) -> bool:
+    """Decoupled weight decay for weights of linear layers and embeddings; none for biases and
+    for the weights of normalisation layers (`...layernorm.weight`, `...final_layernorm.weight`).
+    Decided by the fully qualified name, which is the same in every layout."""
+    *owner, leaf = name.split(".")
+    return leaf != "bias" and not (owner and owner[-1].endswith("norm"))
+
+
+def counts_in_grad_norm(param, mesh) -> bool:
+    """Whether this rank's copy counts in the global norm: weights replicated across tp count on
+    tp rank 0 only; the tied output-layer copy on the last stage not at all."""
+    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
+        return False
+    return getattr(param, "tensor_model_parallel", False) or mesh.tp_rank == 0
+
+
+@dataclass
+class FlatShard:
+    main: torch.Tensor       # fp32 master weights of the shard
+    grad: torch.Tensor       # fp32 view of the gradient buffer
+    model: torch.Tensor      # view of the parameter buffer (model dtype)
+    pieces: list             # ShardPiece per parameter (part) in the shard, in order
+    decay: list              # (start, end) ranges that take weight decay
+    counted: list            # (start, end) ranges that count in the global grad norm
+
+    @property
+    def aliased(self) -> bool:
+        """fp32 weights are their own master: nothing to copy back after the step."""
+        return self.main.data_ptr() == self.model.data_ptr()
+
+    def views(self, tensor: torch.Tensor, ranges: list) -> list[torch.Tensor]:
+        return [tensor[start:end] for start, end in ranges]
+
+
+def build_shards(buffers: list, mesh) -> list[FlatShard]:
+    """One FlatShard per bucket of each ParamAndGradBuffer, in buffer order."""
+    shards = []
+    for buffer in buffers:
+        for index, bucket in enumerate(buffer.buckets):
+            pieces = buffer.layout.pieces(index, buffer.shard_rank)
+            model = bucket.param_shard
+            main = model if model.dtype == torch.float32 else model.detach().float()
+            ranges = [(p.shard_start, p.shard_end) for p in pieces]
+            shards.append(FlatShard(
+                main=main, grad=bucket.grad_shard, model=model, pieces=pieces,
+                decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
+                counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)]))
+    return shards
