@@ -154,7 +154,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
         kv_channels=args.kv_channels, vocab_size=args.vocab_size, seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,

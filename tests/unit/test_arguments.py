@@ -113,3 +113,14 @@ def test_cli_refuses_a_job_that_does_not_fit_unless_told():
     forced = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small + ["--skip-memory-check"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert forced.returncode == 0 and "iteration        2/       2" in forced.stdout
+
+
+def test_megatron_defaults_for_swiglu_ffn_and_query_groups():
+    """--swiglu without --ffn-hidden-size gives int(8h/3 / 64) * 64; --group-query-attention
+    without --num-query-groups gives one group (Megatron's defaults)."""
+    llama = parse(["--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention"],
+                  defaults=LLAMA_DEFAULTS).model
+    assert llama.ffn_hidden_size == int(8 * 256 / 3 / 64) * 64 == 640
+    assert llama.num_query_groups == 1
+    gpt = parse([]).model
+    assert gpt.ffn_hidden_size == 4 * 32 and gpt.num_query_groups == 4

@@ -55,7 +55,8 @@ class TransformerConfig:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            # Megatron's defaults: 4h, or for SwiGLU 2/3 of that rounded down to a multiple of 64
+            self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
