@@ -1,0 +1,8 @@
+"""Layout-independent checkpoints: canonical tensor pieces written and read with
+torch.distributed.checkpoint, plus per-file integrity records."""
+from megatron.core.checkpointing.dcp_io import CheckpointError, read_pieces, saved_tensors, write_pieces
+from megatron.core.checkpointing.integrity import digest_files, verify_files
+from megatron.core.checkpointing.pieces import TensorPiece, model_pieces, parameter_pieces
+
+__all__ = ["CheckpointError", "TensorPiece", "digest_files", "model_pieces", "parameter_pieces", "read_pieces",
+           "saved_tensors", "verify_files", "write_pieces"]

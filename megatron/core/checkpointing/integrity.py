@@ -1,0 +1,67 @@
+"""Size and SHA-256 of each checkpoint file: recorded at save, verified before a load.
+
+DCP itself notices a missing file only when a rank reads from it, mid-load, and
+never notices a truncated or altered file. Ranks hash disjoint subsets of the
+files in parallel (file i on rank i mod world), then share the results.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch.distributed as dist
+
+from megatron.core.checkpointing.dcp_io import CheckpointError
+
+_BLOCK = 1 << 24
+
+
+def file_digest(path: str) -> dict:
+    """{'size': bytes, 'sha256': hex digest} of one file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_BLOCK):
+            digest.update(block)
+    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _my_share(names: list[str]) -> list[str]:
+    if not dist.is_initialized():
+        return names
+    return names[dist.get_rank()::dist.get_world_size()]
+
+
+def _merge(local: dict) -> dict:
+    if not dist.is_initialized():
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {key: value for part in parts for key, value in part.items()}
+
+
+def digest_files(directory: str, names: list[str]) -> dict[str, dict]:
+    """Digest of every file in `names` (relative to `directory`), computed in parallel over the ranks;
+    every rank receives all of them."""
+    return _merge({name: file_digest(os.path.join(directory, name)) for name in _my_share(sorted(names))})
+
+
+def _problem(directory: str, name: str, expected: dict) -> str | None:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"{path}: shard file missing"
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        return f"{path}: {size} bytes, the checkpoint metadata records {expected['size']} (truncated or altered)"
+    if file_digest(path)["sha256"] != expected["sha256"]:
+        return f"{path}: SHA-256 differs from the checkpoint metadata (corrupt)"
+    return None
+
+
+def verify_files(directory: str, expected: dict[str, dict]) -> None:
+    """Raise CheckpointError (one line, the same on every rank) unless every file matches its
+    recorded size and digest."""
+    local = {name: _problem(directory, name, expected[name]) for name in _my_share(sorted(expected))}
+    problems = sorted(p for p in _merge(local).values() if p is not None)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + more)

@@ -1,0 +1,244 @@
+"""Save and load training checkpoints in Megatron's directory layout.
+
+    <save>/iter_0000100/           one checkpoint: DCP files (`__<rank>_0.distcp`, `.metadata`)
+                                   and metadata.json (format, iteration, model shape, files' sizes and digests)
+    <save>/latest_checkpointed_iteration.txt    the iteration to resume from, written last
+
+The model is stored in its canonical, layout-independent form
+(`megatron.core.checkpointing`), so any parallel layout loads it. All ranks write
+into `iter_NNNNNNN.tmp`; once every rank has finished, rank 0 records the files'
+digests, renames the directory and only then updates the tracker file, so a crash
+during a save leaves the previous checkpoint (and the tracker naming it) intact.
+A load first checks the metadata against the model flags, then every file's size
+and digest (ranks share the work), and refuses with one line naming the path.
+
+RNG states (torch's generators per rank, each model chunk's dropout streams) are
+bound to the parallel layout: they are loaded only into the layout that saved them.
+Optimizer state enters through `optimizer_pieces` (issue 14, phase 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.checkpointing import (
+    CheckpointError,
+    TensorPiece,
+    digest_files,
+    model_pieces,
+    read_pieces,
+    verify_files,
+    write_pieces,
+)
+
+FORMAT = "torch_dist"
+FORMAT_VERSION = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+# TransformerConfig fields that fix the set and shapes of the stored tensors
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "vocab_size", "position_embedding_type", "max_position_embeddings", "normalization",
+              "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+# fields a converter needs to rebuild the same function (not checked on load: they may change when fine-tuning)
+NUMERIC_ARGS = ("norm_epsilon", "rotary_base", "seq_length", "init_method_std")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def model_args(config) -> dict:
+    """The model flags a checkpoint records (shape-defining ones are checked on load)."""
+    return {name: getattr(config, name) for name in SHAPE_ARGS + NUMERIC_ARGS}
+
+
+def layout_of(trainer) -> dict:
+    dims = trainer.mesh.dims
+    return {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp,
+            "virtual_stages": trainer.run.parallel.virtual_stages}
+
+
+def optimizer_pieces(optimizer) -> list[TensorPiece]:
+    """Hook for issue 14, phase 2: the optimizer's state (from its `state_dict_by_name()`) as
+    canonical pieces, saved beside the model and filled in place on load. Until then a checkpoint
+    holds no optimizer state and a load needs --no-load-optim or --finetune."""
+    return []
+
+
+# ---- RNG ---------------------------------------------------------------------------------------------
+
+def _rng_states(trainer) -> dict[str, torch.Tensor]:
+    """Name -> state of torch's generators on this rank and of each model chunk's dropout streams
+    (named by global stage, cp and tp rank: equal on dp replicas, which DCP writes once)."""
+    mesh, rank = trainer.mesh, dist.get_rank()
+    states = {f"rng.torch.rank_{rank:05d}": torch.get_rng_state()}
+    if trainer.device.type == "cuda":
+        states[f"rng.cuda.rank_{rank:05d}"] = torch.cuda.get_rng_state(trainer.device)
+    for c, chunk in enumerate(trainer.chunks):
+        stage = c * mesh.pp_size + mesh.pp_rank
+        for tensor_parallel, state in chunk.module.decoder.rng_tracker.get_state().items():
+            stream = "tensor_parallel" if tensor_parallel else "replicated"
+            states[f"rng.dropout.stage_{stage}.cp_{mesh.cp_rank}.tp_{mesh.tp_rank}.{stream}"] = state
+    return states
+
+
+def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
+    rank = dist.get_rank()
+    torch.set_rng_state(states[f"rng.torch.rank_{rank:05d}"])
+    if trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(states[f"rng.cuda.rank_{rank:05d}"], trainer.device)
+    mesh = trainer.mesh
+    for c, chunk in enumerate(trainer.chunks):
+        prefix = f"rng.dropout.stage_{c * mesh.pp_size + mesh.pp_rank}.cp_{mesh.cp_rank}.tp_{mesh.tp_rank}"
+        chunk.module.decoder.rng_tracker.set_state({False: states[f"{prefix}.replicated"],
+                                                    True: states[f"{prefix}.tensor_parallel"]})
+
+
+# ---- save --------------------------------------------------------------------------------------------
+
+def _named_parameters(trainer):
+    for chunk in trainer.chunks:
+        yield from chunk.module.named_parameters()
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write through a temporary name and rename: readers see the old or the new file, never a part."""
+    with open(path + ".tmp", "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
+    """Write `pieces` as the checkpoint `<root>/iter_NNNNNNN` with `metadata` (plus format, iteration
+    and file digests) and point the tracker at it. A collective when torch.distributed is initialised
+    (every rank writes its own pieces); also runs in one process (a converter)."""
+    final = iteration_dir(root, iteration)
+    staging = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+    _barrier()
+    files = write_pieces(pieces, staging)
+    digests = digest_files(staging, files)
+    if _rank() == 0:
+        record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
+                  "files": digests}
+        _write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
+        if os.path.isdir(final):  # saving the same iteration again replaces it
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _write_text(os.path.join(root, TRACKER), str(iteration))
+    _barrier()
+    return final
+
+
+def save_checkpoint(root: str, iteration: int, trainer) -> str:
+    """Save model, RNG states and the iteration as `<root>/iter_NNNNNNN` (a collective: every rank
+    writes its own pieces). Returns the checkpoint's directory."""
+    optimizer = optimizer_pieces(trainer.optimizer)
+    pieces = (model_pieces(_named_parameters(trainer), tied_copies=False) + optimizer
+              + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
+    metadata = {"consumed_samples": iteration * trainer.run.training.global_batch_size,
+                "model": model_args(trainer.run.model), "layout": layout_of(trainer),
+                "contents": ["model", "rng"] + (["optimizer"] if optimizer else [])}
+    return commit_checkpoint(root, iteration, pieces, metadata)
+
+
+# ---- load --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    directory: str
+    iteration: int
+    metadata: dict
+
+
+def find_checkpoint(root: str) -> CheckpointInfo | None:
+    """The checkpoint `<root>`'s tracker names, with its metadata; None for an empty or new directory
+    (training starts fresh, as Megatron does). Raises CheckpointError (one line) for anything else
+    that is wrong: a missing directory, an unreadable tracker, a missing or partial checkpoint."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load {root}: no such directory")
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        if any(name.startswith("iter_") and not name.endswith(".tmp") for name in os.listdir(root)):
+            raise CheckpointError(f"{tracker}: missing, but {root} holds iter_* directories (an interrupted "
+                                  "first save?); remove them or restore the tracker")
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+    directory = iteration_dir(root, int(text))
+    path = os.path.join(directory, METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (the checkpoint {TRACKER} names is absent or partial)")
+    try:
+        metadata = json.load(open(path))
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {metadata.get('format')} version {metadata.get('format_version')}, "
+                              f"this code reads {FORMAT} version {FORMAT_VERSION}")
+    return CheckpointInfo(directory, int(text), metadata)
+
+
+def check_compatible(info: CheckpointInfo, model_config, config) -> None:
+    """Refuse (one line) a checkpoint whose model shape differs from the flags, or that lacks the
+    optimizer state the flags ask to load."""
+    saved, wanted = info.metadata["model"], model_args(model_config)
+    for name in SHAPE_ARGS:
+        if saved.get(name) != wanted[name]:
+            raise CheckpointError(f"{info.directory}: saved with --{name.replace('_', '-')} {saved.get(name)}, "
+                                  f"the flags give {wanted[name]}")
+    if not (config.no_load_optim or config.finetune) and "optimizer" not in info.metadata["contents"]:
+        raise CheckpointError(f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) "
+                              "to start the optimizer fresh")
+
+
+def checkpoint_to_load(run) -> CheckpointInfo | None:
+    """The checkpoint --load names, checked against the flags before any process group exists;
+    None without --load or for an empty directory (a fresh start)."""
+    if run.checkpoint.load is None:
+        return None
+    info = find_checkpoint(run.checkpoint.load)
+    if info is not None:
+        check_compatible(info, run.model, run.checkpoint)
+    return info
+
+
+def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
+    """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
+    from, lines for the log). Files are verified before anything is read."""
+    verify_files(info.directory, info.metadata["files"])
+    read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
+    notes = [f"> loaded {info.directory} (iteration {info.iteration})"]
+    if config.finetune:
+        return 0, notes + ["> --finetune: model only; starting at iteration 0"]
+    if config.no_load_rng:
+        notes.append("> --no-load-rng: RNG states not loaded")
+    elif "rng" not in info.metadata["contents"]:
+        notes.append("> the checkpoint holds no RNG states (a converted model): RNG states not loaded")
+    elif info.metadata["layout"] != layout_of(trainer):
+        notes.append(f"> RNG states not loaded: saved with layout {info.metadata['layout']}, "
+                     f"running {layout_of(trainer)}")
+    else:
+        states = _rng_states(trainer)
+        read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)
+        _set_rng_states(trainer, states)
+    return info.iteration, notes

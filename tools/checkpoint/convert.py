@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Convert between Hugging Face models and our checkpoints.
+
+    python tools/checkpoint/convert.py --loader hf --saver mcore --load-dir HF_DIR --save-dir OUT \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/checkpoint/convert.py --loader mcore --saver hf --load-dir OUT --save-dir HF_DIR
+
+Hugging Face Llama (Mistral-style GQA included) and GPT-2, safetensors + config.json.
+Our checkpoint is layout-independent, so the target sizes are only validated against
+the model and appear in the printed command line; any layout loads it. One process,
+about one layer in memory at a time (tensors are read lazily and written as they are
+converted). The saved HF directory loads with `AutoModelForCausalLM.from_pretrained`.
+Exit status 2 with one error line on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron.core.checkpointing import (  # noqa: E402
+    CheckpointError,
+    TensorPiece,
+    read_pieces,
+    saved_tensors,
+    verify_files,
+)
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
+from megatron.core.transformer.config import TransformerConfig  # noqa: E402
+from megatron.training.checkpointing import commit_checkpoint, find_checkpoint, model_args  # noqa: E402
+from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
+from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402
+
+# HF tensors that carry no weights of their own (buffers, tied copies)
+IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+def model_config(args: dict, tp: int = 1) -> TransformerConfig:
+    """Our TransformerConfig for converted `args`; raises ValueError (one line) for a bad tp."""
+    return TransformerConfig(**args, tensor_model_parallel_size=tp)
+
+
+def command_line(args: dict, tp: int, pp: int, load: str) -> str:
+    """The pretrain command (script and every model flag) that runs the converted model."""
+    llama_like = (args["swiglu"] and not args["add_bias_linear"] and args["untie_embeddings_and_output_weights"]
+                  and args["normalization"] == "RMSNorm" and args["position_embedding_type"] == "rope")
+    flags = [f"--num-layers {args['num_layers']}", f"--hidden-size {args['hidden_size']}",
+             f"--ffn-hidden-size {args['ffn_hidden_size']}", f"--num-attention-heads {args['num_attention_heads']}"]
+    if args["num_query_groups"] != args["num_attention_heads"]:
+        flags.append(f"--group-query-attention --num-query-groups {args['num_query_groups']}")
+    flags += [f"--kv-channels {args['kv_channels']}", f"--seq-length {args['seq_length']}",
+              f"--max-position-embeddings {args['max_position_embeddings']}",
+              f"--position-embedding-type {args['position_embedding_type']}",
+              f"--normalization {args['normalization']}", f"--norm-epsilon {args['norm_epsilon']}",
+              f"--vocab-size {args['vocab_size']}", f"--attention-dropout {args['attention_dropout']}",
+              f"--hidden-dropout {args['hidden_dropout']}"]
+    if args["position_embedding_type"] == "rope":
+        flags.append(f"--rotary-base {args['rotary_base']:g}")
+    switches = {"--swiglu": args["swiglu"], "--disable-bias-linear": not args["add_bias_linear"],
+                "--untie-embeddings-and-output-weights": args["untie_embeddings_and_output_weights"]}
+    flags += [flag for flag, on in switches.items() if on]
+    flags += [f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
+              f"--load {load} --finetune"]
+    return f"pretrain_{'llama' if llama_like else 'gpt'}.py " + " ".join(flags)
+
+
+def _hf_prefix(family, reader: SafetensorsReader) -> str:
+    """GPT-2 files hold `transformer.h.0...` (GPT2LMHeadModel) or `h.0...` (GPT2Model)."""
+    return "transformer." if family is GPT2 and "transformer.wte.weight" in reader else ""
+
+
+def _lazy_piece(rule, reader: SafetensorsReader, progress) -> TensorPiece:
+    """A piece whose tensor is read and converted only when DCP writes it."""
+    inputs = [torch.empty(reader.shape(n), dtype=reader.dtype(n), device="meta") for n in rule.hf]
+    shape = tuple(rule.to_ours(*inputs).shape)
+
+    def produce():
+        progress.update(1)
+        return rule.to_ours(*(reader.get(n) for n in rule.hf))
+
+    return TensorPiece(rule.ours, shape, (0,) * len(shape), shape, inputs[0].dtype, produce)
+
+
+def hf_to_mcore(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
+    """Convert; returns the pretrain command line for the result."""
+    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    family = family_of(cfg)
+    args = family.model_args(cfg)
+    config = model_config(args, tp)
+    layers_per_rank(args["num_layers"], pp)
+    note = getattr(family, "approximation_note", lambda c: None)(cfg)
+    if note:
+        print(note, file=sys.stderr)
+    reader = SafetensorsReader(load_dir)
+    rules = family.rules(args, _hf_prefix(family, reader))
+    used = {n for rule in rules for n in rule.hf}
+    unmapped = [n for n in reader.names() if n not in used and not IGNORED.search(n) and n != "lm_head.weight"]
+    if unmapped:
+        raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
+    with tqdm(total=len(rules), desc="hf -> mcore", unit="tensor") as progress:
+        pieces = [_lazy_piece(rule, reader, progress) for rule in rules]
+        commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_args(config),
+                                                "layout": None, "contents": ["model"], "source": load_dir})
+    return command_line(args, tp, pp, save_dir)
+
+
+def _layer_of(name: str) -> int:
+    """Group of a canonical tensor for writing: -1 embeddings, layer index, or a large number for the rest."""
+    if name.startswith("embedding."):
+        return -1
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else 1 << 30
+
+
+def mcore_to_hf(load_dir: str, save_dir: str) -> None:
+    info = find_checkpoint(load_dir)
+    if info is None:
+        raise CheckpointError(f"{load_dir}: no checkpoint (no latest_checkpointed_iteration.txt)")
+    verify_files(info.directory, info.metadata["files"])
+    args = info.metadata["model"]
+    family = family_of_args(args)
+    hf_config = family.hf_config(args)
+    saved = saved_tensors(info.directory)
+    rules = family.rules(args)
+    missing = [rule.ours for rule in rules if rule.ours not in saved]
+    if missing:
+        raise CheckpointError(f"{info.directory}: no tensor {missing[0]} (the checkpoint's model args need it)")
+    groups = {}
+    for rule in rules:
+        groups.setdefault(_layer_of(rule.ours), []).append(rule)
+
+    def reader(group_rules):
+        def read() -> dict:
+            tensors = {r.ours: torch.empty(saved[r.ours][0], dtype=saved[r.ours][1]) for r in group_rules}
+            read_pieces([TensorPiece.whole(name, t) for name, t in tensors.items()], info.directory)
+            return {n: t for r in group_rules for n, t in zip(r.hf, r.to_hf(tensors[r.ours]))}
+        return read
+
+    with tqdm(total=len(groups), desc="mcore -> hf", unit="file") as progress:
+        write_hf_files(save_dir, [reader(groups[key]) for key in sorted(groups)], hf_config, progress)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--loader", choices=["hf", "mcore"], required=True)
+    parser.add_argument("--saver", choices=["hf", "mcore"], required=True)
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.loader == args.saver:
+        parser.error(f"--loader and --saver are both {args.loader}: nothing to convert")
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
+    try:
+        if args.loader == "hf":
+            line = hf_to_mcore(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                               args.target_pipeline_parallel_size)
+            print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
+        else:
+            mcore_to_hf(args.load_dir, args.save_dir)
+            print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
