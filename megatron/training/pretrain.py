@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
+from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.flops import flops_per_iteration
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
@@ -20,6 +21,7 @@ from megatron.training.initialize import (
     select_device,
 )
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
+from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
 
 
@@ -60,17 +62,23 @@ def _gather_parameter_counts(trainer: Trainer) -> list[int]:
     return counts
 
 
-def train(trainer: Trainer, emit) -> None:
+def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
     run = trainer.run
     training = run.training
     flops = flops_per_iteration(run.model, training.global_batch_size)
     world = dist.get_world_size()
     tensorboard = TensorBoardWriter(training.tensorboard_dir, enabled=dist.get_rank() == world - 1)
     totals = IntervalTotals()
-    for iteration in range(1, training.train_iters + 1):
+
+    def save(iteration: int) -> None:
+        emit(f"> saved {save_checkpoint(run.checkpoint.save, iteration, trainer)}")
+
+    control = RunControl(run.checkpoint, save, trainer.device)
+    for iteration in range(start_iteration + 1, training.train_iters + 1):
         result, elapsed = timed_step(trainer, iteration)
         totals.add(result.loss, elapsed, result.skipped, result.grad_norm, result.idle_fraction)
-        if iteration % training.log_interval and iteration != training.train_iters:
+        stop = control.after_iteration(iteration, training.train_iters)
+        if iteration % training.log_interval and iteration != training.train_iters and stop is None:
             continue
         seconds = totals.elapsed / totals.iterations
         loss = totals.loss_sum / totals.loss_count if totals.loss_count else math.nan
@@ -87,6 +95,9 @@ def train(trainer: Trainer, emit) -> None:
         tensorboard.scalars(iteration, {"lm loss": loss, "learning-rate": result.lr, "grad-norm": result.grad_norm,
                                         "loss-scale": result.loss_scale, "iteration-time": seconds})
         totals = IntervalTotals()
+        if stop is not None:
+            emit(f"> exiting after iteration {iteration}: {stop}")
+            return
 
 
 def _validate(argv, defaults, world_size: int, local_rank: int, prog):
@@ -98,14 +109,14 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     backend = choose_backend(run.parallel.backend, device)
     paths = kernel_paths(run.model, device)
     memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
-    return run, device, backend, paths, memory_lines
+    return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 
 
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
     rank, world_size, local_rank = launch_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:
-        run, device, backend, paths, memory_lines = _validate(
+        run, device, backend, paths, memory_lines, checkpoint = _validate(
             sys.argv[1:] if argv is None else argv, defaults, world_size, local_rank, prog)
     except ValueError as error:
         if rank == 0:
@@ -120,7 +131,17 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
                 print(line, flush=True)
             print(f"> parameters per rank (rank order): {counts}", flush=True)
         emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
-        train(trainer, emit=emit)
+        start_iteration = 0
+        if checkpoint is not None:
+            try:
+                start_iteration, notes = load_checkpoint(checkpoint, trainer, run.checkpoint)
+            except CheckpointError as error:  # raised on every rank alike, before any training
+                if rank == 0:
+                    print(f"error: {error}", file=sys.stderr, flush=True)
+                return 2
+            for line in notes:
+                emit(line)
+        train(trainer, emit=emit, start_iteration=start_iteration)
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
