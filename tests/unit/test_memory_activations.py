@@ -11,7 +11,7 @@ import torch
 from megatron.core.memory import MemoryLayout
 from megatron.core.memory.activations import ActivationModel, Ledger, recompute_groups
 from megatron.core.memory.kernels import resolve_kernels
-from megatron.core.memory.parameters import Chunk
+from megatron.core.memory.parameters import ModelChunk
 from megatron.core.transformer.config import TransformerConfig
 
 S, B, H, A, G, D, F = 4096, 2, 4096, 32, 8, 128, 14336
@@ -116,7 +116,7 @@ def test_ledger_counts_a_storage_once():
 def _chunk_bytes(config, **layout):
     lay = MemoryLayout(micro_batch_size=B, **layout)
     model = ActivationModel(config, lay, resolve_kernels(config, lay.device_type))
-    return model.chunk(Chunk(0, tuple(range(config.num_layers)), False, False))
+    return model.chunk(ModelChunk(0, tuple(range(config.num_layers)), False, False))
 
 
 def test_full_recomputation_keeps_group_inputs_only():
@@ -158,9 +158,9 @@ def test_first_and_last_stage_extras():
     """First stage: token ids; last stage: the fp32 softmax over the local vocabulary dominates."""
     lay = MemoryLayout(micro_batch_size=B)
     model = ActivationModel(LLAMA, lay, resolve_kernels(LLAMA, "cuda"))
-    middle = model.chunk(Chunk(0, (0,), False, False)).bytes
-    first = model.chunk(Chunk(0, (0,), True, False)).bytes
-    last = model.chunk(Chunk(0, (0,), False, True)).items
+    middle = model.chunk(ModelChunk(0, (0,), False, False)).bytes
+    first = model.chunk(ModelChunk(0, (0,), True, False)).bytes
+    last = model.chunk(ModelChunk(0, (0,), False, True)).items
     assert first - middle == B * S * 8
     assert last["softmax"] == S * B * 128256 * 4
     assert last["loss_mask"] == B * S * 4

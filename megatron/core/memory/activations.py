@@ -21,8 +21,8 @@ choices documented in megatron/core/memory/kernels.py. Sizes per microbatch
 - last stage: final norm, output-layer input, the vocab-parallel cross entropy's
   fp32 softmax [s, b, V/t], targets (int64) and mask (bool), and the executor's
   loss mask [b, s] (fp32; the masked loss sum is scaled by a Python number).
-Recomputation: a fully recomputed group keeps only its input (torch checkpoint's
-saved inputs); selective recomputation keeps q, k, v (the checkpointed core
+Recomputation: a fully recomputed group keeps only its input (torch.utils.checkpoint.s
+saved inputs); selective recomputation keeps q, k, v (the recomputed core
 attention's inputs) and the attention output.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron.core.memory.kernels import KernelChoice, dtype_bytes
-from megatron.core.memory.parameters import Chunk, padded_vocab
+from megatron.core.memory.parameters import ModelChunk, padded_vocab
 
 INT64, BOOL, FP32 = 8, 1, 4
 
@@ -83,7 +83,7 @@ class Dims:
 
 
 @dataclass
-class ChunkActivations:
+class ModelChunkActivations:
     bytes: int
     recompute_working_bytes: int  # one recomputed group (or core attention) re-materialised in backward
     items: dict = field(default_factory=dict)
@@ -219,7 +219,7 @@ class ActivationModel:
         led.save("loss_mask", d.b * d.s * FP32)
 
     # ------------------------------------------------------------------ a chunk
-    def chunk(self, chunk: Chunk) -> ChunkActivations:
+    def chunk(self, chunk: ModelChunk) -> ModelChunkActivations:
         led = Ledger()
         if chunk.pre_process:
             x = self.embedding(led)
@@ -231,7 +231,7 @@ class ActivationModel:
         for start, end, recomputed in recompute_groups(self.config, len(ids)):
             if recomputed:
                 group_input = x
-                led.save(group_input, self.dims.residual_bytes)  # the checkpoint's saved input
+                led.save(group_input, self.dims.residual_bytes)  # the recomputed group.s saved input
                 scratch = Ledger()
                 for i in ids[start:end]:
                     x, _ = self.layer(scratch, i, x)
@@ -243,4 +243,4 @@ class ActivationModel:
                 working = max(working, core)
         if chunk.post_process:
             self.head(led, x)
-        return ChunkActivations(bytes=led.total, recompute_working_bytes=working, items=dict(led.saved))
+        return ModelChunkActivations(bytes=led.total, recompute_working_bytes=working, items=dict(led.saved))

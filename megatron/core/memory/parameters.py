@@ -65,7 +65,7 @@ def padded_vocab(config, tp: int) -> int:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ModelChunk:
     """One local model chunk: its global layer indices and whether it is the first / last stage."""
 
     index: int
@@ -74,16 +74,16 @@ class Chunk:
     post_process: bool
 
 
-def rank_chunks(config, layout, pp_rank: int) -> list[Chunk]:
+def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
     chunks = []
     for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, layout.pp, layout.virtual_stages, pp_rank)):
         first, last = layout.chunk_position(pp_rank, c)
-        chunks.append(Chunk(c, tuple(layer_ids), first, last))
+        chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
 
 
-def chunk_shapes(config, tp: int, chunk: Chunk) -> list[Shape]:
+def chunk_shapes(config, tp: int, chunk: ModelChunk) -> list[Shape]:
     shapes = embedding_shapes(config, tp) if chunk.pre_process else []
     shapes += layer_shapes(config, tp) * len(chunk.layer_ids)
     if chunk.post_process:

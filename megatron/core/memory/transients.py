@@ -16,7 +16,7 @@ code allocates and are NOT validated by measurement yet:
   weight gradient before it is added to `main_grad` (two of them for an
   embedding tied within one stage: the output layer's gradient waits for the
   embedding's), the MLP's activation gradients, and the recomputed activations
-  of one checkpointed group;
+  of one recomputed group;
 - after backward (a separate phase: activations are gone): the optimizer step's
   temporaries, and the concatenated tied-embedding gradient all-reduced between
   the first and last stage;
