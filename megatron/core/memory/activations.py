@@ -21,8 +21,8 @@ choices documented in megatron/core/memory/kernels.py. Sizes per microbatch
 - last stage: final norm, output-layer input, the vocab-parallel cross entropy's
   fp32 softmax [s, b, V/t], targets (int64) and mask (bool), and the executor's
   loss mask [b, s] (fp32; the masked loss sum is scaled by a Python number).
-Recomputation: a fully recomputed group keeps only its input (torch.utils.checkpoint.s
-saved inputs); selective recomputation keeps q, k, v (the recomputed core
+Recomputation: a fully recomputed group keeps only its input (what torch.utils.checkpoint
+saves); selective recomputation keeps q, k, v (the recomputed core
 attention's inputs) and the attention output.
 """
 from __future__ import annotations
