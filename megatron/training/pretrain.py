@@ -62,6 +62,21 @@ def _gather_parameter_counts(trainer: Trainer) -> list[int]:
     return counts
 
 
+def _optimizer_state_line(trainer: Trainer) -> str:
+    """Optimizer state bytes of every rank, counted from the tensors (a collective: call on all
+    ranks), and this rank's bytes per parameter beside the unpadded figure: fp32 master copies of
+    low-precision weights (4) + Adam moments (8), divided over dp x cp with the distributed optimizer."""
+    state = [None] * dist.get_world_size()
+    dist.all_gather_object(state, trainer.optimizer.state_bytes())
+    mesh, ddp = trainer.mesh, trainer.run.parallel.ddp
+    shards = mesh.dp_size * mesh.cp_size if ddp.use_distributed_optimizer else 1
+    full = 8 + (0 if trainer.run.model.params_dtype == torch.float32 else 4)
+    how = f"sharded over dp x cp = {shards}" if ddp.use_distributed_optimizer else "replicated"
+    return (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
+            f"{state[dist.get_rank()] / trainer.parameters_on_rank():.3f} bytes per parameter "
+            f"({full}/{shards} = {full / shards:.3f} plus bucket padding)")
+
+
 def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
     run = trainer.run
     training = run.training
@@ -126,10 +141,12 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
     try:
         trainer = Trainer(run, device)
         counts = _gather_parameter_counts(trainer)
+        state_line = _optimizer_state_line(trainer)
         if rank == world_size - 1:
             for line in startup_summary(trainer, backend, paths) + memory_lines:
                 print(line, flush=True)
             print(f"> parameters per rank (rank order): {counts}", flush=True)
+            print(state_line, flush=True)
         emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
         start_iteration = 0
         if checkpoint is not None:
