@@ -32,14 +32,17 @@ def seed_key(name: str, param) -> str:
     return param.init_spec.seed_name or name
 
 
+def build_trainer(model: str, extra: list[str]) -> Trainer:
+    defaults, argv = model_flags(model, extra)
+    return Trainer(parse_run_config(argv, defaults, dist.get_world_size()), torch.device("cpu"))
+
+
 def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
     """Train on this rank; return losses and grad norms per iteration, initial weights, gradients of
     iteration `grads_at` (whole only with the replicated optimizer: the distributed one keeps just
     this rank's shard of each reduced gradient), the weights after the last step and the bytes of
     optimizer state."""
-    defaults, argv = model_flags(model, extra)
-    run = parse_run_config(argv, defaults, dist.get_world_size())
-    trainer = Trainer(run, torch.device("cpu"))
+    trainer = build_trainer(model, extra)
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):

@@ -62,6 +62,19 @@ class MixedPrecisionOptimizer:
         """Bytes of optimizer state on this rank (master copies and moments), from the tensors."""
         return sum(t.numel() * t.element_size() for t in self.adam.state_tensors())
 
+    def state_dict_by_name(self) -> dict:
+        """This rank's optimizer state per parameter, for checkpoints by name: `name` ->
+        [(start, numel, {"master", "exp_avg", "exp_avg_sq": fp32 views})], the pieces of the
+        flattened local (tp-shard) parameter held here (a parameter may straddle two ranks'
+        shards: one piece on each), plus "step": the number of steps taken."""
+        out: dict = {"step": self.adam.step_count}
+        for shard, exp_avg, exp_avg_sq in zip(self.shards, self.adam.exp_avg, self.adam.exp_avg_sq):
+            for piece in shard.pieces:
+                views = {key: t[piece.shard_start: piece.shard_end]
+                         for key, t in (("master", shard.main), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))}
+                out.setdefault(piece.name, []).append((piece.param_start, piece.numel, views))
+        return out
+
     def step(self) -> StepResult:
         """Skipped (no state changed on any rank) when any rank's shard saw inf/nan."""
         grads = [shard.grad for shard in self.shards]
