@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN
 from megatron.core.memory.estimator import estimate_memory
