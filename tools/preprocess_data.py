@@ -1,0 +1,222 @@
+"""Tokenize a jsonl corpus into Megatron's indexed format, with Megatron-LM's flags.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix out/my \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 2
+
+writes out/my_<key>_document.bin/.idx for each --json-keys key (one document per line).
+Worker processes parse and tokenize lines and send back the tokens already packed as
+bytes of the output dtype, so the parent only writes. With --partitions P, lines are dealt
+round-robin to P partitions processed side by side (workers / P processes each) and merged
+in partition order, as Megatron-LM does. Outputs appear only when complete (temporary
+names, renamed at the end). A malformed line stops the run with `file:line: what is
+wrong`, or is counted and skipped with --skip-bad-lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
+from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+CHUNK_SIZE = 64
+
+
+class BadLine(ValueError):
+    """A jsonl line that cannot be used; its message is `file:line: reason`."""
+
+
+class Encoder:
+    """Lives in each worker process: parses one jsonl line and tokenizes its keys."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def initializer(self) -> None:
+        Encoder.tokenizer = build_tokenizer(**tokenizer_kwargs(self.args))
+        Encoder.dtype = token_dtype(Encoder.tokenizer.vocab_size)
+
+    def encode(self, numbered_line: tuple[int, str]):
+        """(line number, {key: token bytes}, bytes read) or (line number, None, error message)."""
+        number, line = numbered_line
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as error:
+            return number, None, f"not valid JSON ({error.msg} at column {error.colno})"
+        if not isinstance(data, dict):
+            return number, None, f"expected a JSON object, got {type(data).__name__}"
+        encoded = {}
+        for key in self.args.json_keys:
+            text = data.get(key)
+            if not isinstance(text, str):
+                what = "missing" if key not in data else f"a {type(text).__name__}, not a string"
+                return number, None, f"key {key!r} is {what}"
+            ids = Encoder.tokenizer.tokenize(text)
+            if ids and self.args.append_eod:
+                ids.append(Encoder.tokenizer.eod)
+            encoded[key] = np.asarray(ids, dtype=Encoder.dtype).tobytes()
+        return number, encoded, len(line.encode("utf-8"))
+
+
+def tokenizer_kwargs(args) -> dict:
+    return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def numbered_lines(path: str, partition: int, partitions: int):
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if (number - 1) % partitions == partition and line.strip():
+                yield number, line
+
+
+def process(args, prefix: str, partition: int = 0, partitions: int = 1, workers: int | None = None,
+            position: int = 0) -> dict:
+    """Tokenize this partition's lines into `<prefix>_<key>_document`; returns counts."""
+    encoder = Encoder(args)
+    encoder.initializer()
+    writers = {key: IndexedDatasetWriter(output_prefix(prefix, key), Encoder.dtype) for key in args.json_keys}
+    stats = {"documents": 0, "bytes": 0, "skipped": 0, "seconds": 0.0}
+    start = time.perf_counter()
+    try:
+        with multiprocessing.Pool(workers or args.workers, initializer=encoder.initializer) as pool, \
+                tqdm(unit=" docs", position=position, mininterval=1.0, disable=args.log_interval <= 0,
+                     desc=f"partition {partition}" if partitions > 1 else None) as bar:
+            lines = numbered_lines(args.input, partition, partitions)
+            for number, encoded, info in pool.imap(encoder.encode, lines, CHUNK_SIZE):
+                if encoded is None:
+                    if not args.skip_bad_lines:
+                        raise BadLine(f"{args.input}:{number}: {info} (pass --skip-bad-lines to skip such lines)")
+                    stats["skipped"] += 1
+                    continue
+                for key, data in encoded.items():
+                    writers[key].add_document_bytes(data, [len(data) // Encoder.dtype().itemsize])
+                stats["documents"] += 1
+                stats["bytes"] += info
+                if stats["documents"] % max(args.log_interval, 1) == 0:
+                    bar.update(args.log_interval)
+                    bar.set_postfix_str(f"{stats['bytes'] / (time.perf_counter() - start) / 2**20:.2f} MB/s")
+            bar.update(stats["documents"] - bar.n)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    for writer in writers.values():
+        writer.finalize()
+    stats["seconds"] = time.perf_counter() - start
+    return stats
+
+
+def _partition_main(args, partition: int, queue) -> None:
+    try:
+        stats = process(args, f"{args.output_prefix}_{partition}", partition, args.partitions,
+                        args.workers // args.partitions, position=partition)
+        queue.put((partition, stats, None))
+    except BaseException as error:  # reported by the parent as one line
+        queue.put((partition, None, str(error)))
+
+
+def process_partitions(args) -> dict:
+    """Run the partitions side by side, then merge their outputs in partition order."""
+    queue = multiprocessing.Queue()
+    procs = [multiprocessing.Process(target=_partition_main, args=(args, p, queue)) for p in range(args.partitions)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    parts = [f"{args.output_prefix}_{p}" for p in range(args.partitions)]
+    try:
+        errors = [message for _, _, message in sorted(results, key=lambda r: r[0]) if message]
+        if errors:
+            raise BadLine(errors[0])
+        total = {"documents": 0, "bytes": 0, "skipped": 0, "seconds": max(s["seconds"] for _, s, _ in results)}
+        for _, stats, _ in results:
+            for name in ("documents", "bytes", "skipped"):
+                total[name] += stats[name]
+        dtype = token_dtype(build_tokenizer(**tokenizer_kwargs(args)).vocab_size)
+        for key in args.json_keys:
+            with IndexedDatasetWriter(output_prefix(args.output_prefix, key), dtype) as writer:
+                for part in parts:
+                    writer.add_index(output_prefix(part, key))
+        return total
+    finally:
+        for part in parts:
+            for key in args.json_keys:
+                for suffix in (".bin", ".idx"):
+                    path = output_prefix(part, key) + suffix
+                    if os.path.exists(path):
+                        os.remove(path)
+
+
+def get_args(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description="Tokenize jsonl into Megatron .bin/.idx files")
+    g = parser.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="jsonl file, one document per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize; one output per key")
+    g.add_argument("--split-sentences", action="store_true", help="not supported (needs nltk)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="only affects --split-sentences in Megatron-LM; accepted so scripts carry over")
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary size")
+    g.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    g = parser.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="path prefix, without _<key>_document.bin")
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, required=True, help="tokenizing processes (in all partitions)")
+    g.add_argument("--partitions", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates; 0: quiet")
+    g.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed jsonl lines")
+    args = parser.parse_args(argv)
+    if args.split_sentences:
+        parser.error("--split-sentences: sentence splitting (nltk) is not supported; documents are kept whole")
+    if args.workers < 1 or args.partitions < 1:
+        parser.error(f"--workers ({args.workers}) and --partitions ({args.partitions}) must be >= 1")
+    if args.workers % args.partitions:
+        parser.error(f"--workers ({args.workers}) must be a multiple of --partitions ({args.partitions})")
+    if not os.path.isfile(args.input):
+        parser.error(f"--input {args.input}: no such file")
+    directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(directory):
+        parser.error(f"--output-prefix {args.output_prefix}: directory {directory} does not exist")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args(argv)
+    try:
+        build_tokenizer(**tokenizer_kwargs(args))
+        stats = process_partitions(args) if args.partitions > 1 else process(args, args.output_prefix)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    seconds = max(stats["seconds"], 1e-9)
+    outputs = ", ".join(output_prefix(args.output_prefix, key) + ".{bin,idx}" for key in args.json_keys)
+    skipped = f", skipped {stats['skipped']} bad lines" if stats["skipped"] else ""
+    print(f"processed {stats['documents']} documents ({stats['bytes'] / 2**20:.2f} MB) in {seconds:.2f} s: "
+          f"{stats['documents'] / seconds:.1f} docs/s, {stats['bytes'] / seconds / 2**20:.3f} MB/s{skipped}; "
+          f"wrote {outputs}")
+    return stats
+
+
+if __name__ == "__main__":
+    main()
