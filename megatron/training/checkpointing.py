@@ -222,11 +222,21 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     return info
 
 
+def _master_weights_from_model(optimizer) -> None:
+    """Until optimizer state is checkpointed (phase 2), fp32 master weights of low-precision
+    parameters restart from the loaded model weights (Megatron's `reload_model_params`); fp32
+    parameters are their own master weights."""
+    for shard in optimizer.shards:
+        if not shard.aliased:
+            shard.main.copy_(shard.model)
+
+
 def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
     from, lines for the log). Files are verified before anything is read."""
     verify_files(info.directory, info.metadata["files"])
     read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
+    _master_weights_from_model(trainer.optimizer)
     notes = [f"> loaded {info.directory} (iteration {info.iteration})"]
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]

@@ -1,0 +1,242 @@
+"""Checkpoints: any layout loads what any layout saved; bad checkpoints stop with one line.
+
+Weights are first set to layout-independent random values (every parameter, norms and
+biases included, drawn like an initialisation with another seed), so the expected
+weights of any layout are known exactly: a load must reproduce them bit for bit.
+Exact resume of training (optimizer state) is phase 2 of issue 14.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.checkpointing import CheckpointError
+from megatron.core.tensor_parallel.sharding import initialize_
+from megatron.training import checkpointing
+from megatron.training.arguments import parse_run_config
+from megatron.training.checkpoint_args import CheckpointConfig
+from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.run_control import RunControl
+from megatron.training.training import Trainer
+from tests.distributed import run_distributed
+from tests.parallel.layouts import model_flags, named_params
+
+ROOT = Path(__file__).resolve().parents[2]
+SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--num-layers-per-virtual-pipeline-stage", "1"]
+LOAD_LAYOUTS = {1: [[]], 4: [["--tensor-model-parallel-size", "4"], ["--pipeline-model-parallel-size", "2"],
+                             SAVED_LAYOUT]}
+MODELS = ("gpt", "llama")
+
+
+def _run(model: str, extra: list[str]):
+    defaults, argv = model_flags(model, extra)
+    return parse_run_config(argv, defaults, dist.get_world_size())
+
+
+def _randomize(trainer, seed: int = 77) -> None:
+    """Every parameter drawn from N(0, 0.5) as a layout-independent initialisation with `seed`."""
+    for name, param in named_params(trainer):
+        spec = dataclasses.replace(param.init_spec, kind="normal", std=0.5)
+        initialize_(param.detach(), spec, seed, name)
+
+
+def _weights(trainer) -> dict:
+    return {name: p.detach().clone() for name, p in named_params(trainer)}
+
+
+def _save(rank: int, root: str) -> dict:
+    rng = {}
+    for model in MODELS:
+        trainer = Trainer(_run(model, SAVED_LAYOUT), torch.device("cpu"))
+        _randomize(trainer)
+        trainer.forward_backward(1)  # advance the dropout streams so saved RNG states are not the initial ones
+        save_checkpoint(os.path.join(root, model), 3, trainer)
+        rng[model] = checkpointing._rng_states(trainer)
+    return rng
+
+
+def _load(rank: int, root: str, layout: list[str]) -> dict:
+    rng, mismatches = {}, []
+    for model in MODELS:
+        run = _run(model, layout + ["--seed", "5", "--load", os.path.join(root, model), "--no-load-optim"])
+        trainer = Trainer(run, torch.device("cpu"))
+        before = _weights(trainer)
+        _randomize(trainer)
+        expected = _weights(trainer)
+        for name, p in named_params(trainer):
+            p.detach().copy_(before[name])
+        iteration, _ = load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
+        assert iteration == 3
+        mismatches += [f"{model} {name}" for name, w in _weights(trainer).items() if not torch.equal(w, expected[name])]
+        rng[model] = checkpointing._rng_states(trainer)
+    return {"mismatches": mismatches, "rng": rng}
+
+
+def test_any_layout_loads_what_tp2_pp2_vpp2_saved(tmp_path):
+    root = str(tmp_path)
+    saved_rng = run_distributed(4, _save, root)
+    for world, layouts in LOAD_LAYOUTS.items():
+        for layout in layouts:
+            results = run_distributed(world, _load, root, layout)
+            assert not [m for r in results for m in r["mismatches"]], (layout, results[0]["mismatches"][:5])
+            if layout == SAVED_LAYOUT:  # RNG states come back only into the layout that saved them
+                for saved, loaded in zip(saved_rng, results):
+                    for model in MODELS:
+                        assert all(torch.equal(state, loaded["rng"][model][k]) for k, state in saved[model].items())
+
+
+def _bf16_master_weights(rank: int, root: str) -> bool:
+    """A bf16 run's first step after a load starts from the loaded weights, not the initial ones."""
+    run = _run("llama", ["--bf16", "--load", root, "--no-load-optim", "--lr", "0", "--weight-decay", "0"])
+    trainer = Trainer(run, torch.device("cpu"))
+    load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
+    loaded = _weights(trainer)
+    trainer.train_step(1)
+    return all(torch.equal(w, loaded[n]) for n, w in _weights(trainer).items())
+
+
+def _save_twice(rank: int, root: str) -> None:
+    trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
+    save_checkpoint(root, 1, trainer)
+    _randomize(trainer)
+    save_checkpoint(root, 2, trainer)
+
+
+def _crash_during_save(rank: int, root: str) -> None:
+    trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
+    original = checkpointing.digest_files
+
+    def crash(*args):
+        raise RuntimeError("simulated crash")
+
+    checkpointing.digest_files = crash
+    try:
+        save_checkpoint(root, 3, trainer)
+    except RuntimeError:
+        pass
+    finally:
+        checkpointing.digest_files = original
+
+
+def _load_error(rank: int, root: str, extra: list[str]) -> str | None:
+    try:
+        run = _run("llama", ["--tensor-model-parallel-size", "2", "--load", root, "--no-load-optim"] + extra)
+        info = checkpoint_to_load(run)
+        load_checkpoint(info, Trainer(run, torch.device("cpu")), run.checkpoint)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _error(root: str, extra: list[str] = ()) -> str:
+    errors = run_distributed(2, _load_error, root, list(extra))
+    assert errors[0] == errors[1] and errors[0] is not None and "\n" not in errors[0], errors
+    return errors[0]
+
+
+def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_path):
+    root = str(tmp_path / "ckpt")
+    run_distributed(2, _save_twice, root)
+    latest = os.path.join(root, "iter_0000002")
+    assert run_distributed(2, _load_error, root, [])[0] is None
+    assert run_distributed(1, _bf16_master_weights, root)[0], "bf16 master weights must follow the loaded model"
+
+    run_distributed(2, _crash_during_save, root)  # the tracker still names iteration 2, which loads
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert os.path.isdir(os.path.join(root, "iter_0000003.tmp"))
+    assert run_distributed(2, _load_error, root, [])[0] is None
+
+    assert "--hidden-size 64, the flags give 32" in _error(root, ["--hidden-size", "32", "--num-attention-heads", "4"])
+    assert "--num-layers 4, the flags give 2" in _error(root, ["--num-layers", "2"])
+    shard = os.path.join(latest, "__1_0.distcp")
+    backup = shard + ".bak"
+    shutil.copy(shard, backup)
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    truncated = _error(root)
+    assert truncated.startswith(f"{shard}: ") and "truncated" in truncated
+    os.remove(shard)
+    assert f"{shard}: shard file missing" == _error(root)
+    shutil.move(backup, shard)
+    with open(shard, "r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    assert "SHA-256 differs" in _error(root)
+
+    # the previous checkpoint still loads once the tracker names it
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("1")
+    assert run_distributed(2, _load_error, root, [])[0] is None
+    assert "no such directory" in _error(str(tmp_path / "missing"))
+    assert "holds no optimizer state; pass --no-load-optim" in run_distributed(
+        1, _load_error_without_flag, root)[0]
+
+
+def _load_error_without_flag(rank: int, root: str) -> str:
+    try:
+        checkpoint_to_load(_run("llama", ["--load", root]))
+    except CheckpointError as error:
+        return str(error)
+
+
+def _signal_control(rank: int, root: str) -> tuple:
+    saved = []
+    control = RunControl(CheckpointConfig(save=root, exit_signal_handler=True), saved.append, torch.device("cpu"))
+    first = control.after_iteration(1, 10)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    second = control.after_iteration(2, 10)
+    return first, second, saved
+
+
+def test_sigterm_on_one_rank_stops_all_ranks_after_saving(tmp_path):
+    results = run_distributed(2, _signal_control, str(tmp_path))
+    assert all(r == (None, "SIGTERM received (--exit-signal-handler)", [2]) for r in results), results
+
+
+def _pretrain(*flags) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(ROOT / "pretrain_llama.py"), "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--mock-data",
+            "--vocab-size", "64", "--log-interval", "1", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_cli_saves_exits_resumes_and_refuses(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _pretrain("--train-iters", "6", "--save", ckpt, "--save-interval", "2", "--exit-interval", "3")
+    assert first.returncode == 0, first.stderr
+    assert "exiting after iteration 3: --exit-interval 3 reached" in first.stdout
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    resumed = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--save", ckpt)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "iteration        4/       4" in resumed.stdout and "iteration        3/" not in resumed.stdout
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
+    refused = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--num-layers", "4")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: {ckpt}/iter_0000004: saved with --num-layers 2, the flags give 4"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ckpt-format", "torch"], "--ckpt-format torch"),
+    (["--async-save"], "--async-save is not supported"),
+    (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--exit-interval", "0"], "--exit-interval must be > 0"),
+])
+def test_checkpoint_flags_are_validated(flags, message):
+    defaults, argv = model_flags("llama", flags)
+    with pytest.raises(ValueError, match=message):
+        parse_run_config(argv, defaults, 1)
