@@ -16,6 +16,7 @@ setup(
         "numpy",
         "regex",
         "sentencepiece",
+        "tqdm",
         "triton>=3.2; sys_platform == 'linux'",
         "tqdm",
     ],

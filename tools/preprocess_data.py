@@ -5,8 +5,9 @@
         --append-eod --workers 2
 
 writes out/my_<key>_document.bin/.idx for each --json-keys key (one document per line).
-Worker processes parse and tokenize lines and send back the tokens already packed as
-bytes of the output dtype, so the parent only writes. With --partitions P, lines are dealt
+Each worker process reads a line-aligned byte range of the input itself, parses and
+tokenizes its lines and sends back their tokens packed as bytes of the output dtype, so
+the parent only writes and the work scales with --workers. With --partitions P, lines are dealt
 round-robin to P partitions processed side by side (workers / P processes each) and merged
 in partition order, as Megatron-LM does. Outputs appear only when complete (temporary
 names, renamed at the end). A malformed line stops the run with `file:line: what is
@@ -31,7 +32,8 @@ from tqdm import tqdm  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
-CHUNK_SIZE = 64
+CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 1 << 14
 
 
 class BadLine(ValueError):
@@ -39,35 +41,67 @@ class BadLine(ValueError):
 
 
 class Encoder:
-    """Lives in each worker process: parses one jsonl line and tokenizes its keys."""
+    """Lives in each worker process: reads a byte range of the input and tokenizes its lines."""
 
-    def __init__(self, args):
-        self.args = args
+    tokenizer = None
 
-    def initializer(self) -> None:
+    def __init__(self, args, partition: int = 0, partitions: int = 1):
+        self.args, self.partition, self.partitions = args, partition, partitions
+
+    def load(self) -> None:
         Encoder.tokenizer = build_tokenizer(**tokenizer_kwargs(self.args))
         Encoder.dtype = token_dtype(Encoder.tokenizer.vocab_size)
 
-    def encode(self, numbered_line: tuple[int, str]):
-        """(line number, {key: token bytes}, bytes read) or (line number, None, error message)."""
-        number, line = numbered_line
+    def initializer(self) -> None:
+        """In a worker: load the tokenizer unless forked from the parent that loaded it already."""
+        if Encoder.tokenizer is None:
+            self.load()
+
+    def encode_line(self, line: bytes):
+        """{key: token ids} of one jsonl line, or the reason it cannot be used (a str)."""
         try:
             data = json.loads(line)
         except json.JSONDecodeError as error:
-            return number, None, f"not valid JSON ({error.msg} at column {error.colno})"
+            return f"not valid JSON ({error.msg} at column {error.colno})"
+        except UnicodeDecodeError as error:
+            return f"not UTF-8 ({error.reason} at byte {error.start})"
         if not isinstance(data, dict):
-            return number, None, f"expected a JSON object, got {type(data).__name__}"
+            return f"expected a JSON object, got {type(data).__name__}"
         encoded = {}
         for key in self.args.json_keys:
             text = data.get(key)
             if not isinstance(text, str):
-                what = "missing" if key not in data else f"a {type(text).__name__}, not a string"
-                return number, None, f"key {key!r} is {what}"
+                return f"key {key!r} is " + ("missing" if key not in data else f"{type(text).__name__}, not a string")
             ids = Encoder.tokenizer.tokenize(text)
             if ids and self.args.append_eod:
                 ids.append(Encoder.tokenizer.eod)
-            encoded[key] = np.asarray(ids, dtype=Encoder.dtype).tobytes()
-        return number, encoded, len(line.encode("utf-8"))
+            encoded[key] = ids
+        return encoded
+
+    def encode_chunk(self, chunk: tuple[int, int, int]) -> dict:
+        """Lines of input bytes [begin, end) (line numbers from `first_line`) that belong to this
+        partition: per key their tokens as bytes of the output dtype and per-document lengths,
+        plus counts and the bad lines as (line number, reason)."""
+        begin, end, first_line = chunk
+        with open(self.args.input, "rb") as f:
+            f.seek(begin)
+            lines = f.read(end - begin).split(b"\n")
+        tokens = {key: [] for key in self.args.json_keys}
+        result = {"lengths": {key: [] for key in self.args.json_keys}, "documents": 0, "bytes": 0, "bad": []}
+        for number, line in enumerate(lines, first_line):
+            if (number - 1) % self.partitions != self.partition or not line.strip():
+                continue
+            encoded = self.encode_line(line)
+            if isinstance(encoded, str):
+                result["bad"].append((number, encoded))
+                continue
+            for key, ids in encoded.items():
+                tokens[key].extend(ids)
+                result["lengths"][key].append(len(ids))
+            result["documents"] += 1
+            result["bytes"] += len(line) + 1
+        result["data"] = {key: np.asarray(ids, dtype=Encoder.dtype).tobytes() for key, ids in tokens.items()}
+        return result
 
 
 def tokenizer_kwargs(args) -> dict:
@@ -79,38 +113,47 @@ def output_prefix(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
 
 
-def numbered_lines(path: str, partition: int, partitions: int):
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if (number - 1) % partitions == partition and line.strip():
-                yield number, line
+def chunks(path: str, workers: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first line number) of line-aligned byte ranges, a few per worker, at most CHUNK_BYTES."""
+    size = os.path.getsize(path)
+    target = max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, size // (4 * workers) + 1))
+    ranges, begin, line = [], 0, 1
+    with open(path, "rb") as f:
+        while begin < size:
+            f.seek(min(begin + target, size))
+            f.readline()
+            end = min(f.tell(), size)
+            f.seek(begin)
+            ranges.append((begin, end, line))
+            line += f.read(end - begin).count(b"\n")
+            begin = end
+    return ranges
 
 
 def process(args, prefix: str, partition: int = 0, partitions: int = 1, workers: int | None = None,
             position: int = 0) -> dict:
     """Tokenize this partition's lines into `<prefix>_<key>_document`; returns counts."""
-    encoder = Encoder(args)
-    encoder.initializer()
+    workers = workers or args.workers
+    encoder = Encoder(args, partition, partitions)
+    encoder.load()
     writers = {key: IndexedDatasetWriter(output_prefix(prefix, key), Encoder.dtype) for key in args.json_keys}
     stats = {"documents": 0, "bytes": 0, "skipped": 0, "seconds": 0.0}
     start = time.perf_counter()
     try:
-        with multiprocessing.Pool(workers or args.workers, initializer=encoder.initializer) as pool, \
+        with multiprocessing.Pool(workers, initializer=encoder.initializer) as pool, \
                 tqdm(unit=" docs", position=position, mininterval=1.0, disable=args.log_interval <= 0,
                      desc=f"partition {partition}" if partitions > 1 else None) as bar:
-            lines = numbered_lines(args.input, partition, partitions)
-            for number, encoded, info in pool.imap(encoder.encode, lines, CHUNK_SIZE):
-                if encoded is None:
-                    if not args.skip_bad_lines:
-                        raise BadLine(f"{args.input}:{number}: {info} (pass --skip-bad-lines to skip such lines)")
-                    stats["skipped"] += 1
-                    continue
-                for key, data in encoded.items():
-                    writers[key].add_document_bytes(data, [len(data) // Encoder.dtype().itemsize])
-                stats["documents"] += 1
-                stats["bytes"] += info
-                if stats["documents"] % max(args.log_interval, 1) == 0:
-                    bar.update(args.log_interval)
+            for result in pool.imap(encoder.encode_chunk, chunks(args.input, workers)):
+                if result["bad"] and not args.skip_bad_lines:
+                    number, reason = result["bad"][0]
+                    raise BadLine(f"{args.input}:{number}: {reason} (pass --skip-bad-lines to skip such lines)")
+                for key, writer in writers.items():
+                    writer.add_documents_bytes(result["data"][key], result["lengths"][key])
+                stats["skipped"] += len(result["bad"])
+                stats["documents"] += result["documents"]
+                stats["bytes"] += result["bytes"]
+                if stats["documents"] - bar.n >= args.log_interval > 0:
+                    bar.update(stats["documents"] - bar.n)
                     bar.set_postfix_str(f"{stats['bytes'] / (time.perf_counter() - start) / 2**20:.2f} MB/s")
             bar.update(stats["documents"] - bar.n)
     except BaseException:

@@ -85,13 +85,17 @@ class IndexedDatasetWriter:
         """One document made of sequences of `lengths` tokens (default: one sequence of all tokens).
         An empty document adds no sequence, as in Megatron."""
         array = np.asarray(tokens, dtype=self.dtype)
-        self.add_document_bytes(array.tobytes(order="C"), [array.size] if lengths is None else lengths)
-
-    def add_document_bytes(self, data: bytes, lengths: list[int]) -> None:
-        """As add_document, with the tokens already encoded in this writer's dtype."""
-        self._bin.write(data)
-        self.sequence_lengths.extend(n for n in lengths if n)
+        self._bin.write(array.tobytes(order="C"))
+        self.sequence_lengths.extend(n for n in ([array.size] if lengths is None else lengths) if n)
         self.document_indices.append(len(self.sequence_lengths))
+
+    def add_documents_bytes(self, data: bytes, document_lengths: list[int]) -> None:
+        """Several one-sequence documents of `document_lengths` tokens, encoded back to back in `data`."""
+        self._bin.write(data)
+        for n in document_lengths:
+            if n:
+                self.sequence_lengths.append(n)
+            self.document_indices.append(len(self.sequence_lengths))
 
     def add_index(self, prefix: str) -> None:
         """Append a whole indexed dataset of the same dtype (used to merge partitions)."""
