@@ -16,7 +16,6 @@ setup(
         "numpy",
         "regex",
         "sentencepiece",
-        "tqdm",
         "triton>=3.2; sys_platform == 'linux'",
         "tqdm",
     ],
