@@ -32,6 +32,8 @@ def _existing(flag: str, path: str | None, tokenizer_type: str, *, directory: bo
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
                     tokenizer_model: str | None = None, vocab_size: int | None = None):
     """The tokenizer named by Megatron's flags; a missing flag or file is one ValueError line."""
+    if tokenizer_type is None:
+        raise ValueError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_existing("--vocab-file", vocab_file, tokenizer_type),
                                 _existing("--merge-file", merge_file, tokenizer_type))
