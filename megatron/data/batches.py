@@ -1,6 +1,7 @@
 """Which samples each data-parallel rank reads, as Megatron's pretraining sampler does.
 
-Iteration i (1-based) consumes samples [(i-1) G, i G) of the global batch size G.
+An iteration consumes the G samples after those its predecessors consumed ((i-1) G for
+iteration i with a constant global batch size G; the batch-size schedule says otherwise).
 Its microbatch k covers the next micro x dp samples, of which dp rank d takes the
 d-th slice of `micro` consecutive samples.
 """
@@ -9,10 +10,10 @@ from __future__ import annotations
 import torch
 
 
-def microbatch_indices(iteration: int, microbatch: int, *, micro_batch_size: int, global_batch_size: int,
-                       dp_size: int, dp_rank: int) -> range:
-    start = (iteration - 1) * global_batch_size + microbatch * micro_batch_size * dp_size
-    start += dp_rank * micro_batch_size
+def microbatch_indices(consumed_samples: int, microbatch: int, *, micro_batch_size: int, dp_size: int,
+                       dp_rank: int) -> range:
+    """Sample indices of one microbatch on one dp rank; `consumed_samples`: before this iteration."""
+    start = consumed_samples + (microbatch * dp_size + dp_rank) * micro_batch_size
     return range(start, start + micro_batch_size)
 
 

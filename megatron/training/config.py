@@ -5,10 +5,13 @@ from dataclasses import dataclass, field
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.optimizer.lr_schedule import LRSchedule
 from megatron.core.parallel_state import ParallelDims
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
+from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
+from megatron.training.logging_args import LoggingConfig
 
 
 @dataclass
@@ -78,33 +81,21 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
+    global_batch_size: int       # the final one when the batch grows (--rampup-batch-size, step schedule)
+    num_microbatches: int        # of global_batch_size
     train_iters: int
     seed: int
     log_interval: int
     tensorboard_dir: str | None
     device_memory_gb: float | None = None
     skip_memory_check: bool = False
+    batch_schedule: BatchSizeSchedule | None = None
+    train_samples: int | None = None
+    deterministic: bool = False
 
-    @classmethod
-    def from_args(cls, args, dp: int) -> "TrainingConfig":
-        mbs = args.micro_batch_size
-        if mbs < 1:
-            raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
-        gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp
-        if gbs < 1 or gbs % (mbs * dp):
-            raise ValueError(f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({mbs}) x "
-                             f"data-parallel size ({dp}) = {mbs * dp}")
-        for flag, value in (("--train-iters", args.train_iters), ("--log-interval", args.log_interval)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if args.device_memory_gb is not None and args.device_memory_gb <= 0:
-            raise ValueError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
-        return cls(micro_batch_size=mbs, global_batch_size=gbs, num_microbatches=gbs // (mbs * dp),
-                   train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
-                   tensorboard_dir=args.tensorboard_dir, device_memory_gb=args.device_memory_gb,
-                   skip_memory_check=args.skip_memory_check)
+    def __post_init__(self):
+        if self.batch_schedule is None:
+            self.batch_schedule = BatchSizeSchedule(self.global_batch_size)
 
 
 @dataclass
@@ -115,3 +106,7 @@ class RunConfig:
     training: TrainingConfig
     sequence_parallel_requested: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lr_schedule: LRSchedule | None = None           # None: constant at optimizer.lr
+    decoupled_lr_schedule: LRSchedule | None = None  # embedding and output layer (--decoupled-lr)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    notes: list = field(default_factory=list)       # start-up lines about flags accepted without effect

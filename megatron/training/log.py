@@ -1,15 +1,20 @@
-"""The iteration log line in Megatron-LM's format, the start-up summary, TensorBoard scalars."""
+"""The iteration log line in Megatron-LM's format, its memory line, TensorBoard and W&B scalars."""
 from __future__ import annotations
 
 import datetime
 import math
+import os
+import resource
 import sys
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
 class IntervalTotals:
-    """What the log line averages or counts over one --log-interval window."""
+    """What the log line averages or counts since the last line, as Megatron counts: the loss
+    averages the iterations that updated; a skipped iteration counts as nan when its loss is."""
 
     loss_sum: float = 0.0
     loss_count: int = 0
@@ -19,23 +24,28 @@ class IntervalTotals:
     nan: int = 0
     idle_sum: float = 0.0
 
-    def add(self, loss: float, elapsed: float, skipped: bool, grad_norm, idle: float) -> None:
+    def add(self, loss: float, elapsed: float, skipped: bool, idle: float) -> None:
         self.iterations += 1
         self.elapsed += elapsed
         self.idle_sum += idle
         if skipped:
             self.skipped += 1
-        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-            self.nan += 1
+            self.nan += not math.isfinite(loss)
         else:
             self.loss_sum += loss
             self.loss_count += 1
 
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.loss_count if self.loss_count else math.nan
+
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                           tflops_per_gpu: float, lr: float, global_batch_size: int, lm_loss: float,
-                          loss_scale: float, grad_norm, skipped: int, nan: int) -> str:
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+                          loss_scale: float, grad_norm, skipped: int, nan: int, num_zeros: int | None = None,
+                          params_norm: float | None = None) -> str:
+    """Megatron's line, timestamp included (leading space, microseconds)."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d} |",
         f" consumed samples: {consumed_samples:12d} |",
@@ -46,14 +56,34 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
         f" lm loss: {lm_loss:.6E} |",
         f" loss scale: {loss_scale:.1f} |",
     ]
-    if grad_norm is not None:
-        parts.append(f" grad norm: {grad_norm:.3f} |")
+    for label, value, spec in (("grad norm", grad_norm, ".3f"), ("num zeros", num_zeros, "d"),
+                               ("params norm", params_norm, ".3f")):
+        if value is not None:
+            parts.append(f" {label}: {value:{spec}} |")
     parts += [f" number of skipped iterations: {skipped:3d} |", f" number of nan iterations: {nan:3d} |"]
-    return f"[{stamp}]" + "".join(parts)
+    return f" [{stamp}]" + "".join(parts)
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """MB: on CUDA the allocator's four figures Megatron prints; elsewhere the process's resident memory."""
+    mb = 1024.0 * 1024.0
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.memory_allocated() / mb, "max allocated": torch.cuda.max_memory_allocated() / mb,
+                "reserved": torch.cuda.memory_reserved() / mb, "max reserved": torch.cuda.max_memory_reserved() / mb}
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"resident": resident / mb, "max resident": max(resident / mb, peak_kib / 1024.0)}
+
+
+def memory_line(rank: int, iteration: int, figures: dict[str, float]) -> str:
+    """`[Rank r] (after N iterations) memory (MB) | allocated: ... | max reserved: ...` (Megatron's)."""
+    body = "".join(f" | {name}: {value:.2f}" for name, value in figures.items())
+    return f"[Rank {rank}] (after {iteration} iterations) memory (MB){body}"
 
 
 class TensorBoardWriter:
-    """Writes the log line's scalars when tensorboard is installed; says so once when it is not."""
+    """Writes scalars when tensorboard is installed; says so once when it is not."""
 
     def __init__(self, log_dir: str | None, enabled: bool):
         self.writer = None
@@ -74,3 +104,29 @@ class TensorBoardWriter:
             if value is not None:
                 self.writer.add_scalar(key, value, iteration)
         self.writer.flush()
+
+
+class WandbWriter:
+    """Sends scalars to Weights & Biases when the wandb package is installed (WANDB_MODE=offline
+    works without network); says so once when it is not."""
+
+    def __init__(self, project: str | None, name: str | None, save_dir: str | None, config: dict, enabled: bool):
+        self.run = None
+        if not (project and enabled):
+            return
+        try:
+            import wandb
+        except ImportError:
+            print(f"warning: --wandb-project {project} given but wandb is not installed (pip install wandb); "
+                  "scalars are not sent", file=sys.stderr, flush=True)
+            return
+        os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, dir=save_dir, config=config)
+
+    def scalars(self, iteration: int, values: dict) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in values.items() if v is not None}, step=iteration)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()

@@ -1,7 +1,6 @@
 """Entry point shared by pretrain_gpt.py and pretrain_llama.py."""
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -10,9 +9,9 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint, save_checkpoint
-from megatron.training.flops import flops_per_iteration
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
+from megatron.training.profiling import IterationProfiler
 from megatron.training.initialize import (
     check_torch_version,
     choose_backend,
@@ -20,7 +19,7 @@ from megatron.training.initialize import (
     launch_environment,
     select_device,
 )
-from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
+from megatron.training.iteration_log import IterationLog
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
 
@@ -51,9 +50,14 @@ def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
         f"> kernels: attention {paths['attention']}; normalization {paths['normalization']}; "
         "NVIDIA apex not used (optional; nothing here needs it)",
     ]
+    if not run.training.batch_schedule.constant:
+        lines.append(f"> batch size grows: {run.training.batch_schedule.sizes()} (--rampup-batch-size / "
+                     f"--step-batch-size-schedule), {run.training.train_iters} iterations")
+    if run.training.deterministic:
+        lines.append("> --deterministic-mode: torch.use_deterministic_algorithms(True)")
     if run.sequence_parallel_requested and not model.sequence_parallel:
         lines.append("> note: --sequence-parallel has no effect with --tensor-model-parallel-size 1")
-    return lines
+    return lines + run.notes
 
 
 def _gather_parameter_counts(trainer: Trainer) -> list[int]:
@@ -80,39 +84,28 @@ def _optimizer_state_line(trainer: Trainer) -> str:
 def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
     run = trainer.run
     training = run.training
-    flops = flops_per_iteration(run.model, training.global_batch_size)
-    world = dist.get_world_size()
-    tensorboard = TensorBoardWriter(training.tensorboard_dir, enabled=dist.get_rank() == world - 1)
-    totals = IntervalTotals()
+    log = IterationLog(trainer, emit, first_iteration=start_iteration + 1)
+    profiler = IterationProfiler(run.logging, dist.get_rank(), trainer.device)
 
     def save(iteration: int) -> None:
         emit(f"> saved {save_checkpoint(run.checkpoint.save, iteration, trainer)}")
 
     control = RunControl(run.checkpoint, save, trainer.device)
-    for iteration in range(start_iteration + 1, training.train_iters + 1):
-        result, elapsed = timed_step(trainer, iteration)
-        totals.add(result.loss, elapsed, result.skipped, result.grad_norm, result.idle_fraction)
-        stop = control.after_iteration(iteration, training.train_iters)
-        if iteration % training.log_interval and iteration != training.train_iters and stop is None:
-            continue
-        seconds = totals.elapsed / totals.iterations
-        loss = totals.loss_sum / totals.loss_count if totals.loss_count else math.nan
-        emit(format_iteration_line(
-            iteration=iteration, train_iters=training.train_iters,
-            consumed_samples=iteration * training.global_batch_size, elapsed_ms=seconds * 1000.0,
-            tflops_per_gpu=flops / seconds / world / 1e12, lr=result.lr,
-            global_batch_size=training.global_batch_size, lm_loss=loss, loss_scale=result.loss_scale,
-            grad_norm=result.grad_norm, skipped=totals.skipped, nan=totals.nan))
-        if trainer.mesh.pp_size > 1:
-            idle = [None] * world
-            dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
-            emit(f"  pipeline idle fraction per rank (measured time waiting on p2p / step time): {idle}")
-        tensorboard.scalars(iteration, {"lm loss": loss, "learning-rate": result.lr, "grad-norm": result.grad_norm,
-                                        "loss-scale": result.loss_scale, "iteration-time": seconds})
-        totals = IntervalTotals()
-        if stop is not None:
-            emit(f"> exiting after iteration {iteration}: {stop}")
-            return
+    try:
+        for iteration in range(start_iteration + 1, training.train_iters + 1):
+            profiler.before(iteration)
+            result, elapsed = timed_step(trainer, iteration)
+            trace = profiler.after(iteration)
+            if trace:
+                print(f"> rank {dist.get_rank()}: profiler trace written to {trace}", flush=True)
+            stop = control.after_iteration(iteration, training.train_iters)
+            log.report(iteration, result, elapsed, force=iteration == training.train_iters or stop is not None)
+            if stop is not None:
+                emit(f"> exiting after iteration {iteration}: {stop}")
+                return
+    finally:
+        profiler.stop()
+        log.close()
 
 
 def _validate(argv, defaults, world_size: int, local_rank: int, prog):
@@ -138,6 +131,8 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     init_distributed(backend, run.parallel.timeout_minutes, device)
+    if run.training.deterministic:
+        torch.use_deterministic_algorithms(True)
     try:
         trainer = Trainer(run, device)
         counts = _gather_parameter_counts(trainer)

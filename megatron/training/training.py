@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -11,7 +11,6 @@ from megatron.core.context_parallel.sharding import shard as cp_shard
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
-from megatron.core.optimizer.lr_schedule import learning_rate
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
@@ -46,17 +45,41 @@ class Trainer:
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh)
         self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, training.seed)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
-        spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
-                            p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
-                            group_size=parallel.microbatch_group_size)
-        self.executor = PipelineExecutor(self.chunks, self.mesh, spec)
+        self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
+                                  p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
+                                  group_size=parallel.microbatch_group_size)
+        self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
+        self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule
+
+    def global_batch_size(self, iteration: int) -> int:
+        schedule = self.run.training.batch_schedule
+        return schedule.at(schedule.consumed_before(iteration))
+
+    def _executor(self, iteration: int) -> PipelineExecutor:
+        """The executor for this iteration's number of microbatches (it changes while the batch grows)."""
+        m = self.global_batch_size(iteration) // (self.run.training.micro_batch_size * self.mesh.dp_size)
+        if m not in self._executors:
+            self._executors[m] = PipelineExecutor(self.chunks, self.mesh, replace(self._spec, num_microbatches=m))
+        return self._executors[m]
+
+    def learning_rates(self) -> tuple[float, float | None]:
+        """(lr, embedding/output-layer lr or None) for the next update. Megatron's scheduler advances
+        by the global batch size after each successful update only, so its step is the samples of the
+        optimizer's successful steps (with a growing batch: of the first that many iterations, which
+        differs from Megatron only if an fp16 iteration was skipped during the ramp-up)."""
+        run = self.run
+        if run.lr_schedule is None:
+            return run.optimizer.lr, None
+        samples = run.training.batch_schedule.consumed_before(self.optimizer.adam.step_count + 1)
+        decoupled = run.decoupled_lr_schedule
+        return run.lr_schedule(samples), decoupled(samples) if decoupled is not None else None
 
     def batch_fn(self, iteration: int):
         training = self.run.training
+        consumed = training.batch_schedule.consumed_before(iteration)
 
         def batch(microbatch: int):
-            indices = microbatch_indices(iteration, microbatch, micro_batch_size=training.micro_batch_size,
-                                         global_batch_size=training.global_batch_size,
+            indices = microbatch_indices(consumed, microbatch, micro_batch_size=training.micro_batch_size,
                                          dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
             batch = collate([self.dataset[i] for i in indices], self.device)
             if self.mesh.cp_size == 1:
@@ -72,24 +95,24 @@ class Trainer:
         """Run all microbatches of `iteration` and leave the reduced gradients of the global
         mean token loss in `main_grad`. Returns (mean lm loss, learning rate, loss scale,
         pipeline idle fraction)."""
-        opt_cfg = self.run.optimizer
-        lr = learning_rate(iteration, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, style=opt_cfg.lr_decay_style,
-                           warmup_iters=opt_cfg.lr_warmup_iters, decay_iters=opt_cfg.lr_decay_iters)
-        self.optimizer.set_lr(lr)
+        lr, decoupled_lr = self.learning_rates()
+        self.optimizer.set_lr(lr, decoupled_lr)
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         loss_scale = self.optimizer.loss_scale
-        stats = self.executor.run(self.batch_fn(iteration), loss_scale=loss_scale)
+        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale)
         loss, grad_scale = self._global_token_mean(stats)
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
         return loss, lr, loss_scale, stats.idle_fraction
 
     def train_step(self, iteration: int) -> IterationResult:
-        loss, lr, loss_scale, idle = self.forward_backward(iteration)
+        """One iteration. Like Megatron's log, the result carries the learning rate and loss scale
+        as they stand after the update (the values the next iteration uses)."""
+        loss, _, _, idle = self.forward_backward(iteration)
         result = self.optimizer.step()
-        return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped, lr=lr,
-                               loss_scale=loss_scale, idle_fraction=idle)
+        return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
+                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle)
 
     def _global_token_mean(self, stats) -> tuple[float, float]:
         """(mean loss over the unmasked tokens of the global batch, factor that turns the

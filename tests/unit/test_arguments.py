@@ -45,7 +45,7 @@ ERRORS = [
     (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--bf16", "--fp16"], 1, "mutually exclusive"),
-    (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"], 1, "--lr-decay-iters (5) must exceed"),
+    (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"], 1, "the decay (10 samples, --lr-decay-iters/-samples, default the training length) must exceed the warm-up (10 samples)"),
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
     (["--recompute-method", "block"], 1, "--recompute-method only applies with --recompute-granularity full"),
     (["--min-lr", "1", "--lr", "0.1"], 1, "need 0 <= --min-lr"),

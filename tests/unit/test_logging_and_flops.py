@@ -8,7 +8,7 @@ from megatron.training.flops import flops_per_iteration
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 
 MEGATRON_LINE = re.compile(
-    r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
     r"elapsed time per iteration \(ms\): ([\d.]+) \| throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| "
     r"learning rate: (\d\.\d{6}E[+-]\d\d) \| global batch size: +(\d+) \| lm loss: (\d\.\d{6}E[+-]\d\d) \| "
     r"loss scale: ([\d.]+) \| grad norm: ([\d.]+) \| number of skipped iterations: +(\d+) \| "
@@ -26,11 +26,13 @@ def test_iteration_line_format():
 
 
 def test_interval_counts_skipped_and_nan_iterations():
+    """As Megatron: the loss averages only iterations that updated (a skipped iteration's finite
+    loss is left out too); a skipped iteration counts as nan only when its loss is not finite."""
     totals = IntervalTotals()
-    totals.add(5.0, 0.1, skipped=False, grad_norm=1.0, idle=0.0)
-    totals.add(float("nan"), 0.1, skipped=True, grad_norm=None, idle=0.0)
-    totals.add(4.0, 0.1, skipped=True, grad_norm=float("inf"), idle=0.0)
-    assert (totals.skipped, totals.nan, totals.loss_count, totals.loss_sum) == (2, 2, 1, 5.0)
+    totals.add(5.0, 0.1, skipped=False, idle=0.0)
+    totals.add(float("nan"), 0.1, skipped=True, idle=0.0)
+    totals.add(4.0, 0.1, skipped=True, idle=0.0)
+    assert (totals.skipped, totals.nan, totals.loss_count, totals.loss) == (2, 1, 1, 5.0)
 
 
 def test_flops_hand_computed():

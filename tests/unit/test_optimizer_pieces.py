@@ -12,12 +12,12 @@ from megatron.core.distributed.bucket_layout import BufferLayout, default_bucket
 from megatron.core.optimizer.adamw import ShardedAdamW
 from megatron.core.optimizer.grad_preparation import clip_grads
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
-from megatron.core.optimizer.lr_schedule import learning_rate
+from megatron.core.optimizer.lr_schedule import LRSchedule
 from megatron.core.optimizer.shards import FlatShard, weight_decay_applies
 
 
 def lr(i, style, warmup=2, decay=10):
-    return learning_rate(i, lr=1.0, min_lr=0.1, style=style, warmup_iters=warmup, decay_iters=decay)
+    return LRSchedule(max_lr=1.0, min_lr=0.1, style=style, warmup_steps=warmup, decay_steps=decay)(i)
 
 
 @pytest.mark.parametrize("iteration,expected", [(1, 0.5), (2, 1.0), (6, 0.55), (10, 0.1), (12, 0.1)])

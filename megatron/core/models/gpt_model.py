@@ -91,8 +91,10 @@ class GPTModel(torch.nn.Module):
                              persistent=False)
         angles = None
         if config.position_embedding_type == "rope":
-            angles = rotary_frequencies(config.seq_length, config.kv_channels, config.rotary_base,
-                                        device=device)[self.positions]
+            angles = rotary_frequencies(
+                config.seq_length, config.rotary_dim, config.rotary_base, device=device,
+                interleaved=config.rotary_interleaved,
+                scaling_factor=config.rope_scaling_factor if config.rope_scaling else None)[self.positions]
         self.register_buffer("rotary_angles", angles, persistent=False)
 
     def output_weight(self) -> torch.Tensor:

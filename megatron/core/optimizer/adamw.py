@@ -5,6 +5,8 @@ live, and is stepped on its own, so the placement of each shard's state (device 
 host, stepped by a CPU AdamW) can change per shard without touching the other two parts of
 the optimizer. The arithmetic is torch.optim.AdamW's single-tensor path, element for element
 (decoupled weight decay first, applied only to the shard ranges whose parameters take it).
+With `decoupled_lr` set, the embedding and output layer ranges step with that learning rate
+(Megatron's --decoupled-lr).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class ShardedAdamW:
     def __init__(self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         self.shards = shards
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.decoupled_lr = None  # learning rate of each shard's `decoupled` ranges (embedding, output layer)
         self.step_count = 0
         self.exp_avg = [torch.zeros_like(s.main) for s in shards]
         self.exp_avg_sq = [torch.zeros_like(s.main) for s in shards]
@@ -32,12 +35,24 @@ class ShardedAdamW:
         self.step_count += 1
         beta1, beta2 = self.betas
         step_size = self.lr / (1 - beta1 ** self.step_count)
+        decoupled_step_size = (self.decoupled_lr or 0.0) / (1 - beta1 ** self.step_count)
         bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
         for shard, exp_avg, exp_avg_sq in zip(self.shards, self.exp_avg, self.exp_avg_sq):
-            decayed = shard.views(shard.main, shard.decay)
+            decoupled = shard.decoupled if self.decoupled_lr is not None else []
+            decayed = shard.views(shard.main, [r for r in shard.decay if r not in decoupled])
             if decayed and self.weight_decay:
                 torch._foreach_mul_(decayed, 1 - self.lr * self.weight_decay)
+            if self.weight_decay:
+                for start, end in (r for r in decoupled if r in shard.decay):
+                    shard.main[start:end].mul_(1 - self.decoupled_lr * self.weight_decay)
             exp_avg.lerp_(shard.grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(shard.grad, shard.grad, value=1 - beta2)
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            shard.main.addcdiv_(exp_avg, denom, value=-step_size)
+            if not decoupled:
+                shard.main.addcdiv_(exp_avg, denom, value=-step_size)
+                continue
+            update = exp_avg / denom
+            for start, end in decoupled:  # these ranges step with their own learning rate
+                shard.main[start:end].add_(update[start:end], alpha=-decoupled_step_size)
+                update[start:end].zero_()
+            shard.main.add_(update, alpha=-step_size)

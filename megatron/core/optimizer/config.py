@@ -1,4 +1,5 @@
-"""OptimizerConfig: AdamW, learning-rate schedule, clipping and mixed precision settings."""
+"""OptimizerConfig: AdamW, clipping and mixed precision settings (the learning-rate schedule is
+`lr_schedule.LRSchedule`; `lr` here is only the value the optimizer starts with)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +9,6 @@ from dataclasses import dataclass
 class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "linear"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -27,16 +25,8 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
-        if self.lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
-        if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-        decay_iters = self.lr_decay_iters
-        if self.lr_decay_style != "constant" and decay_iters is not None and decay_iters <= self.lr_warmup_iters:
-            raise ValueError(f"--lr-decay-iters ({decay_iters}) must exceed --lr-warmup-iters "
-                             f"({self.lr_warmup_iters}) unless --lr-decay-style constant")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
         if self.loss_scale is not None and self.loss_scale <= 0:

@@ -55,8 +55,10 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> float:
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
-    def set_lr(self, lr: float) -> None:
-        self.adam.lr = lr
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """`decoupled_lr`: the embedding's and output layer's learning rate (Megatron's
+        --decoupled-lr); None: they use `lr` too."""
+        self.adam.lr, self.adam.decoupled_lr = lr, decoupled_lr
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (master copies and moments), from the tensors."""

@@ -23,6 +23,11 @@ def weight_decay_applies(name: str) -> bool:
     return leaf != "bias" and not (owner and owner[-1].endswith("norm"))
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """The parameters Megatron's --decoupled-lr applies to: word embeddings and the output layer."""
+    return name in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def counts_in_grad_norm(param, mesh) -> bool:
     """Whether this rank's copy counts in the global norm: weights replicated across tp count on
     tp rank 0 only; the tied output-layer copy on the last stage not at all."""
@@ -39,6 +44,7 @@ class FlatShard:
     pieces: list             # ShardPiece per parameter (part) in the shard, in order
     decay: list              # (start, end) ranges that take weight decay
     counted: list            # (start, end) ranges that count in the global grad norm
+    decoupled: list = ()     # (start, end) ranges of the embedding / output layer (--decoupled-lr)
 
     @property
     def aliased(self) -> bool:
@@ -61,5 +67,6 @@ def build_shards(buffers: list, mesh) -> list[FlatShard]:
             shards.append(FlatShard(
                 main=main, grad=bucket.grad_shard, model=model, pieces=pieces,
                 decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
-                counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)]))
+                counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)],
+                decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)]))
     return shards

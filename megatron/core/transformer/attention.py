@@ -16,6 +16,7 @@ from kernels.flash_attention import flash_attention
 from megatron.core.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import recompute
+from megatron.core.transformer.norm import Norm
 from megatron.core.transformer.rotary import apply_rotary
 
 
@@ -54,7 +55,11 @@ class SelfAttention(torch.nn.Module):
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       dtype=config.params_dtype, device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=config.init_method_std,
-                                               **common)
+                                               **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:  # one weight per channel shared by all heads: tp ranks hold different heads
+            self.q_layernorm = Norm(config, self.head_dim, device, sum_grads_over_tp=True)
+            self.k_layernorm = Norm(config, self.head_dim, device, sum_grads_over_tp=True)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              init_std=config.output_layer_init_std, **common)
 
@@ -73,8 +78,11 @@ class SelfAttention(torch.nn.Module):
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_angles is not None:
-            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+            interleaved = self.config.rotary_interleaved
+            q, k = apply_rotary(q, rotary_angles, interleaved), apply_rotary(k, rotary_angles, interleaved)
         if self.config.recompute_granularity == "selective":
             context = recompute(self._attend, self.rng_tracker, q, k, v)
         else:

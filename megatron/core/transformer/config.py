@@ -33,10 +33,17 @@ class TransformerConfig:
     max_position_embeddings: int | None = None
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0          # share of each head's channels that rotate (--rotary-percent)
+    rotary_interleaved: bool = False     # rotate channel pairs (0,1), (2,3).. instead of halves
+    rope_scaling: bool = False           # Llama-3.1 frequency scaling (--rope-scaling)
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight)
+    qk_layernorm: bool = False           # normalise each head's query and key before attention
     swiglu: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False           # bias on the QKV projection even without other biases (Qwen)
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
@@ -88,8 +95,11 @@ class TransformerConfig:
              f"({self.num_query_groups})")
         need(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
              f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length ({self.seq_length})")
-        need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
-             f"rotary embeddings need an even head dimension, got --kv-channels {self.kv_channels}")
+        need(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        need(self.position_embedding_type != "rope" or self.rotary_dim % 2 == 0,
+             f"rotary embeddings need an even number of rotated channels, got --kv-channels {self.kv_channels} x "
+             f"--rotary-percent {self.rotary_percent} = {self.rotary_dim}")
+        need(self.rope_scaling_factor >= 1.0, f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}")
         for name in ("attention_dropout", "hidden_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
         need(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
@@ -146,6 +156,11 @@ class TransformerConfig:
     def padded_vocab_size(self) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does."""
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that rotate: int(kv_channels x rotary_percent), as Megatron rounds."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def output_layer_init_std(self) -> float:

@@ -1,0 +1,102 @@
+"""What the training loop reports after each iteration, with Megatron's timing.
+
+- a line every --log-interval iterations and always after the first iteration of a run
+  (that first line does not restart the averages: the next line covers iterations 1..N);
+- Megatron's memory line once, after the first iteration;
+- TensorBoard / W&B scalars with every line (iteration time, memory and world size when asked);
+- --log-params-norm and --log-num-zeros-in-grad figures (collectives: every rank calls `report`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.grad_preparation import global_grad_norm
+from megatron.training.flops import flops_per_iteration
+from megatron.training.log import (
+    IntervalTotals,
+    TensorBoardWriter,
+    WandbWriter,
+    format_iteration_line,
+    memory_figures,
+    memory_line,
+)
+
+
+def params_norm(optimizer) -> float:
+    """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm)."""
+    return global_grad_norm([v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas)
+
+
+def num_zeros_in_grad(optimizer) -> int:
+    """Gradient elements equal to zero over the whole model, each counted once."""
+    views = [v for s in optimizer.shards for v in s.views(s.grad, s.counted)]
+    device = optimizer.shards[0].grad.device if optimizer.shards else None
+    zeros = torch.zeros(1, dtype=torch.float64, device=device)
+    for view in views:
+        zeros += (view == 0).sum()
+    dist.all_reduce(zeros)
+    return int(zeros.item()) // optimizer.replicas
+
+
+class IterationLog:
+    def __init__(self, trainer, emit, first_iteration: int):
+        run = trainer.run
+        self.trainer, self.emit, self.first_iteration = trainer, emit, first_iteration
+        self.config, self.training = run.logging, run.training
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        last = self.rank == self.world - 1
+        self.tensorboard = TensorBoardWriter(self.config.tensorboard_dir, enabled=last)
+        wandb_dir = self.config.wandb_save_dir or os.path.join(self.config.tensorboard_dir or ".", "wandb")
+        self.wandb = WandbWriter(self.config.wandb_project, self.config.wandb_exp_name, wandb_dir,
+                                 {"model": vars(run.model).copy(), "training": vars(run.training).copy()}, last)
+        self.totals = IntervalTotals()
+
+    def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
+        """Account for one iteration; print and write scalars when a line is due (or `force`)."""
+        self.totals.add(result.loss, elapsed, result.skipped, result.idle_fraction)
+        first = iteration == self.first_iteration
+        if not (first or force or iteration % self.config.log_interval == 0):
+            return
+        trainer, totals, config = self.trainer, self.totals, self.config
+        optimizer = trainer.optimizer
+        norm = params_norm(optimizer) if config.log_params_norm else None
+        zeros = num_zeros_in_grad(optimizer) if config.log_num_zeros_in_grad else None
+        schedule = self.training.batch_schedule
+        batch = trainer.global_batch_size(iteration)
+        seconds = totals.elapsed / totals.iterations
+        tflops = flops_per_iteration(trainer.run.model, batch) / seconds / self.world / 1e12
+        self.emit(format_iteration_line(
+            iteration=iteration, train_iters=self.training.train_iters,
+            consumed_samples=schedule.consumed_before(iteration + 1), elapsed_ms=seconds * 1000.0,
+            tflops_per_gpu=tflops, lr=result.lr, global_batch_size=batch, lm_loss=totals.loss,
+            loss_scale=result.loss_scale, grad_norm=result.grad_norm, skipped=totals.skipped, nan=totals.nan,
+            num_zeros=zeros, params_norm=norm))
+        if trainer.mesh.pp_size > 1:
+            idle = [None] * self.world
+            dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
+            self.emit(f"  pipeline idle fraction per rank (measured time waiting on p2p / step time): {idle}")
+        memory = memory_figures(trainer.device)
+        if first:
+            self.emit(memory_line(self.rank, iteration, memory))
+        self._scalars(iteration, result, totals.loss, batch, seconds, memory, norm, zeros)
+        if not first:
+            self.totals = IntervalTotals()
+
+    def _scalars(self, iteration, result, loss, batch, seconds, memory, norm, zeros) -> None:
+        config = self.config
+        values = {"lm loss": loss, "learning-rate": result.lr, "batch-size": batch, "grad-norm": result.grad_norm,
+                  "loss-scale": result.loss_scale, "params-norm": norm, "num-zeros": zeros}
+        if config.log_timers_to_tensorboard:
+            values["iteration-time"] = seconds
+        if config.log_memory_to_tensorboard:
+            values.update({f"mem-{name.replace(' ', '-')}-MB": value for name, value in memory.items()})
+        if config.log_world_size_to_tensorboard:
+            values["world-size"] = self.world
+        self.tensorboard.scalars(iteration, values)
+        self.wandb.scalars(iteration, values)
+
+    def close(self) -> None:
+        self.wandb.finish()

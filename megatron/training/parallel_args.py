@@ -1,0 +1,33 @@
+"""Megatron's parallelism flags (ParallelConfig.from_args reads them)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p",
+                   help="context-parallel attention: ring of K/V blocks (p2p) or all-gather of K/V")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam moments over dp x cp (ZeRO-1/2): gradients are "
+                        "reduce-scattered and updated parameters all-gathered, bucket by bucket")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="reduce each gradient bucket as soon as backward completes it (default on)")
+    g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --use-distributed-optimizer: start the parameter all-gathers at the end of the "
+                        "step and wait for each bucket just before the next forward first uses it")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--ddp-bucket-size", type=int,
+                   help="elements per bucket (memory chunk) of the parameter and gradient buffers "
+                        "(default max(40M, 1M x dp x cp))")
+    return parser
