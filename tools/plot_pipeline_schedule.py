@@ -2,15 +2,23 @@
 """Simulate a pipeline schedule, print its bubble fraction and draw its per-rank timeline.
 
     python tools/plot_pipeline_schedule.py --pp 4 --vpp 2 --microbatches 8 -o schedule.png
+    python tools/plot_pipeline_schedule.py --pp 2 --vpp 2 --microbatches 8 --measured trace.json -o measured.png
 
 The timeline comes from the same action lists the executor runs
 (`build_schedule`), timed by `simulate` with transfers taking no time. Each box
 is one forward (light) or backward (dark) of the microbatch written in it,
 coloured by local model chunk; blank space is idle time.
+
+With --measured (a trace written by `tools/bench/pipeline.py --trace`), it draws
+for 1F1B and the interleaved schedule the planned timeline (simulated with the
+measured median forward and backward times of our executor) above the measured
+step of ours and of torch.distributed.pipelining: compute boxes as above, time
+spent posting transfers in black, waiting for them in grey.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -48,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                         type=_positive(int), default=None, help="interleaved schedule only (default: --pp)")
     parser.add_argument("--forward-time", type=_positive(float), default=1.0, help="duration of one chunk forward")
     parser.add_argument("--backward-time", type=_positive(float), default=2.0, help="duration of one chunk backward")
+    parser.add_argument("--measured", help="a trace from tools/bench/pipeline.py --trace: draw the planned "
+                        "timeline next to the measured ones of the --pp/--microbatches run in it (needs -o)")
     parser.add_argument("-o", "--output", help="write the timeline image here (needs matplotlib)")
     return parser
 
@@ -57,32 +67,55 @@ def _shade(rgb: tuple, amount: float) -> tuple:
     return tuple(c + (1.0 - c) * amount for c in rgb[:3])
 
 
-def draw(timeline: Timeline, path: str, title: str) -> None:
+def planned_spans(timeline: Timeline) -> list[list[tuple]]:
+    """The simulated timeline as per-rank spans (kind, microbatch, chunk, start, end), as the executor records them."""
+    return [[("forward" if e.action.kind is ActionKind.FORWARD else "backward", e.action.microbatch, e.action.chunk,
+              e.start, e.end) for e in events] for events in timeline.events]
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_rows(ax, ranks: list, v: int, end: float, label: bool) -> list:
+    """One row of spans per rank on `ax`; returns the legend handles."""
     from matplotlib.patches import Patch
 
-    palette = plt.get_cmap("tab10")
-    forward_color = [_shade(palette(c % 10), 0.55) for c in range(timeline.v)]
-    backward_color = [palette(c % 10)[:3] for c in range(timeline.v)]
+    palette = _pyplot().get_cmap("tab10")
+    forward_color = [_shade(palette(c % 10), 0.55) for c in range(v)]
+    backward_color = [palette(c % 10)[:3] for c in range(v)]
+    for rank, spans in enumerate(ranks):
+        for kind, microbatch, chunk, start, stop in spans:
+            if kind in ("post", "wait"):
+                ax.barh(rank + 0.3, stop - start, left=start, height=0.2, linewidth=0,
+                        color="black" if kind == "post" else "0.6")
+                continue
+            forward = kind == "forward"
+            color = (forward_color if forward else backward_color)[chunk]
+            ax.barh(rank - 0.1, stop - start, left=start, height=0.6, color=color, edgecolor="black", linewidth=0.5)
+            if label:
+                ax.text((start + stop) / 2, rank - 0.1, str(microbatch), ha="center", va="center", fontsize=7,
+                        color="black" if forward else "white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, end)
+    kinds = (("forward", forward_color), ("backward", backward_color))
+    return ([Patch(facecolor=colors[c], edgecolor="black", label=f"{name}, chunk {c}")
+             for name, colors in kinds for c in range(v)]
+            + [Patch(color="black", label="posting transfers"), Patch(color="0.6", label="waiting for transfers")])
+
+
+def draw(timeline: Timeline, path: str, title: str) -> None:
+    plt = _pyplot()
     width = min(max(8.0, timeline.makespan * 0.3), 40.0)
     fig, ax = plt.subplots(figsize=(width, 0.55 * timeline.p + 1.8))
-    for rank, events in enumerate(timeline.events):
-        for e in events:
-            forward = e.action.kind is ActionKind.FORWARD
-            color = (forward_color if forward else backward_color)[e.action.chunk]
-            ax.barh(rank, e.end - e.start, left=e.start, height=0.8, color=color, edgecolor="black", linewidth=0.5)
-            ax.text((e.start + e.end) / 2, rank, str(e.action.microbatch), ha="center", va="center", fontsize=8,
-                    color="black" if forward else "white")
-    ax.set_yticks(range(timeline.p), [f"rank {r}" for r in range(timeline.p)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, timeline.makespan)
+    handles = _draw_rows(ax, planned_spans(timeline), timeline.v, timeline.makespan, label=True)[:2 * timeline.v]
     ax.set_xlabel("time")
-    kinds = (("forward", forward_color), ("backward", backward_color))
-    handles = [Patch(facecolor=colors[c], edgecolor="black", label=f"{name}, chunk {c}")
-               for name, colors in kinds for c in range(timeline.v)]
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), frameon=False,
               fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -91,9 +124,66 @@ def draw(timeline: Timeline, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _median_duration(ranks: list, kind: str) -> float:
+    durations = sorted(stop - start for spans in ranks for k, _, _, start, stop in spans if k == kind)
+    return durations[len(durations) // 2]
+
+
+def draw_measured(config: dict, path: str, group_size: int | None) -> None:
+    """Planned, ours measured and torch measured, for both schedules of one benchmark configuration."""
+    plt = _pyplot()
+    p, v, m = config["p"], config["v"], config["m"]
+    runs = {(run["schedule"], run["side"]): run for run in config["runs"]}
+    schedules = list(dict.fromkeys(run["schedule"] for run in config["runs"]))
+    panels = []
+    for schedule in schedules:
+        ours = runs[(schedule, "ours")]
+        chunks = 1 if schedule == "1F1B" else v
+        forward, backward = (_median_duration(ours["ranks"], kind) for kind in ("forward", "backward"))
+        plan = simulate(p, chunks, m, group_size=None if chunks == 1 else group_size,
+                        forward_time=forward, backward_time=backward)
+        panels.append((f"{schedule} planned (simulated from our median forward {forward * 1e3:.1f} ms, "
+                       f"backward {backward * 1e3:.1f} ms): {plan.makespan * 1e3:.0f} ms",
+                       planned_spans(plan), chunks, plan.makespan))
+        for side in ("ours", "torch"):
+            run = runs[(schedule, side)]
+            panels.append((f"{schedule} measured, {side}: {run['step_seconds'] * 1e3:.0f} ms (slowest rank)",
+                           run["ranks"], chunks, run["step_seconds"]))
+    end = max(panel[3] for panel in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(16, (0.4 * p + 0.7) * len(panels) + 1.0), sharex=True)
+    handles = []
+    for ax, (title, ranks, chunks, _) in zip(axes, panels):
+        to_ms = [[(k, mb, c, start * 1e3, stop * 1e3) for k, mb, c, start, stop in spans] for spans in ranks]
+        drawn = _draw_rows(ax, to_ms, chunks, end * 1e3, label=p * m <= 32)
+        handles = drawn if len(drawn) > len(handles) else handles
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[-1].set_xlabel("ms since the step started")
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, fontsize=8)
+    fig.suptitle(f"pipeline step p={p} m={m} v={v}, CPU gloo (1-minute load {config['load']:.1f}): planned vs measured",
+                 fontsize=10, y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _measured_config(parser, args) -> dict:
+    try:
+        configs = json.loads(Path(args.measured).read_text())["configs"]
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(f"cannot read the trace {args.measured}: {error}")
+    for config in configs:
+        if (config["p"], config["m"], config["v"]) == (args.pp, args.microbatches, args.vpp):
+            return config
+    found = ", ".join(f"--pp {c['p']} --microbatches {c['m']} --vpp {c['v']}" for c in configs)
+    parser.error(f"{args.measured} holds no run with --pp {args.pp} --microbatches {args.microbatches} "
+                 f"--vpp {args.vpp}; it holds: {found}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.measured and not args.output:
+        parser.error("--measured needs -o/--output")
     try:
         timeline = simulate(args.pp, args.vpp, args.microbatches, group_size=args.group_size,
                             forward_time=args.forward_time, backward_time=args.backward_time)
@@ -111,7 +201,10 @@ def main(argv: list[str] | None = None) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit("error: drawing the timeline needs matplotlib: pip install matplotlib")
-        draw(timeline, args.output, f"{setup}: bubble {simulated:.4f} simulated, {analytic:.4f} = (p-1)/(v·m)")
+        if args.measured:
+            draw_measured(_measured_config(parser, args), args.output, args.group_size)
+        else:
+            draw(timeline, args.output, f"{setup}: bubble {simulated:.4f} simulated, {analytic:.4f} = (p-1)/(v·m)")
         print(f"wrote {args.output}")
 
 

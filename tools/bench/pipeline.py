@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Pipeline schedules on CPU: our 1F1B vs interleaved, and ours vs torch.distributed.pipelining.
 
-    python tools/bench/pipeline.py [--pp 2] [--microbatches 8] [--vpp 2] [--quick]
+    python tools/bench/pipeline.py [--pp 2 4] [--microbatches 8 16] [--vpp 2] [--quick] [--trace FILE]
 
-Launches --pp forked gloo ranks (one intra-op thread each) that hold a stack of
+For every (pp, microbatches) pair, launches pp forked gloo ranks (one intra-op thread each) that hold a stack of
 identical residual MLP blocks split into equal-cost stages: p stages for 1F1B,
 p*v for the interleaved schedule (same blocks, same weights, same microbatches).
 Each schedule runs through our PipelineExecutor (chunks wrapped in our
@@ -14,13 +14,19 @@ the precondition for comparing time. Then the four runs alternate (warm-up
 first, the order rotated each round); a step's time is the slowest rank's, and
 the table shows medians next to the analytic bubble (p-1)/(v*m) and the
 analytic time ratio interleaved/1F1B = (1 + (p-1)/(v*m)) / (1 + (p-1)/m),
-which assumes free transfers. On CPU with gloo the transfers are not free, and
-the interleaved schedule makes v times as many of them.
+which assumes free transfers. A second table says where each rank's step time
+goes on both sides: compute (forward, backward), posting transfers, waiting for
+them, and the rest (Python, loss, idle between). Ours comes from the executor's
+spans, torch's from wrapping its stages' forward/backward and its schedule
+module's `_batch_p2p` (post) and `_wait_batch_p2p` (wait). --trace writes the
+median step of every run as a timeline that `tools/plot_pipeline_schedule.py
+--measured` draws next to the planned one.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -88,7 +94,7 @@ class Ours:
                             num_microbatches=args.microbatches)
         self.executor = PipelineExecutor(self.chunks, mesh, spec)
         self.last = mesh.is_last_stage
-        self.idle = []
+        self.spans = []  # per step: the executor's spans, seconds since the step's start
 
     def step(self, data) -> float | None:
         """Mean loss over the iteration's tokens (last stage), else None."""
@@ -102,11 +108,46 @@ class Ours:
         stats = self.executor.run(batch)
         for chunk in self.chunks:
             chunk.finish_grad_sync()
-        self.idle.append(stats.idle_fraction)
+        self.spans.append([tuple(span) for span in stats.spans])
         return (stats.loss_sum / stats.tokens).item() if self.last else None
 
     def grads(self) -> list:
         return [p.main_grad.clone() for c in self.chunks for p in c.module.parameters()]
+
+
+class _TorchSpans:
+    """Torch's schedule as spans in our executor's terms: its stages' forward_one_chunk /
+    backward_one_chunk are compute, its schedule module's `_batch_p2p` is posting and
+    `_wait_batch_p2p` is waiting (both are looked up as module globals at every call)."""
+
+    current: list | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.pipelining import schedules
+
+        for name, kind in (("_batch_p2p", "post"), ("_wait_batch_p2p", "wait")):
+            setattr(schedules, name, cls._wrap(getattr(schedules, name), kind))
+
+    @classmethod
+    def wrap_stage(cls, stage, p: int) -> None:
+        chunk = stage.stage_index // p
+        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+            setattr(stage, name, cls._wrap(getattr(stage, name), kind, chunk))
+
+    @classmethod
+    def _wrap(cls, fn, kind: str, chunk: int | None = None):
+        def timed(*args, **kwargs):
+            if cls.current is None:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            microbatch = args[0] if kind in ("forward", "backward") else None
+            cls.current.append((kind, microbatch, chunk if microbatch is not None else None, start,
+                                time.perf_counter()))
+            return out
+
+        return timed
 
 
 class Theirs:
@@ -117,12 +158,15 @@ class Theirs:
         num_stages = args.pp * len(stages)
         self.stages = [PipelineStage(module, index, num_stages, torch.device("cpu"), group=mesh.pp_group)
                        for module, index in zip(stages, stage_indices)]
+        for stage in self.stages:
+            _TorchSpans.wrap_stage(stage, args.pp)
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         if len(stages) == 1:
             self.schedule = Schedule1F1B(self.stages[0], args.microbatches, loss_fn=torch_loss)
         else:
             self.schedule = ScheduleInterleaved1F1B(self.stages, args.microbatches, loss_fn=torch_loss)
+        self.spans = []
 
     def step(self, data) -> float | None:
         """Mean of the microbatch losses (last stage), else None."""
@@ -133,7 +177,10 @@ class Theirs:
         # the whole batch, split by the schedule along dim 0 into the same [s, 1, h] microbatches
         inputs = (x.flatten(0, 1),) if self.first else ()
         target = labels.flatten(0, 1) if self.last else None
+        _TorchSpans.current, started = [], time.perf_counter()
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        self.spans.append([(k, mb, c, a - started, b - started) for k, mb, c, a, b in _TorchSpans.current])
+        _TorchSpans.current = None
         return sum(loss.item() for loss in losses) / len(losses) if self.last else None
 
     def grads(self) -> list:
@@ -159,6 +206,7 @@ def _max_rel_diff(a: list, b: list) -> float:
 def worker(rank: int, args) -> dict:
     p, v, m = args.pp, args.vpp, args.microbatches
     mesh = ParallelMesh(ParallelDims(pp=p), "cpu")
+    _TorchSpans.install()
     torch.manual_seed(args.seed)  # identical on every rank: every rank builds the same full model
     blocks = [Block(args.hidden, args.ffn) for _ in range(p * v * args.blocks_per_stage)]
     x = torch.randn(m, args.tokens, 1, args.hidden)
@@ -193,11 +241,11 @@ def worker(rank: int, args) -> dict:
             runs[key].step(data)
             times[order.index(key), it] = time.perf_counter() - start
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=mesh.pp_group)  # a step lasts as long as its slowest rank
-    idle = {name: statistics.median(runs[(name, "ours")].idle[-args.iters:]) for name, side in order if side == "ours"}
+    spans = {key: runs[key].spans[-args.iters:] for key in order}
     gathered = [None] * p
-    dist.all_gather_object(gathered, (check, idle), group=mesh.pp_group)
+    dist.all_gather_object(gathered, (check, spans), group=mesh.pp_group)
     return {"order": order, "times": times.tolist(), "checks": [c for c, _ in gathered],
-            "idle": [i for _, i in gathered]}
+            "spans": [s for _, s in gathered]}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -215,8 +263,10 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=_positive, default=2, help="pipeline ranks, one process each (default 2)")
-    parser.add_argument("--microbatches", type=_positive, default=8, help="microbatches per step (default 8)")
+    parser.add_argument("--pp", type=_positive, nargs="+", default=[2, 4],
+                        help="pipeline ranks, one process each; one run per value (default 2 4)")
+    parser.add_argument("--microbatches", type=_positive, nargs="+", default=[8, 16],
+                        help="microbatches per step; one run per value and --pp (default 8 16)")
     parser.add_argument("--vpp", type=_positive, default=2, help="model chunks per rank of the interleaved run (default 2)")
     parser.add_argument("--hidden", type=_positive, default=512, help="hidden size (default 512)")
     parser.add_argument("--ffn", type=_positive, default=None, help="MLP inner size (default 2 * hidden)")
@@ -226,88 +276,139 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=_positive, default=2, help="untimed steps of each run (default 2)")
     parser.add_argument("--iters", type=_positive, default=10, help="timed steps of each run (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps of each run")
+    parser.add_argument("--trace", help="write the median step of every run as a measured timeline (JSON) here")
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
 
 def _validate(parser: argparse.ArgumentParser, args) -> None:
-    if args.pp < 2:
-        parser.error(f"--pp must be >= 2 to have a pipeline, got {args.pp}")
     if args.vpp < 2:
         parser.error(f"--vpp must be >= 2 to compare the interleaved schedule with 1F1B, got {args.vpp}")
-    if args.microbatches < args.pp:
-        parser.error(f"--microbatches ({args.microbatches}) must be >= --pp ({args.pp})")
-    if args.microbatches % args.pp:
-        # ours needs groups of >= p microbatches; torch's ScheduleInterleaved1F1B groups them in rounds of
-        # m // (m // p): only with m a multiple of p do both run the same schedule (groups of p)
-        parser.error(f"--microbatches ({args.microbatches}) must be a multiple of --pp ({args.pp}) so that both "
-                     f"interleaved schedules run microbatches in groups of p")
-    try:
-        for rank in range(args.pp):
-            build_schedule(args.pp, args.vpp, args.microbatches, rank)
-    except ValueError as error:
-        parser.error(str(error))
-
-
-def _median_ms(samples: list) -> float:
-    return statistics.median(samples) * 1e3
+    for p in args.pp:
+        if p < 2:
+            parser.error(f"--pp must be >= 2 to have a pipeline, got {p}")
+        for m in args.microbatches:
+            if m < p:
+                parser.error(f"--microbatches ({m}) must be >= --pp ({p})")
+            if m % p:
+                # ours needs groups of >= p microbatches; torch's ScheduleInterleaved1F1B groups them in rounds of
+                # m // (m // p): only with m a multiple of p do both run the same schedule (groups of p)
+                parser.error(f"--microbatches ({m}) must be a multiple of --pp ({p}) so that both "
+                             f"interleaved schedules run microbatches in groups of p")
+            try:
+                for rank in range(p):
+                    build_schedule(p, args.vpp, m, rank)
+            except ValueError as error:
+                parser.error(str(error))
 
 
 def _spread(samples: list) -> str:
     return f"{min(samples) * 1e3:.0f}-{max(samples) * 1e3:.0f}"
 
 
-def _paired(times: dict, name: str) -> float:
-    return statistics.median(a / b for a, b in zip(times[(name, "ours")], times[(name, "torch")]))
+def _paired(times: dict, name: str) -> list:
+    return [a / b for a, b in zip(times[(name, "ours")], times[(name, "torch")])]
 
 
-def report(args, result: dict) -> bool:
-    """Print the checks and the table; False when the two sides did not compute the same thing."""
-    p, v, m = args.pp, args.vpp, args.microbatches
-    one, inter = "1F1B", f"interleaved v={v}"
-    print(f"pipeline benchmark: p={p} m={m} v={v}; {p * v * args.blocks_per_stage} residual MLP blocks "
-          f"(hidden {args.hidden}, ffn {args.ffn}), {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
-          f"1 thread/rank; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
-          f"median of the slowest rank's step time")
-    print(f"{os.cpu_count()} CPU cores for {p} ranks; 1-minute load average before the run {result['load']:.1f} "
-          f"(other processes on the cores: well above 0 means expect noise)")
-    print()
-    ok = True
-    for name in (one, inter):
+def breakdown(spans: list, times: list) -> dict:
+    """Median over steps of one rank's milliseconds in compute, post, wait and the rest of the step."""
+    parts = {"compute": [], "post": [], "wait": [], "other": []}
+    for step, total in zip(spans, times):
+        sums = {kind: sum(e - s for k, _, _, s, e in step if k in kinds) for kind, kinds in
+                (("compute", ("forward", "backward")), ("post", ("post",)), ("wait", ("wait",)))}
+        sums["other"] = total - sum(sums.values())
+        for kind, value in sums.items():
+            parts[kind].append(value * 1e3)
+    return {kind: statistics.median(values) for kind, values in parts.items()}
+
+
+def check_lines(result: dict, names: tuple) -> tuple[list, bool]:
+    lines, ok = [], True
+    for name in names:
         c = result["checks"][-1][name]  # the last rank holds the losses
         grad = max(r[name]["grad_diff"] for r in result["checks"])
         good = c["loss_diff"] <= LOSS_RTOL and grad <= GRAD_RTOL
         ok &= good
-        print(f"equal work, {name}: mean loss ours {c['ours_loss']:.6f} torch {c['torch_loss']:.6f} "
-              f"(rel diff {c['loss_diff']:.1e}), grads max rel diff {grad:.1e} -> "
-              f"{'match' if good else 'MISMATCH'}")
+        lines.append(f"  equal work, {name}: mean loss ours {c['ours_loss']:.6f} torch {c['torch_loss']:.6f} "
+                     f"(rel diff {c['loss_diff']:.1e}), grads max rel diff {grad:.1e} -> "
+                     f"{'match' if good else 'MISMATCH'}")
+    return lines, ok
+
+
+def report(args, results: list) -> bool:
+    """Print the checks and the tables; False when the two sides did not compute the same thing."""
+    v = args.vpp
+    one, inter = "1F1B", f"interleaved v={v}"
+    print(f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
+          f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
+          f"1 thread/rank; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
+          f"median of the slowest rank's step time")
+    ok = True
+    for result in results:
+        lines, good = check_lines(result, (one, inter))
+        ok &= good
+        print(f"p={result['p']} m={result['m']} ({result['p']} ranks on {os.cpu_count()} CPU cores), "
+              f"1-minute load average before the run {result['load']:.1f}:")
+        print("\n".join(lines))
     if not ok:
         print("WARNING: the two implementations did not do the same computation; the timing below is not comparable")
     print()
 
-    times = {key: samples for key, samples in zip(result["order"], result["times"])}
-    med = {key: _median_ms(samples) for key, samples in times.items()}
-    bubble = {one: analytic_bubble_fraction(p, 1, m), inter: analytic_bubble_fraction(p, v, m)}
-    header = (f"{'schedule':<16} {'ours ms':>9} {'(min-max)':>11} {'torch ms':>9} {'(min-max)':>11} "
-              f"{'ours/torch':>10} {'bubble (p-1)/(vm)':>18}  ours idle per rank")
+    header = (f"{'p':>2} {'m':>3} {'schedule':<16} {'ours ms':>8} {'(min-max)':>10} {'torch ms':>8} {'(min-max)':>10} "
+              f"{'ours/torch':>10} {'per-round':>9} {'bubble':>7} {'inter/1F1B ours':>15} {'torch':>6} {'analytic':>8}")
     print(header)
     print("-" * len(header))
-    for name in (one, inter):
-        ours, theirs = times[(name, "ours")], times[(name, "torch")]
-        print(f"{name:<16} {med[(name, 'ours')]:>9.1f} {_spread(ours):>11} {med[(name, 'torch')]:>9.1f} "
-              f"{_spread(theirs):>11} {med[(name, 'ours')] / med[(name, 'torch')]:>10.3f} {bubble[name]:>18.4f} "
-              f" {' '.join(f'{i[name]:.0%}' for i in result['idle'])}")
+    pooled = {one: [], inter: []}
+    for result in results:
+        p, m = result["p"], result["m"]
+        times = dict(zip(result["order"], result["times"]))
+        med = {key: statistics.median(samples) for key, samples in times.items()}
+        bubble = {one: analytic_bubble_fraction(p, 1, m), inter: analytic_bubble_fraction(p, v, m)}
+        for name in (one, inter):
+            ours, theirs = times[(name, "ours")], times[(name, "torch")]
+            pooled[name] += _paired(times, name)
+            ratio = (f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} {med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
+                     f"{(1 + bubble[inter]) / (1 + bubble[one]):>8.3f}" if name == inter else "")
+            print(f"{p:>2} {m:>3} {name:<16} {med[(name, 'ours')] * 1e3:>8.1f} {_spread(ours):>10} "
+                  f"{med[(name, 'torch')] * 1e3:>8.1f} {_spread(theirs):>10} "
+                  f"{med[(name, 'ours')] / med[(name, 'torch')]:>10.3f} "
+                  f"{statistics.median(_paired(times, name)):>9.3f} {bubble[name]:>7.4f} {ratio}")
+    print("(per-round: median of ours/torch over rounds that run both back to back; bubble (p-1)/(v*m); "
+          "interleaved/1F1B step time measured and analytic (1 + (p-1)/(v*m)) / (1 + (p-1)/m), free transfers)")
     print()
-    analytic = (1 + bubble[inter]) / (1 + bubble[one])
-    print(f"interleaved/1F1B step time: analytic {analytic:.3f} = (1 + (p-1)/(v*m)) / (1 + (p-1)/m), "
-          f"measured ours {med[(inter, 'ours')] / med[(one, 'ours')]:.3f}, "
-          f"torch {med[(inter, 'torch')] / med[(one, 'torch')]:.3f}")
-    print(f"ours/torch step time (target <= 1.0): 1F1B {med[(one, 'ours')] / med[(one, 'torch')]:.3f}, "
-          f"{inter} {med[(inter, 'ours')] / med[(inter, 'torch')]:.3f}; median of the per-round ratios "
-          f"(each round runs both back to back): 1F1B {_paired(times, one):.3f}, {inter} {_paired(times, inter):.3f}")
-    print("(ours idle: median fraction of each rank's step that our executor spends in transfer steps, "
-          "i.e. bubble plus gloo p2p time)")
+
+    header = f"{'p':>2} {'m':>3} {'schedule':<16} {'side':<6} {'rank':>4} {'compute':>8} {'post':>6} {'wait':>6} {'other':>6}"
+    print("where each rank's step time goes, ms (median over the timed steps; other = step time of the slowest "
+          "rank minus the rest)")
+    print(header)
+    print("-" * len(header))
+    for result in results:
+        times = dict(zip(result["order"], result["times"]))
+        for name in (one, inter):
+            for side in ("ours", "torch"):
+                for rank, rank_spans in enumerate(result["spans"]):
+                    b = breakdown(rank_spans[(name, side)], times[(name, side)])
+                    print(f"{result['p']:>2} {result['m']:>3} {name:<16} {side:<6} {rank:>4} {b['compute']:>8.1f} "
+                          f"{b['post']:>6.1f} {b['wait']:>6.1f} {b['other']:>6.1f}")
+    print()
+    print(f"ours/torch step time (target <= 1.0), over p={','.join(map(str, args.pp))} "
+          f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
+          f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
+          f"{inter} {statistics.median(pooled[inter]):.3f}")
     return ok
+
+
+def trace(args, results: list) -> dict:
+    """Every run's median step (by the slowest rank's time): each rank's spans, in seconds."""
+    configs = []
+    for result in results:
+        runs = []
+        for key, samples in zip(result["order"], result["times"]):
+            step = sorted(range(len(samples)), key=samples.__getitem__)[len(samples) // 2]
+            runs.append({"schedule": key[0], "side": key[1], "step_seconds": samples[step],
+                         "ranks": [rank_spans[key][step] for rank_spans in result["spans"]]})
+        configs.append({"p": result["p"], "m": result["m"], "v": args.vpp, "load": result["load"], "runs": runs})
+    return {"configs": configs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,13 +418,21 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.iters = 1, 3
     args.ffn = args.ffn or 2 * args.hidden
     _validate(parser, args)
-    load_before = os.getloadavg()[0]
-    try:
-        result = run_distributed(args.pp, worker, args, timeout=900.0)[0]
-    except RuntimeError as error:
-        sys.exit(f"error: benchmark failed: {error}")
-    result["load"] = load_before
-    if not report(args, result):
+    results = []
+    for p in args.pp:
+        for m in args.microbatches:
+            config = argparse.Namespace(**{**vars(args), "pp": p, "microbatches": m})
+            load_before = os.getloadavg()[0]
+            try:
+                result = run_distributed(p, worker, config, timeout=900.0)[0]
+            except (RuntimeError, AssertionError) as error:
+                sys.exit(f"error: benchmark failed for p={p} m={m}: {error}")
+            results.append({**result, "p": p, "m": m, "load": load_before})
+    ok = report(args, results)
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(trace(args, results)))
+        print(f"wrote {args.trace}")
+    if not ok:
         sys.exit(1)
 
 

@@ -1,15 +1,22 @@
 """Runs a schedule's action list: forward and backward of model chunks, batched p2p transfers.
 
 The executor owns the tensors in flight: inputs received (kept until their
-backward, which needs their gradient), outputs (released once sent: only their
-autograd graph is kept) and gradients received. It measures how long it waits
-on transfers, which is this rank's pipeline idle time.
+backward, which needs their gradient), outputs (released once posted: only their
+autograd graph is kept, the transfer holds the data) and gradients received.
+Transfers follow the schedule's semantics (schedules.py): a batch is posted and
+not waited for; a computation waits for the receive it consumes, and with it
+for every send posted up to that receive's batch (on NCCL that batch and the
+ones before it have completed anyway), which bounds the memory held by sends;
+whatever is left is waited for at the end of the iteration. It records a
+timeline of compute, posting and waiting; time in transfers is this rank's
+pipeline idle time.
 """
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +39,18 @@ class PipelineSpec:
     group_size: int | None = None
 
 
+class Span(NamedTuple):
+    """One piece of a rank's step: `kind` is 'forward', 'backward' (of `microbatch` on local
+    `chunk`), 'post' (handing a batch of transfers to the backend) or 'wait' (blocked on
+    transfers); `start` and `end` are seconds since the step began."""
+
+    kind: str
+    microbatch: int | None
+    chunk: int | None
+    start: float
+    end: float
+
+
 @dataclass
 class StepStats:
     """What one iteration's schedule produced on this rank.
@@ -40,20 +59,31 @@ class StepStats:
     the exact global mean over every unmasked token of the global batch (reduced over
     microbatches, dp and cp): `loss_sum` (sum of masked per-token losses), `tokens`
     (unmasked tokens) and `slots` (all token positions), fp64 tensors on the last
-    stage, zero elsewhere. `wait_seconds` is time spent waiting for p2p transfers,
-    measured with CUDA events on CUDA (host timing would only see the enqueue).
+    stage, zero elsewhere. `spans` is the measured timeline of the step (compute,
+    posting and waiting), timed with CUDA events on CUDA (host timing would only see
+    the enqueue); time in transfers (posting + waiting) is this rank's pipeline idle time.
     """
 
     loss_sum: torch.Tensor
     tokens: torch.Tensor
     slots: torch.Tensor
-    compute_seconds: float = 0.0
-    wait_seconds: float = 0.0
+    spans: list[Span] = field(default_factory=list)
 
     @classmethod
     def zeros(cls, device) -> "StepStats":
         zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=device)
         return cls(loss_sum=zero(), tokens=zero(), slots=zero())
+
+    def seconds(self, *kinds: str) -> float:
+        return sum(span.end - span.start for span in self.spans if span.kind in kinds)
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.seconds("forward", "backward")
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.seconds("post", "wait")
 
     @property
     def idle_fraction(self) -> float:
@@ -62,33 +92,37 @@ class StepStats:
 
 
 class _SpanTimer:
-    """Sums the durations of spans of work: host clock on CPU, CUDA events on CUDA
-    (read once at the end of the step, so timing adds no synchronisation per span)."""
+    """Records the spans of one step: host clock on CPU, CUDA events on CUDA (read once
+    at the end of the step, so timing adds no synchronisation per span). On CUDA a span
+    is what the device stream saw: a wait is the time the compute stream stalled."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: dict[str, list] = {"compute": [], "wait": []}
+        self.origin = self._now()
+        self.spans: list[tuple] = []
 
-    def start(self):
+    def _now(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
 
-    def stop(self, kind: str, started) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans[kind].append((started, end))
-        else:
-            self.spans[kind].append(time.perf_counter() - started)
+    def start(self):
+        return self._now()
 
-    def seconds(self, kind: str) -> float:
-        if not self.cuda:
-            return sum(self.spans[kind])
-        torch.cuda.synchronize()
-        return sum(start.elapsed_time(end) for start, end in self.spans[kind]) / 1000.0
+    def stop(self, kind: str, started, action=None) -> None:
+        self.spans.append((kind, action, started, self._now()))
+
+    def _seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def result(self) -> list[Span]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [Span(kind, getattr(action, "microbatch", None), getattr(action, "chunk", None),
+                     self._seconds(self.origin, start), self._seconds(self.origin, end))
+                for kind, action, start, end in self.spans]
 
 
 def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -145,22 +179,38 @@ class PipelineExecutor:
         device = next(self.chunks[0].parameters()).device
         stats, timer = StepStats.zeros(device), _SpanTimer(device)
         inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
+        transfers = _Transfers()
         for step in self.steps:
-            started = timer.start()
             action = step[0]
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.FORWARD:
+                if not self._is_first(action.chunk):
+                    self._wait(transfers, ActionKind.RECV_FORWARD, key, timer)
+                started = timer.start()
                 outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / self.spec.num_microbatches)
-                timer.stop("compute", started)
+                timer.stop("forward", started, action)
             elif action.kind is ActionKind.BACKWARD:
+                if not self._is_last(action.chunk):
+                    self._wait(transfers, ActionKind.RECV_BACKWARD, key, timer)
+                started = timer.start()
                 self._backward(action, inputs, outputs, received_grads, input_grads)
                 inputs.pop(key, None), outputs.pop(key, None)
-                timer.stop("compute", started)
+                timer.stop("backward", started, action)
             else:
-                self._communicate(step, inputs, outputs, received_grads, input_grads, device)
-                timer.stop("wait", started)
-        stats.compute_seconds, stats.wait_seconds = timer.seconds("compute"), timer.seconds("wait")
+                started = timer.start()
+                self._post(step, transfers, inputs, outputs, received_grads, input_grads, device)
+                timer.stop("post", started)
+        started = timer.start()
+        transfers.wait_all()
+        timer.stop("wait", started)
+        stats.spans = timer.result()
         return stats
+
+    @staticmethod
+    def _wait(transfers: "_Transfers", kind: ActionKind, key: tuple, timer: _SpanTimer) -> None:
+        started = timer.start()
+        transfers.wait(kind, key)
+        timer.stop("wait", started)
 
     def _forward(self, action, inputs, batch, stats, scale):
         key = (action.microbatch, action.chunk)
@@ -189,8 +239,8 @@ class PipelineExecutor:
         if not self._is_first(action.chunk):
             input_grads[key] = inputs[key].grad
 
-    def _communicate(self, step, inputs, outputs, received_grads, input_grads, device):
-        """One batched p2p step on the pipeline group (peers are global ranks within it)."""
+    def _post(self, step, transfers, inputs, outputs, received_grads, input_grads, device):
+        """Post one step's transfers as one batch on the pipeline group (peers are global ranks within it)."""
         ops, group = [], self.mesh.pp_group
         for action in step:
             key = (action.microbatch, action.chunk)
@@ -208,8 +258,45 @@ class PipelineExecutor:
                 buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device)
                 received_grads[key] = buffer
                 ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.pp_peer(+1), group))
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        transfers.post(step, dist.batch_isend_irecv(ops))
         for action in step:
-            if action.kind is ActionKind.SEND_FORWARD:
+            if action.kind is ActionKind.SEND_FORWARD:  # the posted send holds the data until it completes
                 _release(outputs[(action.microbatch, action.chunk)])
+
+
+class _Transfers:
+    """The requests of the batches posted in this iteration and not yet waited for.
+
+    gloo returns one request per op; NCCL coalesces a batch into one request (or a
+    few), which then stands for every op of the batch."""
+
+    def __init__(self):
+        self.batches = 0
+        self.receives: dict[tuple, tuple[int, list]] = {}  # (kind, mb, chunk) -> (batch index, requests)
+        self.sends: list[tuple[int, object]] = []  # (batch index, request)
+
+    def post(self, step, requests: list) -> None:
+        per_op = [[r] for r in requests] if len(requests) == len(step) else [requests] * len(step)
+        for action, mine in zip(step, per_op):
+            if action.kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD):
+                self.receives[(action.kind, action.microbatch, action.chunk)] = (self.batches, mine)
+            else:
+                self.sends += [(self.batches, r) for r in mine]
+        self.batches += 1
+
+    def wait(self, kind: ActionKind, key: tuple) -> None:
+        """Wait for one receive and for the sends posted up to its batch."""
+        batch, requests = self.receives.pop((kind, *key))
+        for request in requests:
+            request.wait()
+        for _, request in (earlier := [s for s in self.sends if s[0] <= batch]):
+            request.wait()
+        self.sends = self.sends[len(earlier):]
+
+    def wait_all(self) -> None:
+        for _, requests in self.receives.values():
+            for request in requests:
+                request.wait()
+        for _, request in self.sends:
+            request.wait()
+        self.receives, self.sends = {}, []

@@ -5,8 +5,12 @@ training iteration as a list of *steps*. A step is either
 
 * exactly one compute action (FORWARD or BACKWARD of one microbatch on one
   local model chunk), or
-* one or more transfers (SEND_/RECV_ FORWARD/BACKWARD) that the executor posts
-  as ONE batched isend/irecv and waits for completely before the next step.
+* one or more transfers (SEND_/RECV_ FORWARD/BACKWARD) that the executor
+  *posts* as ONE batch and does not wait for. A receive is waited for by the
+  compute that consumes it (the forward of its microbatch and chunk, or the
+  backward); sends are never waited for before the end of the iteration. So a
+  receive posted before other computations overlaps them, and a send never
+  holds its rank back.
 
 Chunk c on rank r is global stage c*p + r. Stage s sends its forward output to
 stage s+1 and its input gradient to stage s-1, so forward messages always go
@@ -21,15 +25,18 @@ only per direction but across directions: when p == 2 both neighbours are one
 rank, and a batch may hold a forward and a backward message to it; they are
 listed forward first on both sides, so the lists work whether the transport
 matches by tag or only by posting order (NCCL). Within a step the order is
-SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD.
+SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD. `simulate.py` checks
+on the lists that they match up, cannot deadlock even under NCCL's strictest
+reading (a rank's batches run one after another, each completing only when all
+its transfers have met their peers), and computes their bubble.
 
 The compute order and the batching of transfers follow Megatron-LM's
 `forward_backward_pipelining_without_interleaving` (1F1B) and
-`forward_backward_pipelining_with_interleaving`, except that with a group size
-above p the messages that go around the ring are received earlier (see
-`_interleaved_receives`). `simulate.py` checks on the lists themselves that
-they match up, cannot deadlock even when every transfer is a rendezvous, and
-computes their bubble.
+`forward_backward_pipelining_with_interleaving` with `overlap_p2p_comm`: in the
+interleaved steady state a forward's send goes out in one batch with the
+receive for the next forward, posted before the backward that runs in between,
+and likewise for backwards. With a group size above p the messages that go
+around the ring are received earlier (see `_interleaved_receives`).
 """
 from __future__ import annotations
 
@@ -261,11 +268,14 @@ def _interleaved_receives(p: int, v: int, rank: int, fwd: list, bwd: list) -> tu
 
 
 def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int) -> list[Step]:
-    """Megatron's interleaved 1F1B over the order of `interleaved_order`.
+    """Megatron's interleaved 1F1B over the order of `interleaved_order`, with overlapped transfers.
 
     The k-th forward runs fwd[k], the k-th backward runs bwd[k]. After each
-    computation (in the steady state: after a forward AND a backward) one batch
-    sends the results and receives as `_interleaved_receives` says.
+    computation one batch sends its result and receives as
+    `_interleaved_receives` says. In the steady state (F, B, F, B, ...) the
+    receive for the next forward is thus posted before the backward in between
+    and the receive for the next backward before the forward in between: each
+    transfer has a whole computation to arrive in (Megatron's overlap_p2p_comm).
     """
     fwd = interleaved_order(m, v, g)
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
@@ -281,9 +291,9 @@ def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int) -> list
     for k in range(n - warmup):
         f = k + warmup
         w.forward(fwd[f])
+        w.comm(send_forward=fwd[f], recv_forward=recv_f.get(f))
         w.backward(bwd[k])
-        w.comm(send_forward=fwd[f], recv_forward=recv_f.get(f),
-               send_backward=bwd[k], recv_backward=recv_b.get(k))
+        w.comm(send_backward=bwd[k], recv_backward=recv_b.get(k))
     if warmup == n:
         w.comm(recv_backward=recv_b.get(-1))
     for k in range(n - warmup, n):

@@ -1,31 +1,38 @@
 """Run pipeline schedules (action lists) without processes: timing, bubble, deadlock.
 
-The simulator follows the executor's semantics exactly:
+The simulator follows the executor's semantics, under NCCL's strictest reading:
 
-* a compute step takes `forward_time` or `backward_time` and nothing else;
-* a transfer step posts all its ops at once and completes when every op has
-  met its peer op; transfers take no time, so the step ends when the last of
-  its peers has posted;
+* a compute step takes `forward_time` or `backward_time`; before it starts the
+  rank waits for the batch that received its input (forward) or output
+  gradient (backward);
+* a transfer step posts its ops as one batch and the rank goes on at once;
+* a rank's batches run one after another, as on NCCL's one communication
+  stream: a batch starts when it is posted and the rank's previous batch has
+  completed, and completes `transfer_time` after every op in it has met its
+  peer op (so a send holds back the batches posted after it until the
+  receiver has posted; gloo, whose ops complete one by one, accepts all this
+  accepts);
 * messages between an ordered pair of ranks meet in posting order, whatever
-  their direction (the stricter NCCL rule; a transport matching by tag per
-  direction accepts everything this accepts).
+  their direction (a transport matching by tag per direction accepts
+  everything this accepts).
 
 On top of timing it checks that the lists are consistent: each send meets the
 receive of the same microbatch on the next (forward) or previous (backward)
-stage, a forward runs after its input arrived, a backward after its forward
-and its output gradient, nothing runs twice. Any violation, and any deadlock,
-raises `ScheduleError` with a one-line description.
+stage, a forward runs after its input was received, a backward after its
+forward and its output gradient, nothing runs twice. Any violation, and any
+deadlock, raises `ScheduleError` with a one-line description.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.core.pipeline_parallel.schedules import Action, ActionKind, Step, build_schedule, peer_rank
 
 _FORWARD_MSG = (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
 _SENDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
 _TO_NEXT_STAGE = (ActionKind.SEND_FORWARD, ActionKind.RECV_BACKWARD)
+_CONSUMES = {ActionKind.FORWARD: ActionKind.RECV_FORWARD, ActionKind.BACKWARD: ActionKind.RECV_BACKWARD}
 
 
 class ScheduleError(RuntimeError):
@@ -56,21 +63,35 @@ class Timeline:
 
 
 @dataclass
-class _Posted:
+class _Batch:
+    """One transfer step as posted: it starts once the rank's previous batch has completed."""
+
     rank: int
     step: int
+    posted: float
+    ops: list = field(default_factory=list)
+    started: float | None = None
+    completed: float | None = None
+
+
+@dataclass
+class _Posted:
+    batch: _Batch
     action: Action
-    time: float
-    met_at: float | None = None
+    peer: "_Posted | None" = None
 
 
 class _Simulator:
-    def __init__(self, schedules: list[list[Step]], v: int, forward_time: float, backward_time: float):
+    def __init__(self, schedules: list[list[Step]], v: int, forward_time: float, backward_time: float,
+                 transfer_time: float):
         self.schedules, self.p, self.v = schedules, len(schedules), v
         self.duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time}
+        self.transfer_time = transfer_time
         self.pos = [0] * self.p
         self.clock = [0.0] * self.p
-        self.posted: list[list[_Posted] | None] = [None] * self.p
+        self.batches: list[list[_Batch]] = [[] for _ in range(self.p)]
+        self.pending = [0] * self.p  # index of each rank's first batch that has not completed
+        self.received: list[dict] = [{} for _ in range(self.p)]  # (kind, mb, chunk) of a receive -> its batch
         self.channels: dict[tuple[int, int], tuple[list[_Posted], list[_Posted]]] = defaultdict(lambda: ([], []))
         self.done = [set() for _ in range(self.p)]  # (kind, mb, chunk) of the actions the rank has run or posted
         self.events: list[list[Event]] = [[] for _ in range(self.p)]
@@ -86,17 +107,25 @@ class _Simulator:
             for rank in range(self.p):
                 while self._advance(rank):
                     pass
-        stuck = [r for r in range(self.p) if self.pos[r] < len(self.schedules[r])]
+            self.changed |= self._progress_batches()
+        stuck = [r for r in range(self.p)
+                 if self.pos[r] < len(self.schedules[r]) or any(b.completed is None for b in self.batches[r])]
         if stuck:
-            where = "; ".join(f"rank {r} at step {self.pos[r]} {_fmt(self.schedules[r][self.pos[r]])}" for r in stuck)
-            raise ScheduleError(f"deadlock: {where}")
+            raise ScheduleError("deadlock: " + "; ".join(self._where(r) for r in stuck))
         return Timeline(self.p, self.v, tuple(tuple(e) for e in self.events))
+
+    def _where(self, rank: int) -> str:
+        steps = self.schedules[rank]
+        at = (f"rank {rank} at step {self.pos[rank]} {_fmt(steps[self.pos[rank]])}" if self.pos[rank] < len(steps)
+              else f"rank {rank} at the end")
+        pending = next((b for b in self.batches[rank] if b.completed is None), None)
+        return at + ("" if pending is None else f" waiting for step {pending.step} {_fmt(steps[pending.step])}")
 
     def _fail(self, rank: int, action: Action, why: str) -> ScheduleError:
         return ScheduleError(f"rank {rank} step {self.pos[rank]} {action}: {why}")
 
     def _advance(self, rank: int) -> bool:
-        """Run or complete the rank's current step if it can; return whether it moved on."""
+        """Run the rank's current step if it can; return whether it moved on."""
         if self.pos[rank] == len(self.schedules[rank]):
             return False
         step = self.schedules[rank][self.pos[rank]]
@@ -108,14 +137,16 @@ class _Simulator:
         if step[0].kind.is_compute:
             if len(step) != 1:
                 raise ScheduleError(f"rank {rank} step {self.pos[rank]} mixes a computation with others: {_fmt(step)}")
-            self._compute(rank, step[0])
-        elif not self._transfer(rank, step):
-            return False
+            if not self._compute(rank, step[0]):
+                return False
+        else:
+            self._post_batch(rank, step)
         self.pos[rank] += 1
         self.changed = True
         return True
 
-    def _compute(self, rank: int, a: Action) -> None:
+    def _compute(self, rank: int, a: Action) -> bool:
+        """Run a computation once its received tensor has arrived; return whether it ran."""
         first = self.stage(rank, a.chunk) == 0
         last = self.stage(rank, a.chunk) == self.p * self.v - 1
         done = self.done[rank]
@@ -129,23 +160,22 @@ class _Simulator:
             if not last and (ActionKind.RECV_BACKWARD, a.microbatch, a.chunk) not in done:
                 raise self._fail(rank, a, "its output gradient has not been received")
         start = self.clock[rank]
+        batch = self.received[rank].get((_CONSUMES[a.kind], a.microbatch, a.chunk))
+        if batch is not None:
+            if batch.completed is None:
+                return False
+            start = max(start, batch.completed)
         self.clock[rank] = start + self.duration[a.kind]
         self.events[rank].append(Event(rank, start, self.clock[rank], a))
         done.add((a.kind, a.microbatch, a.chunk))
-
-    def _transfer(self, rank: int, step: Step) -> bool:
-        """Post the step's ops on first visit; return whether all of them have met their peers."""
-        if self.posted[rank] is None:
-            self.posted[rank] = [self._post(rank, a) for a in step]
-            self.changed = True
-        ops = self.posted[rank]
-        if any(op.met_at is None for op in ops):
-            return False
-        self.clock[rank] = max(op.met_at for op in ops)
-        self.posted[rank] = None
         return True
 
-    def _post(self, rank: int, a: Action) -> _Posted:
+    def _post_batch(self, rank: int, step: Step) -> None:
+        batch = _Batch(rank, self.pos[rank], self.clock[rank])
+        self.batches[rank].append(batch)
+        batch.ops = [self._post(rank, batch, a) for a in step]
+
+    def _post(self, rank: int, batch: _Batch, a: Action) -> _Posted:
         if a.kind.is_compute:
             raise ScheduleError(f"rank {rank} step {self.pos[rank]} mixes a computation with transfers")
         stage = self.stage(rank, a.chunk)
@@ -155,16 +185,18 @@ class _Simulator:
             raise self._fail(rank, a, "the first stage has no previous stage")
         if (a.kind, a.microbatch, a.chunk) in self.done[rank]:
             raise self._fail(rank, a, "runs twice")
-        self.done[rank].add((a.kind, a.microbatch, a.chunk))  # the step completes before the next one starts
+        self.done[rank].add((a.kind, a.microbatch, a.chunk))
         forward = a.kind in _FORWARD_MSG
         send = a.kind in _SENDS
         if send:
             computed = ActionKind.FORWARD if forward else ActionKind.BACKWARD
             if (computed, a.microbatch, a.chunk) not in self.done[rank]:
                 raise self._fail(rank, a, f"sends before its {computed.name} ran")
+        else:
+            self.received[rank][(a.kind, a.microbatch, a.chunk)] = batch
         peer = peer_rank(a.kind, rank, self.p)
         sends, recvs = self.channels[(rank, peer) if send else (peer, rank)]
-        op = _Posted(rank, self.pos[rank], a, self.clock[rank])
+        op = _Posted(batch, a)
         mine, theirs = (sends, recvs) if send else (recvs, sends)
         mine.append(op)
         if len(theirs) >= len(mine):
@@ -174,14 +206,35 @@ class _Simulator:
     def _meet(self, send: _Posted, recv: _Posted) -> None:
         s, r = send.action, recv.action
         forward = s.kind is ActionKind.SEND_FORWARD
-        target = self.stage(send.rank, s.chunk) + (1 if forward else -1)
+        target = self.stage(send.batch.rank, s.chunk) + (1 if forward else -1)
         expected = ActionKind.RECV_FORWARD if forward else ActionKind.RECV_BACKWARD
-        if r.kind is not expected or r.microbatch != s.microbatch or self.stage(recv.rank, r.chunk) != target:
+        if r.kind is not expected or r.microbatch != s.microbatch or self.stage(recv.batch.rank, r.chunk) != target:
             raise ScheduleError(
-                f"p2p mismatch rank {send.rank} -> {recv.rank}: rank {send.rank} step {send.step} {s} "
-                f"met rank {recv.rank} step {recv.step} {r}"
+                f"p2p mismatch rank {send.batch.rank} -> {recv.batch.rank}: rank {send.batch.rank} step "
+                f"{send.batch.step} {s} met rank {recv.batch.rank} step {recv.batch.step} {r}"
             )
-        send.met_at = recv.met_at = max(send.time, recv.time)
+        send.peer, recv.peer = recv, send
+
+    def _progress_batches(self) -> bool:
+        """Start and complete the batches that can, in each rank's posting order; return whether any did."""
+        any_moved, moved = False, True
+        while moved:
+            moved = False
+            for rank, batches in enumerate(self.batches):
+                while self.pending[rank] < len(batches):
+                    batch = batches[self.pending[rank]]
+                    if batch.started is None:
+                        previous = batches[self.pending[rank] - 1].completed if self.pending[rank] else 0.0
+                        batch.started = max(batch.posted, previous)
+                        moved = True
+                    peers = [op.peer.batch.started for op in batch.ops if op.peer is not None]
+                    if len(peers) < len(batch.ops) or None in peers:
+                        break
+                    batch.completed = max([batch.started, *peers]) + self.transfer_time
+                    self.pending[rank] += 1
+                    moved = True
+            any_moved |= moved
+        return any_moved
 
 
 def _fmt(step: Step) -> str:
@@ -189,12 +242,17 @@ def _fmt(step: Step) -> str:
 
 
 def simulate_steps(
-    schedules: list[list[Step]], v: int, *, forward_time: float = 1.0, backward_time: float = 2.0
+    schedules: list[list[Step]], v: int, *, forward_time: float = 1.0, backward_time: float = 2.0,
+    transfer_time: float = 0.0,
 ) -> Timeline:
-    """Run the action lists of all p = len(schedules) ranks; raise ScheduleError on deadlock or inconsistency."""
-    if forward_time <= 0 or backward_time <= 0:
-        raise ValueError(f"forward and backward times must be positive, got {forward_time}, {backward_time}")
-    return _Simulator(schedules, v, forward_time, backward_time).run()
+    """Run the action lists of all p = len(schedules) ranks; raise ScheduleError on deadlock or inconsistency.
+
+    `transfer_time`: how long a batch takes once all its ops have met (0: the exact bubble of the
+    schedule; above 0: how much of the p2p latency the schedule hides behind computation)."""
+    if forward_time <= 0 or backward_time <= 0 or transfer_time < 0:
+        raise ValueError(f"forward and backward times must be positive and the transfer time non-negative, "
+                         f"got {forward_time}, {backward_time}, {transfer_time}")
+    return _Simulator(schedules, v, forward_time, backward_time, transfer_time).run()
 
 
 def simulate(
@@ -206,10 +264,12 @@ def simulate(
     group_size: int | None = None,
     forward_time: float = 1.0,
     backward_time: float = 2.0,
+    transfer_time: float = 0.0,
 ) -> Timeline:
     """Build every rank's schedule with `build_schedule` and simulate them together."""
     schedules = [build_schedule(p, v, m, r, kind=kind, group_size=group_size) for r in range(p)]
-    return simulate_steps(schedules, v, forward_time=forward_time, backward_time=backward_time)
+    return simulate_steps(schedules, v, forward_time=forward_time, backward_time=backward_time,
+                          transfer_time=transfer_time)
 
 
 def bubble_fraction(timeline: Timeline) -> list[float]:
