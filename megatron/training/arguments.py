@@ -9,8 +9,12 @@ import argparse
 
 import torch
 
+from megatron.data.config import DataConfig
+from megatron.data.tokenizers import build_tokenizer
 from megatron.training.checkpoint_args import add_checkpoint_arguments, checkpoint_config_from_args
 from megatron.training.config import ParallelConfig, RunConfig
+from megatron.training.data_args import add_data_arguments, data_config_from_args
+from megatron.training.eval_args import add_eval_arguments, eval_config_from_args
 from megatron.training.logging_args import add_logging_arguments, logging_config_from_args
 from megatron.training.megatron_compat import (
     add_no_op_arguments,
@@ -47,9 +51,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _data_flags(p):
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*")
+    p.add_argument_group("mock data").add_argument(
+        "--mock-data", action="store_true", help="synthetic sequences (with --vocab-size) instead of --data-path")
+    add_data_arguments(p)
+    add_eval_arguments(p)
 
 
 def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentParser:
@@ -66,18 +71,25 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
     return parser
 
 
-def _refuse_unbuilt(args) -> None:
-    """Flags whose feature has not been built yet are refused, never silently ignored."""
-    unbuilt = [
-        (bool(args.data_path), "--data-path: indexed datasets are not built yet; use --mock-data"),
-    ]
-    for condition, message in unbuilt:
-        if condition:
-            raise ArgumentError(message)
-    if not args.mock_data:
-        raise ArgumentError("no training data: pass --mock-data (with --vocab-size)")
-    if args.vocab_size is None or args.vocab_size < 2:
-        raise ArgumentError(f"--mock-data needs --vocab-size >= 2, got {args.vocab_size}")
+def _data_config(args) -> DataConfig | None:
+    """None for --mock-data; else the validated data flags. A real tokenizer sets the model's
+    vocabulary (--vocab-size is only for mock data and NullTokenizer)."""
+    if args.mock_data:
+        if args.data_path or args.train_data_path:
+            raise ArgumentError("give either --mock-data or --data-path/--train-data-path, not both")
+        if args.vocab_size is None or args.vocab_size < 2:
+            raise ArgumentError(f"--mock-data needs --vocab-size >= 2, got {args.vocab_size}")
+        return None
+    if not args.data_path and not args.train_data_path:
+        raise ArgumentError("no training data: pass --data-path with a tokenizer, or --mock-data with --vocab-size")
+    for flag, value in (("--reset-position-ids", args.reset_position_ids),
+                        ("--reset-attention-mask", args.reset_attention_mask)):
+        if value:
+            raise ArgumentError(f"{flag} is not supported yet (positions and attention run over whole samples); "
+                                "leave it out")
+    data = data_config_from_args(args)
+    args.vocab_size = build_tokenizer(**data.tokenizer_args()).vocab_size
+    return data
 
 
 def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str | None = None) -> RunConfig:
@@ -85,7 +97,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     refuse_out_of_scope(argv)
     argv, fusion_toggles = strip_fusion_toggles(argv)
     args = build_parser(defaults, prog).parse_args(argv)
-    _refuse_unbuilt(args)
+    data = _data_config(args)
     parallel = ParallelConfig.from_args(args, world_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     model = transformer_config_from_args(args, parallel, dtype)
@@ -98,4 +110,5 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     return RunConfig(model=model, optimizer=optimizer_config_from_args(args), parallel=parallel, training=training,
                      sequence_parallel_requested=args.sequence_parallel, checkpoint=checkpoint_config_from_args(args),
                      lr_schedule=schedule, decoupled_lr_schedule=decoupled_schedule_from_args(args, schedule),
-                     logging=logging_config_from_args(args), notes=notes)
+                     logging=logging_config_from_args(args), notes=notes, data=data,
+                     evaluation=eval_config_from_args(args))

@@ -7,6 +7,8 @@ from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.lr_schedule import LRSchedule
 from megatron.core.parallel_state import ParallelDims
+from megatron.data.config import DataConfig
+from megatron.training.eval_args import EvalConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
 from megatron.training.batch_schedule import BatchSizeSchedule
@@ -110,3 +112,5 @@ class RunConfig:
     decoupled_lr_schedule: LRSchedule | None = None  # embedding and output layer (--decoupled-lr)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     notes: list = field(default_factory=list)       # start-up lines about flags accepted without effect
+    data: DataConfig | None = None                  # None: --mock-data
+    evaluation: EvalConfig = field(default_factory=EvalConfig)

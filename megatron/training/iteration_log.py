@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,10 +54,12 @@ class IterationLog:
         self.wandb = WandbWriter(self.config.wandb_project, self.config.wandb_exp_name, wandb_dir,
                                  {"model": vars(run.model).copy(), "training": vars(run.training).copy()}, last)
         self.totals = IntervalTotals()
+        self.data_wait = 0.0
 
     def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
         """Account for one iteration; print and write scalars when a line is due (or `force`)."""
         self.totals.add(result.loss, elapsed, result.skipped, result.idle_fraction)
+        self.data_wait += result.data_wait
         first = iteration == self.first_iteration
         if not (first or force or iteration % self.config.log_interval == 0):
             return
@@ -78,12 +81,15 @@ class IterationLog:
             idle = [None] * self.world
             dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
             self.emit(f"  pipeline idle fraction per rank (measured time waiting on p2p / step time): {idle}")
+        wait = self.data_wait / totals.iterations
+        self.emit(f"  data loader wait (last rank): {wait * 1000.0:.1f} ms per iteration, "
+                  f"{wait / seconds:.1%} of the step")
         memory = memory_figures(trainer.device)
         if first:
             self.emit(memory_line(self.rank, iteration, memory))
         self._scalars(iteration, result, totals.loss, batch, seconds, memory, norm, zeros)
         if not first:
-            self.totals = IntervalTotals()
+            self.totals, self.data_wait = IntervalTotals(), 0.0
 
     def _scalars(self, iteration, result, loss, batch, seconds, memory, norm, zeros) -> None:
         config = self.config
@@ -95,6 +101,14 @@ class IterationLog:
             values.update({f"mem-{name.replace(' ', '-')}-MB": value for name, value in memory.items()})
         if config.log_world_size_to_tensorboard:
             values["world-size"] = self.world
+        self.tensorboard.scalars(iteration, values)
+        self.wandb.scalars(iteration, values)
+
+    def validation(self, iteration: int, loss: float) -> None:
+        """Validation loss (and perplexity with --log-validation-ppl-to-tensorboard) as scalars."""
+        values = {"lm loss validation": loss}
+        if self.config.log_validation_ppl_to_tensorboard:
+            values["lm loss validation ppl"] = math.exp(min(20.0, loss))
         self.tensorboard.scalars(iteration, values)
         self.wandb.scalars(iteration, values)
 

@@ -19,6 +19,7 @@ from megatron.training.initialize import (
     launch_environment,
     select_device,
 )
+from megatron.training.evaluation import evaluate, evaluation_lines
 from megatron.training.iteration_log import IterationLog
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
@@ -91,8 +92,10 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
         emit(f"> saved {save_checkpoint(run.checkpoint.save, iteration, trainer)}")
 
     control = RunControl(run.checkpoint, save, trainer.device)
+    validation = Validation(trainer, emit, log)
+    iteration = start_iteration
     try:
-        for iteration in range(start_iteration + 1, training.train_iters + 1):
+        for iteration in range(start_iteration + 1, (0 if run.evaluation.skip_train else training.train_iters) + 1):
             profiler.before(iteration)
             result, elapsed = timed_step(trainer, iteration)
             trace = profiler.after(iteration)
@@ -100,12 +103,43 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
                 print(f"> rank {dist.get_rank()}: profiler trace written to {trace}", flush=True)
             stop = control.after_iteration(iteration, training.train_iters)
             log.report(iteration, result, elapsed, force=iteration == training.train_iters or stop is not None)
+            if iteration % run.evaluation.interval == 0 and iteration != training.train_iters:
+                validation.run(iteration)
             if stop is not None:
                 emit(f"> exiting after iteration {iteration}: {stop}")
                 return
+        validation.at_end(iteration)
     finally:
         profiler.stop()
         log.close()
+
+
+class Validation:
+    """Validation passes of the training loop: every --eval-interval iterations, then after the
+    last one on the validation split and once on the test split, as Megatron does."""
+
+    def __init__(self, trainer: Trainer, emit, log):
+        self.trainer, self.emit, self.log = trainer, emit, log
+        self.passes = 0
+
+    def _report(self, where: str, split: str, index: int, iteration: int) -> None:
+        loss = evaluate(self.trainer, split, index)
+        for line in evaluation_lines(where, loss):
+            self.emit(line)
+        self.log.validation(iteration, loss)
+
+    def run(self, iteration: int) -> None:
+        if self.trainer.run.evaluation.iters and "valid" in self.trainer.loaders:
+            self._report(f"iteration {iteration}", "valid", self.passes, iteration)
+            self.passes += 1
+
+    def at_end(self, iteration: int) -> None:
+        if not self.trainer.run.evaluation.iters:
+            return
+        if "valid" in self.trainer.loaders:
+            self._report(f"iteration {iteration} on validation set", "valid", self.passes, iteration)
+        if "test" in self.trainer.loaders:
+            self._report(f"iteration {iteration} on test set", "test", 0, iteration)
 
 
 def _validate(argv, defaults, world_size: int, local_rank: int, prog):
@@ -153,7 +187,10 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
                 return 2
             for line in notes:
                 emit(line)
-        train(trainer, emit=emit, start_iteration=start_iteration)
+        try:
+            train(trainer, emit=emit, start_iteration=start_iteration)
+        finally:
+            trainer.close()
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()

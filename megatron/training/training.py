@@ -7,16 +7,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel.sharding import shard as cp_shard
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
+from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.sharding import initialize_parameters
-from megatron.data.batches import collate, microbatch_indices
-from megatron.data.mock import MockGPTDataset
+from megatron.training.batch_loader import BatchLoader
+from megatron.training.datasets import build_run_datasets
 
 
 @dataclass
@@ -27,6 +27,7 @@ class IterationResult:
     lr: float
     loss_scale: float
     idle_fraction: float
+    data_wait: float = 0.0  # seconds this rank waited for its batches
 
 
 class Trainer:
@@ -43,13 +44,37 @@ class Trainer:
             initialize_parameters(module, training.seed)
         self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group) for m in modules]
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh)
-        self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, training.seed)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
                                   p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
                                   group_size=parallel.microbatch_group_size)
         self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
         self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule
+        self.forward_only = ForwardOnlyExecutor(self.chunks, self.mesh, self._spec.p2p_shape, model_cfg.params_dtype,
+                                                training.num_microbatches)
+        self.datasets = dict(zip(("train", "valid", "test"), build_run_datasets(run)))
+        workers = run.data.num_workers if run.data is not None else 1
+        m = training.num_microbatches
+        self.loaders = {"train": BatchLoader(self.datasets["train"], device, self.mesh, training.micro_batch_size,
+                                             self._train_plan, workers)}
+        for split in ("valid", "test"):
+            if self.datasets[split] is not None:
+                self.loaders[split] = BatchLoader(self.datasets[split], device, self.mesh, training.micro_batch_size,
+                                                  lambda k: (k * training.global_batch_size, m), workers)
+
+    @property
+    def dataset(self):
+        return self.datasets["train"]
+
+    @dataset.setter
+    def dataset(self, dataset) -> None:
+        """Replace the training data (tests feed special masks this way)."""
+        self.datasets["train"] = self.loaders["train"].dataset = dataset
+
+    def _train_plan(self, iteration: int) -> tuple[int, int]:
+        """(samples consumed before `iteration`, its microbatches per dp rank)."""
+        consumed = self.run.training.batch_schedule.consumed_before(iteration)
+        return consumed, self.global_batch_size(iteration) // (self.run.training.micro_batch_size * self.mesh.dp_size)
 
     def global_batch_size(self, iteration: int) -> int:
         schedule = self.run.training.batch_schedule
@@ -57,7 +82,7 @@ class Trainer:
 
     def _executor(self, iteration: int) -> PipelineExecutor:
         """The executor for this iteration's number of microbatches (it changes while the batch grows)."""
-        m = self.global_batch_size(iteration) // (self.run.training.micro_batch_size * self.mesh.dp_size)
+        m = self._train_plan(iteration)[1]
         if m not in self._executors:
             self._executors[m] = PipelineExecutor(self.chunks, self.mesh, replace(self._spec, num_microbatches=m))
         return self._executors[m]
@@ -75,18 +100,11 @@ class Trainer:
         return run.lr_schedule(samples), decoupled(samples) if decoupled is not None else None
 
     def batch_fn(self, iteration: int):
-        training = self.run.training
-        consumed = training.batch_schedule.consumed_before(iteration)
+        return self.loaders["train"].batch_fn(iteration)
 
-        def batch(microbatch: int):
-            indices = microbatch_indices(consumed, microbatch, micro_batch_size=training.micro_batch_size,
-                                         dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
-            batch = collate([self.dataset[i] for i in indices], self.device)
-            if self.mesh.cp_size == 1:
-                return batch
-            return tuple(cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1) for t in batch)
-
-        return batch
+    def close(self) -> None:
+        for loader in self.loaders.values():
+            loader.close()
 
     def parameters_on_rank(self) -> int:
         return sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters())
@@ -112,7 +130,8 @@ class Trainer:
         loss, _, _, idle = self.forward_backward(iteration)
         result = self.optimizer.step()
         return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
-                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle)
+                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle,
+                               data_wait=self.loaders["train"].take_wait_seconds())
 
     def _global_token_mean(self, stats) -> tuple[float, float]:
         """(mean loss over the unmasked tokens of the global batch, factor that turns the

@@ -41,7 +41,7 @@ ERRORS = [
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      "must be a multiple of --num-layers-per-virtual-pipeline-stage (3)"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
-    (["--data-path", "x"], 1, "indexed datasets are not built yet"),
+    (["--data-path", "x"], 1, "give either --mock-data or --data-path/--train-data-path, not both"),
     (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--bf16", "--fp16"], 1, "mutually exclusive"),
