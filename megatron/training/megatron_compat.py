@@ -30,6 +30,7 @@ NO_OP_FLAGS = {
     "--grad-reduce-in-bf16": (False, "gradients are reduced in fp32 here (more precise, twice the bytes)"),
     "--no-create-attention-mask-in-dataloader": (False, "no mask is ever built: the kernels apply causality"),
     "--calculate-per-token-loss": (False, "the loss is always the mean over the global batch's unmasked tokens"),
+    "--no-mmap-bin-files": (False, "the .bin files are always memory-mapped (numpy.memmap)"),
     "--tiktoken-pattern": (True, "only used by --tokenizer-type TikTokenizer, which is not built here"),
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
@@ -76,8 +77,8 @@ def refuse_out_of_scope(argv: list[str]) -> None:
 
 def strip_fusion_toggles(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv without Megatron's --no-*-fusion switches, the switches found)."""
-    toggles = [t for t in argv if FUSION_TOGGLE.match(t)]
-    return [t for t in argv if not FUSION_TOGGLE.match(t)], toggles
+    toggles = [t for t in argv if FUSION_TOGGLE.match(t) and t not in NO_OP_FLAGS]
+    return [t for t in argv if t not in toggles], toggles
 
 
 def add_no_op_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

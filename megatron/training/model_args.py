@@ -5,9 +5,10 @@ import argparse
 
 from megatron.core.transformer.config import TransformerConfig
 
-# Megatron's --attention-backend choices onto our two paths (the start-up log says which one runs):
-# its fused kernels (flash, cuDNN "fused") -> our Triton flash kernel; "unfused"/"local" -> torch
-ATTENTION_BACKENDS = {"auto": "auto", "triton": "triton", "torch": "torch", "flash": "triton", "fused": "triton",
+# Megatron's --attention-backend choices onto our paths (the start-up log says which one runs): its
+# fused kernels (flash, cuDNN "fused") -> our flash kernel where it can run, the torch path elsewhere
+# (so a GPU script also starts on CPU); "unfused"/"local" -> torch. Our own "triton" forces the kernel.
+ATTENTION_BACKENDS = {"auto": "auto", "triton": "triton", "torch": "torch", "flash": "auto", "fused": "auto",
                       "unfused": "torch", "local": "torch"}
 
 
@@ -51,7 +52,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)
     g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
-                   help="flash/fused run our Triton flash kernel, unfused/local the torch path")
+                   help="flash/fused: our Triton flash kernel where it can run (as auto); unfused/local: torch")
     g.add_argument("--normalization-impl", choices=["auto", "triton", "torch"], default="auto")
     return parser
 
