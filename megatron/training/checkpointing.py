@@ -12,12 +12,16 @@ during a save leaves the previous checkpoint (and the tracker naming it) intact.
 A load first checks the metadata against the model flags, then every file's size
 and digest (ranks share the work), and refuses with one line naming the path.
 
+Optimizer state is canonical too (per parameter: Adam moments and, for bf16/fp16
+weights, fp32 master weights, at the parameter's global shape), so it reshards like
+the model; the step count, loss scaler and consumed samples are in metadata.json.
 RNG states (torch's generators per rank, each model chunk's dropout streams) are
 bound to the parallel layout: they are loaded only into the layout that saved them.
-Optimizer state enters through `optimizer_pieces` (issue 14, phase 2).
+Same layout, same flags: the resumed run repeats the uninterrupted one bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,11 +31,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import (
+    MOMENTS,
     CheckpointError,
     TensorPiece,
     digest_files,
     model_pieces,
+    optimizer_state_pieces,
     read_pieces,
+    state_name,
     verify_files,
     write_pieces,
 )
@@ -63,11 +70,24 @@ def layout_of(trainer) -> dict:
             "virtual_stages": trainer.run.parallel.virtual_stages}
 
 
-def optimizer_pieces(optimizer) -> list[TensorPiece]:
-    """Hook for issue 14, phase 2: the optimizer's state (from its `state_dict_by_name()`) as
-    canonical pieces, saved beside the model and filled in place on load. Until then a checkpoint
-    holds no optimizer state and a load needs --no-load-optim or --finetune."""
-    return []
+SAVED_MASTER = functools.partial(state_name, "master")  # bf16/fp16 weights: their fp32 copies
+MODEL_AS_MASTER = str  # fp32 weights saved: the model tensor itself is the master
+
+
+def optimizer_pieces(trainer, *, tied_copies: bool, master=None) -> list[TensorPiece]:
+    """The optimizer's per-parameter state as canonical pieces (see
+    megatron.core.checkpointing.optimizer_state), written beside the model and filled in place on
+    load. `master`: the checkpoint name of a parameter's master weights (None: left out)."""
+    sources = {key: functools.partial(state_name, key) for key in MOMENTS}
+    if master is not None:
+        sources["master"] = master
+    return optimizer_state_pieces(trainer.optimizer.state_dict_by_name(), dict(_named_parameters(trainer)), sources,
+                                  tied_copies=tied_copies)
+
+
+def _low_precision(trainer) -> bool:
+    """Whether the weights are bf16/fp16, so that their fp32 master weights are a separate state."""
+    return trainer.run.model.params_dtype != torch.float32
 
 
 # ---- RNG ---------------------------------------------------------------------------------------------
@@ -149,15 +169,23 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
 
 
 def save_checkpoint(root: str, iteration: int, trainer) -> str:
-    """Save model, RNG states and the iteration as `<root>/iter_NNNNNNN` (a collective: every rank
-    writes its own pieces). Returns the checkpoint's directory."""
-    optimizer = optimizer_pieces(trainer.optimizer)
-    pieces = (model_pieces(_named_parameters(trainer), tied_copies=False) + optimizer
+    """Save model, optimizer state, RNG states and the data position after `iteration` as
+    `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces). Returns the directory."""
+    trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
+    master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
+    pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
+              + optimizer_pieces(trainer, tied_copies=False, master=master)
               + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
-    metadata = {"consumed_samples": iteration * trainer.run.training.global_batch_size,
+    metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
                 "model": model_args(trainer.run.model), "layout": layout_of(trainer),
-                "contents": ["model", "rng"] + (["optimizer"] if optimizer else [])}
+                "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
+                "contents": ["model", "rng", "optimizer"]}
     return commit_checkpoint(root, iteration, pieces, metadata)
+
+
+def consumed_samples(run, iteration: int) -> int:
+    """Samples consumed by iterations 1..iteration (with a growing batch size, not iteration x G)."""
+    return run.training.batch_schedule.consumed_before(iteration + 1)
 
 
 # ---- load --------------------------------------------------------------------------------------------
@@ -211,6 +239,16 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> None:
                               "to start the optimizer fresh")
 
 
+def _check_data_position(info: CheckpointInfo, run) -> None:
+    """The data order is a function of the samples consumed: the flags' batch sizes must reach the
+    checkpoint's count at its iteration (they do unless the batch size or its ramp-up changed)."""
+    expected = consumed_samples(run, info.iteration)
+    if info.metadata["consumed_samples"] != expected:
+        raise CheckpointError(f"{info.directory}: {info.metadata['consumed_samples']} samples consumed by iteration "
+                              f"{info.iteration}, the flags' batch sizes give {expected} (--global-batch-size or "
+                              "--rampup-batch-size changed); resume with the saved batch sizes or use --finetune")
+
+
 def checkpoint_to_load(run) -> CheckpointInfo | None:
     """The checkpoint --load names, checked against the flags before any process group exists;
     None without --load or for an empty directory (a fresh start)."""
@@ -219,16 +257,21 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     info = find_checkpoint(run.checkpoint.load)
     if info is not None:
         check_compatible(info, run.model, run.checkpoint)
+        if not run.checkpoint.finetune:
+            _check_data_position(info, run)
     return info
 
 
-def _master_weights_from_model(optimizer) -> None:
-    """Until optimizer state is checkpointed (phase 2), fp32 master weights of low-precision
-    parameters restart from the loaded model weights (Megatron's `reload_model_params`); fp32
-    parameters are their own master weights."""
-    for shard in optimizer.shards:
-        if not shard.aliased:
-            shard.main.copy_(shard.model)
+def _load_optimizer(info: CheckpointInfo, trainer) -> None:
+    """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
+    saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
+    saved = info.metadata["optimizer"]
+    if saved["master_weights"]:
+        master = SAVED_MASTER
+    else:  # fp32 weights saved: they are the master weights (already loaded if this run is fp32 too)
+        master = MODEL_AS_MASTER if _low_precision(trainer) else None
+    read_pieces(optimizer_pieces(trainer, tied_copies=True, master=master), info.directory)
+    trainer.optimizer.load_scalar_state(saved)
 
 
 def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
@@ -236,8 +279,12 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     from, lines for the log). Files are verified before anything is read."""
     verify_files(info.directory, info.metadata["files"])
     read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
-    _master_weights_from_model(trainer.optimizer)
     notes = [f"> loaded {info.directory} (iteration {info.iteration})"]
+    if config.finetune or config.no_load_optim:
+        trainer.optimizer.reload_master_weights()
+        notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
+    else:
+        _load_optimizer(info, trainer)
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
     if config.no_load_rng:

@@ -3,11 +3,12 @@
 Weights are first set to layout-independent random values (every parameter, norms and
 biases included, drawn like an initialisation with another seed), so the expected
 weights of any layout are known exactly: a load must reproduce them bit for bit.
-Exact resume of training (optimizer state) is phase 2 of issue 14.
+Exact resume and resharding of the optimizer state: test_checkpoint_resume.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -180,15 +181,21 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
         handle.write("1")
     assert run_distributed(2, _load_error, root, [])[0] is None
     assert "no such directory" in _error(str(tmp_path / "missing"))
-    assert "holds no optimizer state; pass --no-load-optim" in run_distributed(
-        1, _load_error_without_flag, root)[0]
+    assert "8 samples consumed by iteration 1, the flags' batch sizes give 16" in _refusal(
+        root, ["--global-batch-size", "16"])
+    metadata = os.path.join(root, "iter_0000001", "metadata.json")
+    record = json.load(open(metadata))
+    record["contents"].remove("optimizer")  # as a converted model
+    json.dump(record, open(metadata, "w"))
+    assert "holds no optimizer state; pass --no-load-optim" in _refusal(root, [])
 
 
-def _load_error_without_flag(rank: int, root: str) -> str:
-    try:
-        checkpoint_to_load(_run("llama", ["--load", root]))
-    except CheckpointError as error:
-        return str(error)
+def _refusal(root: str, extra: list[str]) -> str:
+    """The one line refusing `root` before any process group exists."""
+    defaults, argv = model_flags("llama", ["--load", root] + extra)
+    with pytest.raises(CheckpointError) as error:
+        checkpoint_to_load(parse_run_config(argv, defaults, 1))
+    return str(error.value)
 
 
 def _signal_control(rank: int, root: str) -> tuple:
@@ -220,7 +227,7 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "exiting after iteration 3: --exit-interval 3 reached" in first.stdout
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
-    resumed = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--save", ckpt)
+    resumed = _pretrain("--train-iters", "4", "--load", ckpt, "--save", ckpt)
     assert resumed.returncode == 0, resumed.stderr
     assert "iteration        4/       4" in resumed.stdout and "iteration        3/" not in resumed.stdout
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"

@@ -26,6 +26,7 @@ pieces with equal name and offsets).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -57,14 +58,54 @@ class TensorPiece:
         return cls(name, shape, (0,) * len(shape), shape, tensor.dtype, lambda: tensor)
 
 
-def _clip(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int, int]]:
-    """(global start, global stop, local start) of each range cut at `limit`; empty ones dropped."""
-    clipped, local = [], 0
-    for start, stop in ranges:
-        if min(stop, limit) > start:
-            clipped.append((start, min(stop, limit), local))
+def _global_intervals(held: list[tuple[int, int]], limit: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(global start, global stop, offset from `lo`) of the local range [lo, hi) of a dimension of
+    which this rank holds the global ranges `held` (in local order), cut at `limit`; empty ones dropped."""
+    out, local = [], 0
+    for start, stop in held:
+        a, b = max(lo, local), min(hi, local + stop - start)
+        if b > a and start + a - local < limit:
+            out.append((start + a - local, min(start + b - local, limit), a - lo))
         local += stop - start
-    return clipped
+    return out
+
+
+def box_pieces(name: str, spec, offsets: tuple[int, ...], sizes: tuple[int, ...], data: torch.Tensor,
+               dtype: torch.dtype) -> list[TensorPiece]:
+    """Pieces of the canonical tensor `name` (shape from the InitSpec `spec`, see module doc) held by
+    the box (offsets, sizes) of this rank's local shard; `data` is that box's tensor (a view)."""
+    shape = list(spec.full_shape)
+    held = [[(0, size)] for size in shape]
+    if spec.shard is not None:
+        held[spec.shard.dim] = held_ranges(spec.shard, shape[spec.shard.dim])
+    if spec.valid_rows is not None:
+        shape[0] = spec.valid_rows  # vocabulary padding is not part of the canonical tensor
+    pieces = []
+    per_dim = (_global_intervals(h, size, lo, lo + n) for h, size, lo, n in zip(held, shape, offsets, sizes))
+    for boxes in itertools.product(*per_dim):
+        view = data[tuple(slice(rel, rel + stop - start) for start, stop, rel in boxes)]
+        pieces.append(TensorPiece(name, tuple(shape), tuple(start for start, _, _ in boxes),
+                                  tuple(stop - start for start, stop, _ in boxes), dtype, lambda view=view: view))
+    return pieces
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int, tuple, tuple]]:
+    """The elements [start, stop) of a row-major tensor of `shape`, as few boxes as rows allow: a
+    partial first row, a block of whole rows, a partial last row (recursively for more dimensions).
+    Each box is (flat start, offsets, sizes) and is contiguous in the flat order."""
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [(start, (start,) * len(shape), (stop - start,) * len(shape))]
+    inner = math.prod(shape[1:])
+    first = start // inner
+    if first == (stop - 1) // inner:  # within one row
+        return [(first * inner + flat, (first,) + offsets, (1,) + sizes)
+                for flat, offsets, sizes in flat_range_boxes(shape[1:], start - first * inner, stop - first * inner)]
+    head = [] if start % inner == 0 else flat_range_boxes(shape, start, (first + 1) * inner)
+    rows = range(-(-start // inner), stop // inner)
+    block = [(rows.start * inner, (rows.start,) + (0,) * (len(shape) - 1), (len(rows),) + tuple(shape[1:]))]
+    return head + (block if rows else []) + flat_range_boxes(shape, max(rows.stop * inner, start), stop)
 
 
 def parameter_pieces(name: str, param: torch.Tensor) -> list[TensorPiece]:
@@ -73,21 +114,8 @@ def parameter_pieces(name: str, param: torch.Tensor) -> list[TensorPiece]:
     The name is the parameter's own, or the `seed_name` of a tied copy (the tensor it equals).
     """
     spec = param.init_spec
-    shape = list(spec.full_shape)
-    ranges = [[(0, size)] for size in shape]
-    if spec.shard is not None:
-        ranges[spec.shard.dim] = held_ranges(spec.shard, shape[spec.shard.dim])
-    if spec.valid_rows is not None:
-        shape[0] = spec.valid_rows  # vocabulary padding is not part of the canonical tensor
-    data = param.detach()
-    pieces = []
-    for boxes in itertools.product(*(_clip(r, size) for r, size in zip(ranges, shape))):
-        offsets = tuple(start for start, _, _ in boxes)
-        sizes = tuple(stop - start for start, stop, _ in boxes)
-        view = data[tuple(slice(local, local + size) for (_, _, local), size in zip(boxes, sizes))]
-        pieces.append(TensorPiece(spec.seed_name or name, tuple(shape), offsets, sizes, param.dtype,
-                                  lambda view=view: view))
-    return pieces
+    return box_pieces(spec.seed_name or name, spec, (0,) * param.dim(), tuple(param.shape), param.detach(),
+                      param.dtype)
 
 
 def model_pieces(named_parameters: Iterable[tuple[str, torch.Tensor]], *, tied_copies: bool) -> list[TensorPiece]:

@@ -14,6 +14,12 @@ class ConstantGradScaler:
     def update(self, found_inf: bool) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: the flag (--loss-scale) fixes the scale."""
+
 
 class DynamicGradScaler:
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int,
@@ -38,3 +44,11 @@ class DynamicGradScaler:
                 self._good_steps = 0
                 self._hysteresis_left = self.hysteresis
                 self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        """Megatron's names: the scale and the two counters (checkpointed for exact resume)."""
+        return {"scale": self.scale, "growth_tracker": self._good_steps, "hysteresis_tracker": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps, self._hysteresis_left = state["growth_tracker"], state["hysteresis_tracker"]

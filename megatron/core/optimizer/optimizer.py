@@ -13,10 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from megatron.core.optimizer.adamw import ShardedAdamW
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.grad_preparation import clip_grads, global_grad_norm, unscale_and_check
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.offload import HostMemory, OffloadedSteps
+from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
 from megatron.core.optimizer.param_sync import ParamSync
 from megatron.core.optimizer.shards import build_shards
 
@@ -43,12 +47,21 @@ class MixedPrecisionOptimizer:
     def __init__(self, chunks: list, config: OptimizerConfig, mesh):
         self.config = config
         buffers = [chunk.buffer for chunk in chunks]
-        self.shards = build_shards(buffers, mesh)
+        order, offload = forward_order(buffers), config.offload
+        device = buffers[0].param_data.device if buffers else torch.device("cpu")
+        host = HostMemory(pin=device.type == "cuda") if offload.enabled else None
+        numels = [bucket.param_shard.numel() for b in buffers for bucket in b.buckets]
+        # auto starts with everything on host and brings back what fits after measuring
+        fraction = 1.0 if offload.policy == "auto" else offload.fraction
+        offloaded = static_offloaded(order, numels, fraction) if offload.enabled else frozenset()
+        self.shards = build_shards(buffers, mesh, host, offloaded)
         sharded = any(b.layout.shards > 1 for b in buffers)
         self.replicas = 1 if sharded else mesh.dp_size * mesh.cp_size
         self.adam = ShardedAdamW(self.shards, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.param_sync = ParamSync(self.shards, chunks)
+                                 eps=config.adam_eps, weight_decay=config.weight_decay, host_memory=host)
+        if offload.enabled:
+            self.adam.offload = OffloadedSteps(self.adam, order, device, offload.cpu_threads)
+        self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
 
     @property
@@ -69,6 +82,8 @@ class MixedPrecisionOptimizer:
         [(start, numel, {"master", "exp_avg", "exp_avg_sq": fp32 views})], the pieces of the
         flattened local (tp-shard) parameter held here (a parameter may straddle two ranks'
         shards: one piece on each), plus "step": the number of steps taken."""
+        if self.adam.offload is not None:
+            self.adam.offload.wait_all()  # host state is final once its CPU steps are done
         out: dict = {"step": self.adam.step_count}
         for shard, exp_avg, exp_avg_sq in zip(self.shards, self.adam.exp_avg, self.adam.exp_avg_sq):
             for piece in shard.pieces:
@@ -77,8 +92,30 @@ class MixedPrecisionOptimizer:
                 out.setdefault(piece.name, []).append((piece.param_start, piece.numel, views))
         return out
 
+    def scalar_state(self) -> dict:
+        """The state that is not per parameter, equal on every rank: the step count (bias
+        correction, learning-rate schedule) and the loss scaler's state (None without fp16)."""
+        return {"step": self.adam.step_count,
+                "loss_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+    def load_scalar_state(self, state: dict) -> None:
+        """Restore `scalar_state()`; a loss scaler saved by another precision is ignored."""
+        self.adam.step_count = state["step"]
+        if self.grad_scaler is not None and state["loss_scaler"] is not None:
+            self.grad_scaler.load_state_dict(state["loss_scaler"])
+
+    @torch.no_grad()
+    def reload_master_weights(self) -> None:
+        """Restart the fp32 master weights of low-precision parameters from the model weights
+        (Megatron's `reload_model_params`: after loading a model without its optimizer state);
+        fp32 parameters are their own master weights."""
+        for shard in self.shards:
+            if not shard.aliased:
+                shard.main.copy_(shard.model)
+
     def step(self) -> StepResult:
         """Skipped (no state changed on any rank) when any rank's shard saw inf/nan."""
+        self.param_sync.finish()  # the previous step has landed everywhere (offloaded chunks included)
         grads = [shard.grad for shard in self.shards]
         scale = self.loss_scale
         if self.grad_scaler is not None:

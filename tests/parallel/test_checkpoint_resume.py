@@ -1,0 +1,101 @@
+"""Exact resume and resharding with optimizer state.
+
+Resume: a run stopped after iteration 3, saved, loaded by a fresh trainer and run to 6 gives,
+bit for bit, the losses and grad norms of iterations 4-6 of the uninterrupted run (same layout;
+bf16 and fp16 with a growing loss scale, distributed optimizer, dropout on).
+Reshard: what TP2 x PP2 (2 virtual stages) saved after 3 iterations continues in other layouts
+(TP1 x PP4, TP4, DP4 with the distributed optimizer, CP2) as the one-rank continuation does.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import parse_run_config
+from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.training import Trainer
+from tests.distributed import run_distributed
+from tests.parallel.layouts import model_flags
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+FP16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "2"]  # the scale grows while it runs
+DIST_OPT = ["--use-distributed-optimizer"]
+RESUME_CASES = {
+    2: [("llama", ["--bf16"] + DIST_OPT),
+        ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + FP16 + DROPOUT),
+        ("gpt", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"]
+         + DROPOUT)],
+    4: [("llama", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1"] + FP16 + DIST_OPT),
+        ("gpt", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
+                 "--overlap-param-gather"] + DIST_OPT + DROPOUT)],
+}
+SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--num-layers-per-virtual-pipeline-stage", "1"]
+RESHARDED = {4: [["--pipeline-model-parallel-size", "4"], ["--tensor-model-parallel-size", "4"],
+                 ["--use-distributed-optimizer"]],
+             2: [["--context-parallel-size", "2"]],
+             1: [[]]}
+
+
+def _run(model: str, extra: list[str]):
+    defaults, argv = model_flags(model, ["--train-iters", "6"] + extra)
+    return parse_run_config(argv, defaults, dist.get_world_size())
+
+
+def _steps(trainer: Trainer, first: int, last: int) -> list[tuple[float, float | None]]:
+    results = [trainer.train_step(i) for i in range(first, last + 1)]
+    return [(r.loss, r.grad_norm) for r in results]
+
+
+def _resumed(model: str, flags: list[str], root: str) -> list:
+    run = _run(model, flags + ["--load", root])
+    trainer = Trainer(run, torch.device("cpu"))
+    iteration, _ = load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
+    return _steps(trainer, iteration + 1, 6)
+
+
+def _resume_cases(rank: int, root: str, cases: list) -> list:
+    out = []
+    for index, (model, flags) in enumerate(cases):
+        straight = _steps(Trainer(_run(model, flags), torch.device("cpu")), 1, 6)
+        stopped = Trainer(_run(model, flags), torch.device("cpu"))
+        _steps(stopped, 1, 3)
+        save_checkpoint(os.path.join(root, str(index)), 3, stopped)
+        out.append((straight[3:], _resumed(model, flags, os.path.join(root, str(index)))))
+    return out
+
+
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
+    for world, cases in RESUME_CASES.items():
+        results = run_distributed(world, _resume_cases, str(tmp_path / str(world)), cases)
+        for rank_results in results:
+            for (model, flags), (straight, resumed) in zip(cases, rank_results):
+                assert straight == resumed, (model, flags, straight, resumed)
+                assert any(norm is not None for _, norm in resumed), (model, flags)
+
+
+def _save_and_continue(rank: int, root: str, layouts: list) -> list:
+    """Save TP2 x PP2 after 3 iterations (4 ranks), then continue in each of `layouts`."""
+    trainer = Trainer(_run("llama", SAVED_LAYOUT), torch.device("cpu"))
+    _steps(trainer, 1, 3)
+    save_checkpoint(root, 3, trainer)
+    return [_resumed("llama", layout, root) for layout in layouts]
+
+
+def _continue(rank: int, root: str, layouts: list) -> list:
+    return [_resumed("llama", layout, root) for layout in layouts]
+
+
+def test_optimizer_state_reshards_into_any_layout(tmp_path):
+    root = str(tmp_path)
+    resumed = {4: run_distributed(4, _save_and_continue, root, RESHARDED[4])[0]}
+    for world in (2, 1):
+        resumed[world] = run_distributed(world, _continue, root, RESHARDED[world])[0]
+    reference = torch.tensor(resumed[1][0], dtype=torch.float64)
+    for world in (4, 2):
+        for layout, steps in zip(RESHARDED[world], resumed[world]):
+            torch.testing.assert_close(torch.tensor(steps, dtype=torch.float64), reference, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{layout}: {m}")
