@@ -6,6 +6,7 @@ a config; this module composes them, holds the GPT/Llama defaults and validates 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -30,6 +31,7 @@ from megatron.training.optimizer_args import (
     lr_schedule_from_args,
     optimizer_config_from_args,
 )
+from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
 from megatron.training.parallel_args import add_parallel_arguments
 from megatron.training.training_args import add_training_arguments, training_config_from_args
 
@@ -64,6 +66,7 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
     add_training_arguments(parser)
     _data_flags(parser)
     add_optimizer_arguments(parser)
+    add_offload_arguments(parser)
     add_logging_arguments(parser)
     add_checkpoint_arguments(parser)
     add_no_op_arguments(parser)
@@ -107,7 +110,8 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     notes = no_op_notes(args, fusion_toggles)
     if args.lr is None:
         notes.insert(0, f"> note: --lr not given: using {DEFAULT_LR} (Megatron has no default learning rate)")
-    return RunConfig(model=model, optimizer=optimizer_config_from_args(args), parallel=parallel, training=training,
+    optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
+    return RunConfig(model=model, optimizer=optimizer, parallel=parallel, training=training,
                      sequence_parallel_requested=args.sequence_parallel, checkpoint=checkpoint_config_from_args(args),
                      lr_schedule=schedule, decoupled_lr_schedule=decoupled_schedule_from_args(args, schedule),
                      logging=logging_config_from_args(args), notes=notes, data=data,

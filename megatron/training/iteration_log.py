@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer.grad_preparation import global_grad_norm
 from megatron.training.flops import flops_per_iteration
+from megatron.training.offload_run import offload_line
 from megatron.training.log import (
     IntervalTotals,
     TensorBoardWriter,
@@ -27,8 +28,11 @@ from megatron.training.log import (
 
 
 def params_norm(optimizer) -> float:
-    """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm)."""
-    return global_grad_norm([v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas)
+    """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm).
+    Offloaded masters are read once their CPU step is done, on the device the norm is reduced on."""
+    optimizer.finish_param_sync()
+    return global_grad_norm([v.to(s.grad.device) for s in optimizer.shards for v in s.views(s.main, s.counted)],
+                            optimizer.replicas)
 
 
 def num_zeros_in_grad(optimizer) -> int:
@@ -55,6 +59,7 @@ class IterationLog:
                                  {"model": vars(run.model).copy(), "training": vars(run.training).copy()}, last)
         self.totals = IntervalTotals()
         self.data_wait = 0.0
+        self._auto_logged = False
 
     def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
         """Account for one iteration; print and write scalars when a line is due (or `force`)."""
@@ -81,6 +86,8 @@ class IterationLog:
             idle = [None] * self.world
             dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
             self.emit(f"  pipeline idle fraction per rank (measured time waiting on p2p / step time): {idle}")
+        if optimizer.adam.offload is not None:
+            self._offload_lines()
         wait = self.data_wait / totals.iterations
         self.emit(f"  data loader wait (last rank): {wait * 1000.0:.1f} ms per iteration, "
                   f"{wait / seconds:.1%} of the step")
@@ -90,6 +97,13 @@ class IterationLog:
         self._scalars(iteration, result, totals.loss, batch, seconds, memory, norm, zeros)
         if not first:
             self.totals, self.data_wait = IntervalTotals(), 0.0
+
+    def _offload_lines(self) -> None:
+        auto = self.trainer.auto_offload
+        if auto is not None and auto.decision is not None and not self._auto_logged:
+            self._auto_logged = True
+            self.emit(auto.decision.describe())
+        self.emit(offload_line(self.trainer.optimizer) + " (last rank)")
 
     def _scalars(self, iteration, result, loss, batch, seconds, memory, norm, zeros) -> None:
         config = self.config

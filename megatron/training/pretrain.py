@@ -11,6 +11,7 @@ from megatron.training.arguments import parse_run_config
 from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
+from megatron.training.offload_run import check_offload_budget
 from megatron.training.profiling import IterationProfiler
 from megatron.training.initialize import (
     check_torch_version,
@@ -150,6 +151,7 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     device = select_device(local_rank)
     backend = choose_backend(run.parallel.backend, device)
     paths = kernel_paths(run.model, device)
+    check_offload_budget(run, device)
     memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
+from megatron.training.offload_run import AutoOffload
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Trainer:
             initialize_parameters(module, training.seed)
         self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group) for m in modules]
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh)
+        offload = run.optimizer.offload
+        self.auto_offload = AutoOffload(self) if offload.enabled and offload.policy == "auto" else None
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
                                   p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
@@ -127,8 +130,13 @@ class Trainer:
     def train_step(self, iteration: int) -> IterationResult:
         """One iteration. Like Megatron's log, the result carries the learning rate and loss scale
         as they stand after the update (the values the next iteration uses)."""
+        auto = self.auto_offload if self.auto_offload is not None and self.auto_offload.decision is None else None
+        if auto is not None:
+            auto.before_first_iteration()
         loss, _, _, idle = self.forward_backward(iteration)
         result = self.optimizer.step()
+        if auto is not None:
+            auto.after_first_iteration()
         return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
                                lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle,
                                data_wait=self.loaders["train"].take_wait_seconds())

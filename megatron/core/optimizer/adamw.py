@@ -6,7 +6,9 @@ host, stepped by a CPU AdamW) can change per shard without touching the other tw
 the optimizer. The arithmetic is torch.optim.AdamW's single-tensor path, element for element
 (decoupled weight decay first, applied only to the shard ranges whose parameters take it).
 With `decoupled_lr` set, the embedding and output layer ranges step with that learning rate
-(Megatron's --decoupled-lr).
+(Megatron's --decoupled-lr). Offloaded shards (`shard.offloaded`) get their moments from
+`host_memory` and are stepped by `offload` (offload.OffloadedSteps), started first so that the
+CPU works while the device steps the rest.
 """
 from __future__ import annotations
 
@@ -16,13 +18,19 @@ import torch
 
 
 class ShardedAdamW:
-    def __init__(self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    def __init__(self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 host_memory=None):
         self.shards = shards
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.decoupled_lr = None  # learning rate of each shard's `decoupled` ranges (embedding, output layer)
         self.step_count = 0
-        self.exp_avg = [torch.zeros_like(s.main) for s in shards]
-        self.exp_avg_sq = [torch.zeros_like(s.main) for s in shards]
+        self.offload = None  # offload.OffloadedSteps when some shards are offloaded
+
+        def zeros(shard):
+            return host_memory.zeros(shard.main.numel()) if shard.offloaded else torch.zeros_like(shard.main)
+
+        self.exp_avg = [zeros(s) for s in shards]
+        self.exp_avg_sq = [zeros(s) for s in shards]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors that exist only for the optimizer: master copies (not the fp32 weights
@@ -37,7 +45,11 @@ class ShardedAdamW:
         step_size = self.lr / (1 - beta1 ** self.step_count)
         decoupled_step_size = (self.decoupled_lr or 0.0) / (1 - beta1 ** self.step_count)
         bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        if self.offload is not None:
+            self.offload.start()
         for shard, exp_avg, exp_avg_sq in zip(self.shards, self.exp_avg, self.exp_avg_sq):
+            if shard.offloaded:
+                continue
             decoupled = shard.decoupled if self.decoupled_lr is not None else []
             decayed = shard.views(shard.main, [r for r in shard.decay if r not in decoupled])
             if decayed and self.weight_decay:

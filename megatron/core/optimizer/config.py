@@ -2,7 +2,29 @@
 `lr_schedule.LRSchedule`; `lr` here is only the value the optimizer starts with)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+OFFLOAD_POLICIES = ("static", "auto")
+
+
+@dataclass
+class OffloadConfig:
+    """The offload optimizer (see offload.py): `fraction` of the shard's elements on host with the
+    static policy; `cpu_threads` None: the default (cpu_adam.default_cpu_threads on CUDA, the
+    process's threads where host = device)."""
+
+    enabled: bool = False
+    fraction: float = 1.0
+    policy: str = "static"
+    cpu_threads: int | None = None
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {self.fraction}")
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"--offload-policy must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.policy!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-optimizer-threads must be >= 1, got {self.cpu_threads}")
 
 
 @dataclass
@@ -21,6 +43,7 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self):
         if self.fp16 and self.bf16:

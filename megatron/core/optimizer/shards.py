@@ -6,7 +6,8 @@ buffers, the fp32 master weights (a view of the parameter buffer when the weight
 else a copy), and per-parameter `ShardPiece`s (name -> shard slice and offset within the
 flattened parameter) from which weight decay, the norm's counting and, later, checkpoints
 by name are derived. State (Adam moments) is attached by the optimizer's middle part, which
-may place each shard's state wherever it likes.
+may place each shard's state wherever it likes: an offloaded shard (`host_grad` set) keeps its
+master weights in host memory and receives its gradient there (see `offload.py`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ class FlatShard:
     decay: list              # (start, end) ranges that take weight decay
     counted: list            # (start, end) ranges that count in the global grad norm
     decoupled: list = ()     # (start, end) ranges of the embedding / output layer (--decoupled-lr)
+    host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy (master is on host too)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.host_grad is not None
 
     @property
     def aliased(self) -> bool:
@@ -55,18 +61,23 @@ class FlatShard:
         return [tensor[start:end] for start, end in ranges]
 
 
-def build_shards(buffers: list, mesh) -> list[FlatShard]:
-    """One FlatShard per bucket of each ParamAndGradBuffer, in buffer order."""
+def build_shards(buffers: list, mesh, host_memory=None, offloaded=frozenset()) -> list[FlatShard]:
+    """One FlatShard per bucket of each ParamAndGradBuffer, in buffer order. Shards whose index is
+    in `offloaded` get their master weights and gradient copy from `host_memory` (offload.HostMemory),
+    never on the device, not even for a moment."""
     shards = []
     for buffer in buffers:
         for index, bucket in enumerate(buffer.buckets):
             pieces = buffer.layout.pieces(index, buffer.shard_rank)
             model = bucket.param_shard
-            main = model if model.dtype == torch.float32 else model.detach().float()
+            host = len(shards) in offloaded
+            main = (host_memory.copy_of(model) if host else
+                    model if model.dtype == torch.float32 else model.detach().float())
             ranges = [(p.shard_start, p.shard_end) for p in pieces]
             shards.append(FlatShard(
                 main=main, grad=bucket.grad_shard, model=model, pieces=pieces,
                 decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
                 counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)],
-                decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)]))
+                decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)],
+                host_grad=host_memory.empty(model.numel()) if host else None))
     return shards
