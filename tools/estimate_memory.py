@@ -7,10 +7,10 @@
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
 
 Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
-(--model-family picks whose defaults) plus --num-gpus (the world size), and
-accepts --use-distributed-optimizer and --context-parallel-size, which the
-trainer does not have yet. Prints one row per pipeline rank (weights, grads,
-optimizer, activations, transients, certain, total, % of device), or --json.
+(--model-family picks whose defaults; --context-parallel-size,
+--use-distributed-optimizer, --ddp-bucket-size and --decoder-first/last-pipeline-num-layers
+included) plus --num-gpus (the world size). Prints one row per pipeline rank (weights,
+grads, optimizer, activations, transients, certain, total, % of device), or --json.
 
 Exit status follows the start-up check: 1 when it would refuse the run (the
 certain part of a rank -- weights, grads, optimizer, saved activations --
@@ -51,8 +51,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         args, run = parse_tool_command_line(parser, argv)
-        layout = layout_from_run(run, args.device_type, cp=args.context_parallel_size,
-                                 distributed_optimizer=args.use_distributed_optimizer)
+        layout = layout_from_run(run, args.device_type)
         estimate = estimate_memory(run.model, layout)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -64,9 +63,6 @@ def main(argv: list[str]) -> int:
     else:
         for line in format_table(estimate, device_bytes):
             print(line)
-        if args.use_distributed_optimizer or args.context_parallel_size > 1:
-            print("> note: the distributed optimizer and context parallelism are estimated only; "
-                  "the trainer does not run them yet")
         print(_verdict(estimate, device_bytes))
     return 1 if estimate.would_refuse(device_bytes) else 0
 
@@ -84,8 +80,6 @@ def _verdict(estimate, device_bytes: int | None) -> str:
         return (f"> may not fit: {share}, above the {DEFAULT_THRESHOLD:.0%} below which no run of Fujii et al. "
                 f"ran out of memory; the start-up check warns")
     return f"> fits: {share} (threshold {DEFAULT_THRESHOLD:.0%})"
-
-
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
         --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 \\
         --seq-length 4096 --vocab-size 32000 --global-batch-size 1024 --bf16
 
-Enumerates (tp, cp, pp, virtual stages, dp, micro batch, recomputation) for the
-given GPUs and global batch, drops layouts whose worst-rank memory estimate is
+Enumerates (tp, cp, pp, virtual stages, dp, micro batch, recomputation, replicated or
+distributed optimizer) for the given GPUs and global batch, drops layouts whose worst-rank memory estimate is
 above 80% of device memory (Fujii et al.'s margin: a recommendation keeps it;
 the start-up check refuses only what certainly cannot fit, and the summary says
 how many dropped layouts it would still start), ranks the rest by
@@ -14,11 +14,12 @@ an analytic step time (megatron/core/memory/step_time.py: compute, tp/cp/dp
 communication, our pipeline schedule's bubble) and prints the top ones.
 
 Flags of pretrain_*.py that fix part of the layout restrict the search and may
-list several values: --tensor-model-parallel-size 2 4, --pipeline-model-parallel-size,
---num-virtual-stages-per-pipeline-rank, --micro-batch-size, --recompute-granularity
-{none,selective,full}. Sequence parallelism is always on with tp > 1. Context
-parallelism is not built in the trainer: only cp = 1 is planned unless
---context-parallel-size is given.
+list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
+--pipeline-model-parallel-size, --num-virtual-stages-per-pipeline-rank,
+--micro-batch-size, --recompute-granularity {none,selective,full};
+--use-distributed-optimizer plans only the distributed optimizer (default: both).
+Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
+into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 
 Exit status: 0 when some layout fits, 1 when none does, 2 on invalid input.
 """
@@ -45,6 +46,9 @@ def _parser():
     parser = tool_parser(PROG, "Rank the parallel layouts that fit in memory")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to print")
     parser.add_argument("--tensor-model-parallel-size", type=int, nargs="+", dest="tps")
+    parser.add_argument("--context-parallel-size", type=int, nargs="+", dest="cps")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="plan only the distributed optimizer (default: replicated and distributed)")
     parser.add_argument("--pipeline-model-parallel-size", type=int, nargs="+", dest="pps")
     parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, nargs="+", dest="vpps")
     parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
@@ -64,7 +68,8 @@ def _parser():
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
     return (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
-            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} {est.max_total_bytes / GIB:9.2f} "
+            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
+            f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
             f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}%")
 
 
@@ -78,16 +83,17 @@ def main(argv: list[str]) -> int:
         args, rest = parser.parse_known_args(argv)
         if not any(t == "--global-batch-size" or t.startswith("--global-batch-size=") for t in rest):
             raise ArgumentError("--global-batch-size is required: the planner keeps it fixed across layouts")
-        if args.num_gpus < 1 or args.top < 1 or min(args.mbs) < 1:
-            raise ArgumentError("--num-gpus, --top and --micro-batch-size must be >= 1")
+        if args.num_gpus < 1 or args.top < 1 or min(args.mbs) < 1 or min(args.cps or [1]) < 1:
+            raise ArgumentError("--num-gpus, --top, --micro-batch-size and --context-parallel-size must be >= 1")
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device_bytes = device_memory_bytes(device, args.device_memory_gb)
         if device_bytes is None:
             raise ArgumentError("no device memory known: pass --device-memory-gb")
-        search = Search(tps=tuple(args.tps) if args.tps else None, cps=(args.context_parallel_size,),
+        search = Search(tps=tuple(args.tps) if args.tps else None, cps=tuple(args.cps) if args.cps else None,
                         pps=tuple(args.pps) if args.pps else None, micro_batch_sizes=tuple(args.mbs),
-                        recompute=tuple(args.recompute), distributed_optimizer=args.use_distributed_optimizer,
+                        recompute=tuple(args.recompute),
+                        distributed_optimizer=(True,) if args.use_distributed_optimizer else (False, True),
                         device_type=args.device_type, virtual_stages=tuple(args.vpps) if args.vpps else None)
         hw = Hardware(peak_tflops=args.peak_tflops, matmul_efficiency=args.matmul_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
@@ -101,7 +107,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps([{"tp": c.layout.tp, "cp": c.layout.cp, "pp": c.layout.pp,
                            "virtual_stages": c.layout.virtual_stages, "dp": c.layout.dp,
                            "micro_batch_size": c.layout.micro_batch_size, "num_microbatches": c.layout.num_microbatches,
-                           "recompute": c.recompute, "max_certain_bytes": c.estimate.max_certain_bytes,
+                           "recompute": c.recompute, "distributed_optimizer": c.layout.distributed_optimizer,
+                           "max_certain_bytes": c.estimate.max_certain_bytes,
                            "max_total_bytes": c.estimate.max_total_bytes,
                            "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
                           for c in fitting[: args.top]], indent=2))
@@ -110,13 +117,10 @@ def main(argv: list[str]) -> int:
           f"{run.training.global_batch_size}; {rejected} above {DEFAULT_THRESHOLD:.0%} of "
           f"{device_bytes / GIB:.2f} GiB dropped ({startable} of them would still start: their certain part "
           f"fits); {len(fitting)} fit")
-    if args.context_parallel_size == 1:
-        print("> context parallelism is not built in the trainer yet: only cp=1 planned "
-              "(--context-parallel-size N plans cp=N, memory and time estimated only)")
     if not fitting:
-        print("> no layout fits: add GPUs, lower --seq-length, or use --use-distributed-optimizer (estimate only)")
+        print("> no layout fits: add GPUs or lower --seq-length")
         return 1
-    print("rank  tp  cp  pp vpp   dp  mbs     m  recompute  peak GiB  %dev    step ms  bubble")
+    print("rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble")
     for rank, candidate in enumerate(fitting[: args.top], start=1):
         print(_row(rank, candidate, device_bytes))
     print("> step times are an analytic model for ranking (see megatron/core/memory/step_time.py), not predictions")

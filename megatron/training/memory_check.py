@@ -7,9 +7,7 @@
   skip the check; warn, naming the unmeasured allowances, when only the full
   estimate does. A check that refuses a job that would run is worse than none;
 - `parse_tool_command_line`: the tools' command line: the same model / parallel /
-  batch flags as pretrain_*.py (parsed by `parse_run_config`) plus the tools' own,
-  accepting features the trainer does not have yet (distributed optimizer, cp > 1)
-  so that their memory can be estimated.
+  batch flags as pretrain_*.py (parsed by `parse_run_config`) plus the tools' own.
 """
 from __future__ import annotations
 
@@ -26,12 +24,17 @@ FAMILIES = {"gpt": GPT_DEFAULTS, "llama": LLAMA_DEFAULTS}
 COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "certain", "total")
 
 
-def layout_from_run(run, device_type: str, *, cp: int | None = None,
-                    distributed_optimizer: bool = False) -> MemoryLayout:
+def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None = None) -> MemoryLayout:
+    """The layout `run` trains with; `distributed_optimizer` overrides its --use-distributed-optimizer
+    (None: keep it), to compare the two optimizers on one run."""
     par, training = run.parallel, run.training
-    return MemoryLayout(tp=par.tp, cp=cp or par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
+    ddp = par.ddp
+    sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    return MemoryLayout(tp=par.tp, cp=par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
                         microbatch_group_size=par.microbatch_group_size, micro_batch_size=training.micro_batch_size,
-                        num_microbatches=training.num_microbatches, distributed_optimizer=distributed_optimizer,
+                        num_microbatches=training.num_microbatches, distributed_optimizer=sharded,
+                        bucket_size=ddp.bucket_size, first_stage_layers=par.first_stage_layers,
+                        last_stage_layers=par.last_stage_layers, grad_dtype_bytes=ddp.grad_dtype.itemsize,
                         device_type=device_type)
 
 
@@ -135,10 +138,6 @@ def tool_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--device-memory-gb", type=float, help="device memory in GiB (default: this CUDA device's)")
     parser.add_argument("--device-type", choices=["cuda", "cpu"], default="cuda",
                         help="device the run will use: decides the attention/norm/dropout kernels (default cuda)")
-    parser.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="shard optimizer state over dp x cp (estimate only: not built in the trainer yet)")
-    parser.add_argument("--context-parallel-size", type=int, default=1,
-                        help="context-parallel size (estimate only: not built in the trainer yet)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -173,13 +172,8 @@ def run_config_for_tool(rest: list[str], family: str, world_size: int, prog: str
 
 
 def parse_tool_command_line(parser: argparse.ArgumentParser, argv: list[str]):
-    """(tool args, RunConfig) for estimate_memory.py; cp is taken out of the world size
-    before parse_run_config (which refuses cp > 1) so dp comes out right."""
+    """(tool args, RunConfig) for estimate_memory.py."""
     args, rest = parser.parse_known_args(argv)
-    cp = args.context_parallel_size
-    if cp < 1 or args.num_gpus % cp:
-        raise ArgumentError(f"--num-gpus ({args.num_gpus}) must be a multiple of --context-parallel-size ({cp})")
     if args.device_memory_gb is not None and args.device_memory_gb <= 0:
         raise ArgumentError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
-    run = run_config_for_tool(rest, args.model_family, args.num_gpus // cp, parser.prog)
-    return args, run
+    return args, run_config_for_tool(rest, args.model_family, args.num_gpus, parser.prog)

@@ -10,6 +10,7 @@ import torch
 
 from megatron.core.memory import MemoryLayout
 from megatron.core.memory.activations import ActivationModel, Ledger, recompute_groups
+from megatron.core.memory.inflight import peaks
 from megatron.core.memory.kernels import resolve_kernels
 from megatron.core.memory.parameters import ModelChunk
 from megatron.core.transformer.config import TransformerConfig
@@ -164,3 +165,24 @@ def test_first_and_last_stage_extras():
     assert first - middle == B * S * 8
     assert last["softmax"] == S * B * 128256 * 4
     assert last["loss_mask"] == B * S * 4
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_under_cp(cp):
+    """cp > 1, on any device or backend: the ring attention saves q, k, v as given (rotated q and k, v a
+    view of the QKV output) plus its own output and the fp32 lse of the local s/cp tokens; the
+    projection input is a copy. Against torch SDPA flash: the same plus one output, at s/cp."""
+    ring = dataclasses.replace(LLAMA, context_parallel_size=cp, attention_backend="torch")
+    assert resolve_kernels(ring, "cuda").attention == "ring" == resolve_kernels(ring, "cpu").attention
+    local = dataclasses.replace(LLAMA, seq_length=S // cp, attention_backend="torch")
+    assert layer_bytes(ring, cp=cp) == layer_bytes(local) + 2 * S // cp * B * A * D
+
+
+def test_positions_buffer_counts_once_per_rank():
+    """Learned positions: the embedding saves a view of the model's positions buffer [s] (int64), the
+    same storage for every microbatch, so it counts once however many microbatches are in flight."""
+    lay = MemoryLayout(micro_batch_size=B)
+    chunk = ActivationModel(GPT, lay, resolve_kernels(GPT, "cuda")).chunk(ModelChunk(0, (0,), True, False))
+    assert chunk.shared_bytes == 1024 * 8 and "positions" not in chunk.items
+    assert peaks(frozenset({((3,), 0)}), [chunk.bytes], 0, [chunk.shared_bytes]).activations_bytes == (
+        3 * chunk.bytes + chunk.shared_bytes)

@@ -100,7 +100,8 @@ def test_exit_1_when_refused(capsys):
 
 def _llama31_estimate(layout_flags):
     args, run = parse_tool_command_line(tool_parser("test", ""), LLAMA31_8B + layout_flags)
-    layout = layout_from_run(run, "cuda", distributed_optimizer=args.use_distributed_optimizer)
+    layout = layout_from_run(run, "cuda")
+    assert layout.distributed_optimizer
     return estimate_memory(run.model, layout), int(args.device_memory_gb * GIB)
 
 
@@ -139,7 +140,8 @@ def test_without_device_memory_it_only_reports(capsys):
     (["--num-gpus", "3", "--tensor-model-parallel-size", "2"] + TINY, "world size 3 is not divisible"),
     (["--num-gpus", "2", "--tensor-model-parallel-size", "2", "--num-query-groups", "3",
       "--group-query-attention"] + TINY, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--num-gpus", "2", "--context-parallel-size", "3"] + TINY, "multiple of --context-parallel-size"),
+    (["--num-gpus", "2", "--context-parallel-size", "3"] + TINY, "world size 2 is not divisible"),
+    (["--num-gpus", "2", "--context-parallel-size", "2"] + TINY, "not supported with --context-parallel-size 2"),
     (["--num-gpus", "2", "--device-memory-gb", "-1"] + TINY, "--device-memory-gb must be > 0"),
     (["--num-gpus", "2", "--model-family", "bert"] + TINY, "invalid choice: 'bert'"),
 ])
@@ -164,7 +166,7 @@ def test_planner_prints_ranked_layouts(capsys):
         "--global-batch-size", "16"]
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
-    assert "only cp=1 planned" in out and "rank  tp  cp  pp" in out
+    assert "rank  tp  cp  pp" in out and "dist-opt" in out
     rows = [line for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert 1 <= len(rows) <= 10
 
@@ -199,3 +201,20 @@ def test_check_memory_passes_and_reports():
     lines = check_memory(run, torch.device("cpu"), 80.0, skip=False)
     assert lines[-1].startswith("> memory check: estimated peak") and "0% of device memory" in lines[-1]
     assert check_memory(run, torch.device("cpu"), None, skip=False)[-1].endswith("not checked")
+
+
+def test_start_up_table_follows_the_run():
+    """The layout comes from the run's own flags: cp, the distributed optimizer and its buckets,
+    an uneven pipeline split."""
+    run = _run(TINY[:1] + ["4"] + TINY[2:] + ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                              "--decoder-first-pipeline-num-layers", "1", "--use-distributed-optimizer",
+                                              "--ddp-bucket-size", "1000"], world=8)
+    layout = layout_from_run(run, "cpu")
+    assert (layout.cp, layout.dp, layout.distributed_optimizer, layout.bucket_size) == (2, 2, True, 1000)
+    assert (layout.first_stage_layers, layout.last_stage_layers) == (1, None)
+    assert "distributed optimizer" in check_memory(run, torch.device("cpu"), None, skip=False)[0]
+    sharded = estimate_memory(run.model, layout)
+    replicated = estimate_memory(run.model, layout_from_run(run, "cpu", distributed_optimizer=False))
+    for s, r in zip(sharded.ranks, replicated.ranks):
+        assert r.optimizer_bytes / 4 <= s.optimizer_bytes < r.optimizer_bytes / 4 + 12 * 64 * 8
+    assert sharded.ranks[0].parameters < sharded.ranks[1].parameters  # 1 layer + embedding vs 3 layers + head

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.memory import MemoryLayout, estimate_memory
-from megatron.core.memory.parameters import numel, rank_chunks, rank_shapes, total_parameters
+from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed import run_distributed
@@ -50,40 +50,46 @@ def test_pipeline_ranks_sum_to_total_plus_tied_copy():
         assert sum(per_rank) == total_parameters(config) + tied_copy
 
 
-def _model_counts(rank, cases):
-    """On meta tensors: sum(p.numel()) of the chunks our own code builds for each (config, pp, v)."""
+def _model_numels(rank, cases):
+    """On meta tensors: p.numel() in named_parameters() order of the chunks our own code builds
+    for each (config, pp, v, first, last)."""
     from megatron.core.models.stages import stage_layer_ids
 
     tp = dist.get_world_size()
     out = []
-    for config, pp, v in cases:
+    for config, pp, v, first, last in cases:
         config = dataclasses.replace(config, tensor_model_parallel_size=tp)
-        counts = []
+        ranks = []
         for pp_rank in range(pp):
-            total = 0
-            for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, pp, v, pp_rank)):
+            chunks = []
+            for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, pp, v, pp_rank, first, last)):
                 model = GPTModel(config, tp_group=dist.group.WORLD, rng_tracker=None, layer_ids=layer_ids,
                                  pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == v - 1,
                                  device="meta")
-                total += sum(p.numel() for p in model.parameters())
-            counts.append(total)
-        out.append(counts)
+                chunks.append([p.numel() for p in model.parameters()])
+            ranks.append(chunks)
+        out.append(ranks)
     return out
 
 
-CASES = [(LLAMA2_7B, 1, 1), (LLAMA3_8B, 2, 2), (GPT_SMALL, 1, 1), (GPT_SMALL, 2, 2), (LLAMA_SMALL, 4, 1)]
+QWEN_SMALL = dataclasses.replace(LLAMA_SMALL, add_qkv_bias=True, qk_layernorm=True)
+CASES = [(LLAMA2_7B, 1, 1, None, None), (LLAMA3_8B, 2, 2, None, None), (GPT_SMALL, 1, 1, None, None),
+         (GPT_SMALL, 2, 2, None, None), (LLAMA_SMALL, 4, 1, None, None), (QWEN_SMALL, 2, 1, 1, None),
+         (GPT_SMALL, 3, 1, None, 2)]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_counts_equal_our_model_on_every_rank(tp):
-    built = run_distributed(tp, _model_counts, CASES)
-    for config, pp, v in CASES:
-        index = CASES.index((config, pp, v))
-        layout = MemoryLayout(tp=tp, pp=pp, virtual_stages=v)
+def test_shapes_equal_our_model_on_every_rank(tp):
+    """Every parameter, in named_parameters() order (the buffers' bucket layout depends on it),
+    also with --add-qkv-bias, --qk-layernorm and uneven pipeline splits."""
+    built = run_distributed(tp, _model_numels, CASES)
+    for index, (config, pp, v, first, last) in enumerate(CASES):
+        layout = MemoryLayout(tp=tp, pp=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last)
         config = dataclasses.replace(config, tensor_model_parallel_size=tp)
-        estimated = [sum(numel(s) for s in rank_shapes(config, layout, r)) for r in range(pp)]
-        for rank_counts in built:  # every tp rank holds the same count
-            assert rank_counts[index] == estimated, (config.num_layers, pp, v, tp)
+        estimated = [[[numel(s) for s in chunk_shapes(config, tp, c)] for c in rank_chunks(config, layout, r)]
+                     for r in range(pp)]
+        for rank_numels in built:  # every tp rank holds the same shapes
+            assert rank_numels[index] == estimated, (config.num_layers, pp, v, tp)
 
 
 def test_chunks_follow_stage_layout():
@@ -93,3 +99,5 @@ def test_chunks_follow_stage_layout():
     assert [(c.pre_process, c.post_process) for c in chunks] == [(False, False), (False, True)]
     with pytest.raises(ValueError, match="divisible"):
         rank_chunks(GPT_SMALL, MemoryLayout(pp=3), 0)
+    uneven = MemoryLayout(pp=3, first_stage_layers=2)
+    assert [[c.layer_ids for c in rank_chunks(GPT_SMALL, uneven, r)] for r in range(3)] == [[(0, 1)], [(2,)], [(3,)]]

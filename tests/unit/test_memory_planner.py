@@ -53,9 +53,19 @@ def test_enumeration_is_valid_and_complete():
         assert config.sequence_parallel == (layout.tp > 1)
         assert 32 % (layout.micro_batch_size * layout.dp) == 0
         assert config.num_layers % layout.stages == 0
-    shapes = {(lay.tp, lay.pp, lay.virtual_stages) for _, lay, _ in layouts}
-    assert {(1, 1, 1), (8, 1, 1), (2, 4, 2), (1, 8, 1)} <= shapes
-    assert all(lay.cp == 1 for _, lay, _ in layouts)
+        assert config.context_parallel_size == layout.cp
+        assert config.seq_length % (2 * layout.cp * layout.tp) == 0
+    shapes = {(lay.tp, lay.cp, lay.pp, lay.virtual_stages) for _, lay, _ in layouts}
+    assert {(1, 1, 1, 1), (8, 1, 1, 1), (2, 1, 4, 2), (1, 1, 8, 1), (1, 8, 1, 1), (2, 2, 2, 1)} <= shapes
+    assert {lay.distributed_optimizer for _, lay, _ in layouts} == {False, True}
+
+
+def test_cp_only_where_the_sequence_splits_and_without_attention_dropout():
+    search = Search(tps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(False,))
+    short = dataclasses.replace(MODEL, seq_length=12)  # 2 x cp chunks: cp 1, 2, 3, 6 divide; 4 does not
+    assert sorted(lay.cp for _, lay, _ in enumerate_layouts(short, 12, 12, search, Hardware())) == [1, 2, 3, 6]
+    dropout = dataclasses.replace(MODEL, attention_dropout=0.1)
+    assert {lay.cp for _, lay, _ in enumerate_layouts(dropout, 8, 8, search, Hardware())} == {1}
 
 
 def test_plan_drops_what_does_not_fit_and_sorts_by_time():
@@ -71,7 +81,8 @@ def test_plan_drops_what_does_not_fit_and_sorts_by_time():
 def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
     """Above 80% of the full estimate a layout is dropped from the recommendations, but the
     start-up check starts it while its certain part fits."""
-    search = Search(tps=(8,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",))
+    search = Search(tps=(8,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",),
+                    distributed_optimizer=(False,))
     (candidate,), _, _ = plan(MODEL, 8, 8, 64 * GIB, search=search)
     estimate = candidate.estimate
     between = (estimate.max_certain_bytes + estimate.max_total_bytes) // 2
@@ -81,7 +92,9 @@ def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
 
 
 def test_search_restrictions():
-    search = Search(tps=(2,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",))
+    search = Search(tps=(2,), cps=(1,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",),
+                    distributed_optimizer=(True,))
     layouts = list(enumerate_layouts(MODEL, 8, 32, search, Hardware()))
-    assert {(lay.tp, lay.pp, lay.dp, name) for _, lay, name in layouts} == {(2, 2, 2, "none")}
+    assert {(lay.tp, lay.pp, lay.dp, lay.distributed_optimizer, name) for _, lay, name in layouts} == {
+        (2, 2, 2, True, "none")}
     assert {lay.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}

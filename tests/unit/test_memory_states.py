@@ -1,12 +1,13 @@
-"""Weights, gradients and optimizer bytes per parameter, exact to our DDP buffer and optimizer."""
+"""Weights, gradients and optimizer bytes, exact to our flat buffers (bucket padding) and ShardedAdamW."""
 import dataclasses
 
 import pytest
 import torch
 
+from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
 from megatron.core.memory import MemoryLayout
-from megatron.core.memory.model_states import model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import numel
+from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
+from megatron.core.memory.parameters import ModelChunk, chunk_shapes, numel
 from megatron.core.transformer.config import TransformerConfig
 
 CONFIG = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
@@ -14,14 +15,20 @@ SHAPES = [(256, 64), (64,), (1024, 64), (64, 256)]
 N = sum(numel(s) for s in SHAPES)
 
 
-def states(dtype, **layout):
-    return model_states(dataclasses.replace(CONFIG, params_dtype=dtype), MemoryLayout(**layout), SHAPES)
+def buffer(shards=1, bucket_size=10**8):
+    return BufferLayout([(str(i), numel(s), False) for i, s in enumerate(SHAPES)], bucket_size, shards, SHARD_ALIGN)
+
+
+def states(dtype, shards=1, bucket_size=10**8, **layout):
+    config = dataclasses.replace(CONFIG, params_dtype=dtype)
+    return model_states(config, MemoryLayout(**layout), [buffer(shards, bucket_size)])
 
 
 def test_fp32_weights_are_their_own_master():
-    """fp32: 4 (weights) + 4 (fp32 main_grad) + 8 (Adam m, v); no master copy."""
-    s = states(torch.float32)
-    assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (4 * N, 4 * N, 8 * N)
+    """fp32: 4 (weights) + 4 (fp32 main_grad) + 8 (Adam m, v); no master copy, no per-tensor step count."""
+    for device_type in ("cpu", "cuda"):
+        s = states(torch.float32, device_type=device_type)
+        assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (4 * N, 4 * N, 8 * N)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -31,22 +38,33 @@ def test_half_weights_have_fp32_master(dtype):
     assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (2 * N, 4 * N, 12 * N)
 
 
-def test_adam_step_counters_count_on_cpu_only():
-    """AdamW keeps a 4-byte `step` tensor per parameter tensor on the parameters' device only on CPU."""
-    cpu = states(torch.float32, device_type="cpu")
-    assert cpu.optimizer_bytes == 8 * N + 4 * len(SHAPES)
-
-
 @pytest.mark.parametrize("d", [1, 2, 4, 8, 64])
-def test_distributed_optimizer_is_6_plus_12_over_d(d):
-    s = states(torch.bfloat16, dp=d, distributed_optimizer=True)
-    assert N % d == 0
-    assert s.device_bytes / N == pytest.approx(6 + 12 / d, rel=0, abs=1e-12)
+def test_distributed_optimizer_is_6_plus_12_over_d_plus_padding(d):
+    """One bucket padded to a multiple of d x 64 elements: buffers hold the padding, each rank 1/d of it."""
+    padded = -(-N // (d * SHARD_ALIGN)) * d * SHARD_ALIGN
+    s = states(torch.bfloat16, shards=d)
+    assert (s.parameters, s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (N, 2 * padded, 4 * padded,
+                                                                                 12 * padded // d)
+    if N % (d * SHARD_ALIGN) == 0:
+        assert s.device_bytes / N == pytest.approx(6 + 12 / d, rel=0, abs=1e-12)
 
 
-def test_distributed_optimizer_shards_over_dp_times_cp():
-    s = states(torch.bfloat16, dp=2, cp=2, distributed_optimizer=True)
-    assert s.optimizer_bytes == 12 * N // 4
+def test_every_bucket_is_padded():
+    """A bucket closes after the parameter that brings it to bucket_size elements; each one is padded."""
+    s = states(torch.float32, shards=3, bucket_size=20_000)
+    sizes = [256 * 64 + 64 + 1024 * 64, 64 * 256]
+    padded = sum(-(-n // (3 * SHARD_ALIGN)) * 3 * SHARD_ALIGN for n in sizes)
+    assert (s.weights_bytes, s.optimizer_bytes) == (4 * padded, 8 * padded // 3)
+
+
+def test_chunk_buffer_follows_the_run():
+    """dp x cp shards with the distributed optimizer; the tied embedding of a first stage in its own bucket."""
+    first = ModelChunk(0, (0,), True, False)
+    layout = MemoryLayout(dp=2, cp=2, pp=2, distributed_optimizer=True, bucket_size=10**8)
+    built = chunk_buffer(CONFIG, layout, first)
+    assert built.shards == 4 and len(built.buckets) == 2
+    assert built.buckets[-1].numel == -(-numel(chunk_shapes(CONFIG, 1, first)[0]) // 256) * 256
+    assert len(chunk_buffer(CONFIG, MemoryLayout(dp=2), ModelChunk(0, (0, 1), True, True)).buckets) == 1
 
 
 def test_offload_moves_optimizer_to_host():
@@ -56,13 +74,11 @@ def test_offload_moves_optimizer_to_host():
 
 
 def test_optimizer_step_temporaries():
-    """CUDA (foreach AdamW): sqrt(v) of the larger param group at once; CPU: two fp32 temporaries of the
-    largest tensor; distributed optimizer: the local shard."""
-    decay = sum(numel(s) for s in SHAPES if len(s) >= 2)
-    assert optimizer_step_temporary(CONFIG, MemoryLayout(device_type="cuda"), SHAPES) == 4 * decay
-    assert optimizer_step_temporary(CONFIG, MemoryLayout(device_type="cpu"), SHAPES) == 2 * 4 * 1024 * 64
-    sharded = MemoryLayout(dp=4, distributed_optimizer=True)
-    assert optimizer_step_temporary(CONFIG, sharded, SHAPES) == 4 * N // 4
+    """ShardedAdamW steps shard by shard on every device: two fp32 tensors of the largest shard."""
+    assert optimizer_step_temporary([buffer()]) == 2 * 4 * N
+    assert optimizer_step_temporary([buffer(bucket_size=20_000)]) == 2 * 4 * (256 * 64 + 64 + 1024 * 64)
+    padded = -(-N // (4 * SHARD_ALIGN)) * 4 * SHARD_ALIGN
+    assert optimizer_step_temporary([buffer(shards=4)]) == 2 * 4 * padded // 4
 
 
 def test_layout_validation():
@@ -74,3 +90,5 @@ def test_layout_validation():
         MemoryLayout(offload_optimizer_fraction=1.5)
     with pytest.raises(ValueError, match="device_type"):
         MemoryLayout(device_type="tpu")
+    with pytest.raises(ValueError, match="bucket_size"):
+        MemoryLayout(bucket_size=0)

@@ -3,9 +3,11 @@
 
     python tools/bench/estimator_accuracy.py
 
-Layouts: DP, TP, TP+SP, PP, interleaved PP, full and selective recomputation, fp32 and
-bf16; GPT with dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path),
-and, when the Triton interpreter is available, our Triton attention and norm kernels.
+Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
+selective recomputation, the distributed optimizer (several padded buckets, an embedding
+tied across stages), fp32 and bf16; GPT with dropout (SDPA math path on CPU), Llama
+without (SDPA's CPU flash path), and, when the Triton interpreter is available, our
+Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters; gradients: the flat
@@ -56,6 +58,10 @@ FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "unifor
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 BF16 = ["--bf16"]
+CP2, DISTOPT = ["--context-parallel-size", "2"], ["--use-distributed-optimizer"]
+BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets per chunk, each padded to dp x cp x 64 elements
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]  # pp2: 1 layer on the first rank, 3 on the last
+NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no dropout
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
@@ -63,9 +69,13 @@ LAYOUTS = {
     2: [("dp2", "gpt", []), ("dp2-bf16", "llama", BF16), ("tp2", "gpt", TP2), ("tp2-sp", "llama", TP2 + SP),
         ("tp2-sp-selective", "gpt", TP2 + SP + SELECTIVE), ("pp2-vpp2", "llama", PP2 + VPP2),
         ("pp2-vpp2-full-uniform", "gpt", PP2 + VPP2 + FULL_UNIFORM),
-        ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16)],
+        ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16), ("pp2-uneven-1-3", "llama", PP2 + UNEVEN),
+        ("dp2-distopt", "gpt", DISTOPT), ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
+        ("cp2", "llama", CP2)],
     4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
-        ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16)],
+        ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
+        ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
+        ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT)],
 }
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 

@@ -15,8 +15,9 @@ choices documented in megatron/core/memory/kernels.py. Sizes per microbatch
 - QKV output [s, b, (a + 2g) d / t]; attention per `KernelChoice.attention`;
   output-projection input [s, b, a d / t]; MLP: fc1 output, (SwiGLU: silu output),
   fc2 input; hidden dropout saves a mask of the residual's size;
-- first stage: token ids (int64), position ids, embedding dropout mask; the chunk
-  input (embedding output, or the p2p-received tensor, which the executor holds
+- first stage: token ids (int64), embedding dropout mask, and the model's positions
+  buffer (int64 [s], learned positions only), one storage shared by every microbatch
+  and so counted once per rank (`shared_bytes`); the chunk input (embedding output, or the p2p-received tensor, which the executor holds
   until the chunk's backward whether or not a layer saves it);
 - last stage: final norm, output-layer input, the vocab-parallel cross entropy's
   fp32 softmax [s, b, V/t], targets (int64) and mask (bool), and the executor's
@@ -84,7 +85,8 @@ class Dims:
 
 @dataclass
 class ModelChunkActivations:
-    bytes: int
+    bytes: int                    # one microbatch
+    shared_bytes: int             # storages every microbatch of the chunk saves (counted once while any is alive)
     recompute_working_bytes: int  # one recomputed group (or core attention) re-materialised in backward
     items: dict = field(default_factory=dict)
 
@@ -161,6 +163,11 @@ class ActivationModel:
                 inner.save(f"{i}.{name}_contiguous", sb * d.groups * d.d * d.p)
             inner.save(f"{i}.kernel_out", sb * d.heads * d.d * d.p)
             inner.save(f"{i}.lse", n * d.s * FP32)
+        elif k.attention == "ring":  # q, k, v as given (views), its output and the fp32 log-sum-exp
+            for tag, nbytes in (q, kk, qkv):
+                inner.save(tag, nbytes)
+            inner.save(f"{i}.kernel_out", sb * d.heads * d.d * d.p)
+            inner.save(f"{i}.lse", n * d.s * FP32)
         elif k.attention in ("flash", "efficient"):
             for tag, nbytes in (q, kk, qkv):
                 inner.save(tag, nbytes)
@@ -198,15 +205,15 @@ class ActivationModel:
         self._dropout(led, f"{i}.drop2")
         return f"{i}.out", core
 
-    def embedding(self, led: Ledger) -> str:
+    def embedding(self, led: Ledger, shared: Ledger) -> str:
         d = self.dims
         if d.tp == 1:
             led.save("ids", d.b * d.s * INT64)
         else:  # vocab-parallel lookup saves the shifted, masked ids and the out-of-range mask
             led.save("ids_local", d.s * d.b * INT64)
             led.save("ids_outside", d.s * d.b * BOOL)
-        if self.config.position_embedding_type == "learned_absolute":
-            led.save("positions", d.s_res * INT64)
+        if self.config.position_embedding_type == "learned_absolute":  # a view of the positions buffer
+            shared.save("positions", d.s * INT64)
         self._dropout(led, "embedding.dropout")
         return "chunk_input"
 
@@ -220,9 +227,9 @@ class ActivationModel:
 
     # ------------------------------------------------------------------ a chunk
     def chunk(self, chunk: ModelChunk) -> ModelChunkActivations:
-        led = Ledger()
+        led, shared = Ledger(), Ledger()
         if chunk.pre_process:
-            x = self.embedding(led)
+            x = self.embedding(led, shared)
         else:
             x = "chunk_input"
             led.save(x, self.dims.residual_bytes)
@@ -243,4 +250,5 @@ class ActivationModel:
                 working = max(working, core)
         if chunk.post_process:
             self.head(led, x)
-        return ModelChunkActivations(bytes=led.total, recompute_working_bytes=working, items=dict(led.saved))
+        return ModelChunkActivations(bytes=led.total, shared_bytes=shared.total, recompute_working_bytes=working,
+                                     items=dict(led.saved))

@@ -24,12 +24,13 @@ from megatron.core.memory.activations import ActivationModel
 from megatron.core.memory.inflight import rank_in_flight
 from megatron.core.memory.kernels import KernelChoice, resolve_kernels
 from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.model_states import model_states, optimizer_step_temporary
+from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
 from megatron.core.memory.parameters import chunk_shapes, rank_chunks, total_parameters
 from megatron.core.memory.transients import (
     Allowances,
     Transients,
     after_backward_temporary,
+    cp_attention_bytes,
     estimate_transients,
     largest_temporary,
 )
@@ -144,25 +145,28 @@ def estimate_rank(config, layout: MemoryLayout, model: ActivationModel, allowanc
                   pp_rank: int) -> RankEstimate:
     chunks = rank_chunks(config, layout, pp_rank)
     shapes = [s for c in chunks for s in chunk_shapes(config, layout.tp, c)]
-    states = model_states(config, layout, shapes)
+    buffers = [chunk_buffer(config, layout, c) for c in chunks]
+    states = model_states(config, layout, buffers)
     activations = [model.chunk(c) for c in chunks]
     dims = model.dims
-    inflight = rank_in_flight(layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes)
+    inflight = rank_in_flight(layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes,
+                              [a.shared_bytes for a in activations])
     tied = not config.untie_embeddings_and_output_weights
     largest = largest_temporary(
         dims, config, shapes, has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_working_bytes for a in activations))
-    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes, largest=largest,
-                                     activations=inflight.activations_bytes)
+    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes,
+                                     cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
+                                     largest=largest, activations=inflight.activations_bytes)
     has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
-    after = after_backward_temporary(dims, layout, optimizer_step_temporary(config, layout, shapes), has_copy)
+    after = after_backward_temporary(dims, layout, optimizer_step_temporary(buffers), has_copy)
     return RankEstimate(
         pp_rank=pp_rank, parameters=states.parameters, weights_bytes=states.weights_bytes,
         grads_bytes=states.grads_bytes, optimizer_bytes=states.optimizer_bytes,
         activations_bytes=inflight.activations_bytes, transients_bytes=transients.total,
         after_backward_bytes=after, host_bytes=states.host_bytes, peak_microbatches=inflight.peak_microbatches,
-        chunk_activation_bytes=tuple(a.bytes for a in activations), transients=transients)
+        chunk_activation_bytes=tuple(a.bytes + a.shared_bytes for a in activations), transients=transients)
 
 
 def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",
@@ -171,9 +175,9 @@ def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",
     if config.tensor_model_parallel_size != layout.tp:
         raise ValueError(f"the model config is split for tp={config.tensor_model_parallel_size} "
                          f"but the layout has tp={layout.tp}")
-    if config.seq_length % (layout.cp * (layout.tp if config.sequence_parallel else 1)):
-        raise ValueError(f"--seq-length ({config.seq_length}) must be divisible by context-parallel size "
-                         f"x tensor-parallel size under sequence parallelism")
+    if config.context_parallel_size != layout.cp:
+        raise ValueError(f"the model config is split for cp={config.context_parallel_size} "
+                         f"but the layout has cp={layout.cp}")
     kernels = resolve_kernels(config, layout.device_type, attention)
     model = ActivationModel(config, layout, kernels)
     allowances = allowances or Allowances.default(layout.device_type)

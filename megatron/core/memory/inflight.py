@@ -79,9 +79,12 @@ def profiles(steps, v: int, first_chunk: int | None, last_chunk: int | None) -> 
     return frozenset(seen)
 
 
-def peaks(states: frozenset, chunk_bytes: list[int], p2p_bytes: int) -> InFlight:
-    """`chunk_bytes[c]`: saved bytes of one microbatch on local chunk c."""
-    act = [sum(n * b for n, b in zip(counts, chunk_bytes)) for counts, _ in states]
+def peaks(states: frozenset, chunk_bytes: list[int], p2p_bytes: int,
+          shared_bytes: list[int] | None = None) -> InFlight:
+    """`chunk_bytes[c]`: saved bytes of one microbatch on local chunk c; `shared_bytes[c]`: bytes
+    that every microbatch of chunk c saves in one storage (alive while any of them is)."""
+    shared = shared_bytes or [0] * len(chunk_bytes)
+    act = [sum(n * b + (s if n else 0) for n, b, s in zip(counts, chunk_bytes, shared)) for counts, _ in states]
     return InFlight(activations_bytes=max(act, default=0),
                     peak_with_p2p_bytes=max((a + buffers * p2p_bytes for a, (_, buffers) in zip(act, states)),
                                             default=0),
@@ -105,7 +108,8 @@ def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) ->
     return profiles(steps, v, 0 if rank == 0 else None, v - 1 if rank == p - 1 else None)
 
 
-def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int) -> InFlight:
+def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int,
+                   shared_bytes: list[int]) -> InFlight:
     states = rank_profiles(layout.pp, layout.virtual_stages, layout.num_microbatches, pp_rank,
                            layout.microbatch_group_size)
-    return peaks(states, chunk_bytes, p2p_bytes)
+    return peaks(states, chunk_bytes, p2p_bytes, shared_bytes)

@@ -7,6 +7,11 @@ path saves was read from the code and, for CPU, verified with
 on a GPU yet.
 
 attention (megatron/core/transformer/attention.py `core_attention`)
+  * "ring": context parallelism (cp > 1, whatever the backend:
+    megatron/core/context_parallel/ring_attention.py, p2p or all-gather): saves q, k, v
+    as given (views of the rotated q / k and of the QKV output), its output (a new
+    [b, s, heads, d] tensor in the input dtype) and the fp32 log-sum-exp [b, heads, s],
+    never a received K/V block; the projection input is a copy of the transposed output.
   * "triton": our flash-attention kernel (no dropout; CUDA fp16/bf16, head dims 32/64/128,
     or the CPU interpreter with --attention-backend triton). Its wrapper saves contiguous
     [b, s, heads, d] copies of q, k and v, the output and the fp32 log-sum-exp
@@ -40,12 +45,12 @@ import torch
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
 
-ATTENTION_IMPLS = ("auto", "triton", "flash", "efficient", "math")
+ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str             # "triton" | "flash" | "efficient" | "math"
+    attention: str             # "ring" | "triton" | "flash" | "efficient" | "math"
     attention_math_bytes: int  # element size the math path computes in
     norm: str                  # "triton" | "torch"
     torch_rms_norm: str        # what F.rms_norm runs: "composite" (CPU) | "fused" (CUDA)
@@ -66,6 +71,8 @@ def _triton_runs(impl: str, device_type: str) -> bool:
 
 def _auto_attention(config, device_type: str) -> str:
     dtype, d = config.params_dtype, config.kv_channels
+    if config.context_parallel_size > 1:
+        return "ring"
     if (config.attention_dropout == 0.0 and _triton_runs(config.attention_backend, device_type)
             and attention_unsupported(d, dtype, device_type) is None):
         return "triton"

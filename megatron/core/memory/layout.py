@@ -18,10 +18,13 @@ class MemoryLayout:
     `num_microbatches` is per data-parallel rank per iteration
     (global batch / (micro batch x dp)). `grad_dtype_bytes` is the element size of
     the DDP gradient buffer (`main_grad`; fp32 in our trainer whatever the weights).
-    `distributed_optimizer` shards optimizer state over dp x cp (estimate only: not
-    built in the trainer yet). `offload_optimizer_fraction` is the hook for the
-    offload optimizer (not built): the share of optimizer state kept in host memory
-    instead of on the device; 0 until that optimizer exists.
+    `distributed_optimizer` shards optimizer state over dp x cp, in buckets of
+    `bucket_size` elements (None: the trainer's default for dp x cp ranks), because
+    each bucket is padded before it is split (megatron/core/distributed/bucket_layout.py).
+    `first_stage_layers` / `last_stage_layers`: an uneven pipeline split
+    (--decoder-first/last-pipeline-num-layers). `offload_optimizer_fraction` is the
+    hook for the offload optimizer (not built): the share of optimizer state kept in
+    host memory instead of on the device; 0 until that optimizer exists.
     """
 
     tp: int = 1
@@ -33,6 +36,9 @@ class MemoryLayout:
     micro_batch_size: int = 1
     num_microbatches: int = 1
     distributed_optimizer: bool = False
+    bucket_size: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     offload_optimizer_fraction: float = 0.0
     grad_dtype_bytes: int = 4
     device_type: str = "cuda"
@@ -43,6 +49,8 @@ class MemoryLayout:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ValueError("virtual pipeline stages need a pipeline-parallel size > 1")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
         if not 0.0 <= self.offload_optimizer_fraction <= 1.0:
             raise ValueError(f"offload_optimizer_fraction must be in [0, 1], got {self.offload_optimizer_fraction}")
         if self.device_type not in DEVICE_TYPES:
@@ -65,4 +73,8 @@ class MemoryLayout:
         text = f"TP={self.tp} CP={self.cp} PP={self.pp} DP={self.dp}"
         if self.virtual_stages > 1:
             text += f" VPP={self.virtual_stages}"
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            text += f" layers first/last={self.first_stage_layers}/{self.last_stage_layers}"
+        if self.distributed_optimizer:
+            text += " distributed optimizer"
         return text + f" micro-batch {self.micro_batch_size} x {self.num_microbatches}"

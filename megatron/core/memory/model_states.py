@@ -1,33 +1,34 @@
-"""Weights, gradients and optimizer state of one rank, exact to our DDP and optimizer code.
+"""Weights, gradients and optimizer state of one rank, exact to our buffers and optimizer.
 
-- weights: the parameters in `params_dtype`;
-- gradients: the DDP buffer (`main_grad`, fp32 by default) holds one element per
-  parameter (megatron/core/distributed/grad_buffer.py); `param.grad` exists only
-  transiently inside backward (the post-accumulate hook adds it to `main_grad` and
-  drops it), so it is a transient, not a state;
-- optimizer (megatron/core/optimizer/optimizer.py, torch AdamW): Adam m and v in
-  fp32 (8 bytes), plus an fp32 master copy (4 bytes) when the weights are bf16 or
-  fp16 (fp32 weights are their own master), plus AdamW's `step` counter, a
-  4-byte tensor per parameter tensor. The counters live on the parameters'
-  device only when that is the CPU (non-capturable AdamW keeps them on the host
-  for CUDA parameters), so they count only on CPU.
-- distributed optimizer (not built in the trainer; estimate only): master, m and v
-  are sharded over the dp x cp ranks: ceil(N / (dp cp)) elements each, giving
-  the familiar 6 + 12/d bytes per parameter for bf16 weights and fp32 gradients.
+Every model chunk keeps its parameters and their fp32 gradients (`main_grad`) in two
+flat buffers laid out by `BufferLayout` (megatron/core/distributed/bucket_layout.py),
+and the optimizer (megatron/core/optimizer/) keeps one flat fp32 shard per bucket.
+The estimate builds the same `BufferLayout` from the parameter shapes, so:
+
+- weights and gradients: the buffers' elements, padding included, in `params_dtype`
+  and in the gradient dtype; `param.grad` exists only inside backward (the
+  post-accumulate hook adds it to `main_grad` and drops it), so it is a transient;
+- optimizer (`ShardedAdamW`): per shard, Adam m and v in fp32 (8 bytes per element),
+  plus an fp32 master copy (4 bytes) when the weights are bf16 or fp16 (fp32 weights
+  are their own master). The step count is one Python integer: no per-tensor state;
+- a shard is a whole bucket with the replicated optimizer (no padding), and 1/(dp cp)
+  of a bucket padded to a multiple of dp x cp x SHARD_ALIGN elements with the
+  distributed optimizer: 6 + 12/d bytes per parameter for bf16 weights, plus padding;
 - offload (not built): `layout.offload_optimizer_fraction` of the optimizer bytes
   moves to `host_bytes`.
 """
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 
+from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout, default_bucket_size
 from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.parameters import Shape, numel
+from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
 
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4        # fp32 master copy of bf16/fp16 weights
-STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step`, an fp32 scalar tensor
+STEP_TEMPORARIES = 2    # fp32 shard-sized tensors alive at once in ShardedAdamW.step
 
 
 @dataclass(frozen=True)
@@ -49,36 +50,42 @@ def optimizer_bytes_per_parameter(config) -> int:
     return master + ADAM_MOMENTS_BYTES
 
 
-def model_states(config, layout, shapes: list[Shape]) -> ModelStates:
-    n = sum(numel(s) for s in shapes)
-    per_param = optimizer_bytes_per_parameter(config)
-    if layout.distributed_optimizer:
-        optimizer = per_param * math.ceil(n / (layout.dp * layout.cp))
-    else:
-        optimizer = per_param * n
-        if layout.device_type == "cpu":
-            optimizer += STEP_COUNTER_BYTES * len(shapes)
+def chunk_buffer(config, layout, chunk) -> BufferLayout:
+    """The bucket layout of `chunk`'s buffers, as ModelChunkBuffers builds it: parameters in
+    reverse order (the order backward produces their gradients), the embedding tied across
+    stages in a bucket of its own, sharded over dp x cp with the distributed optimizer."""
+    numels = tuple(numel(s) for s in chunk_shapes(config, layout.tp, chunk))
+    replicas = layout.dp * layout.cp
+    return _buffer_layout(numels, shared_embedding_index(config, layout, chunk),
+                          layout.bucket_size or default_bucket_size(replicas),
+                          replicas if layout.distributed_optimizer else 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _buffer_layout(numels: tuple[int, ...], shared: int | None, bucket_size: int, shards: int) -> BufferLayout:
+    """Cached: the planner asks for the same chunks under many layouts."""
+    params = [(str(i), n, i == shared) for i, n in enumerate(numels)]
+    return BufferLayout(list(reversed(params)), bucket_size, shards, SHARD_ALIGN)
+
+
+def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
+    n = sum(p.numel for b in buffers for p in b.params)
+    padded = sum(b.numel for b in buffers)
+    shard_elements = sum(bucket.shard_numel for b in buffers for bucket in b.buckets)
+    optimizer = optimizer_bytes_per_parameter(config) * shard_elements
     host = int(optimizer * layout.offload_optimizer_fraction)
-    return ModelStates(parameters=n, weights_bytes=n * dtype_bytes(config.params_dtype),
-                       grads_bytes=n * layout.grad_dtype_bytes, optimizer_bytes=optimizer - host, host_bytes=host)
+    return ModelStates(parameters=n, weights_bytes=padded * dtype_bytes(config.params_dtype),
+                       grads_bytes=padded * layout.grad_dtype_bytes, optimizer_bytes=optimizer - host, host_bytes=host)
 
 
-def optimizer_step_temporary(config, layout, shapes: list[Shape]) -> int:
+def optimizer_step_temporary(buffers: list[BufferLayout]) -> int:
     """Largest temporary allocation of `MixedPrecisionOptimizer.step`.
 
-    torch AdamW picks its implementation by device: the foreach path (CUDA)
-    allocates sqrt(v) for a whole parameter group at once (fp32, the weight-decay
-    group of >= 2-D tensors is the larger); the single-tensor path (CPU) allocates
-    sqrt(v) and sqrt(v) / bias_correction for one tensor at a time. With fp16 the
-    inf check adds a bool tensor per parameter (smaller than either).
+    `ShardedAdamW.step` works shard by shard, on every device: `exp_avg_sq.sqrt()` and
+    its quotient by the bias correction (the denominator) are alive together, as are
+    the denominator and `exp_avg / denom` with --decoupled-lr: two fp32 tensors of the
+    largest shard. Gradient preparation (unscale, inf check, norm, clipping) works in
+    place or on scalars, and the parameter sync copies in place.
     """
-    if not shapes:
-        return 0
-    if layout.distributed_optimizer:
-        shard = math.ceil(sum(numel(s) for s in shapes) / (layout.dp * layout.cp))
-        return 4 * shard
-    if layout.device_type == "cuda":
-        decay = sum(numel(s) for s in shapes if len(s) >= 2)
-        no_decay = sum(numel(s) for s in shapes if len(s) < 2)
-        return 4 * max(decay, no_decay)
-    return 2 * 4 * max(numel(s) for s in shapes)
+    largest = max((bucket.shard_numel for b in buffers for bucket in b.buckets), default=0)
+    return STEP_TEMPORARIES * 4 * largest

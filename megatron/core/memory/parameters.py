@@ -2,7 +2,8 @@
 
 Each function returns the local (this tp rank's) shapes of the parameters the
 corresponding module creates, in the same way the module does:
-- TransformerLayer: input norm, QKV (column-parallel, GQA rows (a + 2g) d),
+- TransformerLayer: input norm, QKV (column-parallel, GQA rows (a + 2g) d; a bias
+  also with --add-qkv-bias; --qk-layernorm adds a head-dim norm for q and one for k),
   output projection (row-parallel; its bias is replicated), pre-MLP norm, fc1
   (column-parallel, [gate; up] stacked for SwiGLU), fc2 (row-parallel, replicated bias);
 - norms: weight (+ bias for LayerNorm), replicated across tp;
@@ -11,7 +12,9 @@ corresponding module creates, in the same way the module does:
 - last stage: final norm and the output layer, which is absent when the embedding
   is tied and lives in the same chunk (one stage), and is a separate copy of the
   embedding (`shared_embedding`) when tied across pipeline stages.
-All tp ranks of a stage hold the same shapes (every split is even).
+All tp ranks of a stage hold the same shapes (every split is even). Shapes come in
+the order of the chunk's `named_parameters()`, which the gradient buffer's bucket
+layout (and so the distributed optimizer's padding) depends on.
 """
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ def layer_shapes(config, tp: int) -> list[Shape]:
     qkv_local = (a + 2 * g) * d // tp
     fc1_local = stacked * f // tp
     bias = config.add_bias_linear
-    shapes = _norm(config) + [(qkv_local, h)] + ([(qkv_local,)] if bias else [])
+    shapes = _norm(config) + [(qkv_local, h)] + ([(qkv_local,)] if bias or config.add_qkv_bias else [])
+    if config.qk_layernorm:
+        shapes += [(d,) for _ in _norm(config)] * 2
     shapes += [(h, a * d // tp)] + ([(h,)] if bias else [])
     shapes += _norm(config) + [(fc1_local, h)] + ([(fc1_local,)] if bias else [])
     shapes += [(h, f // tp)] + ([(h,)] if bias else [])
@@ -77,7 +82,8 @@ class ModelChunk:
 def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
     chunks = []
-    for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, layout.pp, layout.virtual_stages, pp_rank)):
+    for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, layout.pp, layout.virtual_stages, pp_rank,
+                                                  layout.first_stage_layers, layout.last_stage_layers)):
         first, last = layout.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
@@ -91,8 +97,12 @@ def chunk_shapes(config, tp: int, chunk: ModelChunk) -> list[Shape]:
     return shapes
 
 
-def rank_shapes(config, layout, pp_rank: int) -> list[Shape]:
-    return [s for chunk in rank_chunks(config, layout, pp_rank) for s in chunk_shapes(config, layout.tp, chunk)]
+def shared_embedding_index(config, layout, chunk: ModelChunk) -> int | None:
+    """Index in `chunk_shapes` of the embedding tied across pipeline stages (the first stage's word
+    embedding or the last stage's output-layer copy), which our buffers put in a bucket of its own."""
+    if config.untie_embeddings_and_output_weights or chunk.pre_process == chunk.post_process:
+        return None
+    return 0 if chunk.pre_process else len(chunk_shapes(config, layout.tp, chunk)) - 1
 
 
 def numel(shape: Shape) -> int:

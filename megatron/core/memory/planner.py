@@ -1,12 +1,11 @@
 """Enumerate parallel layouts, keep those whose memory estimate fits, rank them by step time.
 
-A layout is (tp, cp, pp, virtual stages, dp, micro batch, recomputation) for a
-fixed number of GPUs and global batch. Sequence parallelism is on whenever
-tp > 1 (same communication volume, less activation memory). Layouts our code
-would refuse (sizes that do not divide, interleaving without enough
-microbatches) are skipped, using the same validation as training
-(TransformerConfig, build_schedule). Context parallelism is not built in the
-trainer yet, so callers enumerate cp = 1 unless asked.
+A layout is (tp, cp, pp, virtual stages, dp, micro batch, recomputation, replicated or
+distributed optimizer) for a fixed number of GPUs and global batch. Sequence parallelism
+is on whenever tp > 1 (same communication volume, less activation memory). Layouts our
+code would refuse (sizes that do not divide, a sequence that does not split into 2 x cp
+chunks, cp with attention dropout, interleaving without enough microbatches) are
+skipped, using the same validation as training (TransformerConfig, build_schedule).
 """
 from __future__ import annotations
 
@@ -39,13 +38,13 @@ class Search:
     """What to enumerate. None: every valid value."""
 
     tps: tuple[int, ...] | None = None
-    cps: tuple[int, ...] = (1,)
+    cps: tuple[int, ...] | None = None
     pps: tuple[int, ...] | None = None
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     virtual_stages: tuple[int, ...] | None = None
     max_virtual_stages: int = 8
-    distributed_optimizer: bool = False
+    distributed_optimizer: tuple[bool, ...] = (False, True)
     device_type: str = "cuda"
 
 
@@ -65,7 +64,7 @@ def _valid_schedule(pp: int, v: int, m: int) -> bool:
 def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
     """(tp, cp, pp, v, dp) that divide the GPUs and the layers; tp stays inside a node."""
     for tp in search.tps or [t for t in _divisors(num_gpus) if t <= hw.gpus_per_node]:
-        for cp in search.cps:
+        for cp in search.cps or _divisors(num_gpus):
             if num_gpus % (tp * cp):
                 continue
             for pp in search.pps or _divisors(num_gpus // (tp * cp)):
@@ -84,17 +83,16 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
             m = global_batch_size // (mbs * dp)
             if global_batch_size % (mbs * dp) or (v > 1 and not _valid_schedule(pp, v, m)):
                 continue
-            layout = MemoryLayout(tp=tp, cp=cp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
-                                  num_microbatches=m, distributed_optimizer=search.distributed_optimizer,
-                                  device_type=search.device_type)
             for name in search.recompute:
                 try:
                     cfg = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-                                              **RECOMPUTE[name])
-                except ValueError:  # tp does not divide the heads, groups or ffn
+                                              context_parallel_size=cp, **RECOMPUTE[name])
+                except ValueError:  # tp does not divide the heads, groups or ffn; the sequence does not split
                     continue
-                if cfg.seq_length % (tp * cp) == 0:
-                    yield cfg, layout, name
+                for sharded in search.distributed_optimizer:
+                    yield cfg, MemoryLayout(tp=tp, cp=cp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
+                                            num_microbatches=m, distributed_optimizer=sharded,
+                                            device_type=search.device_type), name
 
 
 def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from megatron.core.memory.inflight import equivalent_microbatches
 from megatron.core.memory.kernels import dtype_bytes
 from megatron.core.memory.parameters import padded_vocab, total_parameters
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.simulate import simulate
 
 
@@ -100,7 +101,8 @@ def step_time(config, layout, hw: Hardware = Hardware()) -> StepTime:
     seq, b, h = config.seq_length, layout.micro_batch_size, config.hidden_size
     tokens = b * seq
     flops_rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
-    layers_per_rank = config.num_layers // pp
+    # the rank with the most layers sets the pace (--decoder-first/last-pipeline-num-layers)
+    layers_per_rank = max(layer_counts(config.num_layers, pp, layout.first_stage_layers, layout.last_stage_layers))
     logits = 2.0 * tokens * h * padded_vocab(config, tp)
     forward = (layers_per_rank * layer_forward_flops(config, tokens, seq) + logits) / (tp * cp)
     recompute = _recompute_forward_flops(config, tokens, seq, layers_per_rank) / (tp * cp)

@@ -8,7 +8,8 @@ code allocates and are NOT validated by measurement yet:
   amount they add on top of the activation peak;
 - tp: one [s, b, h] buffer of a tensor-parallel collective (the copy the
   all-reduce makes, or the gathered gradient in backward);
-- cp: the ring's send and receive buffers of k and v blocks (cp is not built yet);
+- cp: the K/V blocks and fp32 accumulators of the context-parallel attention's
+  backward (`cp_attention_bytes`), which holds more than its forward;
 - dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
   in place (NCCL's own buffers are in the runtime allowance);
 - the largest temporary during forward/backward, the max of: the last stage's
@@ -50,7 +51,7 @@ class Transients:
 
     def components(self) -> dict[str, int]:
         """Named parts, as the start-up check's warning lists them."""
-        return {"p2p buffers": self.p2p_bytes, "tp buffer": self.tp_bytes, "cp ring buffers": self.cp_bytes,
+        return {"p2p buffers": self.p2p_bytes, "tp buffer": self.tp_bytes, "cp attention buffers": self.cp_bytes,
                 "dp buckets": self.dp_bucket_bytes,
                 f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
                 "fragmentation allowance": self.fragmentation_bytes, "runtime allowance": self.runtime_bytes}
@@ -66,6 +67,23 @@ def logits_temporary(dims: Dims, vocab_size: int) -> int:
     padded = dims.vocab * dims.tp != vocab_size
     extra = FP32 if dims.p != FP32 or padded else 0
     return dims.s * dims.b * dims.vocab * (dims.p + extra)
+
+
+def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
+    """Blocks alive at the peak of the context-parallel attention's backward (ring_attention.py),
+    one block being [k; v] of this rank, 2 s b g d elements. Both variants keep dq in fp32.
+    p2p: the held, received and still-referenced sent K/V blocks (3, input dtype) and five fp32
+    dK/dV blocks (this rank's own, the one computed, the one in flight with its receive buffer
+    and the next receive buffer, posted before the previous transfer is dropped).
+    all_gather: the local stack and the cp gathered blocks (input dtype), and the cp stacked
+    fp32 dK/dV blocks that are reduce-scattered home."""
+    if cp == 1:
+        return 0
+    block = 2 * dims.s * dims.b * dims.groups * dims.d
+    dq = dims.s * dims.b * dims.heads * dims.d * FP32
+    if comm_type == "p2p":
+        return 3 * block * dims.p + 5 * block * FP32 + dq
+    return (1 + cp) * block * dims.p + cp * block * FP32 + dq
 
 
 def largest_temporary(dims: Dims, config, shapes: list[Shape], has_last: bool, tied_in_one_stage: bool,
@@ -103,10 +121,9 @@ class Allowances:
         return cls(0.0, 0)
 
 
-def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int,
+def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int, cp_bytes: int,
                         largest: tuple[int, str], activations: int) -> Transients:
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
-    cp_bytes = 2 * 2 * dims.s * dims.b * dims.groups * dims.d * dims.p if layout.cp > 1 else 0
     dynamic = activations + p2p_extra + tp_bytes + cp_bytes + largest[0]
     return Transients(p2p_bytes=p2p_extra, tp_bytes=tp_bytes, cp_bytes=cp_bytes, dp_bucket_bytes=0,
                       largest_temporary_bytes=largest[0], largest_temporary=largest[1],
