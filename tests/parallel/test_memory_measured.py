@@ -1,7 +1,9 @@
 """The certain part of the memory estimate equals what our trainer really holds, byte for byte, per rank, on CPU.
 
 Tiny GPT (dropout on: CPU attention takes the math path) and Llama (GQA, RoPE, SwiGLU,
-RMSNorm; CPU flash path) under DP, TP, TP+SP, PP, interleaved PP, recomputation and bf16.
+RMSNorm; CPU flash path) under DP, TP, TP+SP, CP (ring attention, also with TP+SP), PP,
+interleaved and uneven PP, recomputation, bf16 and the distributed optimizer (bucket padding,
+several buckets, an embedding tied across stages, sharded over dp x cp).
 Per rank, after one training iteration: parameters, weights, gradient buffers and optimizer
 state summed from the tensors, and the peak of saved activations over the pipeline schedule
 counted with saved_tensors_hooks (see tools/bench/estimator_accuracy.py, which prints the table),
