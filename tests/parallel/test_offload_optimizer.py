@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core.memory.offload import offload_bytes
 from megatron.core.optimizer.offload_policy import placement_bytes
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
 from tests.distributed import run_distributed
@@ -114,6 +115,9 @@ def check_accounting(rank: int, dtype_flags: list[str], device_per_element: int)
     padded = sum(chunk.buffer.layout.numel for chunk in trainer.chunks)
     assert sum(s.main.numel() for s in optimizer.shards) == padded // 2  # dp = 2
     assert all(s.main.device.type == "cpu" and s.host_grad is not None for s in offloaded)
+    elements = sum(s.main.numel() for s in optimizer.shards)  # the estimator's model of the same split
+    estimate = offload_bytes(elements, device_per_element, sum(s.main.numel() for s in offloaded) / elements)
+    assert (estimate.device_bytes, estimate.host_bytes) == (device, host)
 
 
 def world2_checks(rank: int) -> None:

@@ -1,0 +1,48 @@
+"""The offload optimizer's memory: device and host bytes of a rank, and the fraction that fits.
+
+Exact to megatron/core/optimizer/offload.py: an element of the distributed optimizer's shard
+kept on the device costs its optimizer state there (Adam's m and v, 8 bytes, plus a 4-byte
+fp32 master unless the weights are fp32); an offloaded element costs nothing on the device
+and 16 bytes on host: fp32 master (a copy even of fp32 weights, which stay on the device as
+the model), m, v and the host copy of its gradient (whose bytes are reused as the staging of
+the updated weights in the model dtype). Weights and gradient buffers never move.
+Which elements go to host is decided per memory chunk (offload_policy.static_offloaded), so a
+measured split differs from `fraction` by at most half a chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOST_BYTES_PER_ELEMENT = 16  # fp32 master, exp_avg, exp_avg_sq, gradient copy
+CPU_STEP_BYTES_PER_ELEMENT = 28  # fused AdamW: read param, grad, m, v; write param, m, v
+
+
+@dataclass(frozen=True)
+class OffloadBytes:
+    device_bytes: int  # optimizer state left on the device
+    host_bytes: int
+
+
+def offload_bytes(shard_elements: int, device_bytes_per_element: int, fraction: float) -> OffloadBytes:
+    """`shard_elements`: this rank's optimizer elements (its 1/(dp cp) of the padded buffers);
+    `device_bytes_per_element`: 8 (fp32 weights) or 12 (bf16/fp16) when kept on the device."""
+    host = round(fraction * shard_elements)
+    return OffloadBytes((shard_elements - host) * device_bytes_per_element, host * HOST_BYTES_PER_ELEMENT)
+
+
+def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: int) -> float | None:
+    """The smallest offload fraction under which a rank's certain part (weights, gradients,
+    optimizer state, saved activations; optimizer state counted on the device) fits
+    `device_bytes`: 0 when it already fits, None when even full offload does not."""
+    excess = certain_bytes - device_bytes
+    if excess <= 0:
+        return 0.0
+    if optimizer_bytes <= 0 or excess > optimizer_bytes:
+        return None
+    return excess / optimizer_bytes
+
+
+def cpu_step_seconds(host_elements: int, host_bandwidth_bytes_per_s: float) -> float:
+    """Time of the CPU step of `host_elements` at a streaming bandwidth (tools/bench/cpu_adam.py
+    measures what the fused kernel reaches: about the machine's copy bandwidth)."""
+    return CPU_STEP_BYTES_PER_ELEMENT * host_elements / host_bandwidth_bytes_per_s
