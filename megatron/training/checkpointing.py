@@ -266,10 +266,11 @@ def _load_optimizer(info: CheckpointInfo, trainer) -> None:
     """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
     saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
     saved = info.metadata["optimizer"]
+    separate = not all(shard.aliased for shard in trainer.optimizer.shards)  # low precision or offloaded
     if saved["master_weights"]:
         master = SAVED_MASTER
-    else:  # fp32 weights saved: they are the master weights (already loaded if this run is fp32 too)
-        master = MODEL_AS_MASTER if _low_precision(trainer) else None
+    else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
+        master = MODEL_AS_MASTER if separate else None
     read_pieces(optimizer_pieces(trainer, tied_copies=True, master=master), info.directory)
     trainer.optimizer.load_scalar_state(saved)
 

@@ -24,6 +24,7 @@ FP16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "2"]  #
 DIST_OPT = ["--use-distributed-optimizer"]
 RESUME_CASES = {
     2: [("llama", ["--bf16"] + DIST_OPT),
+        ("llama", ["--optimizer-cpu-offload"] + DIST_OPT),  # fp32 weights, master weights in host memory
         ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + FP16 + DROPOUT),
         ("gpt", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"]
          + DROPOUT)],
