@@ -77,6 +77,21 @@ def _finish(acc, dtype):
     return torch.cat([acc[0][0], acc[1][0]], dim=1).to(dtype), torch.cat([acc[0][1], acc[1][1]], dim=2)
 
 
+def _save_for_backward(ctx, acc, q, k, v, group, scale, impl):
+    """Finish the merged output; keep only this rank's q, k, v, output and lse for backward."""
+    out, lse = _finish(acc, q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group, ctx.scale, ctx.impl = group, scale, impl
+    return out
+
+
+def _backward_inputs(ctx, dout):
+    """(q, k, v, out, lse, dout, a zero fp32 dq, cp size, cp rank) for either backward."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq = torch.zeros(q.shape, dtype=_accumulator_dtype(q.dtype), device=q.device)
+    return q, k, v, out, lse, dout.contiguous(), dq, group_size(ctx.group), group_rank(ctx.group)
+
+
 class _RingAttention(torch.autograd.Function):
     """The p2p ring. dK/dV accumulators travel in fp32: summing c partial gradients in bf16
     would lose precision at every hop."""
@@ -92,18 +107,12 @@ class _RingAttention(torch.autograd.Function):
             _attend(q, kv, visible_pairs(me, (me - step) % cp, cp), acc, scale, impl)
             if transfer is not None:
                 kv = transfer.wait()
-        out, lse = _finish(acc, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.impl = group, scale, impl
-        return out
+        return _save_for_backward(ctx, acc, q, k, v, group, scale, impl)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, me = group_size(ctx.group), group_rank(ctx.group)
+        q, k, v, out, lse, dout, dq, cp, me = _backward_inputs(ctx, dout)
         ring = Ring(ctx.group) if cp > 1 else None
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=_accumulator_dtype(q.dtype), device=q.device)
         kv = torch.stack([k, v])
         own_dkv, dkv_transfer = None, None
         for step in range(cp):
@@ -139,17 +148,11 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = [None, None]
         for rank, kv in enumerate(_gather_blocks(k, v, group)):
             _attend(q, kv, visible_pairs(me, rank, cp), acc, scale, impl)
-        out, lse = _finish(acc, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.impl = group, scale, impl
-        return out
+        return _save_for_backward(ctx, acc, q, k, v, group, scale, impl)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, me = group_size(ctx.group), group_rank(ctx.group)
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=_accumulator_dtype(q.dtype), device=q.device)
+        q, k, v, out, lse, dout, dq, cp, me = _backward_inputs(ctx, dout)
         dkv = torch.stack([_attend_backward(q, dout, out, lse, kv, visible_pairs(me, rank, cp), dq, ctx.scale,
                                             ctx.impl)
                            for rank, kv in enumerate(_gather_blocks(k, v, ctx.group))])
