@@ -158,10 +158,10 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
         handles = drawn if len(drawn) > len(handles) else handles
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1].set_xlabel("ms since the step started")
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
     fig.suptitle(f"pipeline step p={p} m={m} v={v}, CPU gloo (1-minute load {config['load']:.1f}): planned vs measured",
                  fontsize=10, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
