@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Checkpoint save and load: our layout-independent format vs torch.save, side by side.
+
+    python tools/bench/checkpoint.py [--repeat 2] [--dir /tmp]
+
+A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of
+state) on 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours:
+`save_checkpoint` (every rank writes its canonical pieces through torch.distributed.checkpoint,
+then SHA-256 of every file, metadata, rename) and `load_checkpoint` (verify every file, then
+read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
+optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
+fsynced as ours is, and loads them back with `torch.load` + copy. Times are the slowest rank's, best of `--repeat`;
+loads read from the page cache (the files were just written).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.core.checkpointing import verify_files  # noqa: E402
+from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron.training.training import Trainer  # noqa: E402
+
+FLAGS = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size", "1408",
+         "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
+         "--vocab-size", "8000"]
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return _slowest(time.perf_counter() - start)
+
+
+def _bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _rank_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """What the torch.save baseline writes: this rank's parameters and optimizer tensors."""
+    state = {name: p.detach() for chunk in trainer.chunks for name, p in chunk.module.named_parameters()}
+    state.update({f"optimizer.{i}": t for i, t in enumerate(trainer.optimizer.adam.state_tensors())})
+    return state
+
+
+def _durable_torch_save(state: dict, path: str) -> None:
+    """torch.save, then fsync as our save does (DCP syncs each file): the file is on disk when it returns."""
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def measure(rank: int, root: str, repeat: int) -> dict:
+    world = dist.get_world_size()
+    ours, baseline = os.path.join(root, f"ours_{world}"), os.path.join(root, f"torch_{world}")
+    run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", ours], LLAMA_DEFAULTS,
+                           world)
+    trainer = Trainer(run, torch.device("cpu"))
+    state = _rank_state(trainer)
+    own = os.path.join(baseline, f"rank_{rank}.pt")
+    if rank == 0:
+        os.makedirs(ours, exist_ok=True)
+        os.makedirs(baseline, exist_ok=True)
+    times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": []}
+    for _ in range(repeat):
+        times["save"].append(_timed(lambda: save_checkpoint(ours, 1, trainer)))
+        info = checkpoint_to_load(run)
+        times["load"].append(_timed(lambda: load_checkpoint(info, trainer, run.checkpoint)))
+        times["verify"].append(_timed(lambda: verify_files(info.directory, info.metadata["files"])))
+        times["torch_save"].append(_timed(lambda: _durable_torch_save(state, own)))
+
+        def torch_load():
+            for name, tensor in torch.load(own, weights_only=True).items():
+                state[name].copy_(tensor)
+
+        times["torch_load"].append(_timed(torch_load))
+    dist.barrier()
+    return {"times": {key: min(values) for key, values in times.items()},
+            "bytes": _bytes(ours), "torch_bytes": _bytes(baseline)}
+
+
+def main() -> int:
+    from tests.distributed import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
+    try:
+        rows = []
+        for world in (1, 2, 4):
+            r = run_distributed(world, measure, root, args.repeat)[0]
+            t = r["times"]
+            rows.append((world, r["bytes"] / 1e6, r["torch_bytes"] / 1e6, t["save"], t["torch_save"],
+                         t["save"] / t["torch_save"], t["load"], t["verify"], t["torch_load"],
+                         t["load"] / t["torch_load"]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
+          f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}")
+    print(f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
+          f"{'load s':>7} {'(verify s)':>10} {'torch.load s':>12} {'ratio':>6}")
+    for world, mb, tmb, save, tsave, sratio, load, verify, tload, lratio in rows:
+        print(f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
+              f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
