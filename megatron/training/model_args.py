@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.transformer.config import TransformerConfig
+from megatron.training.parallel_args import cp_comm_type_from_args
 
 # Megatron's --attention-backend choices onto our paths (the start-up log says which one runs): its
 # fused kernels (flash, cuDNN "fused") -> our flash kernel where it can run, the torch path elsewhere
@@ -30,7 +31,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's channels that rotate")
     g.add_argument("--rotary-interleaved", action="store_true", help="rotate channel pairs (2i, 2i+1), not halves")
-    g.add_argument("--rope-scaling", action="store_true", help="Llama-3.1 rotary frequency scaling")
+    g.add_argument("--rope-scaling", "--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 rotary frequency scaling (--use-rope-scaling: Megatron's name)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -95,6 +97,6 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         params_dtype=params_dtype, tensor_model_parallel_size=parallel.tp,
         sequence_parallel=args.sequence_parallel and parallel.tp > 1, context_parallel_size=parallel.cp,
-        cp_comm_type=args.cp_comm_type, recompute_granularity=_recompute_granularity(args),
+        cp_comm_type=cp_comm_type_from_args(args), recompute_granularity=_recompute_granularity(args),
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention_backend=ATTENTION_BACKENDS[args.attention_backend], normalization_impl=args.normalization_impl)

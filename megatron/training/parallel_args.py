@@ -9,8 +9,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p",
-                   help="context-parallel attention: ring of K/V blocks (p2p) or all-gather of K/V")
+    g.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "all_gather"], default=["p2p"],
+                   help="context-parallel attention: ring of K/V blocks (p2p) or all-gather of K/V; Megatron's "
+                        "per-layer list is accepted when every layer uses the same type")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
@@ -31,3 +32,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="elements per bucket (memory chunk) of the parameter and gradient buffers "
                         "(default max(40M, 1M x dp x cp))")
     return parser
+
+
+def cp_comm_type_from_args(args) -> str:
+    """The one context-parallel attention type: Megatron also takes one per layer, which must agree here."""
+    if len(set(args.cp_comm_type)) > 1:
+        raise ValueError(f"--cp-comm-type: one type for every layer only, got {' '.join(args.cp_comm_type)}")
+    return args.cp_comm_type[0]

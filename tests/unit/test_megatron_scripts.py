@@ -1,9 +1,9 @@
 """Megatron-LM's dense example scripts run unchanged: the flag lists of
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh
 (written out here; sizes scaled down, paths pointed at local data, FP8 flags left out) go
-through pretrain_*.py and train 2 iterations on CPU. Also: accepted no-op flags are listed at
-start-up, out-of-scope flags are refused in one message, the README's flag table is the
-parser's, and the log's Megatron timing (first iteration always logged, memory line)."""
+through pretrain_*.py and train 2 iterations on CPU. Also: out-of-scope flags are refused in one
+message, the README's flag table is the parser's, and the log's Megatron timing (first iteration
+always logged, memory line). Every other Megatron flag: test_megatron_flags.py."""
 from __future__ import annotations
 
 import re
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import GPT_DEFAULTS, build_parser, parse_run_config
-from megatron.training.megatron_compat import NO_OP_FLAGS, compatibility_table
+from megatron.training.megatron_compat import compatibility_table
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "data" / "tokenizers" / "gpt2-bpe"
@@ -117,14 +117,6 @@ def test_first_iteration_is_always_logged(tmp_path):
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100", "--lr", "1e-3"]
-
-
-def test_every_no_op_flag_is_noted():
-    argv = list(TINY)
-    for flag, (takes_value, _) in NO_OP_FLAGS.items():
-        argv += [flag, "1"] if takes_value else [flag]
-    notes = parse_run_config(argv + ["--no-masked-softmax-fusion"], GPT_DEFAULTS, 1).notes
-    assert len(notes) == len(NO_OP_FLAGS) + 1 and "--no-masked-softmax-fusion" in notes[-1]
 
 
 def test_out_of_scope_flags_are_refused_in_one_message():
