@@ -21,21 +21,26 @@ from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentEr
 
 GIB = float(1 << 30)
 FAMILIES = {"gpt": GPT_DEFAULTS, "llama": LLAMA_DEFAULTS}
-COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "certain", "total")
+COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "certain", "total", "host")
 
 
 def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None = None) -> MemoryLayout:
     """The layout `run` trains with; `distributed_optimizer` overrides its --use-distributed-optimizer
-    (None: keep it), to compare the two optimizers on one run."""
-    par, training = run.parallel, run.training
+    (None: keep it), to compare the two optimizers on one run (the replicated one without offload).
+    --offload-policy auto is estimated as full offload: the best case, so the start-up check
+    refuses only a run that cannot fit even with all optimizer state on host."""
+    par, training, offload = run.parallel, run.training, run.optimizer.offload
     ddp = par.ddp
     sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    offloaded = offload.enabled and sharded
+    auto = offloaded and offload.policy == "auto"
     return MemoryLayout(tp=par.tp, cp=par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
                         microbatch_group_size=par.microbatch_group_size, micro_batch_size=training.micro_batch_size,
                         num_microbatches=training.num_microbatches, distributed_optimizer=sharded,
                         bucket_size=ddp.bucket_size, first_stage_layers=par.first_stage_layers,
-                        last_stage_layers=par.last_stage_layers, grad_dtype_bytes=ddp.grad_dtype.itemsize,
-                        device_type=device_type)
+                        last_stage_layers=par.last_stage_layers,
+                        offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
+                        grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type)
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:
@@ -60,11 +65,12 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     scale, unit = (GIB, "GiB") if estimate.max_total_bytes >= GIB else (float(1 << 20), "MiB")
     lines = [f"> memory estimate per rank in {unit} ({layout.describe()}, {estimate.kernels.describe()}, "
              f"{layout.device_type}, {device}; identical on every tp/cp/dp rank of a pipeline stage; certain = "
-             f"weights + grads + optimizer + activations, total adds the unmeasured transients):",
+             f"weights + grads + optimizer + activations, total adds the unmeasured transients; host: the "
+             f"offloaded optimizer state, not on the device):",
              "  pp rank      parameters " + " ".join(f"{c:>11}" for c in COLUMNS) + "  % device (certain / total)"]
     for r in estimate.ranks:
         values = (r.weights_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.transients_bytes,
-                  r.certain_bytes, r.total_bytes)
+                  r.certain_bytes, r.total_bytes, r.host_bytes)
         share = (f"{100.0 * r.certain_bytes / device_bytes:9.1f}% / {100.0 * r.total_bytes / device_bytes:.1f}%"
                  if device_bytes else "        -")
         lines.append(f"  {r.pp_rank:7d} {r.parameters:15,d} " + " ".join(f"{v / scale:>11.2f}" for v in values)
@@ -72,8 +78,10 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     worst = estimate.worst_rank
     lines.append(f"> total parameters {estimate.total_parameters:,}; worst rank: pp rank {worst.pp_rank} "
                  f"({worst.peak_microbatches} microbatch-chunks in flight, largest temporary "
-                 f"{worst.transients.largest_temporary}); host memory (offloaded optimizer) "
-                 f"{_size(worst.host_bytes)}")
+                 f"{worst.transients.largest_temporary})")
+    if layout.offload_auto:
+        lines.append("> offload policy auto: estimated with all optimizer state on host, the best case (the start-up "
+                     "check refuses only what cannot fit even so); iteration 1 decides what moves back to the device")
     return lines
 
 
@@ -87,8 +95,17 @@ def refusal(estimate: MemoryEstimate, device_bytes: int) -> str:
     rank = estimate.worst_certain_rank
     return (f"the certain part of the memory estimate, {_size(rank.certain_bytes)} on pipeline rank {rank.pp_rank} "
             f"({_components(rank)}), exceeds device memory {_size(device_bytes)}; raise tensor/pipeline "
-            f"parallelism, recompute activations or lower --micro-batch-size (tools/plan_parallelism.py ranks "
-            f"layouts that fit), or pass --skip-memory-check")
+            f"parallelism, recompute activations, lower --micro-batch-size or offload optimizer state "
+            f"({_offload_hint(estimate.layout)}; tools/plan_parallelism.py ranks layouts that fit and proposes "
+            f"the offload fraction), or pass --skip-memory-check")
+
+
+def _offload_hint(layout: MemoryLayout) -> str:
+    if layout.offload_fraction == 1.0:
+        return "all of it is already on host"
+    if layout.offload_fraction:
+        return "raise --optimizer-offload-fraction"
+    return "--use-distributed-optimizer --optimizer-cpu-offload"
 
 
 def allowance_warning(estimate: MemoryEstimate, device_bytes: int) -> str:

@@ -218,3 +218,43 @@ def test_start_up_table_follows_the_run():
     for s, r in zip(sharded.ranks, replicated.ranks):
         assert r.optimizer_bytes / 4 <= s.optimizer_bytes < r.optimizer_bytes / 4 + 12 * 64 * 8
     assert sharded.ranks[0].parameters < sharded.ranks[1].parameters  # 1 layer + embedding vs 3 layers + head
+
+
+OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload"]
+RECOMPUTED = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def test_start_up_check_counts_offloaded_state_on_host():
+    """Llama-2-7B on one 48 GiB device: weights, grads and optimizer state are 113 GiB, refused;
+    with the optimizer state on host the device holds weights, grads and activations (38 GiB) and the
+    run starts; half offloaded does not fit. The layout reads the offload flags; auto is estimated
+    as full offload, and the table says so."""
+    base = LLAMA_7B[2:] + RECOMPUTED
+    with pytest.raises(ValueError, match="--use-distributed-optimizer --optimizer-cpu-offload"):
+        check_memory(_run(base + ["--use-distributed-optimizer"]), torch.device("cpu"), 48.0, skip=False)
+    full = _run(base + OFFLOAD)
+    layout = layout_from_run(full, "cuda")
+    assert (layout.offload_fraction, layout.offload_auto) == (1.0, False) and "offload 1" in layout.describe()
+    rank = estimate_memory(full.model, layout).ranks[0]
+    assert rank.optimizer_bytes == 0 and rank.host_bytes == 16 * rank.parameters
+    assert rank.certain_bytes == rank.weights_bytes + rank.grads_bytes + rank.activations_bytes < 48 * GIB
+    lines = check_memory(full, torch.device("cpu"), 48.0, skip=False)
+    assert not lines[-1].startswith("> WARNING (")
+    assert f"{rank.host_bytes / GIB:.2f}" in next(line for line in lines if line.strip().startswith("0 "))
+    half = _run(base + OFFLOAD + ["--optimizer-offload-fraction", "0.5"])
+    with pytest.raises(ValueError, match="raise --optimizer-offload-fraction"):
+        check_memory(half, torch.device("cpu"), 48.0, skip=False)
+    auto = _run(base + OFFLOAD + ["--offload-policy", "auto"])
+    assert layout_from_run(auto, "cpu").offload_auto
+    lines = check_memory(auto, torch.device("cpu"), 48.0, skip=False)
+    assert any(line.startswith("> offload policy auto: estimated with all optimizer state on host") for line in lines)
+    assert "offload auto (estimated as full offload)" in lines[0]
+
+
+def test_json_shows_host_bytes(capsys):
+    argv = ["--num-gpus", "1", "--device-memory-gb", "48", "--json"] + LLAMA_7B + RECOMPUTED + OFFLOAD
+    code, out, _ = run_tool(estimate_tool, argv, capsys)
+    data = json.loads(out)
+    assert code == 0 and data["would_refuse"] is False and data["layout"]["offload_fraction"] == 1.0
+    assert data["ranks"][0]["host_bytes"] == 16 * data["ranks"][0]["parameters"]
+    assert data["ranks"][0]["optimizer_bytes"] == 0

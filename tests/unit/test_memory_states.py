@@ -67,10 +67,30 @@ def test_chunk_buffer_follows_the_run():
     assert len(chunk_buffer(CONFIG, MemoryLayout(dp=2), ModelChunk(0, (0, 1), True, True)).buckets) == 1
 
 
-def test_offload_moves_optimizer_to_host():
-    s = states(torch.bfloat16, offload_optimizer_fraction=1.0)
-    assert (s.optimizer_bytes, s.host_bytes) == (0, 12 * N)
-    assert states(torch.bfloat16).host_bytes == 0
+@pytest.mark.parametrize("dtype,on_device", [(torch.float32, 8), (torch.bfloat16, 12)])
+def test_offload_moves_whole_chunks_to_host(dtype, on_device):
+    """16 host bytes per offloaded element (fp32 master even of fp32 weights, m, v, gradient copy);
+    the static policy offloads the chunks the forward reaches last (the first bucket, which holds the
+    last parameters), nearest to the fraction; weights and gradients never move."""
+    def offloaded(fraction, **layout):
+        return states(dtype, shards=2, bucket_size=20_000, dp=2, distributed_optimizer=True,
+                      offload_fraction=fraction, **layout)
+
+    first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
+    plain, full, half = offloaded(0.0), offloaded(1.0), offloaded(0.5)
+    assert (plain.optimizer_bytes, plain.host_bytes) == (on_device * (first + second), 0)
+    assert (full.optimizer_bytes, full.host_bytes) == (0, 16 * (first + second))
+    assert first > second and (half.optimizer_bytes, half.host_bytes) == (on_device * second, 16 * first)
+    assert offloaded(1.0, offload_auto=True) == full
+    assert (half.weights_bytes, half.grads_bytes) == (plain.weights_bytes, plain.grads_bytes)
+
+
+def test_offloaded_shards_have_no_device_step_temporaries():
+    buffers = [buffer(shards=2, bucket_size=20_000)]
+    first, second = (buffers[0].buckets[i].shard_numel for i in (0, 1))
+    assert optimizer_step_temporary(buffers) == 2 * 4 * first
+    assert optimizer_step_temporary(buffers, 0.5) == 2 * 4 * second
+    assert optimizer_step_temporary(buffers, 1.0) == 0
 
 
 def test_optimizer_step_temporaries():
@@ -86,8 +106,12 @@ def test_layout_validation():
         MemoryLayout(tp=0)
     with pytest.raises(ValueError, match="pipeline-parallel size > 1"):
         MemoryLayout(virtual_stages=2)
-    with pytest.raises(ValueError, match="offload"):
-        MemoryLayout(offload_optimizer_fraction=1.5)
+    with pytest.raises(ValueError, match="offload_fraction must be in"):
+        MemoryLayout(offload_fraction=1.5, distributed_optimizer=True)
+    with pytest.raises(ValueError, match="offload needs the distributed optimizer"):
+        MemoryLayout(offload_fraction=0.5)
+    with pytest.raises(ValueError, match="estimated as full offload"):
+        MemoryLayout(offload_fraction=0.5, offload_auto=True, distributed_optimizer=True)
     with pytest.raises(ValueError, match="device_type"):
         MemoryLayout(device_type="tpu")
     with pytest.raises(ValueError, match="bucket_size"):

@@ -160,7 +160,7 @@ def estimate_rank(config, layout: MemoryLayout, model: ActivationModel, allowanc
                                      cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
                                      largest=largest, activations=inflight.activations_bytes)
     has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
-    after = after_backward_temporary(dims, layout, optimizer_step_temporary(buffers), has_copy)
+    after = after_backward_temporary(dims, layout, optimizer_step_temporary(buffers, layout.offload_fraction), has_copy)
     return RankEstimate(
         pp_rank=pp_rank, parameters=states.parameters, weights_bytes=states.weights_bytes,
         grads_bytes=states.grads_bytes, optimizer_bytes=states.optimizer_bytes,

@@ -22,9 +22,10 @@ class MemoryLayout:
     `bucket_size` elements (None: the trainer's default for dp x cp ranks), because
     each bucket is padded before it is split (megatron/core/distributed/bucket_layout.py).
     `first_stage_layers` / `last_stage_layers`: an uneven pipeline split
-    (--decoder-first/last-pipeline-num-layers). `offload_optimizer_fraction` is the
-    hook for the offload optimizer (not built): the share of optimizer state kept in
-    host memory instead of on the device; 0 until that optimizer exists.
+    (--decoder-first/last-pipeline-num-layers). `offload_fraction`: the offload optimizer's
+    --optimizer-offload-fraction (0: no offload), rounded to whole chunks as the static policy
+    rounds it (memory/offload.py). `offload_auto`: --offload-policy auto, which decides the
+    split only after measuring iteration 1, so it is estimated as full offload, the best case.
     """
 
     tp: int = 1
@@ -39,7 +40,8 @@ class MemoryLayout:
     bucket_size: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
-    offload_optimizer_fraction: float = 0.0
+    offload_fraction: float = 0.0
+    offload_auto: bool = False
     grad_dtype_bytes: int = 4
     device_type: str = "cuda"
 
@@ -51,8 +53,13 @@ class MemoryLayout:
             raise ValueError("virtual pipeline stages need a pipeline-parallel size > 1")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
-        if not 0.0 <= self.offload_optimizer_fraction <= 1.0:
-            raise ValueError(f"offload_optimizer_fraction must be in [0, 1], got {self.offload_optimizer_fraction}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        if (self.offload_fraction or self.offload_auto) and not self.distributed_optimizer:
+            raise ValueError("offload needs the distributed optimizer (the offloaded state is each rank's shard of it)")
+        if self.offload_auto and self.offload_fraction != 1.0:
+            raise ValueError(f"offload_auto is estimated as full offload: offload_fraction must be 1, "
+                             f"got {self.offload_fraction}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
 
@@ -77,4 +84,8 @@ class MemoryLayout:
             text += f" layers first/last={self.first_stage_layers}/{self.last_stage_layers}"
         if self.distributed_optimizer:
             text += " distributed optimizer"
+        if self.offload_auto:
+            text += " offload auto (estimated as full offload)"
+        elif self.offload_fraction:
+            text += f" offload {self.offload_fraction:g}"
         return text + f" micro-batch {self.micro_batch_size} x {self.num_microbatches}"

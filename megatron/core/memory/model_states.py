@@ -14,8 +14,10 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
 - a shard is a whole bucket with the replicated optimizer (no padding), and 1/(dp cp)
   of a bucket padded to a multiple of dp x cp x SHARD_ALIGN elements with the
   distributed optimizer: 6 + 12/d bytes per parameter for bf16 weights, plus padding;
-- offload (not built): `layout.offload_optimizer_fraction` of the optimizer bytes
-  moves to `host_bytes`.
+- offload (`--optimizer-cpu-offload`, offload.py): the chunks the static policy puts on
+  host for `layout.offload_fraction` cost nothing on the device and 16 bytes per element in
+  `host_bytes` (fp32 master even of fp32 weights, m, v, the gradient's host copy); they are
+  stepped on the CPU, so the device step's temporaries come from the other shards only.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout, default_bucket_size
 from megatron.core.memory.kernels import dtype_bytes
+from megatron.core.memory.offload import chunk_fraction, offload_bytes, offloaded_chunks
 from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
 
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -72,20 +75,23 @@ def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
     n = sum(p.numel for b in buffers for p in b.params)
     padded = sum(b.numel for b in buffers)
     shard_elements = sum(bucket.shard_numel for b in buffers for bucket in b.buckets)
-    optimizer = optimizer_bytes_per_parameter(config) * shard_elements
-    host = int(optimizer * layout.offload_optimizer_fraction)
+    optimizer = offload_bytes(shard_elements, optimizer_bytes_per_parameter(config),
+                              chunk_fraction(buffers, layout.offload_fraction))
     return ModelStates(parameters=n, weights_bytes=padded * dtype_bytes(config.params_dtype),
-                       grads_bytes=padded * layout.grad_dtype_bytes, optimizer_bytes=optimizer - host, host_bytes=host)
+                       grads_bytes=padded * layout.grad_dtype_bytes, optimizer_bytes=optimizer.device_bytes,
+                       host_bytes=optimizer.host_bytes)
 
 
-def optimizer_step_temporary(buffers: list[BufferLayout]) -> int:
+def optimizer_step_temporary(buffers: list[BufferLayout], offload_fraction: float = 0.0) -> int:
     """Largest temporary allocation of `MixedPrecisionOptimizer.step`.
 
     `ShardedAdamW.step` works shard by shard, on every device: `exp_avg_sq.sqrt()` and
     its quotient by the bias correction (the denominator) are alive together, as are
     the denominator and `exp_avg / denom` with --decoupled-lr: two fp32 tensors of the
     largest shard. Gradient preparation (unscale, inf check, norm, clipping) works in
-    place or on scalars, and the parameter sync copies in place.
+    place or on scalars, and the parameter sync copies in place. Offloaded shards step on the CPU.
     """
-    largest = max((bucket.shard_numel for b in buffers for bucket in b.buckets), default=0)
+    host = offloaded_chunks(buffers, offload_fraction)
+    shards = [bucket.shard_numel for b in buffers for bucket in b.buckets]
+    largest = max((n for i, n in enumerate(shards) if i not in host), default=0)
     return STEP_TEMPORARIES * 4 * largest

@@ -7,11 +7,15 @@ and 16 bytes on host: fp32 master (a copy even of fp32 weights, which stay on th
 the model), m, v and the host copy of its gradient (whose bytes are reused as the staging of
 the updated weights in the model dtype). Weights and gradient buffers never move.
 Which elements go to host is decided per memory chunk (offload_policy.static_offloaded), so a
-measured split differs from `fraction` by at most half a chunk.
+split differs from the flag's fraction by up to half a chunk; `offloaded_chunks` makes the
+optimizer's own call on the estimator's BufferLayouts, and `chunk_fraction` is the fraction
+that call realises, which `offload_bytes` then reproduces to the byte.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
 
 HOST_BYTES_PER_ELEMENT = 16  # fp32 master, exp_avg, exp_avg_sq, gradient copy
 CPU_STEP_BYTES_PER_ELEMENT = 28  # fused AdamW: read param, grad, m, v; write param, m, v
@@ -21,6 +25,21 @@ CPU_STEP_BYTES_PER_ELEMENT = 28  # fused AdamW: read param, grad, m, v; write pa
 class OffloadBytes:
     device_bytes: int  # optimizer state left on the device
     host_bytes: int
+
+
+def offloaded_chunks(buffers: list, fraction: float) -> frozenset:
+    """Indices of this rank's shards (one per bucket, in build_shards' order) that the static
+    policy puts on host for `fraction`: the call MixedPrecisionOptimizer makes, on `buffers`
+    (the BufferLayouts of the rank's chunks)."""
+    numels = [bucket.shard_numel for b in buffers for bucket in b.buckets]
+    return static_offloaded(forward_order(buffers), numels, fraction)
+
+
+def chunk_fraction(buffers: list, fraction: float) -> float:
+    """The share of the rank's optimizer elements on host once `fraction` is rounded to whole chunks."""
+    numels = [bucket.shard_numel for b in buffers for bucket in b.buckets]
+    total = sum(numels)
+    return sum(numels[i] for i in offloaded_chunks(buffers, fraction)) / total if total else 0.0
 
 
 def offload_bytes(shard_elements: int, device_bytes_per_element: int, fraction: float) -> OffloadBytes:
@@ -33,7 +52,9 @@ def offload_bytes(shard_elements: int, device_bytes_per_element: int, fraction: 
 def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: int) -> float | None:
     """The smallest offload fraction under which a rank's certain part (weights, gradients,
     optimizer state, saved activations; optimizer state counted on the device) fits
-    `device_bytes`: 0 when it already fits, None when even full offload does not."""
+    `device_bytes`: 0 when it already fits, None when even full offload does not. The planner
+    passes the full estimate and its threshold's share of the device instead; either way the
+    fraction is before rounding to whole chunks (`chunk_fraction`)."""
     excess = certain_bytes - device_bytes
     if excess <= 0:
         return 0.0
