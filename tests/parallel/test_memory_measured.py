@@ -2,10 +2,12 @@
 
 Tiny GPT (dropout on: CPU attention takes the math path) and Llama (GQA, RoPE, SwiGLU,
 RMSNorm; CPU flash path) under DP, TP, TP+SP, CP (ring attention, also with TP+SP), PP,
-interleaved and uneven PP, recomputation, bf16 and the distributed optimizer (bucket padding,
-several buckets, an embedding tied across stages, sharded over dp x cp).
-Per rank, after one training iteration: parameters, weights, gradient buffers and optimizer
-state summed from the tensors, and the peak of saved activations over the pipeline schedule
+interleaved and uneven PP, recomputation, bf16, the distributed optimizer (bucket padding,
+several buckets, an embedding tied across stages, sharded over dp x cp) and the offload
+optimizer (full, and f = 0.5 whose whole chunks the static policy picks, also under pp x vpp).
+Per rank, after one training iteration: parameters, weights, gradient buffers, optimizer
+state on the device and on host (offloaded masters, moments and gradient copies) summed from
+the tensors, and the peak of saved activations over the pipeline schedule
 counted with saved_tensors_hooks (see tools/bench/estimator_accuracy.py, which prints the table),
 each equal to the estimate exactly; so is the number of microbatch-chunks in flight. Transients
 and allowances are not checked (CPU has no allocator statistics). One gloo world per size runs

@@ -5,14 +5,16 @@
 
 Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
-tied across stages), fp32 and bf16; GPT with dropout (SDPA math path on CPU), Llama
+tied across stages), the offload optimizer (full and half), fp32 and bf16; GPT with dropout (SDPA math path on CPU), Llama
 without (SDPA's CPU flash path), and, when the Triton interpreter is available, our
 Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters; gradients: the flat
   `main_grad` buffers (plus any `param.grad` left); optimizer: the optimizer's
-  state tensors (fp32 master copies that are not the weights, Adam moments);
+  state tensors (fp32 master copies that are not the weights, Adam moments) on the
+  device; host: the offloaded shards' fp32 masters, moments and gradient copies
+  (--optimizer-cpu-offload, full and f = 0.5);
 - activations: unique storages that autograd saves for backward, seen by
   `torch.autograd.graph.saved_tensors_hooks` around each forward of the
   pipeline executor, parameters excluded, plus the p2p-received input the
@@ -63,6 +65,8 @@ BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets per chunk, each padde
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]  # pp2: 1 layer on the first rank, 3 on the last
 NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no dropout
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
+OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
+HALF = ["--optimizer-offload-fraction", "0.5"]
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
     **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
@@ -71,13 +75,16 @@ LAYOUTS = {
         ("pp2-vpp2-full-uniform", "gpt", PP2 + VPP2 + FULL_UNIFORM),
         ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16), ("pp2-uneven-1-3", "llama", PP2 + UNEVEN),
         ("dp2-distopt", "gpt", DISTOPT), ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
-        ("cp2", "llama", CP2)],
+        ("cp2", "llama", CP2), ("dp2-offload-bf16", "llama", OFFLOAD + BF16),
+        ("dp2-offload-half-buckets", "gpt", OFFLOAD + HALF + BUCKETS),
+        ("dp2-offload-half-bf16-buckets", "llama", OFFLOAD + HALF + BF16 + BUCKETS)],
     4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
         ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
         ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
-        ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT)],
+        ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),
+        ("dp2-pp2-vpp2-offload-half-bf16-buckets", "gpt", PP2 + VPP2 + OFFLOAD + HALF + BF16 + BUCKETS)],
 }
-COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
 
 def _storage(t: torch.Tensor):
@@ -127,14 +134,25 @@ class SavedTensorMeter:
         self.peak_microbatches = max(self.peak_microbatches, len(self.live))
 
 
+def optimizer_placement(adam) -> tuple[int, int]:
+    """(device, host) bytes of optimizer state from the storages: an offloaded shard's master,
+    moments and gradient copy are host memory (on CPU the same memory, allocated apart); every
+    other state tensor is the device's."""
+    host = [t for shard, m, v in zip(adam.shards, adam.exp_avg, adam.exp_avg_sq) if shard.offloaded
+            for t in (shard.main, m, v, shard.host_grad)]
+    host_storages = {_storage(t)[0] for t in host}
+    return (_unique_bytes(t for t in adam.state_tensors() if _storage(t)[0] not in host_storages),
+            _unique_bytes(host))
+
+
 def measure(trainer: Trainer) -> dict:
     params = [p for chunk in trainer.chunks for p in chunk.module.parameters()]
     meter = SavedTensorMeter(trainer.executor, params)
     trainer.train_step(1)
     grads = [c.buffer.grad_data for c in trainer.chunks] + [p.grad for p in params if p.grad is not None]
+    device, host = optimizer_placement(trainer.optimizer.adam)
     return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(params),
-            "grads_bytes": _unique_bytes(grads),
-            "optimizer_bytes": _unique_bytes(trainer.optimizer.adam.state_tensors()),
+            "grads_bytes": _unique_bytes(grads), "optimizer_bytes": device, "host_bytes": host,
             "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
 
 
@@ -178,9 +196,9 @@ def main() -> int:
     from tests.distributed import run_distributed
 
     print("Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n")
-    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | activations "
+    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | host | activations "
           "| microbatch-chunks in flight |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     differing = 0
     for world, layouts in LAYOUTS.items():
         grouped: dict = {}
