@@ -16,6 +16,7 @@ from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
 from megatron.training.evaluation import evaluate
 from megatron.training.training import Trainer
+from tests.cli import run_cli
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,12 +106,8 @@ def test_tokens_outside_the_vocabulary_stop_every_rank_with_one_line(tmp_path):
 
 def test_cli_preprocess_then_torchrun_matches_one_rank(corpus):
     flags = MODEL + TOKENIZER + ["--data-path", corpus, "--log-interval", "1"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    one = subprocess.run([sys.executable, "pretrain_gpt.py"] + flags, capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py"]
-                         + flags + ["--tensor-model-parallel-size", "2"], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300)
+    one = run_cli("pretrain_gpt.py", flags)
+    two = run_cli("pretrain_gpt.py", flags + ["--tensor-model-parallel-size", "2"], nproc=2)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
     pattern = r"(?:lm loss|validation loss at iteration 3 on validation set \| lm loss value): (\S+) \|"

@@ -13,10 +13,6 @@ gradient all-reduce. torchrun with 4 ranks prints the one-rank losses and the sh
 """
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +21,13 @@ from megatron.core.distributed.bucket_layout import SHARD_ALIGN
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.transformer.norm import Norm
 from megatron.training.memory_check import layout_from_run
+from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer as _trainer
 from tests.parallel.layouts import named_params, train
 from tests.parallel.test_equivalence import shard
 from tools.bench.distributed_optimizer import count_collectives
 
-ROOT = Path(__file__).resolve().parents[2]
 DIST = ["--use-distributed-optimizer"]
 LR = 3e-3  # layouts.BASE
 # 8 microbatches in one process, 2-4 per dp rank; the grad norm (~1) is clipped to 0.3; buckets of
@@ -43,7 +39,8 @@ GATHER = ["--overlap-param-gather"]
 LAYOUTS = {
     1: {"dp1": DIST},
     2: {"dp2": DIST + GATHER},
-    4: {"dp4": DIST, "tp2-sp-dp2": DIST + TP2 + SP + GATHER, "pp2-vpp2-dp2": DIST + PP2 + VPP + GATHER},
+    4: {"dp4": DIST, "tp2-sp-dp2": DIST + TP2 + SP + GATHER, "pp2-vpp2-dp2": DIST + PP2 + VPP + GATHER,
+        "cp2-dp2": DIST + ["--context-parallel-size", "2"] + GATHER},
     8: {"tp2-sp-pp2-vpp2-dp2": DIST + TP2 + SP + PP2 + VPP + GATHER},
 }
 MODELS = ("gpt", "llama")
@@ -181,24 +178,13 @@ def test_fp16_skip_weight_decay_state_bytes_and_communication():
         assert counts["all_reduce"] <= 64, f"rank {rank}: only scalars are all-reduced, got {counts}"
 
 
-def _losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"lm loss: (\S+) \|", output)]
-
-
 def test_cli_torchrun_distributed_optimizer_matches_one_rank():
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-             "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-             "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    env.update({k: v for k, v in __import__("os").environ.items() if k in ("PATH", "HOME", "PYTHONPATH")})
-    one = subprocess.run([sys.executable, "pretrain_llama.py"] + flags, capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300)
-    four = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                           "pretrain_llama.py"] + flags + DIST + ["--overlap-grad-reduce", "--overlap-param-gather"],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    one = run_cli("pretrain_llama.py", TINY_LLAMA)
+    four = run_cli("pretrain_llama.py", TINY_LLAMA + DIST + ["--overlap-grad-reduce", "--overlap-param-gather"],
+                   nproc=4)
     assert one.returncode == 0, one.stderr[-2000:]
     assert four.returncode == 0, four.stderr[-2000:]
-    expected, losses = _losses(one.stdout), _losses(four.stdout)
+    expected, losses = printed_losses(one.stdout), printed_losses(four.stdout)
     assert len(expected) == 5 and len(losses) == 5
     # dp = 4 sums the 4 microbatches' gradients in another order: the 7th digit may differ
     assert all(abs(a - b) <= 2e-6 * b for a, b in zip(losses, expected)), f"{losses} vs {expected}"

@@ -12,9 +12,6 @@ losses and the offload accounting line.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +19,12 @@ import torch
 from megatron.core.memory.offload import offload_bytes
 from megatron.core.optimizer.offload_policy import placement_bytes
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer, named_params, train
 from tests.parallel.test_distributed_optimizer import COMMON, DIST, GATHER, PP2, SP, TP2, VPP, _close
 from tests.parallel.test_equivalence import shard
 
-ROOT = Path(__file__).resolve().parents[2]
 FULL = DIST + ["--optimizer-cpu-offload"]
 HALF = FULL + ["--optimizer-offload-fraction", "0.5"]
 AUTO = FULL + ["--offload-policy", "auto", "--device-memory-gb", "0.00088"]  # 0.9 MiB: keeps some chunks, not all
@@ -145,30 +142,18 @@ def test_bad_input_is_one_line(flags, message):
         parse_run_config(argv, LLAMA_DEFAULTS, 2)
 
 
-CLI = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-       "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-       "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
-
-
-def _cli(launcher: list[str], flags: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in __import__("os").environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable] + launcher + ["pretrain_llama.py"] + CLI + flags, capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
-
-
 def test_cli_budget_that_cannot_fit_is_one_line():
-    out = _cli([], FULL + ["--device-memory-gb", "0.0001"])
+    out = run_cli("pretrain_llama.py", TINY_LLAMA + FULL + ["--device-memory-gb", "0.0001"])
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "even with all optimizer state on host" in out.stderr
 
 
 def test_cli_torchrun_offload_matches_one_rank():
-    one = _cli([], [])
-    four = _cli(["-m", "torch.distributed.run", "--nproc-per-node", "4"], FULL)
+    one = run_cli("pretrain_llama.py", TINY_LLAMA)
+    four = run_cli("pretrain_llama.py", TINY_LLAMA + FULL, nproc=4)
     assert one.returncode == 0, one.stderr[-2000:]
     assert four.returncode == 0, four.stderr[-2000:]
-    losses = [[float(x) for x in re.findall(r"lm loss: (\S+) \|", o.stdout)] for o in (one, four)]
+    losses = [printed_losses(o.stdout) for o in (one, four)]
     assert len(losses[0]) == len(losses[1]) == 5
     assert all(abs(a - b) <= 2e-6 * b for a, b in zip(losses[1], losses[0])), f"{losses[1]} vs {losses[0]}"
     line = re.search(r"offload: optimizer state on device (\S+) MiB \| on host (\S+) MiB", four.stdout)

@@ -2,20 +2,14 @@
 and the CLI end to end (torchrun with 4 ranks prints the one-rank losses)."""
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.training import Trainer
+from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, train
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _trainer(model, extra):
@@ -94,22 +88,11 @@ def test_tied_embeddings_stay_identical_across_stages():
     assert torch.equal(first, last)
 
 
-def _losses(output: str) -> list[str]:
-    return re.findall(r"lm loss: (\S+) \|", output)
-
-
 def test_cli_torchrun_matches_one_rank():
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-             "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-             "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    env.update({k: v for k, v in __import__("os").environ.items() if k in ("PATH", "HOME", "PYTHONPATH")})
-    one = subprocess.run([sys.executable, "pretrain_llama.py"] + flags, capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300)
-    four = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                           "pretrain_llama.py"] + flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    one = run_cli("pretrain_llama.py", TINY_LLAMA)
+    four = run_cli("pretrain_llama.py", TINY_LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   nproc=4)
     assert one.returncode == 0, one.stderr[-2000:]
     assert four.returncode == 0, four.stderr[-2000:]
-    assert len(_losses(one.stdout)) == 5 and _losses(four.stdout) == _losses(one.stdout)
+    assert len(printed_losses(one.stdout)) == 5 and printed_losses(four.stdout) == printed_losses(one.stdout)
     assert "throughput per GPU (TFLOP/s/GPU)" in four.stdout and "number of nan iterations:   0 |" in four.stdout

@@ -3,10 +3,8 @@ the data flags validate in one line."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,19 +14,11 @@ from megatron.data.builder import build_datasets
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.tokenizers import build_tokenizer
 from megatron.training.data_args import add_data_arguments, data_config_from_args
+from tests.cli import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SPM = str(ROOT / "data/tokenizers/spm/tokenizer.model")
 CORPUS = ROOT / "data/corpus/stories.jsonl"
-
-
-def load_tool(name):
-    """Import tools/<name>.py; registered by name so its worker processes can unpickle its functions."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +16,10 @@ from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.gpt_indices import build_sample_index, plan_epochs
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from megatron.data.tokenizers import build_tokenizer
+from tests.cli import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, MERGES = str(ROOT / "data/tokenizers/gpt2-bpe/vocab.json"), str(ROOT / "data/tokenizers/gpt2-bpe/merges.txt")
-
-
-def load_tool(name):
-    """Import tools/<name>.py; registered by name so its worker processes can unpickle its functions."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

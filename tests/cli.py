@@ -1,0 +1,39 @@
+"""Running the entry points and tools as a user would, shared by the tests."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a tiny Llama with grouped-query attention on mock data: 5 iterations, every one logged
+TINY_LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+              "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+              "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
+
+
+def run_cli(script: str, flags: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python <script> flags`, or through torchrun with `nproc` ranks, from the repository root."""
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
+    env["OMP_NUM_THREADS"] = "1"
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return subprocess.run([sys.executable] + launcher + [script] + flags, capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def printed_losses(stdout: str) -> list[float]:
+    """The lm loss of every iteration line."""
+    return [float(x) for x in re.findall(r"lm loss: (\S+) \|", stdout)]
+
+
+def load_tool(name: str):
+    """Import tools/<name>.py; registered by name so its worker processes can unpickle its functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
