@@ -51,7 +51,8 @@ _NO_OP = {
         "--tiktoken-pattern V --tiktoken-num-special-tokens V",
     "training reads token ids: the tokenizer only gives the vocabulary size and the EOD id":
         "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --use-gigatoken "
-        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces --disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
     "dataset-building speed options; the indices built are the same":
         "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V "
         "--per-dataset-sequences-path V",
@@ -210,7 +211,8 @@ REFUSED = {
     "data variants": (
         "changes which tokens or samples are trained on in a way not built here",
         ("--dataloader-inter-document-masking", "--iterations-to-skip", "--phase-transition-iterations",
-         "--data-args-path", "--per-split-data-args-path", "--mid-level-dataset-surplus", "--allow-ambiguous-pad-tokens",
+         "--data-args-path", "--per-split-data-args-path", "--mid-level-dataset-surplus",
+         "--allow-ambiguous-pad-tokens",
          "--padded-vocab-size", "--no-pad-vocab-size", "--disable-pad-vocab-size", "--null-tokenizer-eod-id",
          "--null-tokenizer-pad-id", "--tokenizer-sentencepiece-legacy", "--tokenizer-special-tokens",
          "--tokenizer-metadata", "--trust-remote-code"), ("--fim-",)),
@@ -231,13 +233,15 @@ REFUSED = {
          "--query-in-block-prob", "--use-one-sent-docs", "--evidence-data-path", "--block-data-path",
          "--embedding-path"), ("--bert-", "--ict-", "--biencoder-", "--retriever-", "--indexer-", "--retro-")),
     "inference": ("inference is out of scope (training only)",
-                  ("--flash-decode", "--decode-only-cuda-graphs", "--enable-chunked-prefill", "--num-speculative-tokens",
+                  ("--flash-decode", "--decode-only-cuda-graphs", "--enable-chunked-prefill",
+                   "--num-speculative-tokens",
                    "--max-tokens-to-oom", "--use-legacy-static-engine", "--mlp-chunks-for-prefill",
                    "--nccl-all-reduce-for-prefill", "--symmetric-ar-type", "--use-same-sampling-seed-across-dp-ranks"),
                   ("--inference-", "--no-inference-")),
     "post-training": ("RL, SFT and distillation are out of scope (pre-training only)",
                       ("--perform-rl-step", "--langrl-env-config", "--refit-method", "--sft",
-                       "--sft-tokenizer-prompt-format", "--chat-template"), ("--rl-", "--no-rl-", "--grpo-", "--logits-")),
+                       "--sft-tokenizer-prompt-format", "--chat-template"),
+                      ("--rl-", "--no-rl-", "--grpo-", "--logits-")),
     "resiliency": ("fault tolerance, in-process restart, straggler detection and NVRx are out of scope",
                    ("--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters", "--replication",
                     "--replication-jump", "--replication-factor", "--log-straggler", "--disable-straggler-on-startup",
