@@ -21,7 +21,13 @@ list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 
-Exit status: 0 when some layout fits, 1 when none does, 2 on invalid input.
+When no layout fits, it proposes the offload optimizer (--use-distributed-optimizer
+--optimizer-cpu-offload): the distributed-optimizer layouts that fit with some of their
+optimizer state in host memory, each at the smallest --optimizer-offload-fraction (0.01
+steps) that fits, least offloaded first, then fastest (the step-time model leaves out the
+CPU step), with the host bytes per rank.
+
+Exit status: 0 when some layout fits (with offload or without), 1 when none does, 2 on invalid input.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD  # noqa: E402
-from megatron.core.memory.planner import RECOMPUTE, Search, plan  # noqa: E402
+from megatron.core.memory.planner import RECOMPUTE, Search, plan, plan_offload  # noqa: E402
 from megatron.core.memory.step_time import Hardware  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.memory_check import GIB, device_memory_bytes, run_config_for_tool, tool_parser  # noqa: E402
@@ -65,12 +71,33 @@ def _parser():
     return parser
 
 
+HEADER = "rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble"
+OFFLOAD_HEADER = HEADER + "  offload  host GiB"
+
+
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
-    return (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
-            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-            f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
-            f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}%")
+    row = (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
+           f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
+           f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
+           f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}%")
+    if lay.offload_fraction:
+        row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
+    return row
+
+
+def _max_host_bytes(c) -> int:
+    return max(r.host_bytes for r in c.estimate.ranks)
+
+
+def _json(c) -> dict:
+    lay, est = c.layout, c.estimate
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "virtual_stages": lay.virtual_stages, "dp": lay.dp,
+            "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
+            "recompute": c.recompute, "distributed_optimizer": lay.distributed_optimizer,
+            "offload_fraction": lay.offload_fraction, "max_host_bytes": _max_host_bytes(c),
+            "max_certain_bytes": est.max_certain_bytes, "max_total_bytes": est.max_total_bytes,
+            "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
 
 
 def main(argv: list[str]) -> int:
@@ -98,32 +125,33 @@ def main(argv: list[str]) -> int:
         hw = Hardware(peak_tflops=args.peak_tflops, matmul_efficiency=args.matmul_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                       hbm_gbps=args.hbm_gbps, gpus_per_node=args.gpus_per_node)
-        fitting, rejected, startable = plan(run.model, args.num_gpus, run.training.global_batch_size, device_bytes,
-                                 search=search, hw=hw)
+        batch = run.training.global_batch_size
+        fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search, hw=hw)
+        offloaded = [] if fitting else plan_offload(run.model, args.num_gpus, batch, device_bytes, search=search,
+                                                    hw=hw, top=args.top)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    shown = (fitting or offloaded)[: args.top]
     if args.json:
-        print(json.dumps([{"tp": c.layout.tp, "cp": c.layout.cp, "pp": c.layout.pp,
-                           "virtual_stages": c.layout.virtual_stages, "dp": c.layout.dp,
-                           "micro_batch_size": c.layout.micro_batch_size, "num_microbatches": c.layout.num_microbatches,
-                           "recompute": c.recompute, "distributed_optimizer": c.layout.distributed_optimizer,
-                           "max_certain_bytes": c.estimate.max_certain_bytes,
-                           "max_total_bytes": c.estimate.max_total_bytes,
-                           "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
-                          for c in fitting[: args.top]], indent=2))
-        return 0 if fitting else 1
-    print(f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch "
-          f"{run.training.global_batch_size}; {rejected} above {DEFAULT_THRESHOLD:.0%} of "
-          f"{device_bytes / GIB:.2f} GiB dropped ({startable} of them would still start: their certain part "
-          f"fits); {len(fitting)} fit")
-    if not fitting:
-        print("> no layout fits: add GPUs or lower --seq-length")
+        print(json.dumps([_json(c) for c in shown], indent=2))
+        return 0 if shown else 1
+    print(f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
+          f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
+          f"start: their certain part fits); {len(fitting)} fit")
+    if not shown:
+        print("> no layout fits, not even with all optimizer state offloaded to host: add GPUs or lower --seq-length")
         return 1
-    print("rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble")
-    for rank, candidate in enumerate(fitting[: args.top], start=1):
+    if offloaded:
+        best = offloaded[0].layout.offload_fraction
+        print(f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
+              f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
+              f"--optimizer-offload-fraction {best:.2f} for the first")
+    print(OFFLOAD_HEADER if offloaded else HEADER)
+    for rank, candidate in enumerate(shown, start=1):
         print(_row(rank, candidate, device_bytes))
-    print("> step times are an analytic model for ranking (see megatron/core/memory/step_time.py), not predictions")
+    print("> step times are an analytic model for ranking (see megatron/core/memory/step_time.py), not predictions"
+          + ("; they leave out the CPU step of the offloaded state" if offloaded else ""))
     return 0
 
 

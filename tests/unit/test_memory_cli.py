@@ -172,11 +172,30 @@ def test_planner_prints_ranked_layouts(capsys):
 
 
 def test_planner_exit_codes(capsys):
-    argv = ["--num-gpus", "1", "--device-memory-gb", "80"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
+    """Llama-2-7B on one 16 GiB device: its bf16 weights and fp32 gradients alone are 37.6 GiB."""
+    argv = ["--num-gpus", "1", "--device-memory-gb", "16"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
     code, out, _ = run_tool(plan_tool, argv, capsys)
-    assert code == 1 and "no layout fits" in out
+    assert code == 1 and "no layout fits, not even with all optimizer state offloaded" in out
     code, _, err = run_tool(plan_tool, ["--num-gpus", "8", "--device-memory-gb", "80"] + TINY[:-2], capsys)
     assert code == 2 and "--global-batch-size is required" in err
+
+
+def test_planner_proposes_offload_when_nothing_fits(capsys):
+    """Llama-2-7B on one 80 GiB device: no layout fits under 80%; with 70% of the optimizer
+    state on host (full recomputation) it does, and the planner prints the flags and host bytes."""
+    argv = ["--num-gpus", "1", "--device-memory-gb", "80", "--micro-batch-size", "1", "--recompute-granularity",
+            "full", "none"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 0, err
+    assert "0 fit" in out and "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.70" in out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [(row[8], row[14]) for row in rows] == [("full", "0.70"), ("none", "0.98")]
+    assert "offload  host GiB" in out and "leave out the CPU step" in out
+    code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and [row["offload_fraction"] for row in data] == [0.7, 0.98]
+    assert all(row["distributed_optimizer"] and row["max_total_bytes"] <= 0.8 * 80 * GIB for row in data)
+    assert data[0]["max_host_bytes"] > 0
 
 
 def _run(argv, world=1):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron.core.memory import MemoryLayout
-from megatron.core.memory.planner import Search, enumerate_layouts, plan
+from megatron.core.memory import estimate_memory
+from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
 from megatron.core.memory.step_time import Hardware, bubble_units, step_time
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.core.transformer.config import TransformerConfig
@@ -98,3 +99,38 @@ def test_search_restrictions():
     assert {(lay.tp, lay.pp, lay.dp, lay.distributed_optimizer, name) for _, lay, name in layouts} == {
         (2, 2, 2, True, "none")}
     assert {lay.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}
+
+
+ONE = Search(tps=(1,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("full",))
+
+
+def test_plan_offload_proposes_the_smallest_fraction_that_fits():
+    """On one 4 GiB device nothing fits under 80% (8 layers of 1024 in bf16: 1.9 GiB of optimizer
+    state); the offload plan keeps the distributed optimizer and picks the smallest 0.01 step, from
+    the share that fits by bytes up, whose whole chunks fit."""
+    device = 4 * GIB
+    assert plan(MODEL, 1, 8, device, search=ONE)[0] == []
+    (candidate,) = plan_offload(MODEL, 1, 8, device, search=ONE)
+    layout, estimate = candidate.layout, candidate.estimate
+    assert layout.distributed_optimizer and 0 < layout.offload_fraction < 1
+    assert estimate.fits(device) and estimate.ranks[0].host_bytes > 0
+    need = offload_needed(estimate_memory(candidate.config, dataclasses.replace(layout, offload_fraction=0.0)), device)
+    assert 0 < need <= layout.offload_fraction
+    below = dataclasses.replace(layout, offload_fraction=round(layout.offload_fraction - 0.01, 2))
+    assert below.offload_fraction < need or not estimate_memory(candidate.config, below).fits(device)
+    assert plan_offload(MODEL, 1, 8, GIB, search=ONE) == []  # weights, gradients and activations alone do not fit
+
+
+def test_smallest_offload_rounds_up_to_whole_chunks():
+    """With few large chunks the fraction that fits by bytes falls short once rounded to whole
+    chunks; the proposal is the first 0.01 step whose chunks fit."""
+    search = dataclasses.replace(ONE, distributed_optimizer=(True,))
+    ((config, layout, _),) = enumerate_layouts(MODEL, 1, 8, search, Hardware())
+    layout = dataclasses.replace(layout, bucket_size=40_000_000)
+    plain = estimate_memory(config, layout)
+    rank = plain.ranks[0]
+    device = int((rank.total_bytes - rank.optimizer_bytes / 3) / 0.8)  # needs a third offloaded, by bytes
+    need = offload_needed(plain, device)
+    assert need == pytest.approx(1 / 3, rel=1e-6)
+    estimate = smallest_offload(config, layout, need, device)
+    assert estimate.fits(device) and estimate.layout.offload_fraction > 0.34

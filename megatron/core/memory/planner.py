@@ -6,14 +6,18 @@ is on whenever tp > 1 (same communication volume, less activation memory). Layou
 code would refuse (sizes that do not divide, a sequence that does not split into 2 x cp
 chunks, cp with attention dropout, interleaving without enough microbatches) are
 skipped, using the same validation as training (TransformerConfig, build_schedule).
+When none fits, `plan_offload` proposes the offload optimizer: the distributed-optimizer
+layouts that fit with the smallest share of their optimizer state on host.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
 from megatron.core.memory.layout import MemoryLayout
+from megatron.core.memory.offload import fraction_that_fits
 from megatron.core.memory.step_time import Hardware, StepTime, step_time
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
 
@@ -112,3 +116,57 @@ def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, se
         fitting.append(Candidate(cfg, layout, name, estimate, step_time(cfg, layout, hw)))
     fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return fitting, rejected, startable
+
+
+def offload_needed(estimate: MemoryEstimate, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> float | None:
+    """The share of optimizer state to offload for every rank's full estimate to fit within
+    `threshold` of device memory, before rounding to whole chunks; None when even all of it does not."""
+    limit = int(threshold * device_bytes)
+    needs = [fraction_that_fits(r.total_bytes, r.optimizer_bytes, limit) for r in estimate.ranks]
+    return None if None in needs else max(needs)
+
+
+def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: int,
+                     threshold: float = DEFAULT_THRESHOLD) -> MemoryEstimate | None:
+    """The estimate at the smallest --optimizer-offload-fraction, in steps of 0.01 from `need` up,
+    that fits: the static policy offloads whole chunks, the nearest to the fraction, so `need`
+    itself can fall short by up to half a chunk; above it, a bisection (more offload never adds bytes)."""
+    def at(percent: int) -> MemoryEstimate:
+        return estimate_memory(config, dataclasses.replace(layout, offload_fraction=percent / 100))
+
+    first = math.ceil(100 * need - 1e-9)
+    best = at(first)
+    if best.fits(device_bytes, threshold):
+        return best
+    low, high, best = first + 1, 100, None
+    while low <= high:
+        percent = (low + high) // 2
+        estimate = at(percent)
+        if estimate.fits(device_bytes, threshold):
+            best, high = estimate, percent - 1
+        else:
+            low = percent + 1
+    return best
+
+
+def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
+                 hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD, top: int = 10) -> list[Candidate]:
+    """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
+    each at the smallest fraction that fits; least offloaded first (the CPU step it adds hides only
+    behind the next forward), then fastest. For when `plan` finds nothing."""
+    search = dataclasses.replace(search, distributed_optimizer=(True,))
+    needed = []
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, hw):
+        need = offload_needed(estimate_memory(cfg, layout), device_bytes, threshold)
+        if need:  # None: not even full offload fits; 0: fits without
+            needed.append((need, step_time(cfg, layout, hw), cfg, layout, name))
+    needed.sort(key=lambda n: (n[0], n[1].total_s))
+    proposals = []
+    for need, time, cfg, layout, name in needed:
+        estimate = smallest_offload(cfg, layout, need, device_bytes, threshold)
+        if estimate is not None:
+            proposals.append(Candidate(cfg, estimate.layout, name, estimate, time))
+        if len(proposals) == top:
+            break
+    proposals.sort(key=lambda c: (c.layout.offload_fraction, c.time.total_s))
+    return proposals
