@@ -187,7 +187,8 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
             "full", "none"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
-    assert "0 fit" in out and "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.70" in out
+    assert "0 fit" in out
+    assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.70" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [(row[8], row[14]) for row in rows] == [("full", "0.70"), ("none", "0.98")]
     assert "offload  host GiB" in out and "leave out the CPU step" in out

@@ -5,9 +5,9 @@
 
 Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
-tied across stages), the offload optimizer (full and half), fp32 and bf16; GPT with dropout (SDPA math path on CPU), Llama
-without (SDPA's CPU flash path), and, when the Triton interpreter is available, our
-Triton attention and norm kernels.
+tied across stages), the offload optimizer (full and half), fp32 and bf16; GPT with
+dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
+Triton interpreter is available, our Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters; gradients: the flat
@@ -21,7 +21,7 @@ Measured on each rank after one training iteration (so Adam state exists):
   executor holds until that backward; summed over the (microbatch, chunk)
   forwards alive at each point of the schedule, and the peak taken.
 The estimate is `estimate_memory` for the same RunConfig on device type "cpu".
-These are the certain part of the estimate; tests/parallel/test_memory_measured.py
+Host aside (not device memory), these are the certain part of the estimate; tests/parallel/test_memory_measured.py
 requires every component (and the microbatch-chunks in flight) to equal the
 measurement byte for byte. Transients and allowances are not measured (CPU has no
 allocator statistics).
