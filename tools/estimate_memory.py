@@ -8,9 +8,11 @@
 
 Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
 (--model-family picks whose defaults; --context-parallel-size,
---use-distributed-optimizer, --ddp-bucket-size and --decoder-first/last-pipeline-num-layers
-included) plus --num-gpus (the world size). Prints one row per pipeline rank (weights,
-grads, optimizer, activations, transients, certain, total, % of device), or --json.
+--use-distributed-optimizer, --ddp-bucket-size, --decoder-first/last-pipeline-num-layers and
+the offload optimizer's --optimizer-cpu-offload, --optimizer-offload-fraction and
+--offload-policy included; auto is estimated as full offload, its best case) plus --num-gpus
+(the world size). Prints one row per pipeline rank (weights, grads, optimizer on the device,
+activations, transients, certain, total, host: offloaded optimizer state, % of device), or --json.
 
 Exit status follows the start-up check: 1 when it would refuse the run (the
 certain part of a rank -- weights, grads, optimizer, saved activations --
