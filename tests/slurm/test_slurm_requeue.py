@@ -45,7 +45,7 @@ def _job(job: str) -> dict:
     return dict(field.split("=", 1) for field in fields if "=" in field)
 
 
-def _wait(what: str, condition, timeout: float = 180.0):
+def _wait(what: str, condition, timeout: float = 600.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
