@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import math
 import os
 import resource
@@ -82,20 +83,25 @@ def memory_line(rank: int, iteration: int, figures: dict[str, float]) -> str:
     return f"[Rank {rank}] (after {iteration} iterations) memory (MB){body}"
 
 
+def _optional_module(module: str, given: str, package: str, consequence: str):
+    """Import an optional logging backend, or warn once (one line) that the flag has no effect."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        print(f"warning: {given} given but {package} is not installed (pip install {package}); {consequence}",
+              file=sys.stderr, flush=True)
+        return None
+
+
 class TensorBoardWriter:
     """Writes scalars when tensorboard is installed; says so once when it is not."""
 
     def __init__(self, log_dir: str | None, enabled: bool):
         self.writer = None
-        if not (log_dir and enabled):
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print(f"warning: --tensorboard-dir {log_dir} given but tensorboard is not installed "
-                  "(pip install tensorboard); scalars are not written", file=sys.stderr, flush=True)
-            return
-        self.writer = SummaryWriter(log_dir=log_dir)
+        tensorboard = _optional_module("torch.utils.tensorboard", f"--tensorboard-dir {log_dir}", "tensorboard",
+                                       "scalars are not written") if log_dir and enabled else None
+        if tensorboard is not None:
+            self.writer = tensorboard.SummaryWriter(log_dir=log_dir)
 
     def scalars(self, iteration: int, values: dict) -> None:
         if self.writer is None:
@@ -112,16 +118,11 @@ class WandbWriter:
 
     def __init__(self, project: str | None, name: str | None, save_dir: str | None, config: dict, enabled: bool):
         self.run = None
-        if not (project and enabled):
-            return
-        try:
-            import wandb
-        except ImportError:
-            print(f"warning: --wandb-project {project} given but wandb is not installed (pip install wandb); "
-                  "scalars are not sent", file=sys.stderr, flush=True)
-            return
-        os.makedirs(save_dir, exist_ok=True)
-        self.run = wandb.init(project=project, name=name, dir=save_dir, config=config)
+        wandb = _optional_module("wandb", f"--wandb-project {project}", "wandb",
+                                 "scalars are not sent") if project and enabled else None
+        if wandb is not None:
+            os.makedirs(save_dir, exist_ok=True)
+            self.run = wandb.init(project=project, name=name, dir=save_dir, config=config)
 
     def scalars(self, iteration: int, values: dict) -> None:
         if self.run is not None:
