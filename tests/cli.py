@@ -25,6 +25,13 @@ def run_cli(script: str, flags: list[str], nproc: int = 1, timeout: float = 300)
                           env=env, timeout=timeout)
 
 
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """A failed run's cause: the ranks' error lines (torchrun's own report buries them), then the tail."""
+    causes = [line for line in proc.stderr.splitlines()
+              if re.search(r"Error|error:|terminate called|Traceback|Signal \d+", line)]
+    return "\n".join(causes[:40]) + "\n--- stderr tail ---\n" + proc.stderr[-1500:]
+
+
 def printed_losses(stdout: str) -> list[float]:
     """The lm loss of every iteration line."""
     return [float(x) for x in re.findall(r"lm loss: (\S+) \|", stdout)]

@@ -16,7 +16,7 @@ from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
 from megatron.training.evaluation import evaluate
 from megatron.training.training import Trainer
-from tests.cli import run_cli
+from tests.cli import explain, run_cli
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +108,8 @@ def test_cli_preprocess_then_torchrun_matches_one_rank(corpus):
     flags = MODEL + TOKENIZER + ["--data-path", corpus, "--log-interval", "1"]
     one = run_cli("pretrain_gpt.py", flags)
     two = run_cli("pretrain_gpt.py", flags + ["--tensor-model-parallel-size", "2"], nproc=2)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert two.returncode == 0, two.stderr[-2000:]
+    assert one.returncode == 0, explain(one)
+    assert two.returncode == 0, explain(two)
     pattern = r"(?:lm loss|validation loss at iteration 3 on validation set \| lm loss value): (\S+) \|"
     printed = [[float(x) for x in re.findall(pattern, out.stdout)] for out in (one, two)]
     assert len(printed[0]) == 4, one.stdout  # three iterations and the final validation

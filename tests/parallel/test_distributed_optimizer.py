@@ -21,7 +21,7 @@ from megatron.core.distributed.bucket_layout import SHARD_ALIGN
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.transformer.norm import Norm
 from megatron.training.memory_check import layout_from_run
-from tests.cli import TINY_LLAMA, printed_losses, run_cli
+from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer as _trainer
 from tests.parallel.layouts import named_params, train
@@ -182,8 +182,8 @@ def test_cli_torchrun_distributed_optimizer_matches_one_rank():
     one = run_cli("pretrain_llama.py", TINY_LLAMA)
     four = run_cli("pretrain_llama.py", TINY_LLAMA + DIST + ["--overlap-grad-reduce", "--overlap-param-gather"],
                    nproc=4)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert four.returncode == 0, four.stderr[-2000:]
+    assert one.returncode == 0, explain(one)
+    assert four.returncode == 0, explain(four)
     expected, losses = printed_losses(one.stdout), printed_losses(four.stdout)
     assert len(expected) == 5 and len(losses) == 5
     # dp = 4 sums the 4 microbatches' gradients in another order: the 7th digit may differ

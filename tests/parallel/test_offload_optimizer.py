@@ -19,7 +19,7 @@ import torch
 from megatron.core.memory.offload import offload_bytes
 from megatron.core.optimizer.offload_policy import placement_bytes
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
-from tests.cli import TINY_LLAMA, printed_losses, run_cli
+from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer, named_params, train
 from tests.parallel.test_distributed_optimizer import COMMON, DIST, GATHER, PP2, SP, TP2, VPP, _close
@@ -151,8 +151,8 @@ def test_cli_budget_that_cannot_fit_is_one_line():
 def test_cli_torchrun_offload_matches_one_rank():
     one = run_cli("pretrain_llama.py", TINY_LLAMA)
     four = run_cli("pretrain_llama.py", TINY_LLAMA + FULL, nproc=4)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert four.returncode == 0, four.stderr[-2000:]
+    assert one.returncode == 0, explain(one)
+    assert four.returncode == 0, explain(four)
     losses = [printed_losses(o.stdout) for o in (one, four)]
     assert len(losses[0]) == len(losses[1]) == 5
     assert all(abs(a - b) <= 2e-6 * b for a, b in zip(losses[1], losses[0])), f"{losses[1]} vs {losses[0]}"

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.training import Trainer
-from tests.cli import TINY_LLAMA, printed_losses, run_cli
+from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, train
 
@@ -92,7 +92,7 @@ def test_cli_torchrun_matches_one_rank():
     one = run_cli("pretrain_llama.py", TINY_LLAMA)
     four = run_cli("pretrain_llama.py", TINY_LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                    nproc=4)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert four.returncode == 0, four.stderr[-2000:]
+    assert one.returncode == 0, explain(one)
+    assert four.returncode == 0, explain(four)
     assert len(printed_losses(one.stdout)) == 5 and printed_losses(four.stdout) == printed_losses(one.stdout)
     assert "throughput per GPU (TFLOP/s/GPU)" in four.stdout and "number of nan iterations:   0 |" in four.stdout
