@@ -5,8 +5,9 @@ Megatron's two ways of growing the batch, both decided by the samples consumed s
   SAMPLES / ((G - START) / INCREMENT) samples until SAMPLES are consumed, then G.
 - `--step-batch-size-schedule "THRESHOLD:BS ..."`: batch size BS from THRESHOLD on, thresholds
   in tokens (divided by the sequence length, as Megatron does) with optional K/M/B/T suffixes.
-The data order stays a pure function of the iteration: iteration i reads the samples after
-those consumed by iterations 1..i-1.
+The data order stays a pure function of the samples consumed: iteration i reads the samples
+after those consumed by iterations 1..i-1. A run resumed with other batch sizes than the
+saving run's continues from the saved count (`resume_at`), as Megatron does.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ class BatchSizeSchedule:
     def __init__(self, global_batch_size: int, *, rampup: tuple[int, int, int] | None = None,
                  steps: tuple[tuple[int, int], ...] = ()):
         self.global_batch_size, self.rampup, self.steps = global_batch_size, rampup, steps
-        self._consumed = [0]  # samples consumed before iteration i + 1, grown on demand
+        self._first = 1  # the first iteration this schedule counts from (> 1 after `resume_at`)
+        self._consumed = [0]  # samples consumed before iteration self._first + i, grown on demand
+        self._updates = (0, 0)  # (successful updates, the learning-rate clock's samples) at self._first
         if rampup is not None:
             start, increment, samples = rampup
             if start < 1 or increment < 1 or samples < 0:
@@ -73,13 +76,31 @@ class BatchSizeSchedule:
         per_increment = samples / ((self.global_batch_size - start) // increment)
         return start + int(consumed / per_increment) * increment
 
+    def resume_at(self, iteration: int, consumed: int, updates: int, update_samples: int) -> None:
+        """Continue a run saved after `iteration` with `consumed` samples read, `updates` successful
+        updates and the learning-rate clock at `update_samples` (see `update_samples`), whatever batch
+        sizes it used: iteration `iteration` + 1 reads from sample `consumed` on, each later one after
+        its predecessor's batch, sized by this schedule at the samples consumed."""
+        self._first, self._consumed, self._updates = iteration + 1, [consumed], (updates, update_samples)
+
     def consumed_before(self, iteration: int) -> int:
         """Samples consumed by iterations 1..iteration-1 (1-based iterations)."""
+        offset = iteration - self._first
+        if offset < 0:
+            raise ValueError(f"iteration {iteration} precedes the resumed run's first ({self._first})")
         if self.constant:
-            return (iteration - 1) * self.global_batch_size
-        while len(self._consumed) < iteration:
+            return self._consumed[0] + offset * self.global_batch_size
+        while len(self._consumed) <= offset:
             self._consumed.append(self._consumed[-1] + self.at(self._consumed[-1]))
-        return self._consumed[iteration - 1]
+        return self._consumed[offset]
+
+    def update_samples(self, updates: int) -> int:
+        """The learning-rate schedule's clock after `updates` successful updates: Megatron advances it by
+        the global batch size of each successful update only. Counted from the resume point: the saved
+        clock plus the samples of the iterations since, the k-th update after it taken as the k-th
+        iteration's (exact unless an fp16 iteration was skipped while the batch size changed)."""
+        saved_updates, saved_samples = self._updates
+        return saved_samples + self.consumed_before(self._first + updates - saved_updates) - self._consumed[0]
 
     def iterations_for(self, train_samples: int) -> int:
         """--train-samples -> iterations, as Megatron counts: G-sized batches rounded down; with a

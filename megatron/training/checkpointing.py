@@ -21,6 +21,7 @@ Same layout, same flags: the resumed run repeats the uninterrupted one bit for b
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -177,6 +178,7 @@ def save_checkpoint(root: str, iteration: int, trainer) -> str:
               + optimizer_pieces(trainer, tied_copies=False, master=master)
               + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
     metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
+                "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
                 "model": model_args(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
                 "contents": ["model", "rng", "optimizer"]}
@@ -195,6 +197,7 @@ class CheckpointInfo:
     directory: str
     iteration: int
     metadata: dict
+    notes: tuple[str, ...] = ()  # lines for the log once loaded
 
 
 def find_checkpoint(root: str) -> CheckpointInfo | None:
@@ -239,18 +242,27 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> None:
                               "to start the optimizer fresh")
 
 
-def _check_data_position(info: CheckpointInfo, run) -> None:
-    """The data order is a function of the samples consumed: the flags' batch sizes must reach the
-    checkpoint's count at its iteration (they do unless the batch size or its ramp-up changed)."""
-    expected = consumed_samples(run, info.iteration)
-    if info.metadata["consumed_samples"] != expected:
-        raise CheckpointError(f"{info.directory}: {info.metadata['consumed_samples']} samples consumed by iteration "
-                              f"{info.iteration}, the flags' batch sizes give {expected} (--global-batch-size or "
-                              "--rampup-batch-size changed); resume with the saved batch sizes or use --finetune")
+def _continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
+    """The data order is a function of the samples consumed. When the flags' batch sizes reach another
+    count at the checkpoint's iteration (--global-batch-size or its ramp-up changed), the run continues
+    from the saved count, as Megatron does: the batch schedule restarts there, and the learning-rate
+    clock from its saved value (from 0 when the optimizer state is not loaded, as Megatron's scheduler)."""
+    saved, expected = info.metadata["consumed_samples"], consumed_samples(run, info.iteration)
+    if saved == expected:
+        return info
+    fresh = run.checkpoint.no_load_optim
+    updates = 0 if fresh else info.metadata["optimizer"]["step"]
+    clock = 0 if fresh else info.metadata.get("update_samples", saved)  # absent: written before batch changes
+    run.training.batch_schedule.resume_at(info.iteration, saved, updates, clock)
+    note = (f"> {info.directory}: {saved} samples consumed by iteration {info.iteration} (the flags' batch sizes "
+            f"would give {expected}); continuing from sample {saved} at global batch size "
+            f"{run.training.batch_schedule.at(saved)}")
+    return dataclasses.replace(info, notes=info.notes + (note,))
 
 
 def checkpoint_to_load(run) -> CheckpointInfo | None:
-    """The checkpoint --load names, checked against the flags before any process group exists;
+    """The checkpoint --load names, checked against the flags before any process group exists (and
+    before the datasets are sized: the run's batch schedule continues from the saved sample count);
     None without --load or for an empty directory (a fresh start)."""
     if run.checkpoint.load is None:
         return None
@@ -258,7 +270,7 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     if info is not None:
         check_compatible(info, run.model, run.checkpoint)
         if not run.checkpoint.finetune:
-            _check_data_position(info, run)
+            info = _continue_data_position(info, run)
     return info
 
 
@@ -280,7 +292,7 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     from, lines for the log). Files are verified before anything is read."""
     verify_files(info.directory, info.metadata["files"])
     read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
-    notes = [f"> loaded {info.directory} (iteration {info.iteration})"]
+    notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")

@@ -5,9 +5,11 @@ bit for bit, the losses and grad norms of iterations 4-6 of the uninterrupted ru
 bf16 and fp16 with a growing loss scale, distributed optimizer, dropout on).
 Reshard: what TP2 x PP2 (2 virtual stages) saved after 3 iterations continues in other layouts
 (TP1 x PP4, TP4, DP4 with the distributed optimizer, CP2) as the one-rank continuation does.
+Batch size: saved at global batch 8 after 3 iterations, resumed at 16, the run reads from sample 24 on.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.data.batches import microbatch_indices
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags
@@ -100,3 +103,52 @@ def test_optimizer_state_reshards_into_any_layout(tmp_path):
         for layout, steps in zip(RESHARDED[world], resumed[world]):
             torch.testing.assert_close(torch.tensor(steps, dtype=torch.float64), reference, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{layout}: {m}")
+
+
+class _Recording:
+    """A dataset that records which sample indices were read."""
+
+    def __init__(self, dataset):
+        self.dataset, self.read = dataset, set()
+
+    def __getitem__(self, index):
+        self.read.add(index)
+        return self.dataset[index]
+
+    def __len__(self):
+        return len(self.dataset)
+
+
+def _batch_size_changed(rank: int, root: str) -> dict:
+    stopped = Trainer(_run("llama", []), torch.device("cpu"))  # global batch 8
+    _steps(stopped, 1, 3)
+    save_checkpoint(root, 3, stopped)
+    run = _run("llama", ["--global-batch-size", "16", "--load", root])
+    info = checkpoint_to_load(run)  # before the Trainer, as pretrain does: the datasets are sized after it
+    trainer = Trainer(run, torch.device("cpu"))
+    iteration, notes = load_checkpoint(info, trainer, run.checkpoint)
+    lr_at_resume = trainer.learning_rates()[0]
+    trainer.dataset = recording = _Recording(trainer.dataset)
+    steps = _steps(trainer, iteration + 1, 6)
+    return {"iteration": iteration, "notes": notes, "plans": [trainer._train_plan(i) for i in range(4, 7)],
+            "read": recording.read, "steps": steps, "lr": (lr_at_resume, run.lr_schedule(24)),
+            "lr_after": (trainer.learning_rates()[0], run.lr_schedule(72)),
+            "saved_after": json.load(open(os.path.join(save_checkpoint(root, 6, trainer), "metadata.json")))}
+
+
+def test_resume_with_another_global_batch_size_continues_from_the_saved_samples(tmp_path):
+    results = run_distributed(2, _batch_size_changed, str(tmp_path))  # dp = 2
+    first = results[0]
+    assert first["iteration"] == 3
+    assert any("24 samples consumed by iteration 3 (the flags' batch sizes would give 48); continuing from sample 24"
+               in line for line in first["notes"]), first["notes"]
+    # an uninterrupted run at global batch 16 from sample 24: iteration k reads 24 + 16 (k - 1) onwards
+    assert first["plans"] == [(24, 4), (40, 4), (56, 4)]
+    expected = {i for k, consumed in enumerate((24, 40, 56)) for rank in range(2) for mb in range(4)
+                for i in microbatch_indices(consumed, mb, micro_batch_size=2, dp_size=2, dp_rank=rank)}
+    assert expected == set(range(24, 72))
+    read = set().union(*(r["read"] for r in results))
+    assert expected <= read and read - expected <= set(range(72, 88)), sorted(read)  # plus iteration 7 prefetched
+    assert all(loss == loss and norm is not None for loss, norm in first["steps"]), first["steps"]
+    assert first["lr"][0] == first["lr"][1] and first["lr_after"][0] == first["lr_after"][1], first
+    assert first["saved_after"]["consumed_samples"] == 72 and first["saved_after"]["update_samples"] == 72
