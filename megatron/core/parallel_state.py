@@ -1,8 +1,13 @@
 """The process mesh: one object holding the tp, cp, dp and pp process groups.
 
-Built once from a `torch.distributed.device_mesh.DeviceMesh` with dimension order
-(pp, dp, cp, tp) so tp varies fastest (tp ranks are neighbours and stay inside a
-node). Everything that communicates receives this object, or one of its groups,
+Ranks are numbered by a rank order, fastest-varying dimension first, as Megatron's
+RankGenerator order strings are: the default "tp-cp-dp-pp" keeps tp ranks neighbours
+(inside a node) and pipeline stages furthest apart; `--use-tp-pp-dp-mapping` swaps
+the last two ("tp-cp-pp-dp", dp slowest). `ParallelDims` is the one definition of
+that numbering (coords, rank_of); `ParallelMesh` builds a
+`torch.distributed.device_mesh.DeviceMesh` whose dimensions are the order reversed
+(slowest first: row-major rank = rank_of) and derives every group from it.
+Everything that communicates receives this object, or one of its groups,
 explicitly; there are no module-level process groups.
 """
 from __future__ import annotations
@@ -12,20 +17,28 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")
+DEFAULT_ORDER = ("tp", "cp", "dp", "pp")     # Megatron's "tp-cp-ep-dp-pp" (ep is 1 here)
+TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")    # --use-tp-pp-dp-mapping: Megatron's "tp-cp-ep-pp-dp"
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the four parallel dimensions; validated against the world size."""
+    """Sizes of the four parallel dimensions and the rank order (fastest first); validated
+    against the world size."""
 
     tp: int = 1
     cp: int = 1
     dp: int = 1
     pp: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER
+
+    def __post_init__(self):
+        if sorted(self.order) != sorted(DEFAULT_ORDER):
+            raise ValueError(f"rank order must name tp, cp, dp and pp once each, got {'-'.join(self.order)}")
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                   order: tuple[str, ...] = DEFAULT_ORDER) -> "ParallelDims":
         """Infer dp from the world size, as Megatron does; refuse sizes that do not divide."""
         for name, size in (("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
                            ("--pipeline-model-parallel-size", pp)):
@@ -37,25 +50,37 @@ class ParallelDims:
                 f"world size {world_size} is not divisible by tensor ({tp}) x context ({cp}) x "
                 f"pipeline ({pp}) parallel sizes = {model_parallel}; launch a multiple of {model_parallel} ranks"
             )
-        return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp)
+        return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp, order=order)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
+    def size(self, name: str) -> int:
+        return getattr(self, name)
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """DeviceMesh dimension names, slowest first, so that a rank's row-major index is its rank."""
+        return tuple(reversed(self.order))
+
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a global rank (tp fastest, then cp, dp, pp)."""
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        dp_rank = (rank // (self.tp * self.cp)) % self.dp
-        pp_rank = rank // (self.tp * self.cp * self.dp)
-        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+        """Mesh coordinates of a global rank (the first dimension of `order` varies fastest)."""
+        coords = {}
+        for name in self.order:
+            rank, coords[name] = divmod(rank, self.size(name))
+        return coords
 
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        """The global rank at these coordinates: the inverse of `coords`."""
+        coords, rank = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}, 0
+        for name in self.mesh_dims:
+            rank = rank * self.size(name) + coords[name]
+        return rank
 
     def describe(self) -> str:
-        return f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} (world size {self.world_size})"
+        return (f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} (world size {self.world_size}, "
+                f"rank order {'-'.join(self.order)})")
 
 
 class ParallelMesh:
@@ -72,7 +97,7 @@ class ParallelMesh:
         self.dims = dims
         self.rank = dist.get_rank()
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device_type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=MESH_DIMS
+            device_type, tuple(dims.size(name) for name in dims.mesh_dims), mesh_dim_names=dims.mesh_dims
         )
         self.tp_group = self.device_mesh.get_group("tp")
         self.cp_group = self.device_mesh.get_group("cp")
@@ -82,15 +107,14 @@ class ParallelMesh:
         coords = dims.coords(self.rank)
         self.tp_rank, self.cp_rank = coords["tp"], coords["cp"]
         self.dp_rank, self.pp_rank = coords["dp"], coords["pp"]
-        self.pp_ranks = [dims.rank_of(self.tp_rank, self.cp_rank, self.dp_rank, p) for p in range(dims.pp)]
+        self.pp_ranks = [dims.rank_of(**{**coords, "pp": p}) for p in range(dims.pp)]
         self.embedding_group = self._embedding_group()
 
     def _dp_cp_group(self):
         """Ranks that hold the same model shard (same tp and pp rank): gradients are averaged and
         optimizer state sharded over them. Built with public API (DeviceMesh can only flatten
         dimensions through a private method)."""
-        mesh = self.device_mesh.mesh  # [pp, dp, cp, tp]
-        ranks = mesh.permute(0, 3, 1, 2).reshape(self.dims.pp * self.dims.tp, -1).tolist()
+        ranks = self._mesh_as("tp", "pp", "dp", "cp").reshape(self.dims.tp * self.dims.pp, -1).tolist()
         group, _ = dist.new_subgroups_by_enumeration(ranks)
         return group
 
@@ -100,11 +124,15 @@ class ParallelMesh:
         if self.dims.pp == 1:
             return None
         mine = None
-        for pp_ranks in self.device_mesh.mesh.reshape(self.dims.pp, -1).t().tolist():
+        for pp_ranks in self._mesh_as("tp", "cp", "dp", "pp").reshape(-1, self.dims.pp).tolist():
             group = dist.new_group([pp_ranks[0], pp_ranks[-1]])
             if self.rank in (pp_ranks[0], pp_ranks[-1]):
                 mine = group
         return mine
+
+    def _mesh_as(self, *names: str):
+        """The mesh's rank tensor with its dimensions permuted to `names`, whatever the rank order."""
+        return self.device_mesh.mesh.permute(*(self.dims.mesh_dims.index(n) for n in names))
 
     @property
     def tp_size(self) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.lr_schedule import LRSchedule
-from megatron.core.parallel_state import ParallelDims
+from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
 from megatron.data.config import DataConfig
 from megatron.training.eval_args import EvalConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
@@ -14,6 +14,7 @@ from megatron.core.transformer.config import TransformerConfig
 from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
 from megatron.training.logging_args import LoggingConfig
+from megatron.training.parallel_args import rank_order_from_args
 
 
 @dataclass
@@ -29,11 +30,13 @@ class ParallelConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
 
     @classmethod
     def from_args(cls, args, world_size: int) -> "ParallelConfig":
         dims = ParallelDims.from_world(world_size, tp=args.tensor_model_parallel_size,
-                                       cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size)
+                                       cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
+                                       order=rank_order_from_args(args))
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
             raise ValueError("--distributed-timeout-minutes must be >= 1")
@@ -43,7 +46,7 @@ class ParallelConfig:
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
                    ddp=ddp, first_stage_layers=args.decoder_first_pipeline_num_layers,
-                   last_stage_layers=args.decoder_last_pipeline_num_layers)
+                   last_stage_layers=args.decoder_last_pipeline_num_layers, rank_order=dims.order)
 
     @staticmethod
     def _virtual_stages(args, pp: int) -> int:
@@ -73,7 +76,7 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order)
 
     def validate_layers(self, num_layers: int) -> None:
         """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""

@@ -177,7 +177,7 @@ REFUSED = {
     "multi-token prediction": ("multi-token prediction is out of scope", (), ("--mtp-",)),
     "parallelism and memory savings": (
         "a parallel layout or memory saving not built here (the memory estimate would not hold)",
-        ("--use-tp-pp-dp-mapping", "--tensor-parallel-num-weight-shards", "--hierarchical-context-parallel-sizes",
+        ("--tensor-parallel-num-weight-shards", "--hierarchical-context-parallel-sizes",
          "--max-seqlen-per-dp-cp-rank", "--hybrid-context-parallel", "--account-for-embedding-in-pipeline-split",
          "--account-for-loss-in-pipeline-split", "--pipeline-model-parallel-layout", "--cpu-offloading-num-layers",
          "--cpu-offloading-retain-pinned-cpu-buffers", "--fine-grained-activation-offloading", "--offload-modules",

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.core.parallel_state import DEFAULT_ORDER, TP_PP_DP_ORDER
+
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("parallelism")
@@ -17,6 +19,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="number ranks tp fastest, then cp, pp, dp (Megatron's tp-cp-ep-pp-dp order): the "
+                        "stages of one pipeline are neighbours, data-parallel replicas furthest apart")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam moments over dp x cp (ZeRO-1/2): gradients are "
@@ -39,3 +44,8 @@ def cp_comm_type_from_args(args) -> str:
     if len(set(args.cp_comm_type)) > 1:
         raise ValueError(f"--cp-comm-type: one type for every layer only, got {' '.join(args.cp_comm_type)}")
     return args.cp_comm_type[0]
+
+
+def rank_order_from_args(args) -> tuple[str, ...]:
+    """Megatron's rank order: tp-cp-dp-pp by default, tp-cp-pp-dp with --use-tp-pp-dp-mapping."""
+    return TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER
