@@ -98,7 +98,7 @@ class Trainer:
         run = self.run
         if run.lr_schedule is None:
             return run.optimizer.lr, None
-        samples = run.training.batch_schedule.consumed_before(self.optimizer.adam.step_count + 1)
+        samples = run.training.batch_schedule.update_samples(self.optimizer.adam.step_count)
         decoupled = run.decoupled_lr_schedule
         return run.lr_schedule(samples), decoupled(samples) if decoupled is not None else None
 
