@@ -13,6 +13,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    async_save: bool = False
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -29,7 +30,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="load the model only and start from iteration 0 (no optimizer, RNG or iteration)")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist: sharded, layout-independent (torch.distributed.checkpoint)")
-    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--async-save", action="store_true",
+                   help="copy the state to host memory and write it in the background; the tracker moves once "
+                        "every rank has written")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: finish the iteration, save (with --save) and exit 0")
     g.add_argument("--exit-interval", type=int, help="exit (after saving, with --save) at an iteration divisible by N")
@@ -43,15 +46,15 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
     if args.ckpt_format == "torch":
         raise ValueError("--ckpt-format torch (per-rank files bound to one parallel layout) is not supported; "
                          "use --ckpt-format torch_dist (sharded, loads into any layout)")
-    if args.async_save:
-        raise ValueError("--async-save is not supported yet: checkpoints are saved synchronously (drop the flag)")
     for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins)):
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save (the directory to save into)")
+    if args.async_save and not args.save:
+        raise ValueError("--async-save needs --save (the directory to save into)")
     return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-                            exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
-                            exit_duration_in_mins=args.exit_duration_in_mins)
+                            async_save=args.async_save, exit_signal_handler=args.exit_signal_handler,
+                            exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins)

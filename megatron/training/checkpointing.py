@@ -145,19 +145,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
-    """Write `pieces` as the checkpoint `<root>/iter_NNNNNNN` with `metadata` (plus format, iteration
-    and file digests) and point the tracker at it. A collective when torch.distributed is initialised
-    (every rank writes its own pieces); also runs in one process (a converter)."""
-    final = iteration_dir(root, iteration)
-    staging = final + ".tmp"
+def prepare_staging(root: str, iteration: int) -> str:
+    """The empty temporary directory a save of `iteration` writes into (a collective)."""
+    staging = iteration_dir(root, iteration) + ".tmp"
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
     _barrier()
-    files = write_pieces(pieces, staging)
-    digests = digest_files(staging, files)
+    return staging
+
+
+def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict) -> str:
+    """Once every rank's files are in the staging directory: rank 0 writes metadata.json (with format,
+    iteration and the files' digests), renames the directory and only then points the tracker at it
+    (a collective). Returns the checkpoint's directory."""
+    final = iteration_dir(root, iteration)
     if _rank() == 0:
+        staging = final + ".tmp"
         record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
                   "files": digests}
         _write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
@@ -169,9 +173,18 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return final
 
 
-def save_checkpoint(root: str, iteration: int, trainer) -> str:
-    """Save model, optimizer state, RNG states and the data position after `iteration` as
-    `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces). Returns the directory."""
+def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
+    """Write `pieces` as the checkpoint `<root>/iter_NNNNNNN` with `metadata` (plus format, iteration
+    and file digests) and point the tracker at it. A collective when torch.distributed is initialised
+    (every rank writes its own pieces); also runs in one process (a converter)."""
+    staging = prepare_staging(root, iteration)
+    files = write_pieces(pieces, staging)
+    return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
+
+
+def checkpoint_contents(trainer, iteration: int) -> tuple[list[TensorPiece], dict]:
+    """(this rank's pieces: model, optimizer state and RNG states; the metadata) of a save after
+    `iteration`. The pieces are views of the live tensors."""
     trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
     master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
     pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
@@ -182,7 +195,13 @@ def save_checkpoint(root: str, iteration: int, trainer) -> str:
                 "model": model_args(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
                 "contents": ["model", "rng", "optimizer"]}
-    return commit_checkpoint(root, iteration, pieces, metadata)
+    return pieces, metadata
+
+
+def save_checkpoint(root: str, iteration: int, trainer) -> str:
+    """Save model, optimizer state, RNG states and the data position after `iteration` as
+    `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces). Returns the directory."""
+    return commit_checkpoint(root, iteration, *checkpoint_contents(trainer, iteration))
 
 
 def consumed_samples(run, iteration: int) -> int:

@@ -225,8 +225,10 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "exiting after iteration 3: --exit-interval 3 reached" in first.stdout
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
-    resumed = _pretrain("--train-iters", "4", "--load", ckpt, "--save", ckpt)
+    resumed = _pretrain("--train-iters", "4", "--load", ckpt, "--save", ckpt, "--async-save")
     assert resumed.returncode == 0, resumed.stderr
+    assert f"> saving {ckpt}/iter_0000004.tmp in the background" in resumed.stdout
+    assert f"> saved {ckpt}/iter_0000004 (written in the background)" in resumed.stdout
     assert "iteration        4/       4" in resumed.stdout and "iteration        3/" not in resumed.stdout
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
     refused = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--num-layers", "4")
@@ -237,7 +239,7 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--ckpt-format", "torch"], "--ckpt-format torch"),
-    (["--async-save"], "--async-save is not supported"),
+    (["--async-save"], "--async-save needs --save"),
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--exit-interval", "0"], "--exit-interval must be > 0"),
 ])

@@ -6,17 +6,23 @@ bf16 and fp16 with a growing loss scale, distributed optimizer, dropout on).
 Reshard: what TP2 x PP2 (2 virtual stages) saved after 3 iterations continues in other layouts
 (TP1 x PP4, TP4, DP4 with the distributed optimizer, CP2) as the one-rank continuation does.
 Batch size: saved at global batch 8 after 3 iterations, resumed at 16, the run reads from sample 24 on.
+Async save: written in the background while iteration 4 changes the weights, the checkpoint of
+iteration 3 resumes bit for bit; the tracker moves only when the save is finalized.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.core.checkpointing import write_pieces
+from megatron.training import checkpoint_saver
+from megatron.training.checkpoint_saver import CheckpointSaver
+from megatron.training.checkpointing import TRACKER, checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.data.batches import microbatch_indices
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
@@ -152,3 +158,50 @@ def test_resume_with_another_global_batch_size_continues_from_the_saved_samples(
     assert all(loss == loss and norm is not None for loss, norm in first["steps"]), first["steps"]
     assert first["lr"][0] == first["lr"][1] and first["lr_after"][0] == first["lr_after"][1], first
     assert first["saved_after"]["consumed_samples"] == 72 and first["saved_after"]["update_samples"] == 72
+
+
+ASYNC_CASE = ("llama", ["--bf16"] + DIST_OPT + DROPOUT)
+
+
+def _tracker(root: str) -> str | None:
+    path = os.path.join(root, TRACKER)
+    return open(path).read() if os.path.isfile(path) else None
+
+
+def _async_saves(rank: int, root: str) -> dict:
+    model, flags = ASYNC_CASE
+    straight = _steps(Trainer(_run(model, flags), torch.device("cpu")), 1, 6)
+    trainer = Trainer(_run(model, flags), torch.device("cpu"))
+    saver = CheckpointSaver(root, trainer, lambda line: None, asynchronous=True)
+    _steps(trainer, 1, 1)
+    saver.save(1)
+    saver.finish()
+    _steps(trainer, 2, 3)
+    released = threading.Event()  # the writer starts only after iteration 4 has changed the weights
+    checkpoint_saver.write_pieces = lambda *args: (released.wait(), write_pieces(*args))[1]
+    try:
+        saver.save(3)
+        _steps(trainer, 4, 4)
+        saver.poll()  # the writers are held: nothing is finalized
+        pending = {"tracker": _tracker(root), "final": os.path.isdir(os.path.join(root, "iter_0000003"))}
+        released.set()
+        saver.finish()
+    finally:
+        checkpoint_saver.write_pieces = write_pieces
+    finalized = _tracker(root)
+    resumed = _resumed(model, flags, root)
+    saver.save(5)  # a crash before finalizing: the writer finishes, nothing finalizes the save
+    saver.pending.written.result()
+    dist.barrier()
+    crashed = {"tracker": _tracker(root), "tmp": os.path.isdir(os.path.join(root, "iter_0000005.tmp")),
+               "loads": checkpoint_to_load(_run(model, flags + ["--load", root])).iteration}
+    return {"straight": straight[3:], "resumed": resumed, "pending": pending, "finalized": finalized,
+            "crashed": crashed}
+
+
+def test_async_save_resumes_bit_for_bit_and_moves_the_tracker_only_when_finalized(tmp_path):
+    for result in run_distributed(2, _async_saves, str(tmp_path)):
+        assert result["pending"] == {"tracker": "1", "final": False}, result["pending"]
+        assert result["finalized"] == "3"
+        assert result["resumed"] == result["straight"], result
+        assert result["crashed"] == {"tracker": "3", "tmp": True, "loads": 3}, result["crashed"]

@@ -39,10 +39,15 @@ def _merge(local: dict) -> dict:
     return {key: value for part in parts for key, value in part.items()}
 
 
+def digest_share(directory: str, names: list[str]) -> dict[str, dict]:
+    """Digests of this rank's share of `names` (no communication: a background thread may call it)."""
+    return {name: file_digest(os.path.join(directory, name)) for name in _my_share(sorted(names))}
+
+
 def digest_files(directory: str, names: list[str]) -> dict[str, dict]:
     """Digest of every file in `names` (relative to `directory`), computed in parallel over the ranks;
     every rank receives all of them."""
-    return _merge({name: file_digest(os.path.join(directory, name)) for name in _my_share(sorted(names))})
+    return _merge(digest_share(directory, names))
 
 
 def _problem(directory: str, name: str, expected: dict) -> str | None:

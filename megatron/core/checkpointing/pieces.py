@@ -25,6 +25,7 @@ pieces with equal name and offsets).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ class TensorPiece:
     sizes: tuple[int, ...]
     dtype: torch.dtype
     tensor: Callable[[], torch.Tensor]
+
+    def snapshot(self) -> "TensorPiece":
+        """This piece with its data copied to host memory now: a background writer then writes the
+        values of this moment while training goes on changing the original."""
+        data = self.tensor().detach().to("cpu", copy=True)
+        return dataclasses.replace(self, tensor=lambda: data)
 
     @classmethod
     def whole(cls, name: str, tensor: torch.Tensor) -> "TensorPiece":
