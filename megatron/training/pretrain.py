@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
-from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint_saver import CheckpointSaver
+from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
 from megatron.training.offload_run import check_offload_budget
@@ -88,11 +89,9 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
     training = run.training
     log = IterationLog(trainer, emit, first_iteration=start_iteration + 1)
     profiler = IterationProfiler(run.logging, dist.get_rank(), trainer.device)
-
-    def save(iteration: int) -> None:
-        emit(f"> saved {save_checkpoint(run.checkpoint.save, iteration, trainer)}")
-
-    control = RunControl(run.checkpoint, save, trainer.device)
+    saver = (CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save)
+             if run.checkpoint.save else None)
+    control = RunControl(run.checkpoint, saver.save if saver is not None else None, trainer.device)
     validation = Validation(trainer, emit, log)
     iteration = start_iteration
     try:
@@ -102,14 +101,19 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
             trace = profiler.after(iteration)
             if trace:
                 print(f"> rank {dist.get_rank()}: profiler trace written to {trace}", flush=True)
+            if saver is not None:
+                saver.poll()  # finalizes a background save once every rank has written it
             stop = control.after_iteration(iteration, training.train_iters)
             log.report(iteration, result, elapsed, force=iteration == training.train_iters or stop is not None)
             if iteration % run.evaluation.interval == 0 and iteration != training.train_iters:
                 validation.run(iteration)
             if stop is not None:
                 emit(f"> exiting after iteration {iteration}: {stop}")
-                return
-        validation.at_end(iteration)
+                break
+        else:
+            validation.at_end(iteration)
+        if saver is not None:
+            saver.finish()  # a background save completes before the run ends
     finally:
         profiler.stop()
         log.close()
