@@ -128,7 +128,7 @@ _NO_OP = {
         "--disable-ckpt-load-validate-sharding-integrity --dist-ckpt-strictness V --dist-ckpt-workers V "
         "--dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable "
         "--distrib-optim-fully-reshardable-mem-efficient --ckpt-drop-redundant-extra-state",
-    "only used by --async-save, which is refused here":
+    "--async-save here writes from one background thread per rank, staged in host memory":
         "--async-strategy V --use-persistent-ckpt-worker --async-ckpt-cpu-priority V --async-ckpt-io-priority V "
         "--async-ckpt-use-cpu-shm",
     "checkpoints always hold the optimizer and RNG states": "--no-save-optim --no-save-rng",
