@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.pipeline_parallel.microbatch import Microbatch
+
 
 def microbatch_indices(consumed_samples: int, microbatch: int, *, micro_batch_size: int, dp_size: int,
                        dp_rank: int) -> range:
@@ -17,11 +19,22 @@ def microbatch_indices(consumed_samples: int, microbatch: int, *, micro_batch_si
     return range(start, start + micro_batch_size)
 
 
-def collate(samples: list[dict], device) -> tuple:
-    """(tokens [b, s], labels [b, s], loss_mask [b, s]) on `device`. On CUDA the batch goes
-    through pinned host memory with a non-blocking copy, so it never stalls the host."""
+def model_input_fields(data_config) -> tuple[str, ...]:
+    """The per-sample model inputs the data flags ask for (None: mock data, which has none):
+    position ids with --reset-position-ids, document ids with --reset-attention-mask."""
+    if data_config is None:
+        return ()
+    wanted = (("position_ids", data_config.reset_position_ids), ("document_ids", data_config.reset_attention_mask))
+    return tuple(name for name, on in wanted if on)
+
+
+def collate(samples: list[dict], device, model_inputs: tuple[str, ...] = ()) -> Microbatch:
+    """The Microbatch of `samples` on `device`, with the fields `model_inputs` besides tokens,
+    labels and loss mask. On CUDA the batch goes through pinned host memory with a
+    non-blocking copy, so it never stalls the host."""
     device = torch.device(device)
-    stacked = (torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask"))
+    stacked = {key: torch.stack([s[key] for s in samples])
+               for key in ("tokens", "labels", "loss_mask") + tuple(model_inputs)}
     if device.type != "cuda":
-        return tuple(t.to(device) for t in stacked)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in stacked)
+        return Microbatch(**{key: t.to(device) for key, t in stacked.items()})
+    return Microbatch(**{key: t.pin_memory().to(device, non_blocking=True) for key, t in stacked.items()})

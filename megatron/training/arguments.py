@@ -23,7 +23,7 @@ from megatron.training.megatron_compat import (
     refuse_out_of_scope,
     strip_fusion_toggles,
 )
-from megatron.training.model_args import add_model_arguments, transformer_config_from_args
+from megatron.training.model_args import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
 from megatron.training.optimizer_args import (
     DEFAULT_LR,
     add_optimizer_arguments,
@@ -74,9 +74,28 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
     return parser
 
 
+def _refuse_unsupported_resets(args) -> None:
+    """--reset-position-ids/--reset-attention-mask need documents (real data). The document mask
+    is an explicit [b, 1, s, s] mask for torch's SDPA: the Triton flash kernel has no document
+    boundaries, and a cp rank's two chunks are not one contiguous sequence."""
+    for flag, value in (("--reset-position-ids", args.reset_position_ids),
+                        ("--reset-attention-mask", args.reset_attention_mask)):
+        if value and args.mock_data:
+            raise ArgumentError(f"{flag} needs --data-path: mock data has no documents")
+    if not args.reset_attention_mask:
+        return
+    if ATTENTION_BACKENDS[args.attention_backend] == "triton":
+        raise ArgumentError("--reset-attention-mask needs --attention-backend auto or torch: "
+                            "the Triton flash kernel has no document boundaries")
+    if args.context_parallel_size > 1:
+        raise ArgumentError("--reset-attention-mask is not supported with --context-parallel-size > 1; "
+                            "leave one out")
+
+
 def _data_config(args) -> DataConfig | None:
     """None for --mock-data; else the validated data flags. A real tokenizer sets the model's
     vocabulary (--vocab-size is only for mock data and NullTokenizer)."""
+    _refuse_unsupported_resets(args)
     if args.mock_data:
         if args.data_path or args.train_data_path:
             raise ArgumentError("give either --mock-data or --data-path/--train-data-path, not both")
@@ -85,11 +104,6 @@ def _data_config(args) -> DataConfig | None:
         return None
     if not args.data_path and not args.train_data_path:
         raise ArgumentError("no training data: pass --data-path with a tokenizer, or --mock-data with --vocab-size")
-    for flag, value in (("--reset-position-ids", args.reset_position_ids),
-                        ("--reset-attention-mask", args.reset_attention_mask)):
-        if value:
-            raise ArgumentError(f"{flag} is not supported yet (positions and attention run over whole samples); "
-                                "leave it out")
     data = data_config_from_args(args)
     args.vocab_size = build_tokenizer(**data.tokenizer_args()).vocab_size
     return data

@@ -3,7 +3,8 @@
 Which samples a microbatch holds is a pure function of (samples consumed before the
 iteration, microbatch index, dp rank) (`megatron/data/batches.py`), so the loader can
 start reading the next iteration's microbatches while this one computes. Only ranks
-that read data (first and last pipeline stage) ever ask, so only they prefetch. The
+that read data ever ask, so only they prefetch: the first and last pipeline stage, and
+every stage when the model needs per-sample positions or documents. The
 time a rank waits for a batch that is not ready yet is recorded: the data-loader
 stall the iteration log reports.
 """
@@ -14,27 +15,30 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from megatron.core.context_parallel.sharding import shard as cp_shard
+from megatron.core.pipeline_parallel.microbatch import Microbatch
 from megatron.data.batches import collate, microbatch_indices
 
 
 class BatchLoader:
-    """`plan(iteration) -> (samples consumed before it, microbatches in it)`."""
+    """`plan(iteration) -> (samples consumed before it, microbatches in it)`; `model_inputs`:
+    the per-sample fields besides tokens, labels and loss mask (`batches.model_input_fields`)."""
 
     def __init__(self, dataset, device, mesh, micro_batch_size: int, plan: Callable[[int], tuple[int, int]],
-                 workers: int):
-        self.dataset, self.device, self.mesh = dataset, device, mesh
+                 workers: int, model_inputs: tuple[str, ...] = ()):
+        self.dataset, self.device, self.mesh, self.model_inputs = dataset, device, mesh, model_inputs
         self.micro_batch_size, self.plan = micro_batch_size, plan
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-loader")
         self.pending: dict[tuple[int, int], Future] = {}
         self.wait_seconds = 0.0
 
-    def _load(self, consumed: int, microbatch: int) -> tuple:
+    def _load(self, consumed: int, microbatch: int) -> Microbatch:
         indices = microbatch_indices(consumed, microbatch, micro_batch_size=self.micro_batch_size,
                                      dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
-        batch = collate([self.dataset[i] for i in indices], self.device)
+        batch = collate([self.dataset[i] for i in indices], self.device, self.model_inputs)
         if self.mesh.cp_size == 1:
             return batch
-        return tuple(cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1) for t in batch)
+        return Microbatch(*(None if t is None else cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1)
+                            for t in batch))
 
     def _prefetch(self, iteration: int) -> None:
         consumed, microbatches = self.plan(iteration)
@@ -43,16 +47,16 @@ class BatchLoader:
             if key not in self.pending:
                 self.pending[key] = self.pool.submit(self._load, consumed, microbatch)
 
-    def batch_fn(self, iteration: int) -> Callable[[int], tuple]:
+    def batch_fn(self, iteration: int) -> Callable[[int], Microbatch]:
         """The executor's batch(microbatch) for `iteration`; asking for the first microbatch
         also queues every microbatch of this and the next iteration."""
         consumed, _ = self.plan(iteration)
 
-        def batch(microbatch: int) -> tuple:
+        def batch(microbatch: int) -> Microbatch:
             self._prefetch(iteration)
             self._prefetch(iteration + 1)
             future = self.pending.pop((consumed, microbatch), None)
-            if future is None:  # asked twice (first and last stage on one rank): load again
+            if future is None:  # asked again (first and last stage, or model chunks, on one rank): load again
                 return self._load(consumed, microbatch)
             started = time.perf_counter()
             result = future.result()

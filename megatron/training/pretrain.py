@@ -154,7 +154,7 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     run = parse_run_config(argv, defaults, world_size, prog)
     device = select_device(local_rank)
     backend = choose_backend(run.parallel.backend, device)
-    paths = kernel_paths(run.model, device)
+    paths = kernel_paths(run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask)
     check_offload_budget(run, device)
     memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)

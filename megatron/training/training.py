@@ -15,6 +15,7 @@ from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.sharding import initialize_parameters
+from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
 from megatron.training.offload_run import AutoOffload
@@ -48,22 +49,23 @@ class Trainer:
         offload = run.optimizer.offload
         self.auto_offload = AutoOffload(self) if offload.enabled and offload.policy == "auto" else None
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
+        model_inputs = model_input_fields(run.data)
         self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
                                   p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
-                                  group_size=parallel.microbatch_group_size)
+                                  group_size=parallel.microbatch_group_size, every_stage_reads=bool(model_inputs))
         self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
         self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule
         self.forward_only = ForwardOnlyExecutor(self.chunks, self.mesh, self._spec.p2p_shape, model_cfg.params_dtype,
-                                                training.num_microbatches)
+                                                training.num_microbatches, bool(model_inputs))
         self.datasets = dict(zip(("train", "valid", "test"), build_run_datasets(run)))
         workers = run.data.num_workers if run.data is not None else 1
         m = training.num_microbatches
         self.loaders = {"train": BatchLoader(self.datasets["train"], device, self.mesh, training.micro_batch_size,
-                                             self._train_plan, workers)}
+                                             self._train_plan, workers, model_inputs)}
         for split in ("valid", "test"):
             if self.datasets[split] is not None:
                 self.loaders[split] = BatchLoader(self.datasets[split], device, self.mesh, training.micro_batch_size,
-                                                  lambda k: (k * training.global_batch_size, m), workers)
+                                                  lambda k: (k * training.global_batch_size, m), workers, model_inputs)
 
     @property
     def dataset(self):

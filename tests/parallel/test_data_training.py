@@ -80,8 +80,6 @@ def test_bad_data_flags_are_one_clear_line(corpus, tmp_path):
                str(BPE / "merges.txt")]
     assert _error(missing + ["--data-path", corpus]) == f"--vocab-file {tmp_path / 'v.json'}: no such file"
     assert "not both" in _error(TOKENIZER + ["--data-path", corpus, "--mock-data", "--vocab-size", "10"])
-    assert "--reset-attention-mask is not supported yet" in _error(TOKENIZER + ["--data-path", corpus,
-                                                                              "--reset-attention-mask"])
     assert "no training data" in _error([])
 
 

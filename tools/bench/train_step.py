@@ -45,7 +45,7 @@ class BareLoop:
         self.clip, self.batch = opt.clip_grad, batch
 
     def step(self) -> float:
-        tokens, labels, _ = self.batch
+        tokens, labels = self.batch.tokens, self.batch.labels
         loss = self.model(tokens, labels).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)

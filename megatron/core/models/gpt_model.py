@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.sharding import InitSpec
+from megatron.core.transformer.attention import document_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.layer import hidden_dropout
 from megatron.core.transformer.rotary import rotary_frequencies
@@ -47,7 +48,7 @@ class LanguageModelEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP).
-        `positions` [s]: the global positions of these tokens (a cp rank's share of the sequence)."""
+        `positions` [s, b or 1]: the positions of these tokens (a cp rank's share of the sequence)."""
         partial = self.word_embeddings(input_ids.t())
         if self.config.sequence_parallel:
             hidden = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
@@ -56,7 +57,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         if self.position_embeddings is not None:
             local_s = hidden.shape[0]
             start = dist.get_rank(self.tp_group) * local_s if self.config.sequence_parallel else 0
-            hidden = hidden + self.position_embeddings(positions[start:start + local_s]).unsqueeze(1)
+            hidden = hidden + self.position_embeddings(positions[start:start + local_s])
         return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
                               self.config.sequence_parallel)
 
@@ -89,27 +90,35 @@ class GPTModel(torch.nn.Module):
         cp_size, cp_rank = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
         self.register_buffer("positions", cp_positions(config.seq_length, cp_rank, cp_size, device=device),
                              persistent=False)
-        angles = None
+        table = None  # [s, r]: the rotary angles of positions 0..s-1, looked up per token
         if config.position_embedding_type == "rope":
-            angles = rotary_frequencies(
+            table = rotary_frequencies(
                 config.seq_length, config.rotary_dim, config.rotary_base, device=device,
                 interleaved=config.rotary_interleaved,
-                scaling_factor=config.rope_scaling_factor if config.rope_scaling else None)[self.positions]
-        self.register_buffer("rotary_angles", angles, persistent=False)
+                scaling_factor=config.rope_scaling_factor if config.rope_scaling else None)[:, 0, 0]
+        self.register_buffer("rotary_table", table, persistent=False)
 
     def output_weight(self) -> torch.Tensor:
         if self.tied and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
 
+        `position_ids` [b, s] (--reset-position-ids): each token's position, for rotary angles
+        or learned position embeddings (None: the positions in the sequence); `document_ids`
+        [b, s] (--reset-attention-mask): tokens attend only within their document (None: the
+        whole sample). Both are this rank's share of the sequence, like the tokens.
         Returns hidden states (not the last stage), the per-token loss [b, s] in fp32
         (last stage, labels given), or the full logits [b, s, vocab] (labels None).
         """
-        hidden = self.embedding(inputs, self.positions) if self.pre_process else inputs
-        hidden = self.decoder(hidden, self.rotary_angles)
+        positions = self.positions[:, None] if position_ids is None else position_ids.t()  # [s, b or 1]
+        hidden = self.embedding(inputs, positions) if self.pre_process else inputs
+        angles = None if self.rotary_table is None else self.rotary_table[positions][:, :, None]
+        mask = None if document_ids is None else document_mask(document_ids)
+        hidden = self.decoder(hidden, angles, mask)
         if not self.post_process:
             return hidden
         logits = self.output_layer(hidden, self.output_weight())

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.pipeline_parallel.microbatch import Microbatch
 from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
 
 
@@ -30,13 +31,15 @@ class PipelineSpec:
 
     `p2p_shape` is the shape of the activation passed between stages ([s, b, h],
     s divided by tp under sequence parallelism); `group_size` is Megatron's
-    microbatch group size per virtual stage (None: p).
+    microbatch group size per virtual stage (None: p); `every_stage_reads`: the batch
+    carries per-sample positions or documents, which every model chunk needs.
     """
 
     p2p_shape: tuple
     p2p_dtype: torch.dtype
     num_microbatches: int
     group_size: int | None = None
+    every_stage_reads: bool = False
 
 
 class Span(NamedTuple):
@@ -145,8 +148,8 @@ class PipelineExecutor:
     """Executes one iteration of the schedule for this rank.
 
     `chunks[c]` is local model chunk c (a ModelChunkBuffers module), called
-    as chunk(inputs, labels) -> hidden states or per-token loss. `batch(mb)` returns
-    (input_ids, labels, loss_mask) of microbatch mb.
+    as chunk(inputs, labels, **model_inputs) -> hidden states or per-token loss. `batch(mb)`
+    returns the Microbatch mb (or its first three fields: input ids, labels, loss mask).
     """
 
     def __init__(self, chunks: list, mesh, spec: PipelineSpec):
@@ -215,14 +218,15 @@ class PipelineExecutor:
     def _forward(self, action, inputs, batch, stats, scale):
         key = (action.microbatch, action.chunk)
         first, last = self._is_first(action.chunk), self._is_last(action.chunk)
-        # only the first and last stage read data (input ids, labels)
-        input_ids, labels, loss_mask = batch(action.microbatch) if first or last else (None, None, None)
-        chunk_input = input_ids if first else inputs[key]
+        # the first and last stage read data (input ids, labels); every stage reads per-sample positions
+        data = Microbatch(*batch(action.microbatch)) if first or last or self.spec.every_stage_reads else None
+        model_inputs = data.model_inputs() if data is not None else {}
+        chunk_input = data.tokens if first else inputs[key]
         chunk = self.chunks[action.chunk]
         if not last:
-            return chunk(chunk_input)
-        token_losses = chunk(chunk_input, labels)
-        mask = loss_mask.to(token_losses.dtype)
+            return chunk(chunk_input, **model_inputs)
+        token_losses = chunk(chunk_input, data.labels, **model_inputs)
+        mask = data.loss_mask.to(token_losses.dtype)
         loss_sum = (token_losses * mask).sum()
         stats.loss_sum += loss_sum.detach().double()
         stats.tokens += mask.sum().double()

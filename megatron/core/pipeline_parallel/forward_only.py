@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.executor import StepStats
+from megatron.core.pipeline_parallel.microbatch import Microbatch
 
 
 def forward_only_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
@@ -31,13 +32,15 @@ def forward_only_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, i
 class ForwardOnlyExecutor:
     """Runs `forward_only_actions` for this rank under no_grad; returns the loss sums as StepStats.
 
-    `chunks[c]` is called as chunk(inputs, labels) like in training; `batch(mb)` returns
-    (input_ids, labels, loss_mask). p2p runs on the pipeline group with global peer ranks.
+    `chunks[c]` is called as in training; `batch(mb)` returns a Microbatch, read on the first
+    and last stage or, with `every_stage_reads`, on every stage (PipelineSpec). p2p runs on the
+    pipeline group with global peer ranks.
     """
 
-    def __init__(self, chunks: list, mesh, p2p_shape: tuple, p2p_dtype: torch.dtype, num_microbatches: int):
+    def __init__(self, chunks: list, mesh, p2p_shape: tuple, p2p_dtype: torch.dtype, num_microbatches: int,
+                 every_stage_reads: bool = False):
         self.chunks, self.mesh = chunks, mesh
-        self.p2p_shape, self.p2p_dtype = p2p_shape, p2p_dtype
+        self.p2p_shape, self.p2p_dtype, self.every_stage_reads = p2p_shape, p2p_dtype, every_stage_reads
         self.actions = forward_only_actions(mesh.pp_size, len(chunks), num_microbatches, mesh.pp_rank)
 
     @torch.no_grad()
@@ -56,13 +59,14 @@ class ForwardOnlyExecutor:
                 dist.send(hidden.pop((microbatch, chunk)).contiguous(), self.mesh.pp_peer(+1), group=self.mesh.pp_group)
             else:
                 first, last = stage == 0, stage == p * v - 1
-                tokens, labels, loss_mask = batch(microbatch) if first or last else (None, None, None)
-                inputs = tokens if first else hidden.pop((microbatch, chunk))
+                data = Microbatch(*batch(microbatch)) if first or last or self.every_stage_reads else None
+                model_inputs = data.model_inputs() if data is not None else {}
+                inputs = data.tokens if first else hidden.pop((microbatch, chunk))
                 if not last:
-                    hidden[(microbatch, chunk)] = self.chunks[chunk](inputs)
+                    hidden[(microbatch, chunk)] = self.chunks[chunk](inputs, **model_inputs)
                     continue
-                token_losses = self.chunks[chunk](inputs, labels)
-                mask = loss_mask.to(token_losses.dtype)
+                token_losses = self.chunks[chunk](inputs, data.labels, **model_inputs)
+                mask = data.loss_mask.to(token_losses.dtype)
                 stats.loss_sum += (token_losses * mask).sum().double()
                 stats.tokens += mask.sum().double()
                 stats.slots += mask.numel()

@@ -20,24 +20,36 @@ from megatron.core.transformer.norm import Norm
 from megatron.core.transformer.rotary import apply_rotary
 
 
-def core_attention(q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p"):
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Megatron's --reset-attention-mask as SDPA's boolean mask [b, 1, s, s]: query i sees key j
+    when j <= i and both are in the same document. `document_ids` [b, s] must cover whole
+    sequences (not a cp rank's two chunks: refused at start-up)."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
+
+
+def core_attention(q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p",
+                   attention_mask=None):
     """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
 
     Without dropout: the flash-attention kernel or its torch reference (`backend`). The
     kernel has no dropout, so attention dropout runs torch's SDPA (validated at start-up).
     With a context-parallel group of size > 1 the sequence is this rank's load-balanced
     share and attention runs across the cp ranks (no dropout there, refused at start-up).
+    `attention_mask` (`document_mask`) replaces the causal mask; the kernel has no document
+    boundaries, so SDPA runs it (--attention-backend triton and cp are refused at start-up).
     """
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
         out = context_parallel_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group,
                                          comm_type=cp_comm_type, impl=backend)
         return out.transpose(0, 1)
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 and attention_mask is None:
         out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=backend)
         return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p,
+                                         is_causal=attention_mask is None, enable_gqa=k.shape[1] != q.shape[1])
     return out.permute(2, 0, 1, 3)
 
 
@@ -63,16 +75,17 @@ class SelfAttention(torch.nn.Module):
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              init_std=config.output_layer_init_std, **common)
 
-    def _attend(self, q, k, v):
+    def _attend(self, q, k, v, attention_mask):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         attend = functools.partial(core_attention, q, k, v, dropout_p, self.config.attention_backend, self.cp_group,
-                                   self.config.cp_comm_type)
+                                   self.config.cp_comm_type, attention_mask)
         if dropout_p == 0.0:
             return attend()
         with self.rng_tracker.fork(tensor_parallel=True):
             return attend()
 
-    def forward(self, x, rotary_angles=None):
+    def forward(self, x, rotary_angles=None, attention_mask=None):
+        """`rotary_angles` [s, b or 1, 1, r]; `attention_mask`: `document_mask` or None (causal)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -84,7 +97,7 @@ class SelfAttention(torch.nn.Module):
             interleaved = self.config.rotary_interleaved
             q, k = apply_rotary(q, rotary_angles, interleaved), apply_rotary(k, rotary_angles, interleaved)
         if self.config.recompute_granularity == "selective":
-            context = recompute(self._attend, self.rng_tracker, q, k, v)
+            context = recompute(self._attend, self.rng_tracker, q, k, v, attention_mask)
         else:
-            context = self._attend(q, k, v)
+            context = self._attend(q, k, v, attention_mask)
         return self.linear_proj(context.reshape(s, b, -1))

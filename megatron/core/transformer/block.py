@@ -39,11 +39,11 @@ class TransformerBlock(torch.nn.Module):
             for index, layer in enumerate(layers):
                 yield [layer], index < n
 
-    def forward(self, x, rotary_angles=None):
+    def forward(self, x, rotary_angles=None, attention_mask=None):
         for group, recomputed in self._recomputed_groups():
             def run(h, group=group):
                 for layer in group:
-                    h = layer(h, rotary_angles)
+                    h = layer(h, rotary_angles, attention_mask)
                 return h
             x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

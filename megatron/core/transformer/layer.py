@@ -33,6 +33,6 @@ class TransformerLayer(torch.nn.Module):
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.rng_tracker,
                               self.config.sequence_parallel)
 
-    def forward(self, x, rotary_angles=None):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles))
+    def forward(self, x, rotary_angles=None, attention_mask=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

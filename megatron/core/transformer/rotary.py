@@ -52,7 +52,7 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first angles.shape[-1] channels of x [s, b, h, d] by angles [s, 1, 1, r]; the
+    """Rotate the first angles.shape[-1] channels of x [s, b, h, d] by angles [s, b or 1, 1, r]; the
     other channels pass unchanged. Computed in fp32, returned in x's dtype."""
     rotary_dim = angles.shape[-1]
     xf = x[..., :rotary_dim].float()
