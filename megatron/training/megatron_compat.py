@@ -193,7 +193,7 @@ REFUSED = {
          "--heterogeneous-")),
     "model variants": (
         "changes the model's math in a way not built here",
-        ("--init-method-xavier-uniform", "--embedding-init-method-std", "--data-parallel-random-init",
+        ("--embedding-init-method-std", "--data-parallel-random-init",
          "--fp32-residual-connection", "--apply-residual-connection-post-layernorm", "--glu-linear-offset",
          "--activation-func-clamp-value", "--openai-gelu", "--squared-relu", "--quick-geglu", "--qk-l2-norm",
          "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold", "--attention-output-gate", "--window-size",

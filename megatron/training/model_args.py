@@ -46,6 +46,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--attention-dropout", type=float)
     g.add_argument("--hidden-dropout", type=float)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="every weight matrix (linear layers, embeddings, output layer) uniform in "
+                        "±sqrt(6 / (fan_in + fan_out)) of the full tensor instead of normal")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--vocab-size", type=int)
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
@@ -94,7 +97,9 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std,
+        init_method="xavier_uniform" if args.init_method_xavier_uniform else "normal",
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         params_dtype=params_dtype, tensor_model_parallel_size=parallel.tp,
         sequence_parallel=args.sequence_parallel and parallel.tp > 1, context_parallel_size=parallel.cp,
         cp_comm_type=cp_comm_type_from_args(args), recompute_granularity=_recompute_granularity(args),

@@ -1,13 +1,15 @@
 """Layout-independent initialisation without the full tensor: every tp shard (dim 0, dim 1,
-stacked SwiGLU gate/up, padded vocabulary) equals the slice of the one-process tensor, bit for bit."""
+stacked SwiGLU gate/up, padded vocabulary) equals the slice of the one-process tensor, bit for bit,
+for normal and Xavier-uniform weights; Xavier's bound and variance are those of the full tensor."""
 import dataclasses
+import math
 import random
 
 import pytest
 import torch
 
 from megatron.core.tensor_parallel import sharding
-from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, initialize_, make_param
+from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, initialize_, make_param, use_init_method
 
 TPS = (1, 2, 4, 8)
 
@@ -38,14 +40,15 @@ def _shapes(seed: int, count: int = 6):
     return [(8 * rng.randint(1, 9), rng.choice([1, 3, 8, 24, 37])) for _ in range(count)]
 
 
+@pytest.mark.parametrize("kind", ["normal", "xavier_uniform"])
 @pytest.mark.parametrize("tile_fixture", [True, False], ids=["small-tiles", "default-tiles"])
 @pytest.mark.parametrize("dim,stacked", [(0, 1), (1, 1), (0, 2)], ids=["dim0", "dim1", "stacked"])
-def test_every_shard_is_the_slice_of_the_one_process_tensor(request, tile_fixture, dim, stacked):
+def test_every_shard_is_the_slice_of_the_one_process_tensor(request, tile_fixture, dim, stacked, kind):
     if tile_fixture:
         request.getfixturevalue("small_tiles")
     for rows, columns in _shapes(dim * 10 + stacked):
         shape = (rows * stacked, columns * 8) if dim == 1 else (rows * stacked, columns)
-        spec = InitSpec(shape, std=0.5)
+        spec = InitSpec(shape, kind=kind, std=0.5)
         reference = full(spec)
         for tp in TPS:
             for rank in range(tp):
@@ -63,13 +66,14 @@ def test_llama_shapes_at_default_tiles():
             assert torch.equal(local(spec, shard, dtype=torch.bfloat16), shard.shard(reference))
 
 
-def test_padding_rows_are_zero_and_padding_does_not_change_the_values(small_tiles):
-    """The padded vocabulary depends on tp; the real rows must not."""
+@pytest.mark.parametrize("kind", ["normal", "xavier_uniform"])
+def test_padding_rows_are_zero_and_padding_does_not_change_the_values(small_tiles, kind):
+    """The padded vocabulary depends on tp; the real rows (and Xavier's bound) must not."""
     vocab, width = 50, 6
-    unpadded = full(InitSpec((vocab, width), valid_rows=vocab))
+    unpadded = full(InitSpec((vocab, width), kind=kind, valid_rows=vocab))
     for tp in TPS:
         padded_rows = -(-vocab // (8 * tp)) * 8 * tp
-        spec = InitSpec((padded_rows, width), valid_rows=vocab)
+        spec = InitSpec((padded_rows, width), kind=kind, valid_rows=vocab)
         reference = full(spec)
         assert torch.equal(reference[:vocab], unpadded) and not reference[vocab:].any()
         for rank in range(tp):
@@ -89,6 +93,40 @@ def test_names_seeds_and_tiles_differ(small_tiles):
     assert abs(full(InitSpec((512, 512), std=0.02)).std().item() - 0.02) < 1e-3
 
 
+@pytest.mark.parametrize("shape", [(96, 640), (640, 1536), (3, 5, 7)])
+def test_xavier_uniform_bound_and_variance_are_those_of_the_full_tensor(shape):
+    """torch.nn.init.xavier_uniform_: U(-a, a) with a = sqrt(6 / (fan_in + fan_out)), fan_in =
+    shape[1] and fan_out = shape[0] (each times prod(shape[2:])), so variance 2 / (fan_in + fan_out);
+    a tp shard keeps the full tensor's bound, not its own smaller fans."""
+    receptive = math.prod(shape[2:])
+    bound = math.sqrt(6.0 / ((shape[0] + shape[1]) * receptive))
+    reference = torch.empty(shape)
+    torch.nn.init.xavier_uniform_(reference, generator=torch.Generator().manual_seed(0))
+    values = full(InitSpec(shape, kind="xavier_uniform"), name="xavier")
+    largest = torch.tensor(bound, dtype=torch.float32).item()  # the bound rounded as torch draws it
+    for drawn in (values, reference):
+        assert 0.99 * bound < drawn.abs().max().item() <= largest
+    n = values.numel()  # the sample variance is within 5 standard errors of a^2 / 3 (uniform: sd = a^2 / sqrt(5 n))
+    assert abs(values.var().item() - bound ** 2 / 3) < 5 * bound ** 2 / math.sqrt(5 * n)
+    assert abs(values.mean().item()) < 5 * bound / math.sqrt(3 * n)
+    if len(shape) == 2:
+        shard = ShardSpec(dim=1, num_shards=4, rank=3)
+        assert torch.equal(local(InitSpec(shape, kind="xavier_uniform"), shard, name="xavier"), shard.shard(values))
+
+
+def test_use_init_method_changes_only_random_weights():
+    """Weights (normal) become Xavier-uniform; biases and norm scales keep their constants."""
+    layer = torch.nn.Module()
+    layer.weight = make_param((4, 8), InitSpec((8, 8), std=0.3, shard=ShardSpec(0, 2, 1)), torch.float32, "cpu")
+    layer.bias = make_param((4,), InitSpec((8,), kind="zeros"), torch.float32, "cpu")
+    layer.scale = make_param((8,), InitSpec((8,), kind="ones"), torch.float32, "cpu")
+    use_init_method(layer, "xavier_uniform")
+    assert layer.weight.init_spec == InitSpec((8, 8), kind="xavier_uniform", std=0.3, shard=ShardSpec(0, 2, 1))
+    assert [layer.bias.init_spec.kind, layer.scale.init_spec.kind] == ["zeros", "ones"]
+    with pytest.raises(ValueError, match="unknown init method 'kaiming': one of normal, xavier_uniform"):
+        use_init_method(layer, "kaiming")
+
+
 def test_constant_kinds_and_errors():
     assert torch.equal(local(InitSpec((8,), kind="ones"), ShardSpec(0, 2, 1)), torch.ones(4))
     assert not local(InitSpec((8, 4), kind="zeros"), ShardSpec(1, 2, 0)).any()
@@ -98,6 +136,8 @@ def test_constant_kinds_and_errors():
         initialize_(torch.empty(3, 4), InitSpec((6, 4), shard=ShardSpec(0, 2, 0, stacked=2)), 0, "w")
     with pytest.raises(ValueError, match="unknown init kind 'uniform'"):
         initialize_(torch.empty(2), InitSpec((2,), kind="uniform"), 0, "w")
+    with pytest.raises(ValueError, match="xavier_uniform needs a tensor of at least 2 dimensions, got shape \\(8,\\)"):
+        initialize_(torch.empty(8), InitSpec((8,), kind="xavier_uniform"), 0, "w")
 
 
 def test_scratch_is_one_tile(monkeypatch):

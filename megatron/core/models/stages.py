@@ -8,6 +8,7 @@ from __future__ import annotations
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
 from megatron.core.tensor_parallel.random import RNGTracker
+from megatron.core.tensor_parallel.sharding import use_init_method
 
 
 def build_model_chunks(config, mesh, virtual: int, seed: int, device=None, first_stage_layers=None,
@@ -22,4 +23,5 @@ def build_model_chunks(config, mesh, virtual: int, seed: int, device=None, first
             config, tp_group=mesh.tp_group, rng_tracker=tracker, layer_ids=ids,
             pre_process=mesh.is_first_stage and c == 0, post_process=mesh.is_last_stage and c == virtual - 1,
             cp_group=mesh.cp_group, device=device))
+        use_init_method(chunks[-1], config.init_method)
     return chunks

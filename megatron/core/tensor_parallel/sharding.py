@@ -14,10 +14,13 @@ shard, columns for a dim-1 (row-parallel) shard, both blocks of a stacked
 (SwiGLU gate/up) shard. Scratch is one fp32 tile (1 MiB), whatever the tensor.
 Rows past `valid_rows` (vocabulary padding, which grows with tp) are zero and off
 the grid, so the real rows are the same however the vocabulary is padded.
+'xavier_uniform' draws the same tiles uniformly in ±sqrt(6 / (fan_in + fan_out)) of the
+full tensor (its real rows), so its shards are layout-independent too.
 `make_param` allocates only this rank's shard (tools/bench/init_memory.py measures it).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -50,9 +53,10 @@ class ShardSpec:
 class InitSpec:
     """Full shape and distribution of a parameter.
 
-    kind: 'normal' (mean 0, `std`), 'zeros' or 'ones'. `valid_rows` limits the
-    random part to the first rows (the real vocabulary of a padded embedding); the
-    padding rows are zero, so padding never depends on the layout. `seed_name`
+    kind: 'normal' (mean 0, `std`), 'xavier_uniform' (torch.nn.init.xavier_uniform_ of
+    the full tensor; `std` unused), 'zeros' or 'ones'. `valid_rows` limits the random
+    part to the first rows (the real vocabulary of a padded embedding); the padding
+    rows are zero, so padding never depends on the layout. `seed_name`
     replaces the parameter's own name as seed source (the tied output-layer copy
     on the last pipeline stage starts equal to the input embedding).
     """
@@ -65,6 +69,7 @@ class InitSpec:
     seed_name: str | None = None
 
 
+RANDOM_KINDS = ("normal", "xavier_uniform")  # also the init methods a model's weights can use
 TILE_COLUMNS = 512
 TILE_ELEMENTS = 1 << 18  # 512 x 512 fp32 = 1 MiB of scratch; seeding a tile costs 0.2% of drawing it (CPU)
 
@@ -105,7 +110,19 @@ def _overlaps(ranges: list[tuple[int, int]], step: int, limit: int):
         local += stop - start
 
 
-def _fill_normal(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+def xavier_bound(spec: InitSpec) -> float:
+    """torch.nn.init.xavier_uniform_'s bound (gain 1) for the full tensor: fan_in = shape[1] and
+    fan_out = shape[0], each times prod(shape[2:]). The real rows (`valid_rows`) count, not the
+    vocabulary padding, which grows with tp and would make the bound layout-dependent."""
+    shape = spec.full_shape
+    if len(shape) < 2:
+        raise ValueError(f"xavier_uniform needs a tensor of at least 2 dimensions, got shape {tuple(shape)}")
+    receptive = math.prod(shape[2:])
+    rows = spec.valid_rows if spec.valid_rows is not None else shape[0]
+    return math.sqrt(6.0 / ((shape[1] + rows) * receptive))
+
+
+def _fill_random(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
     """Draw the tiles overlapping this shard; `out` is the shard viewed as [rows, width]."""
     shard = spec.shard
     full_rows, width = spec.full_shape[0], math.prod(spec.full_shape[1:])
@@ -113,6 +130,7 @@ def _fill_normal(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> Non
     columns_held = held_ranges(shard if shard is not None and shard.dim == 1 else None, width)
     valid = spec.valid_rows if spec.valid_rows is not None else full_rows
     tile_rows, tile_columns = tile_shape(width)
+    bound = xavier_bound(spec) if spec.kind == "xavier_uniform" else None
     generator = torch.Generator(device=out.device)
     scratch = torch.empty(min(tile_rows, valid) * tile_columns, device=out.device)
     if valid < full_rows:
@@ -122,7 +140,10 @@ def _fill_normal(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> Non
             shape = (min(tile_rows, valid - row0), min(tile_columns, width - col0))
             tile = scratch[: shape[0] * shape[1]].view(shape)
             generator.manual_seed(seed_for(seed, name, i, j))
-            tile.normal_(0.0, spec.std, generator=generator)
+            if bound is None:
+                tile.normal_(0.0, spec.std, generator=generator)
+            else:
+                tile.uniform_(-bound, bound, generator=generator)
             out[local_row:local_row + r1 - r0, local_col:local_col + c1 - c0].copy_(
                 tile[r0 - row0:r1 - row0, c0 - col0:c1 - col0])
 
@@ -143,8 +164,8 @@ def initialize_(tensor: torch.Tensor, spec: InitSpec, seed: int, name: str) -> N
         tensor.zero_()
     elif spec.kind == "ones":
         tensor.fill_(1.0)
-    elif spec.kind == "normal":
-        _fill_normal(tensor.view(expected[0], -1), spec, seed, spec.seed_name or name)
+    elif spec.kind in RANDOM_KINDS:
+        _fill_random(tensor.view(expected[0], -1), spec, seed, spec.seed_name or name)
     else:
         raise ValueError(f"{name}: unknown init kind {spec.kind!r}")
 
@@ -153,6 +174,19 @@ def initialize_parameters(module: torch.nn.Module, seed: int) -> None:
     """Set every parameter of `module` from its InitSpec; names are fully qualified."""
     for name, param in module.named_parameters():
         initialize_(param, param.init_spec, seed, name)
+
+
+def use_init_method(module: torch.nn.Module, method: str) -> None:
+    """Give every weight drawn from a normal distribution the kind `method` instead. Megatron's
+    --init-method-xavier-uniform replaces its init_method and output-layer init method, which draw
+    every weight matrix: QKV, fc1, the attention projection and fc2, both embeddings (Megatron's
+    embedding init follows init_method unless --embedding-init-method-std is given) and the untied
+    output layer; biases and norms keep their constants."""
+    if method not in RANDOM_KINDS:
+        raise ValueError(f"unknown init method {method!r}: one of {', '.join(RANDOM_KINDS)}")
+    for param in module.parameters():
+        if param.init_spec.kind in RANDOM_KINDS:
+            param.init_spec = dataclasses.replace(param.init_spec, kind=method)
 
 
 def make_param(shape, spec: InitSpec, dtype, device, **attrs) -> torch.nn.Parameter:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.tensor_parallel.sharding import RANDOM_KINDS
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -48,6 +50,7 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
+    init_method: str = "normal"          # weight matrices: "normal" (init_method_std) or "xavier_uniform"
     make_vocab_size_divisible_by: int = 128
     params_dtype: torch.dtype = torch.float32
     tensor_model_parallel_size: int = 1
@@ -85,6 +88,8 @@ class TransformerConfig:
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
             need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        need(self.init_method in RANDOM_KINDS,
+             f"init method must be one of {', '.join(RANDOM_KINDS)}, got {self.init_method!r}")
         need(self.normalization in NORMALIZATIONS,
              f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
         need(self.position_embedding_type in POSITION_EMBEDDINGS,
