@@ -11,6 +11,13 @@ read model and optimizer state; the SHA-256 check alone is shown as "verify"). B
 optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
 fsynced as ours is, and loads them back with `torch.load` + copy. Times are the slowest rank's, best of `--repeat`;
 loads read from the page cache (the files were just written).
+
+Then the training loop's blocked time: `--loop-iterations` iterations of the same model on
+`--loop-ranks` ranks, saving every `--loop-interval` through `CheckpointSaver` as pretrain does
+(poll, save when due, wait for a pending save at the end), synchronously and with --async-save.
+Blocked: the time the loop spends in those calls (async: the host copy, finalizing, and waiting
+when a write is not done yet); loop: the whole loop, training steps included (the background
+writer competes with training for the CPU cores). Slowest rank, best of `--repeat`.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.core.checkpointing import verify_files  # noqa: E402
+from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
@@ -98,32 +106,77 @@ def measure(rank: int, root: str, repeat: int) -> dict:
             "bytes": _bytes(ours), "torch_bytes": _bytes(baseline)}
 
 
+def measure_loop(rank: int, root: str, iterations: int, interval: int, repeat: int) -> dict:
+    """{mode: (blocked seconds, loop seconds)} for synchronous and asynchronous saves."""
+    world = dist.get_world_size()
+    out = {}
+    for mode in ("sync", "async"):
+        directory = os.path.join(root, f"loop_{mode}_{world}")
+        run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world)], LLAMA_DEFAULTS, world)
+        trainer = Trainer(run, torch.device("cpu"))
+        saver = CheckpointSaver(directory, trainer, lambda line: None, asynchronous=mode == "async")
+        best = (float("inf"), float("inf"))
+        for _ in range(repeat):
+            dist.barrier()
+            blocked, start = 0.0, time.perf_counter()
+            for iteration in range(1, iterations + 1):
+                trainer.train_step(iteration)
+                began = time.perf_counter()
+                saver.poll()
+                if iteration % interval == 0:
+                    saver.save(iteration)
+                blocked += time.perf_counter() - began
+            began = time.perf_counter()
+            saver.finish()
+            blocked += time.perf_counter() - began
+            loop = time.perf_counter() - start
+            best = min(best, (_slowest(blocked), _slowest(loop)))
+        out[mode] = best
+        trainer.close()
+    return out
+
+
 def main() -> int:
     from tests.distributed import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--loop-only", action="store_true", help="only the training loop's blocked time")
+    parser.add_argument("--loop-ranks", type=int, default=2)
+    parser.add_argument("--loop-iterations", type=int, default=8)
+    parser.add_argument("--loop-interval", type=int, default=4)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     try:
         rows = []
-        for world in (1, 2, 4):
+        for world in () if args.loop_only else (1, 2, 4):
             r = run_distributed(world, measure, root, args.repeat)[0]
             t = r["times"]
             rows.append((world, r["bytes"] / 1e6, r["torch_bytes"] / 1e6, t["save"], t["torch_save"],
                          t["save"] / t["torch_save"], t["load"], t["verify"], t["torch_load"],
                          t["load"] / t["torch_load"]))
+        loop = run_distributed(args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval,
+                               args.repeat)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
-          f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}")
-    print(f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
-          f"{'load s':>7} {'(verify s)':>10} {'torch.load s':>12} {'ratio':>6}")
-    for world, mb, tmb, save, tsave, sratio, load, verify, tload, lratio in rows:
-        print(f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
-              f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}")
+    if rows:
+        print(f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
+              f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}")
+        print(f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
+              f"{'load s':>7} {'(verify s)':>10} {'torch.load s':>12} {'ratio':>6}")
+        for world, mb, tmb, save, tsave, sratio, load, verify, tload, lratio in rows:
+            print(f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
+                  f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}")
+    saves = args.loop_iterations // args.loop_interval
+    print(f"training loop, {args.loop_iterations} iterations on {args.loop_ranks} ranks (tensor parallel), "
+          f"{saves} saves; slowest rank, best of {args.repeat}")
+    print(f"{'':>6} {'blocked s':>9} {'loop s':>7}")
+    for mode in ("sync", "async"):
+        print(f"{mode:>6} {loop[mode][0]:>9.2f} {loop[mode][1]:>7.2f}")
+    print(f"blocked time async / sync: {loop['async'][0] / loop['sync'][0]:.2f}; "
+          f"loop time async / sync: {loop['async'][1] / loop['sync'][1]:.2f}")
     return 0
 
 
