@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.norm import Norm
 from megatron.core.transformer.rotary import apply_rotary, llama3_scaled, rotary_frequencies
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from tests.distributed import run_distributed
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
@@ -85,15 +87,16 @@ def test_variant_flags_reach_the_model():
         parse_run_config(TINY + ["--recompute-activations", "--recompute-granularity", "full"], GPT_DEFAULTS, 1)
 
 
-def test_qk_layernorm_and_qkv_bias_parameters():
+def _attention_parameters(rank):
     from megatron.core.transformer.attention import SelfAttention
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=10, seq_length=4,
                                add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True, normalization="RMSNorm")
     attention = SelfAttention(config, tp_group=dist.group.WORLD, rng_tracker=None)
-    names = {n for n, _ in attention.named_parameters()}
+    return ({n for n, _ in attention.named_parameters()}, attention.q_layernorm.weight.sequence_parallel)
+
+
+def test_qk_layernorm_and_qkv_bias_parameters():
+    (names, q_norm_summed_over_tp), = run_distributed(1, _attention_parameters)
     assert names == {"linear_qkv.weight", "linear_qkv.bias", "linear_proj.weight", "q_layernorm.weight",
                      "k_layernorm.weight"}
-    assert attention.q_layernorm.weight.sequence_parallel  # summed over tp: each rank normalises other heads
+    assert q_norm_summed_over_tp  # summed over tp: each rank normalises other heads
