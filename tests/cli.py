@@ -10,6 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the shipped GPT-2 byte-level BPE tokenizer, as pretrain/preprocess flags
+BPE = ROOT / "data" / "tokenizers" / "gpt2-bpe"
+GPT2_BPE = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(BPE / "vocab.json"),
+            "--merge-file", str(BPE / "merges.txt")]
+
 # a tiny Llama with grouped-query attention on mock data: 5 iterations, every one logged
 TINY_LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
               "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",

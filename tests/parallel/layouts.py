@@ -59,3 +59,38 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
 
 def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
     return [train(model, extra) for model, extra in runs]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def shard(full: torch.Tensor, spec) -> torch.Tensor:
+    """This layout's shard of a one-process tensor; vocabulary padding (which depends on tp)
+    is zero in weights and gradients, so the one-process tensor is zero-padded first."""
+    if tuple(full.shape) != tuple(spec.full_shape):
+        padded = full.new_zeros(spec.full_shape)
+        padded[: full.shape[0]] = full
+        full = padded
+    return spec.shard.shard(full) if spec.shard is not None else full
+
+
+def assert_matches_one_process(ranks: list[dict], reference: dict) -> None:
+    """Every rank's `train` result against the one-process one: losses of every iteration, the
+    iteration-1 grad norm and gradients (1e-5 relative), bit-identical initial weights, and every
+    parameter of the model present in some rank."""
+    for rank, out in enumerate(ranks):
+        for it, (loss, expected) in enumerate(zip(out["losses"], reference["losses"]), start=1):
+            assert abs(loss - expected) <= 1e-5 * abs(expected), f"rank {rank} iteration {it}: {loss} vs {expected}"
+        norm, expected_norm = out["grad_norms"][0], reference["grad_norms"][0]
+        assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm: {norm} vs {expected_norm}"
+    seen = set()
+    for rank, out in enumerate(ranks):
+        for name, (grad, spec) in out["grads"].items():
+            expected = shard(reference["grads"][name][0], spec)
+            assert grad.shape == expected.shape, f"rank {rank} {name}"
+            assert relative_error(grad, expected) <= 1e-5, f"rank {rank} grad {name}"
+            weight, _ = out["initial"][name]
+            assert torch.equal(weight, shard(reference["initial"][name][0], spec)), f"rank {rank} init {name}"
+            seen.add(name)
+    assert seen == set(reference["grads"]), f"parameters missing from the layout: {set(reference['grads']) - seen}"

@@ -3,9 +3,6 @@ layout gives the one-rank losses and validation loss; bad data inputs are one cl
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,13 +13,10 @@ from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
 from megatron.training.evaluation import evaluate
 from megatron.training.training import Trainer
-from tests.cli import explain, run_cli
+from tests.cli import BPE, GPT2_BPE, explain, run_cli
 from tests.distributed import run_distributed
 
-ROOT = Path(__file__).resolve().parents[2]
-BPE = ROOT / "data" / "tokenizers" / "gpt2-bpe"
-TOKENIZER = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(BPE / "vocab.json"),
-             "--merge-file", str(BPE / "merges.txt")]
+TOKENIZER = GPT2_BPE
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3",
          "--attention-dropout", "0", "--hidden-dropout", "0", "--split", "90,10,0", "--eod-mask-loss",
@@ -30,15 +24,6 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 LAYOUTS = {1: [[]], 2: [[], ["--context-parallel-size", "2"]],
            4: [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                 "--num-layers-per-virtual-pipeline-stage", "1"]]}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("corpus") / "stories"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
-                    str(ROOT / "data" / "corpus" / "stories.jsonl"), "--output-prefix", str(out), "--append-eod",
-                    "--workers", "1"] + TOKENIZER, check=True, capture_output=True, cwd=ROOT)
-    return f"{out}_text_document"
 
 
 def train_on_corpus(rank, prefix, layouts):

@@ -25,7 +25,7 @@ from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer as _trainer
 from tests.parallel.layouts import named_params, train
-from tests.parallel.test_equivalence import shard
+from tests.parallel.layouts import shard
 from tools.bench.distributed_optimizer import count_collectives
 
 DIST = ["--use-distributed-optimizer"]

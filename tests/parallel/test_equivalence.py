@@ -4,10 +4,9 @@ weights."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.distributed import run_distributed
-from tests.parallel.layouts import train_many
+from tests.parallel.layouts import assert_matches_one_process, train_many
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 TP4 = ["--tensor-model-parallel-size", "4"]
@@ -46,39 +45,9 @@ def results():
     return out
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-
-
-def shard(full: torch.Tensor, spec) -> torch.Tensor:
-    """This layout's shard of a one-process tensor; vocabulary padding (which depends on tp)
-    is zero in weights and gradients, so the one-process tensor is zero-padded first."""
-    if tuple(full.shape) != tuple(spec.full_shape):
-        padded = full.new_zeros(spec.full_shape)
-        padded[: full.shape[0]] = full
-        full = padded
-    return spec.shard.shard(full) if spec.shard is not None else full
-
-
 @pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{l}" for _, l, m in CASES])
 def test_layout_matches_one_process(results, world, layout, model):
-    reference = results[("reference", model)][0]
-    ranks = results[(layout, model)]
-    for rank, out in enumerate(ranks):
-        for it, (loss, expected) in enumerate(zip(out["losses"], reference["losses"]), start=1):
-            assert abs(loss - expected) <= 1e-5 * abs(expected), f"rank {rank} iteration {it}: {loss} vs {expected}"
-        norm, expected_norm = out["grad_norms"][0], reference["grad_norms"][0]
-        assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm: {norm} vs {expected_norm}"
-    seen = set()
-    for rank, out in enumerate(ranks):
-        for name, (grad, spec) in out["grads"].items():
-            expected = shard(reference["grads"][name][0], spec)
-            assert grad.shape == expected.shape, f"rank {rank} {name}"
-            assert relative_error(grad, expected) <= 1e-5, f"rank {rank} grad {name}"
-            weight, _ = out["initial"][name]
-            assert torch.equal(weight, shard(reference["initial"][name][0], spec)), f"rank {rank} init {name}"
-            seen.add(name)
-    assert seen == set(reference["grads"]), f"parameters missing from the layout: {set(reference['grads']) - seen}"
+    assert_matches_one_process(results[(layout, model)], results[("reference", model)][0])
 
 
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}

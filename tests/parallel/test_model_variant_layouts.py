@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parallel.layouts import train_many
-from tests.parallel.test_equivalence import shard
+from tests.parallel.layouts import shard
 
 VARIANTS = {
     "llama": ["--apply-layernorm-1p", "--qk-layernorm", "--add-qkv-bias", "--rotary-percent", "0.5",

@@ -23,7 +23,7 @@ from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer, named_params, train
 from tests.parallel.test_distributed_optimizer import COMMON, DIST, GATHER, PP2, SP, TP2, VPP, _close
-from tests.parallel.test_equivalence import shard
+from tests.parallel.layouts import shard
 
 FULL = DIST + ["--optimizer-cpu-offload"]
 HALF = FULL + ["--optimizer-offload-fraction", "0.5"]

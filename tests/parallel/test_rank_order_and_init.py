@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from megatron.core.tensor_parallel.sharding import xavier_bound
 from tests.distributed import run_distributed
-from tests.parallel.layouts import train_many
-from tests.parallel.test_equivalence import relative_error, shard
+from tests.parallel.layouts import assert_matches_one_process, train_many
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -54,21 +52,7 @@ def results():
 
 @pytest.mark.parametrize("layout", list(CASES))
 def test_layout_matches_one_process(results, layout):
-    reference = results[CASES[layout]][0]
-    ranks = results[layout]
-    for rank, out in enumerate(ranks):
-        for it, (loss, expected) in enumerate(zip(out["losses"], reference["losses"]), start=1):
-            assert abs(loss - expected) <= 1e-5 * abs(expected), f"rank {rank} iteration {it}: {loss} vs {expected}"
-        norm, expected_norm = out["grad_norms"][0], reference["grad_norms"][0]
-        assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm: {norm} vs {expected_norm}"
-    seen = set()
-    for rank, out in enumerate(ranks):
-        for name, (grad, spec) in out["grads"].items():
-            assert relative_error(grad, shard(reference["grads"][name][0], spec)) <= 1e-5, f"rank {rank} grad {name}"
-            weight, _ = out["initial"][name]
-            assert torch.equal(weight, shard(reference["initial"][name][0], spec)), f"rank {rank} init {name}"
-            seen.add(name)
-    assert seen == set(reference["grads"]), f"parameters missing from the layout: {set(reference['grads']) - seen}"
+    assert_matches_one_process(results[layout], results[CASES[layout]][0])
 
 
 def test_tp_pp_dp_mapping_places_pipeline_stages_two_ranks_apart(results):

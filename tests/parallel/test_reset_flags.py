@@ -16,7 +16,7 @@ from megatron.training.datasets import build_run_datasets
 from tests.cli import run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags
-from tests.parallel.test_data_training import MODEL, TOKENIZER, corpus, train_on_corpus  # noqa: F401 (fixture)
+from tests.parallel.test_data_training import MODEL, TOKENIZER, train_on_corpus
 
 BOTH = ["--reset-position-ids", "--reset-attention-mask"]
 ROPE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
@@ -71,14 +71,14 @@ def _documents_per_sample(rank, prefix):
     return float(np.mean([train[i]["document_ids"].max().item() + 1 for i in range(24)]))
 
 
-def test_layouts_reproduce_one_rank_with_the_flags_on_the_corpus(corpus):  # noqa: F811
+def test_layouts_reproduce_one_rank_with_the_flags_on_the_corpus(corpus):
     assert run_distributed(1, _documents_per_sample, corpus)[0] > 1.2
     reference_flags = sorted({tuple(flags) for _, flags, _ in RUNS} | {tuple(LONGER), tuple(ROPE + LONGER)})
     references = dict(zip(reference_flags, run_distributed(1, train_on_corpus, corpus,
                                                            [list(flags) for flags in reference_flags])[0]))
-    for model_flags in ([], ROPE):
-        plain = references[tuple(model_flags + LONGER)]["losses"]
-        assert not np.allclose(references[tuple(model_flags + LONGER + BOTH)]["losses"], plain)
+    for family in ([], ROPE):
+        plain = references[tuple(family + LONGER)]["losses"]
+        assert not np.allclose(references[tuple(family + LONGER + BOTH)]["losses"], plain)
     per_rank = run_distributed(2, train_on_corpus, corpus, [flags + extra for _, flags, extra in RUNS])
     for index, (name, flags, _) in enumerate(RUNS):
         reference = references[tuple(flags)]
@@ -94,7 +94,7 @@ def _error(argv) -> str:
     return str(failure.value)
 
 
-def test_what_is_not_built_is_refused_by_name(corpus):  # noqa: F811
+def test_what_is_not_built_is_refused_by_name(corpus):
     data = TOKENIZER + ["--data-path", corpus]
     assert _error(data + ["--reset-attention-mask", "--attention-backend", "triton"]) == (
         "--reset-attention-mask needs --attention-backend auto or torch: the Triton flash kernel has no "
@@ -105,7 +105,7 @@ def test_what_is_not_built_is_refused_by_name(corpus):  # noqa: F811
         assert _error(["--mock-data", "--vocab-size", "10", flag]) == f"{flag} needs --data-path: mock data has no documents"
 
 
-def test_cli_trains_with_both_flags_and_logs_the_attention_path(corpus):  # noqa: F811
+def test_cli_trains_with_both_flags_and_logs_the_attention_path(corpus):
     out = run_cli("pretrain_gpt.py", MODEL + TOKENIZER + BOTH + ["--data-path", corpus, "--log-interval", "1"])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "attention torch scaled_dot_product_attention with a document mask (--reset-attention-mask)" in out.stdout
