@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-4d",
     version="0.1.0",
-    description="Megatron-style parallel (TP/SP, DP, interleaved PP) training for GPT and Llama models",
+    description="Megatron-style 4D-parallel (TP/SP, CP, DP, interleaved PP) training for GPT and Llama models",
     packages=find_packages(include=["megatron", "megatron.*", "kernels", "kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
