@@ -21,7 +21,7 @@ from megatron.training.initialize import (
     launch_environment,
     select_device,
 )
-from megatron.training.evaluation import evaluate, evaluation_lines
+from megatron.training.evaluation import Validation
 from megatron.training.iteration_log import IterationLog
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
@@ -117,34 +117,6 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
     finally:
         profiler.stop()
         log.close()
-
-
-class Validation:
-    """Validation passes of the training loop: every --eval-interval iterations, then after the
-    last one on the validation split and once on the test split, as Megatron does."""
-
-    def __init__(self, trainer: Trainer, emit, log):
-        self.trainer, self.emit, self.log = trainer, emit, log
-        self.passes = 0
-
-    def _report(self, where: str, split: str, index: int, iteration: int) -> None:
-        loss = evaluate(self.trainer, split, index)
-        for line in evaluation_lines(where, loss):
-            self.emit(line)
-        self.log.validation(iteration, loss)
-
-    def run(self, iteration: int) -> None:
-        if self.trainer.run.evaluation.iters and "valid" in self.trainer.loaders:
-            self._report(f"iteration {iteration}", "valid", self.passes, iteration)
-            self.passes += 1
-
-    def at_end(self, iteration: int) -> None:
-        if not self.trainer.run.evaluation.iters:
-            return
-        if "valid" in self.trainer.loaders:
-            self._report(f"iteration {iteration} on validation set", "valid", self.passes, iteration)
-        if "test" in self.trainer.loaders:
-            self._report(f"iteration {iteration} on test set", "test", 0, iteration)
 
 
 def _validate(argv, defaults, world_size: int, local_rank: int, prog):

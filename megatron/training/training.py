@@ -5,14 +5,13 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
-from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec
+from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, global_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.data.batches import model_input_fields
@@ -78,8 +77,9 @@ class Trainer:
 
     def _train_plan(self, iteration: int) -> tuple[int, int]:
         """(samples consumed before `iteration`, its microbatches per dp rank)."""
-        consumed = self.run.training.batch_schedule.consumed_before(iteration)
-        return consumed, self.global_batch_size(iteration) // (self.run.training.micro_batch_size * self.mesh.dp_size)
+        schedule = self.run.training.batch_schedule
+        consumed = schedule.consumed_before(iteration)
+        return consumed, schedule.at(consumed) // (self.run.training.micro_batch_size * self.mesh.dp_size)
 
     def global_batch_size(self, iteration: int) -> int:
         schedule = self.run.training.batch_schedule
@@ -125,7 +125,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         loss_scale = self.optimizer.loss_scale
         stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale)
-        loss, grad_scale = self._global_token_mean(stats)
+        loss, grad_scale = global_token_mean(stats.token_sums())
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
         return loss, lr, loss_scale, stats.idle_fraction
 
@@ -142,18 +142,6 @@ class Trainer:
         return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
                                lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle,
                                data_wait=self.loaders["train"].take_wait_seconds())
-
-    def _global_token_mean(self, stats) -> tuple[float, float]:
-        """(mean loss over the unmasked tokens of the global batch, factor that turns the
-        executor's per-position gradients into gradients of that mean). Sums run over the
-        world: only last-stage ranks contribute, and tp ranks' identical copies cancel in
-        the ratios. A fully masked global batch has loss 0 and zero gradients, not NaN."""
-        totals = torch.stack([stats.loss_sum, stats.tokens, stats.slots])
-        dist.all_reduce(totals)
-        loss_sum, tokens, slots = totals.tolist()
-        if tokens == 0:
-            return 0.0, 1.0
-        return loss_sum / tokens, slots / tokens
 
 
 def timed_step(trainer: Trainer, iteration: int) -> tuple[IterationResult, float]:

@@ -77,6 +77,19 @@ class StepStats:
         zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=device)
         return cls(loss_sum=zero(), tokens=zero(), slots=zero())
 
+    def add_loss(self, token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Account one microbatch's masked per-token losses; returns their (differentiable) sum."""
+        mask = loss_mask.to(token_losses.dtype)
+        loss_sum = (token_losses * mask).sum()
+        self.loss_sum += loss_sum.detach().double()
+        self.tokens += mask.sum().double()
+        self.slots += mask.numel()
+        return loss_sum
+
+    def token_sums(self) -> torch.Tensor:
+        """[loss sum, unmasked tokens, token positions] (fp64), to add up and reduce."""
+        return torch.stack([self.loss_sum, self.tokens, self.slots])
+
     def seconds(self, *kinds: str) -> float:
         return sum(span.end - span.start for span in self.spans if span.kind in kinds)
 
@@ -92,6 +105,18 @@ class StepStats:
     def idle_fraction(self) -> float:
         total = self.compute_seconds + self.wait_seconds
         return self.wait_seconds / total if total else 0.0
+
+
+def global_token_mean(token_sums: torch.Tensor) -> tuple[float, float]:
+    """All-reduce [loss sum, tokens, positions] over the world (only last-stage ranks hold
+    non-zero sums; tp ranks' identical copies cancel in the ratios) and return (mean loss over
+    the unmasked tokens, positions / tokens: the factor that turns per-position gradients into
+    gradients of that mean). Nothing unmasked gives loss 0 and factor 1, not NaN."""
+    dist.all_reduce(token_sums)
+    loss_sum, tokens, slots = token_sums.tolist()
+    if tokens == 0:
+        return 0.0, 1.0
+    return loss_sum / tokens, slots / tokens
 
 
 class _SpanTimer:
@@ -226,12 +251,7 @@ class PipelineExecutor:
         if not last:
             return chunk(chunk_input, **model_inputs)
         token_losses = chunk(chunk_input, data.labels, **model_inputs)
-        mask = data.loss_mask.to(token_losses.dtype)
-        loss_sum = (token_losses * mask).sum()
-        stats.loss_sum += loss_sum.detach().double()
-        stats.tokens += mask.sum().double()
-        stats.slots += mask.numel()
-        return loss_sum * (scale / mask.numel())
+        return stats.add_loss(token_losses, data.loss_mask) * (scale / data.loss_mask.numel())
 
     def _backward(self, action, inputs, outputs, received_grads, input_grads):
         key = (action.microbatch, action.chunk)

@@ -66,8 +66,5 @@ class ForwardOnlyExecutor:
                     hidden[(microbatch, chunk)] = self.chunks[chunk](inputs, **model_inputs)
                     continue
                 token_losses = self.chunks[chunk](inputs, data.labels, **model_inputs)
-                mask = data.loss_mask.to(token_losses.dtype)
-                stats.loss_sum += (token_losses * mask).sum().double()
-                stats.tokens += mask.sum().double()
-                stats.slots += mask.numel()
+                stats.add_loss(token_losses, data.loss_mask)
         return stats
