@@ -29,6 +29,7 @@ class BatchLoader:
         self.micro_batch_size, self.plan = micro_batch_size, plan
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-loader")
         self.pending: dict[tuple[int, int], Future] = {}
+        self.queued: set[int] = set()  # iterations whose microbatches are in `pending` or were taken
         self.wait_seconds = 0.0
 
     def _load(self, consumed: int, microbatch: int) -> Microbatch:
@@ -41,16 +42,19 @@ class BatchLoader:
                             for t in batch))
 
     def _prefetch(self, iteration: int) -> None:
+        if iteration in self.queued:
+            return
+        self.queued.add(iteration)
         consumed, microbatches = self.plan(iteration)
         for microbatch in range(microbatches):
-            key = (consumed, microbatch)
-            if key not in self.pending:
-                self.pending[key] = self.pool.submit(self._load, consumed, microbatch)
+            self.pending[(consumed, microbatch)] = self.pool.submit(self._load, consumed, microbatch)
 
     def batch_fn(self, iteration: int) -> Callable[[int], Microbatch]:
         """The executor's batch(microbatch) for `iteration`; asking for the first microbatch
         also queues every microbatch of this and the next iteration."""
         consumed, _ = self.plan(iteration)
+
+        self.queued.discard(iteration - 2)  # long consumed: keep the set small
 
         def batch(microbatch: int) -> Microbatch:
             self._prefetch(iteration)
