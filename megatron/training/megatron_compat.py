@@ -35,7 +35,7 @@ _NO_OP = {
         "--fused-residual-rmsnorm --use-transformer-engine-op-fuser --use-te-activation-func --no-persist-layer-norm "
         "--disable-jit-fuser --use-grouped-gemm-for-dense-mlp",
     "gradients always accumulate into fp32 main_grad buffers":
-        "--no-gradient-accumulation-fusion --accumulate-allreduce-grads-in-fp32 "
+        "--accumulate-allreduce-grads-in-fp32 "
         "--ddp-param-name-patterns-for-fp32-local-accumulation V...",
     "gradients are reduced in fp32 here (more precise, twice the bytes)":
         "--grad-reduce-in-bf16 --ddp-reduce-scatter-with-fp32-accumulation",
@@ -145,6 +145,7 @@ _NO_OP = {
     "selective recompute recomputes core attention": "--recompute-modules core_attn...",
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
+BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model_args.py)
 NO_OP_GROUP = "Megatron flags with no effect here"
 
 # family -> (reason, exact flags, prefixes); the first family that matches a flag names it
@@ -282,10 +283,14 @@ def classify(flag: str) -> tuple[str, str] | None:
     None for the parser's supported flags and unknown ones."""
     if flag in NO_OP_FLAGS:
         return "no-op", NO_OP_FLAGS[flag].why
-    if FUSION_TOGGLE.match(flag):
+    if _is_fusion_toggle(flag):
         return "no-op", "fusions are not optional switches"
     family = _family(flag)
     return ("refused", f"{family}: {REFUSED[family][0]}") if family else None
+
+
+def _is_fusion_toggle(flag: str) -> bool:
+    return bool(FUSION_TOGGLE.match(flag)) and flag not in BUILT_FUSION_SWITCHES
 
 
 def _values(argv: list[str], i: int, spec: NoOp) -> list[str]:
@@ -322,7 +327,7 @@ def refuse_out_of_scope(argv: list[str]) -> None:
 
 def strip_fusion_toggles(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv without Megatron's --no-*-fusion switches, the switches found)."""
-    toggles = [t for t in argv if FUSION_TOGGLE.match(t) and t not in NO_OP_FLAGS]
+    toggles = [t for t in argv if _is_fusion_toggle(t) and t not in NO_OP_FLAGS]
     return [t for t in argv if t not in toggles], toggles
 
 

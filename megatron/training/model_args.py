@@ -59,6 +59,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
                    help="flash/fused: our Triton flash kernel where it can run (as auto); unfused/local: torch")
     g.add_argument("--normalization-impl", choices=["auto", "triton", "torch"], default="auto")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="linear layers add their weight gradients straight into the fp32 main_grad buffer "
+                        "(one addmm, no weight-gradient tensor); fp32 weights only, bf16/fp16 weights "
+                        "accumulate unfused (default on, as in Megatron)")
     return parser
 
 
@@ -104,4 +108,5 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         sequence_parallel=args.sequence_parallel and parallel.tp > 1, context_parallel_size=parallel.cp,
         cp_comm_type=cp_comm_type_from_args(args), recompute_granularity=_recompute_granularity(args),
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        attention_backend=ATTENTION_BACKENDS[args.attention_backend], normalization_impl=args.normalization_impl)
+        attention_backend=ATTENTION_BACKENDS[args.attention_backend], normalization_impl=args.normalization_impl,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
@@ -122,9 +123,57 @@ def check_layer_communication_volume(rank):
         assert stats.bytes == expected, (sp, stats.bytes)
 
 
+def _accumulated_grads(fusion: bool, tp_group, dp_group, sp: bool, rank: int) -> tuple[dict, set]:
+    """main_grad of a layer wrapped in its buffers after 3 microbatches (the last one starting
+    the dp reduction from the hooks), and the weights whose layer added their gradient itself."""
+    s, b, h = 8, 2, 32
+    tp = dist.get_world_size(tp_group)
+    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
+                               tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=0.0,
+                               attention_dropout=0.0, gradient_accumulation_fusion=fusion)
+    layer = TransformerLayer(config, tp_group=tp_group, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank % tp))
+    initialize_parameters(layer, seed=0)
+    fused = set()
+
+    def record(name):
+        def hook(param):
+            if param.grad_added_to_main_grad:
+                fused.add(name)
+        return hook
+
+    for name, param in layer.named_parameters():  # registered first, so it runs before the buffers' hook
+        param.register_post_accumulate_grad_hook(record(name))
+    chunk = ModelChunkBuffers(layer, DDPConfig(), dp_group)
+    chunk.zero_grad_buffer()
+    for microbatch in range(3):
+        chunk.set_is_last_microbatch(microbatch == 2)
+        x = torch.randn(s // tp if sp else s, b, h, generator=torch.Generator().manual_seed(10 * microbatch + rank))
+        chunk(x).square().sum().backward()
+    chunk.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in layer.named_parameters()}, fused
+
+
+def check_gradient_accumulation_fusion(rank):
+    """Linear layers that add their weight gradients into main_grad themselves accumulate the same
+    gradients over microbatches as the buffers' hook does, under TP (with and without SP) and DP
+    (bucket reductions started by the hooks of the last microbatch)."""
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    layouts = {"tp2": (dist.group.WORLD, alone, False), "tp2+sp": (dist.group.WORLD, alone, True),
+               "dp2": (alone, dist.group.WORLD, False)}
+    linear_weights = {"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                      "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    for layout, (tp_group, dp_group, sp) in layouts.items():
+        unfused, none = _accumulated_grads(False, tp_group, dp_group, sp, rank)
+        fused, by_layers = _accumulated_grads(True, tp_group, dp_group, sp, rank)
+        assert none == set() and by_layers == linear_weights, (layout, none, by_layers)
+        for name, grad in unfused.items():
+            torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
+
+
 def all_checks(rank):
     check_collectives(rank)
     check_layer_communication_volume(rank)
+    check_gradient_accumulation_fusion(rank)
     check_cross_entropy(rank)
     check_rng_tracker(rank)
     return True

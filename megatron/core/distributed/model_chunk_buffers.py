@@ -1,6 +1,7 @@
 """One model chunk (a pipeline stage's slice of layers) with its flat parameter and gradient buffers.
 
-Gradient hooks add each parameter's gradient to its fp32 `main_grad` view and, on the last
+Gradient hooks add each parameter's gradient to its fp32 `main_grad` view (unless the layer
+already added it there: gradient accumulation fusion, tensor_parallel/layers.py) and, on the last
 microbatch of the iteration, start the reduction of each bucket as soon as backward has
 completed it, so the dp x cp reduction overlaps the rest of backward (`overlap_grad_reduce`;
 without it every bucket is reduced when backward has finished). With the distributed
@@ -58,7 +59,10 @@ class ModelChunkBuffers(torch.nn.Module):
                             if any(True for _ in m.parameters(recurse=False))]
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        if param.grad_added_to_main_grad:  # param.grad is the fused layer's placeholder
+            param.grad_added_to_main_grad = False
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if self.sync_now and self.config.overlap_grad_reduce:
             self.buffer.mark_ready(param)

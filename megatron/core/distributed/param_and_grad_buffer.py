@@ -92,6 +92,7 @@ class ParamAndGradBuffer:
             view.copy_(param.detach().reshape(-1))
             param.data = view.view(param.shape)
             param.main_grad = self.grad_data[place.start: place.end].view(param.shape)
+            param.grad_added_to_main_grad = False
         self.buckets = [Bucket(bucket, self.param_data, self.grad_data,
                                [self.params[p.name] for p in self.layout.params if p.bucket == index], group,
                                self.shard_rank)

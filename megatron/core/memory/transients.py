@@ -14,7 +14,8 @@ code allocates and are NOT validated by measurement yet:
   in place (NCCL's own buffers are in the runtime allowance);
 - the largest temporary during forward/backward, the max of: the last stage's
   logits (and their fp32 / vocabulary-masked copies in the cross entropy), a
-  weight gradient before it is added to `main_grad` (two of them for an
+  weight gradient before it is added to `main_grad` (with gradient accumulation
+  fusion the layer's placeholder of the same size; two of them for an
   embedding tied within one stage: the output layer's gradient waits for the
   embedding's), the MLP's activation gradients, and the recomputed activations
   of one recomputed group;

@@ -81,7 +81,8 @@ class GPTModel(torch.nn.Module):
                 config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
                 init_std=config.init_method_std, sequence_parallel=config.sequence_parallel,
                 dtype=config.params_dtype, device=device, skip_weight=self.tied and pre_process,
-                valid_rows=config.vocab_size, weight_seed_name=WORD_EMBEDDINGS if self.tied else None)
+                valid_rows=config.vocab_size, weight_seed_name=WORD_EMBEDDINGS if self.tied else None,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             if self.tied and not pre_process:
                 self.output_layer.weight.shared_embedding = True
         if self.tied and pre_process and not post_process:

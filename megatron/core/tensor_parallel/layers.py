@@ -31,27 +31,67 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class _SequenceGatheredLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) W^T + b, saving only the sequence shard x (not the gathered
-    input): backward gathers x again for the weight gradient, as Megatron does, so sequence
-    parallelism keeps 1/tp of each column-parallel layer's input. Backward also
-    reduce-scatters the input gradient back to sequence shards."""
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b, x first all-gathered over the sequence when `sp_group` is given.
+
+    Sequence parallelism: only the sequence shard x is saved (not the gathered input);
+    backward gathers x again for the weight gradient, as Megatron does, so a
+    column-parallel layer keeps 1/tp of its input, and reduce-scatters the input
+    gradient back to sequence shards.
+
+    `fuse_wgrad` (Megatron's gradient accumulation fusion): backward adds the weight
+    gradient straight into the fp32 `weight.main_grad` with one addmm instead of making
+    a weight-gradient tensor that the buffer's hook then adds (one pass over the weight's
+    gradient and one allocation fewer per microbatch). Autograd still receives an
+    uninitialised placeholder of the weight's shape so that the buffer's post-accumulate
+    hook runs (it sees `grad_added_to_main_grad`, skips the add and can start the bucket's
+    reduction); the placeholder is why only a weight used once per backward may fuse. The
+    parameter itself is kept for that (saved tensors may come back as plain tensors without
+    `main_grad`, e.g. from activation recomputation).
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, sp_group, fuse_wgrad):
+        ctx.sp_group, ctx.has_bias = sp_group, bias is not None
+        ctx.fused_param = weight if fuse_wgrad else None
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_sequence(x, group), weight, bias)
+        return F.linear(x if sp_group is None else all_gather_sequence(x, sp_group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        gathered = all_gather_sequence(x, ctx.group)
-        grad_weight = grad_out.flatten(0, -2).t().mm(gathered.flatten(0, -2))
-        del gathered
-        grad_bias = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
-        grad_input = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group)
-        return grad_input, grad_weight, grad_bias, None
+        total_input = x if ctx.sp_group is None else all_gather_sequence(x, ctx.sp_group)
+        grad_2d, input_2d = grad_out.flatten(0, -2), total_input.flatten(0, -2)
+        if ctx.fused_param is not None:
+            ctx.fused_param.main_grad.addmm_(grad_2d.t(), input_2d)
+            ctx.fused_param.grad_added_to_main_grad = True
+            grad_weight = torch.empty_like(weight)
+        else:
+            grad_weight = grad_2d.t().mm(input_2d)
+        del total_input, input_2d
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_input = grad_out.matmul(weight)
+        if ctx.sp_group is not None:
+            grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _fuses_wgrad(enabled: bool, weight: torch.Tensor) -> bool:
+    """Gradient accumulation fusion applies to a weight with a `main_grad` buffer of its own dtype
+    (fp32 weights; the fp32 accumulation of bf16/fp16 weights needs a kernel not built here)."""
+    main_grad = getattr(weight, "main_grad", None)
+    return (enabled and torch.is_grad_enabled() and weight.requires_grad and main_grad is not None
+            and main_grad.dtype == weight.dtype)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, sp_group=None,
+           gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+    """x W^T + b through `_Linear` when it does something autograd's linear does not (gather
+    over the sequence, fused weight-gradient accumulation), else through F.linear."""
+    fuse = _fuses_wgrad(gradient_accumulation_fusion, weight)
+    if sp_group is None and not fuse:
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias, sp_group, fuse)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -61,16 +101,19 @@ class ColumnParallelLinear(torch.nn.Module):
     (SwiGLU's [gate; up]) so every rank holds matching gate and up rows.
     `skip_weight` leaves the weight to be passed to forward (a tied output layer);
     `valid_rows`/`weight_seed_name` shape an output layer's init (see InitSpec).
+    `gradient_accumulation_fusion`: see `_Linear` (never for a weight passed to forward,
+    which may be used elsewhere too: the tied embedding).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool, init_std: float,
                  sequence_parallel: bool = False, gather_output: bool = False, stacked: int = 1,
                  dtype=torch.float32, device=None, skip_weight: bool = False, valid_rows: int | None = None,
-                 weight_seed_name: str | None = None):
+                 weight_seed_name: str | None = None, gradient_accumulation_fusion: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.gather_output = gather_output
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         tp, rank = _group_size_rank(tp_group)
         local_out = divide(output_size, tp, "output size of a column-parallel layer over tensor parallel size")
         shard = ShardSpec(dim=0, num_shards=tp, rank=rank, stacked=stacked)
@@ -87,11 +130,13 @@ class ColumnParallelLinear(torch.nn.Module):
                                    device, tensor_model_parallel=True)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        fuse = self.gradient_accumulation_fusion and weight is None
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            y = _SequenceGatheredLinear.apply(x, weight, self.bias, self.tp_group)
+            y = _linear(x, weight, self.bias, sp_group=self.tp_group, gradient_accumulation_fusion=fuse)
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias)
+            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias,
+                        gradient_accumulation_fusion=fuse)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -103,10 +148,12 @@ class RowParallelLinear(torch.nn.Module):
     parallelism) and the bias is added after the reduction."""
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool, init_std: float,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None,
+                 gradient_accumulation_fusion: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         tp, rank = _group_size_rank(tp_group)
         local_in = divide(input_size, tp, "input size of a row-parallel layer over tensor parallel size")
         self.weight = make_param(
@@ -119,7 +166,7 @@ class RowParallelLinear(torch.nn.Module):
                                    sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

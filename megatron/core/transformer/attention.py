@@ -65,7 +65,8 @@ class SelfAttention(torch.nn.Module):
         self.local_groups = config.num_query_groups // tp
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device)
+                      dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=config.init_method_std,
                                                **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
         self.q_layernorm = self.k_layernorm = None

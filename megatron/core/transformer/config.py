@@ -62,6 +62,7 @@ class TransformerConfig:
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"
     normalization_impl: str = "auto"
+    gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into main_grad themselves
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -18,7 +18,8 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device)
+                      dtype=config.params_dtype, device=device,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         stacked = 2 if config.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, stacked * config.ffn_hidden_size,
                                                init_std=config.init_method_std, stacked=stacked, **common)
