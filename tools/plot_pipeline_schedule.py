@@ -67,10 +67,13 @@ def _shade(rgb: tuple, amount: float) -> tuple:
     return tuple(c + (1.0 - c) * amount for c in rgb[:3])
 
 
+SPAN_KINDS = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward", ActionKind.WEIGHT: "weight"}
+
+
 def planned_spans(timeline: Timeline) -> list[list[tuple]]:
     """The simulated timeline as per-rank spans (kind, microbatch, chunk, start, end), as the executor records them."""
-    return [[("forward" if e.action.kind is ActionKind.FORWARD else "backward", e.action.microbatch, e.action.chunk,
-              e.start, e.end) for e in events] for events in timeline.events]
+    return [[(SPAN_KINDS[e.action.kind], e.action.microbatch, e.action.chunk, e.start, e.end) for e in events]
+            for events in timeline.events]
 
 
 def _pyplot():
@@ -97,7 +100,8 @@ def _draw_rows(ax, ranks: list, v: int, end: float, label: bool) -> list:
                 continue
             forward = kind == "forward"
             color = (forward_color if forward else backward_color)[chunk]
-            ax.barh(rank - 0.1, stop - start, left=start, height=0.6, color=color, edgecolor="black", linewidth=0.5)
+            ax.barh(rank - 0.1, stop - start, left=start, height=0.6, color=color, edgecolor="black", linewidth=0.5,
+                    hatch="//" if kind == "weight" else None)
             if label:
                 ax.text((start + stop) / 2, rank - 0.1, str(microbatch), ha="center", va="center", fontsize=7,
                         color="black" if forward else "white")
@@ -107,7 +111,8 @@ def _draw_rows(ax, ranks: list, v: int, end: float, label: bool) -> list:
     kinds = (("forward", forward_color), ("backward", backward_color))
     return ([Patch(facecolor=colors[c], edgecolor="black", label=f"{name}, chunk {c}")
              for name, colors in kinds for c in range(v)]
-            + [Patch(color="black", label="posting transfers"), Patch(color="0.6", label="waiting for transfers")])
+            + [Patch(facecolor="white", edgecolor="black", hatch="//", label="weight gradients (split backward)"),
+               Patch(color="black", label="posting transfers"), Patch(color="0.6", label="waiting for transfers")])
 
 
 def draw(timeline: Timeline, path: str, title: str) -> None:
@@ -124,9 +129,9 @@ def draw(timeline: Timeline, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _median_duration(ranks: list, kind: str) -> float:
+def _median_duration(ranks: list, kind: str) -> float | None:
     durations = sorted(stop - start for spans in ranks for k, _, _, start, stop in spans if k == kind)
-    return durations[len(durations) // 2]
+    return durations[len(durations) // 2] if durations else None
 
 
 def draw_measured(config: dict, path: str, group_size: int | None) -> None:
@@ -139,11 +144,13 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
     for schedule in schedules:
         ours = runs[(schedule, "ours")]
         chunks = 1 if schedule == "1F1B" else v
-        forward, backward = (_median_duration(ours["ranks"], kind) for kind in ("forward", "backward"))
-        plan = simulate(p, chunks, m, group_size=None if chunks == 1 else group_size,
-                        forward_time=forward, backward_time=backward)
+        forward, backward, weight = (_median_duration(ours["ranks"], kind) for kind in ("forward", "backward",
+                                                                                         "weight"))
+        plan = simulate(p, chunks, m, group_size=None if chunks == 1 else group_size, forward_time=forward,
+                        backward_time=backward + (weight or 0.0), split_backward=weight is not None, weight_time=weight)
+        split = "" if weight is None else f", weight gradients {weight * 1e3:.1f} ms"
         panels.append((f"{schedule} planned (simulated from our median forward {forward * 1e3:.1f} ms, "
-                       f"backward {backward * 1e3:.1f} ms): {plan.makespan * 1e3:.0f} ms",
+                       f"backward {backward * 1e3:.1f} ms{split}): {plan.makespan * 1e3:.0f} ms",
                        planned_spans(plan), chunks, plan.makespan))
         for side in ("ours", "torch"):
             run = runs[(schedule, side)]

@@ -31,6 +31,7 @@ class ParallelConfig:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
+    split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
 
     @classmethod
     def from_args(cls, args, world_size: int) -> "ParallelConfig":
@@ -40,13 +41,17 @@ class ParallelConfig:
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
             raise ValueError("--distributed-timeout-minutes must be >= 1")
+        if args.split_backward and dims.pp == 1:
+            raise ValueError("--split-backward only changes pipeline schedules: it needs "
+                             "--pipeline-model-parallel-size > 1")
         ddp = DDPConfig(bucket_size=args.ddp_bucket_size, use_distributed_optimizer=args.use_distributed_optimizer,
                         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
                    ddp=ddp, first_stage_layers=args.decoder_first_pipeline_num_layers,
-                   last_stage_layers=args.decoder_last_pipeline_num_layers, rank_order=dims.order)
+                   last_stage_layers=args.decoder_last_pipeline_num_layers, rank_order=dims.order,
+                   split_backward=args.split_backward)
 
     @staticmethod
     def _virtual_stages(args, pp: int) -> int:

@@ -40,7 +40,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         bucket_size=ddp.bucket_size, first_stage_layers=par.first_stage_layers,
                         last_stage_layers=par.last_stage_layers,
                         offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
-                        grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type)
+                        grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
+                        split_backward=par.split_backward)
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:

@@ -22,6 +22,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                    help="number ranks tp fastest, then cp, pp, dp (Megatron's tp-cp-ep-pp-dp order): the "
                         "stages of one pipeline are neighbours, data-parallel replicas furthest apart")
+    g.add_argument("--split-backward", action="store_true",
+                   help="pipeline backward in two steps: input gradients, sent upstream at once, then the linear "
+                        "layers' weight gradients (zero-bubble's B/W split); shortens the cool-down by (p-1) "
+                        "weight-gradient times, holds each linear layer's output gradient until then")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam moments over dp x cp (ZeRO-1/2): gradients are "

@@ -51,7 +51,8 @@ class Trainer:
         model_inputs = model_input_fields(run.data)
         self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
                                   p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
-                                  group_size=parallel.microbatch_group_size, every_stage_reads=bool(model_inputs))
+                                  group_size=parallel.microbatch_group_size, every_stage_reads=bool(model_inputs),
+                                  split_backward=parallel.split_backward)
         self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
         self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule
         self.forward_only = ForwardOnlyExecutor(self.chunks, self.mesh, self._spec.p2p_shape, model_cfg.params_dtype,

@@ -21,13 +21,15 @@ VPP_GROUP4 = ["--num-virtual-stages-per-pipeline-rank", "2", "--microbatch-group
 CP2 = ["--context-parallel-size", "2"]
 CP4 = ["--context-parallel-size", "4"]
 UNEVEN = ["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"]
+SPLIT = ["--split-backward"]  # weight gradients after the input gradient is sent
 
 LAYOUTS = {
     2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-g4": PP2 + VPP_GROUP4,
-        "pp2-uneven": PP2 + UNEVEN, "cp2": CP2, "cp2-allgather": CP2 + ["--cp-comm-type", "all_gather"]},
+        "pp2-uneven": PP2 + UNEVEN, "pp2-split": PP2 + SPLIT, "pp2-vpp2-split": PP2 + VPP + SPLIT, "cp2": CP2, "cp2-allgather": CP2 + ["--cp-comm-type", "all_gather"]},
     4: {"dp4-buckets": SMALL_BUCKETS, "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4, "cp4": CP4,
         "cp2-dp2": CP2},
-    8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP, "tp2-cp2-pp2-vpp2": TP2 + SP + CP2 + PP2 + VPP},
+    8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP, "tp2-cp2-pp2-vpp2": TP2 + SP + CP2 + PP2 + VPP,
+        "tp2-pp2-vpp2-dp2-split": TP2 + SP + PP2 + VPP + SPLIT},
 }
 MODELS = ("gpt", "llama")
 CASES = [(world, name, model) for world, layouts in LAYOUTS.items() for name in layouts for model in MODELS]
@@ -51,7 +53,7 @@ def test_layout_matches_one_process(results, world, layout, model):
 
 
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
-LOW_PRECISION_LAYOUTS = {"tp2-sp": TP2 + SP, "pp2-vpp2": PP2 + VPP}
+LOW_PRECISION_LAYOUTS = {"tp2-sp": TP2 + SP, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-split": PP2 + VPP + SPLIT}
 
 
 @pytest.fixture(scope="module")

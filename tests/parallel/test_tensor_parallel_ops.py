@@ -7,6 +7,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
+from megatron.core.memory.activations import Dims
+from megatron.core.memory.layout import MemoryLayout
+from megatron.core.memory.transients import split_backward_bytes
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
@@ -123,57 +126,105 @@ def check_layer_communication_volume(rank):
         assert stats.bytes == expected, (sp, stats.bytes)
 
 
-def _accumulated_grads(fusion: bool, tp_group, dp_group, sp: bool, rank: int) -> tuple[dict, set]:
-    """main_grad of a layer wrapped in its buffers after 3 microbatches (the last one starting
-    the dp reduction from the hooks), and the weights whose layer added their gradient itself."""
+LINEAR_WEIGHTS = {"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+
+
+def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tuple[dict, set]:
+    """Gradients of a layer after 3 microbatches averaged over dp, and the weights whose linear layer
+    added (or queued) their gradient itself. mode "autograd": plain .grad, no buffers, averaged by
+    hand; otherwise main_grad of the layer wrapped in its buffers (the last microbatch starting the
+    dp reduction from the hooks) with gradient accumulation fusion ("fused"), without ("unfused"),
+    or fused with a split backward ("split": weight gradients computed after the backward)."""
     s, b, h = 8, 2, 32
     tp = dist.get_world_size(tp_group)
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
                                tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=0.0,
-                               attention_dropout=0.0, gradient_accumulation_fusion=fusion)
+                               attention_dropout=0.0, gradient_accumulation_fusion=mode != "unfused")
     layer = TransformerLayer(config, tp_group=tp_group, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank % tp))
     initialize_parameters(layer, seed=0)
-    fused = set()
+    by_layers = set()
 
     def record(name):
         def hook(param):
             if param.grad_added_to_main_grad:
-                fused.add(name)
+                by_layers.add(name)
         return hook
 
-    for name, param in layer.named_parameters():  # registered first, so it runs before the buffers' hook
-        param.register_post_accumulate_grad_hook(record(name))
-    chunk = ModelChunkBuffers(layer, DDPConfig(), dp_group)
-    chunk.zero_grad_buffer()
+    chunk = None
+    if mode != "autograd":
+        for name, param in layer.named_parameters():  # registered first, so it runs before the buffers' hook
+            param.register_post_accumulate_grad_hook(record(name))
+        chunk = ModelChunkBuffers(layer, DDPConfig(), dp_group)
+        chunk.zero_grad_buffer()
     for microbatch in range(3):
-        chunk.set_is_last_microbatch(microbatch == 2)
         x = torch.randn(s // tp if sp else s, b, h, generator=torch.Generator().manual_seed(10 * microbatch + rank))
-        chunk(x).square().sum().backward()
+        if chunk is None:
+            layer(x).square().sum().backward()
+            continue
+        chunk.set_is_last_microbatch(microbatch == 2)
+        if mode == "split":
+            with chunk.deferring_weight_grads():
+                chunk(x).square().sum().backward()
+            assert set(chunk.weight_grads.params) == {p for n, p in layer.named_parameters() if n in LINEAR_WEIGHTS}
+            chunk.compute_weight_grads()
+        else:
+            chunk(x).square().sum().backward()
+    if chunk is None:
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        for grad in grads.values():
+            dist.all_reduce(grad.div_(dist.get_world_size(dp_group)), group=dp_group)
+        return grads, by_layers
     chunk.finish_grad_sync()
-    return {n: p.main_grad.clone() for n, p in layer.named_parameters()}, fused
+    return {n: p.main_grad.clone() for n, p in layer.named_parameters()}, by_layers
 
 
 def check_gradient_accumulation_fusion(rank):
-    """Linear layers that add their weight gradients into main_grad themselves accumulate the same
-    gradients over microbatches as the buffers' hook does, under TP (with and without SP) and DP
-    (bucket reductions started by the hooks of the last microbatch)."""
+    """Linear layers that add their weight gradients into main_grad themselves (fused or not), and a
+    split backward that computes them after the rest, accumulate the gradients plain autograd does,
+    under TP (with and without SP) and DP (bucket reductions started by the hooks of the last
+    microbatch, or by compute_weight_grads after a split backward)."""
     alone = [dist.new_group([r]) for r in range(WORLD)][rank]
     layouts = {"tp2": (dist.group.WORLD, alone, False), "tp2+sp": (dist.group.WORLD, alone, True),
                "dp2": (alone, dist.group.WORLD, False)}
-    linear_weights = {"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                      "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
     for layout, (tp_group, dp_group, sp) in layouts.items():
-        unfused, none = _accumulated_grads(False, tp_group, dp_group, sp, rank)
-        fused, by_layers = _accumulated_grads(True, tp_group, dp_group, sp, rank)
-        assert none == set() and by_layers == linear_weights, (layout, none, by_layers)
-        for name, grad in unfused.items():
-            torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
+        reference, _ = _accumulated_grads("autograd", tp_group, dp_group, sp, rank)
+        for mode in ("fused", "unfused", "split"):
+            grads, by_layers = _accumulated_grads(mode, tp_group, dp_group, sp, rank)
+            assert by_layers == LINEAR_WEIGHTS, (layout, mode, by_layers)
+            for name, grad in reference.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=f"{layout} {mode} {name}")
+
+
+def check_split_backward_queue_bytes(rank):
+    """What a split backward queues (the linear layers' output gradients) is what the memory
+    estimate counts for it, GPT and Llama (GQA, SwiGLU), under TP2 with and without SP."""
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    for sp in (False, True):
+        for llama in (False, True):
+            variant = dict(num_query_groups=2, swiglu=True, add_bias_linear=False) if llama else {}
+            config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16,
+                                       seq_length=8, tensor_model_parallel_size=WORLD, sequence_parallel=sp,
+                                       hidden_dropout=0.0, attention_dropout=0.0, **variant)
+            layer = TransformerLayer(config, tp_group=dist.group.WORLD,
+                                     rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
+            initialize_parameters(layer, seed=0)
+            chunk = ModelChunkBuffers(layer, DDPConfig(), alone)
+            chunk.zero_grad_buffer()
+            with chunk.deferring_weight_grads():
+                chunk(torch.randn(8 // WORLD if sp else 8, 3, 32)).square().sum().backward()
+            queued = {w.grad_out.untyped_storage().data_ptr(): w.grad_out.untyped_storage().nbytes()
+                      for w in chunk.weight_grads.pending}
+            dims = Dims.of(config, MemoryLayout(tp=WORLD, micro_batch_size=3))
+            assert sum(queued.values()) == split_backward_bytes(dims, config, layers=1), (sp, llama, queued)
+            chunk.compute_weight_grads()
 
 
 def all_checks(rank):
     check_collectives(rank)
     check_layer_communication_volume(rank)
     check_gradient_accumulation_fusion(rank)
+    check_split_backward_queue_bytes(rank)
     check_cross_entropy(rank)
     check_rng_tracker(rank)
     return True

@@ -36,28 +36,28 @@ def layer_bytes(config, tp=1, device="cuda", **layout):
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_llama_layer_on_cuda_against_the_paper(t):
     """Paper (Fujii et al., bf16, flash, SP, no dropout): s b h (12 + 4k/a + 8 f/h) / t bytes per layer.
-    With our Triton kernels (attention, norms) our layer adds what the code really keeps: a second copy of
-    the attention output (the kernel keeps its [b, s, a, d] output, the projection a reshaped copy),
-    RMSNorm's fp32 rstd, the kernel's fp32 log-sum-exp, and RoPE's fp32 cos/sin."""
+    With our Triton kernels (attention, norms) our layer adds what the code really keeps: RMSNorm's fp32
+    rstd, the kernel's fp32 log-sum-exp, and RoPE's fp32 cos/sin (the projection saves its input, a
+    reshaped view of the kernel's output, as it is)."""
     assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton"
     sbh = S * B * H
     paper = sbh * (12 + 4 * G / A + 8 * F / H) / t
-    output_copy = 2 * S * B * A * D / t
     rstd = 2 * 4 * S * B / t
     lse = 4 * B * A * S / t
     rope = 4 * S * D * 4
-    assert layer_bytes(LLAMA, t) == paper + output_copy + rstd + lse + rope
+    assert layer_bytes(LLAMA, t) == paper + rstd + lse + rope
 
 
 def test_llama_layer_with_torch_sdpa_on_cuda():
     """--attention-backend torch: SDPA flash keeps q, k, v as views, so the whole QKV output stays
-    alive (through v) next to the rotated q and k; the projection input is a view of its output."""
+    alive (through v) next to the rotated q and k; the projection input is a view of its output, as it is
+    of the Triton kernel's output."""
     torch_attention = dataclasses.replace(LLAMA, attention_backend="torch")
     assert resolve_kernels(torch_attention, "cuda").attention == "flash"
     sb = S * B
     rotated = 2 * sb * (A + G) * D  # q_rot, k_rot
     qkv = 2 * sb * (A + 2 * G) * D
-    copies = 2 * sb * (A + 2 * G) * D + 2 * sb * A * D  # Triton: contiguous q, k, v + kernel output
+    copies = 2 * sb * (A + 2 * G) * D  # Triton: contiguous q, k, v
     assert layer_bytes(torch_attention) - layer_bytes(LLAMA) == rotated + qkv - copies
 
 
@@ -135,10 +135,11 @@ def test_full_recomputation_keeps_group_inputs_only():
 def test_selective_recomputation_keeps_core_attention_inputs():
     """Selective: the checkpointed core attention keeps its inputs (q_rot, k_rot and v, a view that keeps
     the whole QKV output) and the projection input, nothing inside. With SDPA flash that saves the lse;
-    with our Triton kernel it *costs* memory: the kernel alone keeps only contiguous q, k, v copies, its
-    output and the lse, while the checkpoint's inputs hold s b g d more (the k part of the QKV output)."""
+    with our Triton kernel it *costs* memory: the kernel alone keeps only contiguous q, k, v copies and the
+    lse (its output stays either way, as the projection's input), while the checkpoint's inputs hold
+    s b (a + g) d more (the rotated q and k next to the whole QKV output)."""
     lse = 4 * B * A * S
-    for backend, saved in (("torch", lse), ("auto", lse - 2 * S * B * G * D)):
+    for backend, saved in (("torch", lse), ("auto", lse - 2 * S * B * (A + G) * D)):
         plain = dataclasses.replace(LLAMA, attention_backend=backend)
         selective = dataclasses.replace(plain, recompute_granularity="selective")
         assert layer_bytes(plain) - layer_bytes(selective) == saved
@@ -170,12 +171,12 @@ def test_first_and_last_stage_extras():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_under_cp(cp):
     """cp > 1, on any device or backend: the ring attention saves q, k, v as given (rotated q and k, v a
-    view of the QKV output) plus its own output and the fp32 lse of the local s/cp tokens; the
-    projection input is a copy. Against torch SDPA flash: the same plus one output, at s/cp."""
+    view of the QKV output) plus its own output (the projection's input is a view of it) and the fp32
+    lse of the local s/cp tokens: what torch SDPA flash keeps at s/cp."""
     ring = dataclasses.replace(LLAMA, context_parallel_size=cp, attention_backend="torch")
     assert resolve_kernels(ring, "cuda").attention == "ring" == resolve_kernels(ring, "cpu").attention
     local = dataclasses.replace(LLAMA, seq_length=S // cp, attention_backend="torch")
-    assert layer_bytes(ring, cp=cp) == layer_bytes(local) + 2 * S // cp * B * A * D
+    assert layer_bytes(ring, cp=cp) == layer_bytes(local)
 
 
 def test_positions_buffer_counts_once_per_rank():

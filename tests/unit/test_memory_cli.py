@@ -107,10 +107,10 @@ def _llama31_estimate(layout_flags):
 
 @pytest.mark.parametrize("name", list(TRAINED_LAYOUTS))
 def test_layouts_megatron_trained_are_warned_not_refused(name, capsys):
-    """Llama-3.1-8B trained at these layouts; the full estimate is at or above the device
-    (94.1 and 93.6 GiB of 93.6), the certain part is not: the check warns and starts."""
+    """Llama-3.1-8B trained at these layouts; the full estimate is just below the device (91.9 and
+    91.4 GiB of 93.6), above the 80% threshold, the certain part well below: the check warns and starts."""
     estimate, device_bytes = _llama31_estimate(TRAINED_LAYOUTS[name])
-    assert estimate.max_certain_bytes < device_bytes and estimate.max_total_bytes > 0.99 * device_bytes
+    assert estimate.max_certain_bytes < 0.86 * device_bytes and 0.97 * device_bytes < estimate.max_total_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert line.lower().startswith("> warning") and "may run out of memory" in line
     code, out, _ = run_tool(estimate_tool, LLAMA31_8B + TRAINED_LAYOUTS[name] + ["--json"], capsys)
@@ -119,12 +119,13 @@ def test_layouts_megatron_trained_are_warned_not_refused(name, capsys):
 
 
 def test_warning_names_the_components_and_the_largest_allowance():
-    estimate, device_bytes = _llama31_estimate(TRAINED_LAYOUTS["seq16k-mbs1"])
+    estimate, _ = _llama31_estimate(TRAINED_LAYOUTS["seq16k-mbs1"])
+    device_bytes = 91 * GIB  # below the 91.93 GiB estimate, above its certain part
     assert estimate.max_total_bytes > device_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert "\n" not in line
-    for part in ("certain part 81.73 GiB", "weights 7.48 GiB", "grads 14.96 GiB", "optimizer 11.22 GiB",
-                 "saved activations 48.07 GiB", "largest first: largest temporary (logits) 5.87 GiB",
+    for part in ("certain part 79.73 GiB", "weights 7.48 GiB", "grads 14.96 GiB", "optimizer 11.22 GiB",
+                 "saved activations 46.07 GiB", "largest first: largest temporary (logits) 5.87 GiB",
                  "fragmentation allowance", "runtime allowance 1.00 GiB"):
         assert part in line, part
 
@@ -190,11 +191,11 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     assert "0 fit" in out
     assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.70" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert [(row[8], row[14]) for row in rows] == [("full", "0.70"), ("none", "0.98")]
+    assert [(row[8], row[14]) for row in rows] == [("full", "0.70"), ("none", "0.97")]
     assert "offload  host GiB" in out and "leave out the CPU step" in out
     code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
     data = json.loads(out)
-    assert code == 0 and [row["offload_fraction"] for row in data] == [0.7, 0.98]
+    assert code == 0 and [row["offload_fraction"] for row in data] == [0.7, 0.97]
     assert all(row["distributed_optimizer"] and row["max_total_bytes"] <= 0.8 * 80 * GIB for row in data)
     assert data[0]["max_host_bytes"] > 0
 

@@ -245,6 +245,49 @@ def test_overlapped_interleaving_beats_1f1b_when_transfers_take_time():
     assert (one, merged, overlapped) == pytest.approx((29.7, 31.2, 27.3))
 
 
+W = ActionKind.WEIGHT
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_split_backward_puts_each_weight_step_right_after_its_input_gradient_is_sent(p, v, m):
+    """Without its WEIGHT steps a split list is the plain one; each WEIGHT follows its BACKWARD
+    and the transfer step right after it, which sends that backward's input gradient (unless
+    the stage is the first)."""
+    for rank in range(p):
+        plain, split = build_schedule(p, v, m, rank), build_schedule(p, v, m, rank, split_backward=True)
+        assert [step for step in split if step[0].kind is not W] == plain
+        for i, step in enumerate(split):
+            if step[0].kind is not B:
+                continue
+            unit = (step[0].microbatch, step[0].chunk)
+            after = split[i + 1] if split[i + 1][0].kind is W else split[i + 2]
+            assert after == [Action(W, *unit)], (rank, i)
+            if stage(p, rank, unit[1]) != 0:
+                assert Action(SB, *unit) in split[i + 1], (rank, i)
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_split_backward_runs_without_deadlock_and_never_slower(p, v, m):
+    """At F = 1, B = 2 (input and weight gradients 1 each) per 1F1B stage, splitting saves exactly
+    (p - 1) weight-gradient times for 1F1B (the cool-down's chain of backwards runs on input
+    gradients); it is never slower, and with transfers that take time it saves more."""
+    times = dict(forward_time=1.0 / v, backward_time=2.0 / v)
+    for t in (0.0, 0.3):
+        plain = simulate(p, v, m, transfer_time=t, **times).makespan
+        split = simulate(p, v, m, transfer_time=t, split_backward=True, **times).makespan
+        assert split <= plain + 1e-9
+        if v == 1 and t == 0.0:
+            assert split == pytest.approx(plain - (p - 1) * 1.0)
+        if t > 0:
+            assert split < plain
+
+
+def test_simulator_reports_weight_step_before_its_backward():
+    steps = [[Action(F, 0, 0)], [Action(W, 0, 0)], [Action(B, 0, 0)]]
+    with pytest.raises(ScheduleError, match=r"WEIGHT\(mb=0, chunk=0\): runs before its backward"):
+        simulate_steps([steps], v=1)
+
+
 def test_simulator_reports_messages_out_of_order():
     lists = schedules(2, 1, 3)
     recvs = [(i, j) for i, step in enumerate(lists[1]) for j, act in enumerate(step) if act.kind is RF]

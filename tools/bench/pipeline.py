@@ -6,9 +6,15 @@
 For every (pp, microbatches) pair, launches pp forked gloo ranks (one intra-op thread each) that hold a stack of
 identical residual MLP blocks split into equal-cost stages: p stages for 1F1B,
 p*v for the interleaved schedule (same blocks, same weights, same microbatches).
-Each schedule runs through our PipelineExecutor (chunks wrapped in our
-ModelChunkBuffers, as the executor requires) and through torch's
-PipelineStage + Schedule1F1B / ScheduleInterleaved1F1B. Before timing, one step
+Each schedule runs through our PipelineExecutor and through torch's PipelineStage +
+Schedule1F1B / ScheduleInterleaved1F1B. Each side builds the blocks as its users
+would: ours from our linear layers (tp=1) in chunks wrapped in ModelChunkBuffers,
+as the trainer does, with gradient accumulation fusion (weight gradients added into
+the fp32 main_grad buffer by the layer; --no-gradient-accumulation-fusion turns it
+off, leaving the schedule as the only difference); torch's from torch.nn.Linear,
+gradients accumulated by autograd into .grad. --split-backward runs ours with the
+trainer's --split-backward (weight gradients after the input gradient is sent;
+torch's 1F1B and interleaved schedules have no such option). Before timing, one step
 of each checks that both produce the same losses and gradients: equal work is
 the precondition for comparing time. Then the four runs alternate (warm-up
 first, the order rotated each round); a step's time is the slowest rank's, and
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -41,9 +48,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers  # noqa: E402
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
-from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec  # noqa: E402
+from megatron.core.pipeline_parallel.executor import COMPUTE_SPANS, PipelineExecutor, PipelineSpec  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import build_schedule  # noqa: E402
 from megatron.core.pipeline_parallel.simulate import analytic_bubble_fraction  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 LOSS_RTOL = 1e-5
@@ -56,13 +64,25 @@ GRAD_RTOL = 1e-4
 class Block(torch.nn.Module):
     """x + W2 gelu(W1 x): every block costs the same."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, fc1: torch.nn.Module, fc2: torch.nn.Module):
         super().__init__()
-        self.fc1 = torch.nn.Linear(hidden, ffn)
-        self.fc2 = torch.nn.Linear(ffn, hidden)
+        self.fc1, self.fc2 = fc1, fc2
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def torch_block(hidden: int, ffn: int) -> Block:
+    return Block(torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden))
+
+
+def our_block(reference: Block, tp_group, fusion: bool) -> Block:
+    """The same weights in our column- and row-parallel linear layers (tp=1)."""
+    ffn, hidden = reference.fc1.weight.shape
+    layers = dict(tp_group=tp_group, bias=True, init_std=0.02, gradient_accumulation_fusion=fusion)
+    block = Block(ColumnParallelLinear(hidden, ffn, **layers), RowParallelLinear(ffn, hidden, **layers))
+    block.load_state_dict(reference.state_dict())
+    return block
 
 
 class Stage(torch.nn.Module):
@@ -91,7 +111,7 @@ class Ours:
     def __init__(self, stages: list, mesh, args):
         self.chunks = [ModelChunkBuffers(s, DDPConfig(), mesh.dp_cp_group) for s in stages]
         spec = PipelineSpec(p2p_shape=(args.tokens, 1, args.hidden), p2p_dtype=torch.float32,
-                            num_microbatches=args.microbatches)
+                            num_microbatches=args.microbatches, split_backward=args.split_backward)
         self.executor = PipelineExecutor(self.chunks, mesh, spec)
         self.last = mesh.is_last_stage
         self.spans = []  # per step: the executor's spans, seconds since the step's start
@@ -187,11 +207,11 @@ class Theirs:
         return [p.grad.detach().clone() for m in self.modules for p in m.parameters()]
 
 
-def _stages_for(blocks: list, p: int, v: int, rank: int) -> tuple[list, list]:
-    """Fresh copies of the blocks of this rank's v chunks; chunk c is global stage c*p + rank."""
+def _stages_for(blocks: list, p: int, v: int, rank: int, build=copy.deepcopy) -> tuple[list, list]:
+    """Fresh copies (`build(block)`) of the blocks of this rank's v chunks; chunk c is global stage c*p + rank."""
     per_stage = len(blocks) // (p * v)
     indices = [c * p + rank for c in range(v)]
-    stages = [Stage(copy.deepcopy(blocks[i * per_stage:(i + 1) * per_stage])) for i in indices]
+    stages = [Stage([build(b) for b in blocks[i * per_stage:(i + 1) * per_stage]]) for i in indices]
     return stages, indices
 
 
@@ -208,14 +228,15 @@ def worker(rank: int, args) -> dict:
     mesh = ParallelMesh(ParallelDims(pp=p), "cpu")
     _TorchSpans.install()
     torch.manual_seed(args.seed)  # identical on every rank: every rank builds the same full model
-    blocks = [Block(args.hidden, args.ffn) for _ in range(p * v * args.blocks_per_stage)]
+    blocks = [torch_block(args.hidden, args.ffn) for _ in range(p * v * args.blocks_per_stage)]
+    ours = functools.partial(our_block, tp_group=mesh.tp_group, fusion=args.gradient_accumulation_fusion)
     x = torch.randn(m, args.tokens, 1, args.hidden)
     labels = torch.randn(m, args.tokens, 1, args.hidden)
     data = (x, labels, torch.ones(args.tokens, 1))
 
     runs = {}
     for name, chunks in (("1F1B", 1), (f"interleaved v={v}", v)):
-        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank)[0], mesh, args)
+        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank, ours)[0], mesh, args)
         runs[(name, "torch")] = Theirs(*_stages_for(blocks, p, chunks, rank), mesh, args)
 
     # correctness: the same losses (last rank) and gradients (every rank) on both sides
@@ -273,6 +294,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=_positive, default=256, help="tokens per microbatch (default 256)")
     parser.add_argument("--blocks-per-stage", type=_positive, default=1,
                         help="MLP blocks per interleaved stage; a 1F1B stage holds vpp times as many (default 1)")
+    parser.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
+                        help="ours: layers add weight gradients into main_grad (the trainer's default); "
+                             "--no-gradient-accumulation-fusion: accumulated by the buffers' hook")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)")
     parser.add_argument("--warmup", type=_positive, default=2, help="untimed steps of each run (default 2)")
     parser.add_argument("--iters", type=_positive, default=10, help="timed steps of each run (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps of each run")
@@ -315,7 +341,7 @@ def breakdown(spans: list, times: list) -> dict:
     parts = {"compute": [], "post": [], "wait": [], "other": []}
     for step, total in zip(spans, times):
         sums = {kind: sum(e - s for k, _, _, s, e in step if k in kinds) for kind, kinds in
-                (("compute", ("forward", "backward")), ("post", ("post",)), ("wait", ("wait",)))}
+                (("compute", COMPUTE_SPANS), ("post", ("post",)), ("wait", ("wait",)))}
         sums["other"] = total - sum(sums.values())
         for kind, value in sums.items():
             parts[kind].append(value * 1e3)
@@ -341,7 +367,8 @@ def report(args, results: list) -> bool:
     one, inter = "1F1B", f"interleaved v={v}"
     print(f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
           f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
-          f"1 thread/rank; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
+          f"1 thread/rank; ours with{'' if args.gradient_accumulation_fusion else 'out'} gradient accumulation "
+          f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
           f"median of the slowest rank's step time")
     ok = True
     for result in results:

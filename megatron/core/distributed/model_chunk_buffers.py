@@ -1,7 +1,7 @@
 """One model chunk (a pipeline stage's slice of layers) with its flat parameter and gradient buffers.
 
-Gradient hooks add each parameter's gradient to its fp32 `main_grad` view (unless the layer
-already added it there: gradient accumulation fusion, tensor_parallel/layers.py) and, on the last
+Gradient hooks add each parameter's gradient to its fp32 `main_grad` view (unless the linear
+layer already added it there, or queued it: tensor_parallel/layers.py) and, on the last
 microbatch of the iteration, start the reduction of each bucket as soon as backward has
 completed it, so the dp x cp reduction overlaps the rest of backward (`overlap_grad_reduce`;
 without it every bucket is reduced when backward has finished). With the distributed
@@ -11,7 +11,8 @@ use, so the gathers overlap the next iteration's forward instead of blocking the
 
 Usage per iteration: `zero_grad_buffer()`; before each microbatch's backward
 `set_is_last_microbatch(...)`; after the last backward `finish_grad_sync()` (called by
-`finalize_model_grads`).
+`finalize_model_grads`). A split backward runs inside `deferring_weight_grads()` and is
+completed by `compute_weight_grads()` before the chunk's next backward.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.tensor_parallel.layers import WeightGradQueue, deferring
 
 
 @dataclass
@@ -48,6 +50,7 @@ class ModelChunkBuffers(torch.nn.Module):
         self.module = module
         self.config = config
         self.sync_now = True
+        self.weight_grads = WeightGradQueue()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
         self.buffer = ParamAndGradBuffer(list(reversed(named)), grad_dtype=config.grad_dtype,
@@ -59,13 +62,25 @@ class ModelChunkBuffers(torch.nn.Module):
                             if any(True for _ in m.parameters(recurse=False))]
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        if param.grad_added_to_main_grad:  # param.grad is the fused layer's placeholder
+        if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder
             param.grad_added_to_main_grad = False
         else:
             param.main_grad.add_(param.grad)
         param.grad = None
+        if param not in self.weight_grads:
+            self._gradient_final(param)
+
+    def _gradient_final(self, param: torch.Tensor) -> None:
         if self.sync_now and self.config.overlap_grad_reduce:
             self.buffer.mark_ready(param)
+
+    def deferring_weight_grads(self):
+        """A backward inside leaves the linear layers' weight gradients for `compute_weight_grads`."""
+        return deferring(self.weight_grads)
+
+    def compute_weight_grads(self) -> None:
+        for param in self.weight_grads.compute():
+            self._gradient_final(param)
 
     def _wait_for_params(self, module: torch.nn.Module):
         buckets = {self.buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in self.buffer.bucket_of}

@@ -186,11 +186,11 @@ class ActivationModel:
                 inner.save(*qkv)
             else:
                 inner.save(f"{i}.v_copy", n * d.s * d.d * c)
-        # the output projection's input: a view of the SDPA flash output, otherwise a copy -- except
-        # the ring output, a non-contiguous view that autograd's linear copies to fold it but the fused
-        # projection (gradient accumulation fusion, fp32 weights) saves as it is
-        fused = cfg.gradient_accumulation_fusion and d.p == FP32
-        led.save(f"{i}.kernel_out" if k.attention == "ring" and fused else f"{i}.attn_out", sb * d.heads * d.d * d.p)
+        # the output projection's input: a view of the SDPA flash output, a copy of the math path's; the
+        # Triton and ring outputs reshape to a non-contiguous view that the projection saves as it is (its
+        # weight is in a gradient buffer, so it runs through tensor_parallel.layers._Linear, not autograd's
+        # linear, which would save a folded copy)
+        led.save(f"{i}.kernel_out" if k.attention in ("triton", "ring") else f"{i}.attn_out", sb * d.heads * d.d * d.p)
         return inner.total if selective else 0
 
     def layer(self, led: Ledger, i: int, x_tag: str) -> tuple[str, int]:

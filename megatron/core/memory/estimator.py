@@ -32,6 +32,7 @@ from megatron.core.memory.transients import (
     after_backward_temporary,
     cp_attention_bytes,
     estimate_transients,
+    split_backward_bytes,
     largest_temporary,
 )
 
@@ -156,7 +157,8 @@ def estimate_rank(config, layout: MemoryLayout, model: ActivationModel, allowanc
         dims, config, shapes, has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_working_bytes for a in activations))
-    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes,
+    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if layout.split_backward else 0
+    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes, split_bytes=split,
                                      cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
                                      largest=largest, activations=inflight.activations_bytes)
     has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)

@@ -26,6 +26,8 @@ class MemoryLayout:
     --optimizer-offload-fraction (0: no offload), rounded to whole chunks as the static policy
     rounds it (memory/offload.py). `offload_auto`: --offload-policy auto, which decides the
     split only after measuring iteration 1, so it is estimated as full offload, the best case.
+    `split_backward`: the pipeline's --split-backward (linear layers queue their output
+    gradients until the chunk's weight step).
     """
 
     tp: int = 1
@@ -44,6 +46,7 @@ class MemoryLayout:
     offload_auto: bool = False
     grad_dtype_bytes: int = 4
     device_type: str = "cuda"
+    split_backward: bool = False
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):

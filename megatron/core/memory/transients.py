@@ -6,6 +6,9 @@ code allocates and are NOT validated by measurement yet:
 
 - p2p: buffers of the pipeline executor over the schedule (`inflight.walk`), the
   amount they add on top of the activation peak;
+- split backward (--split-backward): the output gradients that the linear layers
+  of one model chunk queue for its weight step, counted whole on top of that
+  microbatch's activations (which backward frees meanwhile: an upper bound);
 - tp: one [s, b, h] buffer of a tensor-parallel collective (the copy the
   all-reduce makes, or the gathered gradient in backward);
 - cp: the K/V blocks and fp32 accumulators of the context-parallel attention's
@@ -42,6 +45,7 @@ CUDA_RUNTIME_BYTES = 1 << 30
 @dataclass(frozen=True)
 class Transients:
     p2p_bytes: int
+    split_backward_bytes: int
     tp_bytes: int
     cp_bytes: int
     dp_bucket_bytes: int
@@ -52,7 +56,8 @@ class Transients:
 
     def components(self) -> dict[str, int]:
         """Named parts, as the start-up check's warning lists them."""
-        return {"p2p buffers": self.p2p_bytes, "tp buffer": self.tp_bytes, "cp attention buffers": self.cp_bytes,
+        return {"p2p buffers": self.p2p_bytes, "split-backward output gradients": self.split_backward_bytes,
+                "tp buffer": self.tp_bytes, "cp attention buffers": self.cp_bytes,
                 "dp buckets": self.dp_bucket_bytes,
                 f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
                 "fragmentation allowance": self.fragmentation_bytes, "runtime allowance": self.runtime_bytes}
@@ -68,6 +73,16 @@ def logits_temporary(dims: Dims, vocab_size: int) -> int:
     padded = dims.vocab * dims.tp != vocab_size
     extra = FP32 if dims.p != FP32 or padded else 0
     return dims.s * dims.b * dims.vocab * (dims.p + extra)
+
+
+def split_backward_bytes(dims: Dims, config, layers: int) -> int:
+    """What one chunk's split backward queues until its weight step: each linear layer's output
+    gradient (tensor_parallel/layers.py WeightGradQueue; the output layer computes its weight
+    gradient at once), per layer QKV [s, b, (heads + 2 groups) d], projection and fc2 [s, b, h]
+    (row-parallel outputs, before the sequence reduce-scatter), fc1 [s, b, ffn] (2 ffn with
+    SwiGLU), local sizes, in the activation dtype."""
+    width = (dims.heads + 2 * dims.groups) * dims.d + 2 * dims.h + dims.ffn * (2 if config.swiglu else 1)
+    return layers * dims.s * dims.b * width * dims.p
 
 
 def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
@@ -122,11 +137,12 @@ class Allowances:
         return cls(0.0, 0)
 
 
-def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int, cp_bytes: int,
-                        largest: tuple[int, str], activations: int) -> Transients:
+def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int, split_bytes: int,
+                        cp_bytes: int, largest: tuple[int, str], activations: int) -> Transients:
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
-    dynamic = activations + p2p_extra + tp_bytes + cp_bytes + largest[0]
-    return Transients(p2p_bytes=p2p_extra, tp_bytes=tp_bytes, cp_bytes=cp_bytes, dp_bucket_bytes=0,
+    dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0]
+    return Transients(p2p_bytes=p2p_extra, split_backward_bytes=split_bytes, tp_bytes=tp_bytes, cp_bytes=cp_bytes,
+                      dp_bucket_bytes=0,
                       largest_temporary_bytes=largest[0], largest_temporary=largest[1],
                       fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
                       runtime_bytes=allowances.runtime_bytes)

@@ -82,7 +82,7 @@ class GPTModel(torch.nn.Module):
                 init_std=config.init_method_std, sequence_parallel=config.sequence_parallel,
                 dtype=config.params_dtype, device=device, skip_weight=self.tied and pre_process,
                 valid_rows=config.vocab_size, weight_seed_name=WORD_EMBEDDINGS if self.tied else None,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion, split_backward_defers=False)
             if self.tied and not pre_process:
                 self.output_layer.weight.shared_embedding = True
         if self.tied and pre_process and not post_process:

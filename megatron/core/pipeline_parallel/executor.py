@@ -13,6 +13,7 @@ pipeline idle time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ class PipelineSpec:
     `p2p_shape` is the shape of the activation passed between stages ([s, b, h],
     s divided by tp under sequence parallelism); `group_size` is Megatron's
     microbatch group size per virtual stage (None: p); `every_stage_reads`: the batch
-    carries per-sample positions or documents, which every model chunk needs.
+    carries per-sample positions or documents, which every model chunk needs;
+    `split_backward`: weight gradients after the input gradient is sent (schedules.py).
     """
 
     p2p_shape: tuple
@@ -40,12 +42,14 @@ class PipelineSpec:
     num_microbatches: int
     group_size: int | None = None
     every_stage_reads: bool = False
+    split_backward: bool = False
 
 
 class Span(NamedTuple):
-    """One piece of a rank's step: `kind` is 'forward', 'backward' (of `microbatch` on local
-    `chunk`), 'post' (handing a batch of transfers to the backend) or 'wait' (blocked on
-    transfers); `start` and `end` are seconds since the step began."""
+    """One piece of a rank's step: `kind` is 'forward', 'backward', 'weight' (the weight
+    gradients of a split backward; of `microbatch` on local `chunk`), 'post' (handing a batch
+    of transfers to the backend) or 'wait' (blocked on transfers); `start` and `end` are
+    seconds since the step began."""
 
     kind: str
     microbatch: int | None
@@ -95,7 +99,7 @@ class StepStats:
 
     @property
     def compute_seconds(self) -> float:
-        return self.seconds("forward", "backward")
+        return self.seconds(*COMPUTE_SPANS)
 
     @property
     def wait_seconds(self) -> float:
@@ -117,6 +121,9 @@ def global_token_mean(token_sums: torch.Tensor) -> tuple[float, float]:
     if tokens == 0:
         return 0.0, 1.0
     return loss_sum / tokens, slots / tokens
+
+
+COMPUTE_SPANS = ("forward", "backward", "weight")
 
 
 class _SpanTimer:
@@ -181,7 +188,7 @@ class PipelineExecutor:
         self.chunks, self.mesh, self.spec = chunks, mesh, spec
         self.p, self.v, self.rank = mesh.pp_size, len(chunks), mesh.pp_rank
         self.steps = build_schedule(self.p, self.v, spec.num_microbatches, self.rank,
-                                    group_size=spec.group_size)
+                                    group_size=spec.group_size, split_backward=spec.split_backward)
         self.last_backward = self._last_backward_index()
 
     def _last_backward_index(self) -> dict:
@@ -224,6 +231,10 @@ class PipelineExecutor:
                 self._backward(action, inputs, outputs, received_grads, input_grads)
                 inputs.pop(key, None), outputs.pop(key, None)
                 timer.stop("backward", started, action)
+            elif action.kind is ActionKind.WEIGHT:
+                started = timer.start()
+                self.chunks[action.chunk].compute_weight_grads()
+                timer.stop("weight", started, action)
             else:
                 started = timer.start()
                 self._post(step, transfers, inputs, outputs, received_grads, input_grads, device)
@@ -259,7 +270,8 @@ class PipelineExecutor:
         chunk.set_is_last_microbatch(self.last_backward[action.chunk] == action.microbatch)
         output = outputs[key]
         grad = None if self._is_last(action.chunk) else received_grads.pop(key)
-        _run_backward(output, grad)
+        with chunk.deferring_weight_grads() if self.spec.split_backward else contextlib.nullcontext():
+            _run_backward(output, grad)
         if not self._is_first(action.chunk):
             input_grads[key] = inputs[key].grad
 

@@ -4,7 +4,7 @@
 training iteration as a list of *steps*. A step is either
 
 * exactly one compute action (FORWARD or BACKWARD of one microbatch on one
-  local model chunk), or
+  local model chunk, or WEIGHT: the weight gradients of a split backward), or
 * one or more transfers (SEND_/RECV_ FORWARD/BACKWARD) that the executor
   *posts* as ONE batch and does not wait for. A receive is waited for by the
   compute that consumes it (the forward of its microbatch and chunk, or the
@@ -30,6 +30,14 @@ on the lists that they match up, cannot deadlock even under NCCL's strictest
 reading (a rank's batches run one after another, each completing only when all
 its transfers have met their peers), and computes their bubble.
 
+With `split_backward` a BACKWARD computes input gradients only (and the
+gradients of parameters that are not linear weights) and its WEIGHT action
+computes the linear layers' weight gradients right after the transfer step that
+sends the input gradient upstream (zero-bubble pipelining's B/W split, Qi et al.,
+2023, without moving W any later): the upstream stage gets its gradient one
+weight-gradient computation earlier, which shortens the cool-down's chain of
+backwards by (p - 1) weight-gradient times. Compute order otherwise unchanged.
+
 The compute order and the batching of transfers follow Megatron-LM's
 `forward_backward_pipelining_without_interleaving` (1F1B) and
 `forward_backward_pipelining_with_interleaving` with `overlap_p2p_comm`: in the
@@ -53,10 +61,11 @@ class ActionKind(enum.Enum):
     RECV_FORWARD = "RF"
     SEND_BACKWARD = "SB"
     RECV_BACKWARD = "RB"
+    WEIGHT = "W"
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -171,10 +180,13 @@ def interleaved_order(m: int, v: int, g: int) -> list[tuple[int, int]]:
 
 
 class _Writer:
-    """Appends the steps of one rank, leaving out transfers the stage does not make."""
+    """Appends the steps of one rank, leaving out transfers the stage does not make; with
+    `split_backward`, a backward's WEIGHT step follows the transfer step after it."""
 
-    def __init__(self, p: int, v: int, rank: int):
+    def __init__(self, p: int, v: int, rank: int, split_backward: bool = False):
         self.p, self.v, self.rank = p, v, rank
+        self.split_backward = split_backward
+        self.weight_pending: tuple[int, int] | None = None
         self.steps: list[Step] = []
 
     def _first(self, chunk: int) -> bool:
@@ -187,7 +199,17 @@ class _Writer:
         self.steps.append([Action(ActionKind.FORWARD, *unit)])
 
     def backward(self, unit: tuple[int, int]) -> None:
+        self.flush_weight()
         self.steps.append([Action(ActionKind.BACKWARD, *unit)])
+        if self.split_backward:
+            self.weight_pending = unit
+
+    def flush_weight(self) -> list[Step]:
+        """Append the pending WEIGHT step, if any; return the steps."""
+        if self.weight_pending is not None:
+            self.steps.append([Action(ActionKind.WEIGHT, *self.weight_pending)])
+            self.weight_pending = None
+        return self.steps
 
     def comm(self, send_forward=None, recv_forward=None, send_backward=None, recv_backward=None) -> None:
         """One batched transfer step; each argument is a (microbatch, chunk) or None."""
@@ -202,25 +224,26 @@ class _Writer:
             ops.append(Action(ActionKind.RECV_BACKWARD, *recv_backward))
         if ops:
             self.steps.append(ops)
+        self.flush_weight()
 
 
-def _no_pipelining(m: int) -> list[Step]:
+def _no_pipelining(m: int, split_backward: bool) -> list[Step]:
     """Plain gradient accumulation on one rank: F0 B0 F1 B1 ..."""
-    w = _Writer(1, 1, 0)
+    w = _Writer(1, 1, 0, split_backward)
     for mb in range(m):
         w.forward((mb, 0))
         w.backward((mb, 0))
-    return w.steps
+    return w.flush_weight()
 
 
-def _one_f_one_b(p: int, m: int, rank: int, warmup: int) -> list[Step]:
+def _one_f_one_b(p: int, m: int, rank: int, warmup: int, split_backward: bool) -> list[Step]:
     """Megatron's 1F1B: warm-up forwards, then pairs F(i + warmup) B(i), then cool-down backwards.
 
     In the steady state the forward output goes out in one batch with the
     receive of the next output gradient, and the input gradient in one batch
     with the receive of the next input, as in Megatron.
     """
-    w = _Writer(p, 1, rank)
+    w = _Writer(p, 1, rank, split_backward)
     for i in range(warmup):
         w.comm(recv_forward=(i, 0))
         w.forward((i, 0))
@@ -237,7 +260,7 @@ def _one_f_one_b(p: int, m: int, rank: int, warmup: int) -> list[Step]:
         w.comm(recv_backward=(i, 0))
         w.backward((i, 0))
         w.comm(send_backward=(i, 0))
-    return w.steps
+    return w.flush_weight()
 
 
 def _interleaved_receives(p: int, v: int, rank: int, fwd: list, bwd: list) -> tuple[dict, dict]:
@@ -267,7 +290,7 @@ def _interleaved_receives(p: int, v: int, rank: int, fwd: list, bwd: list) -> tu
     return recv_forward, recv_backward
 
 
-def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int) -> list[Step]:
+def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int, split_backward: bool) -> list[Step]:
     """Megatron's interleaved 1F1B over the order of `interleaved_order`, with overlapped transfers.
 
     The k-th forward runs fwd[k], the k-th backward runs bwd[k]. After each
@@ -281,7 +304,7 @@ def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int) -> list
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
     n = len(fwd)
     recv_f, recv_b = _interleaved_receives(p, v, rank, fwd, bwd)
-    w = _Writer(p, v, rank)
+    w = _Writer(p, v, rank, split_backward)
     w.comm(recv_forward=recv_f.get(-1))
     for k in range(warmup):
         w.forward(fwd[k])
@@ -299,22 +322,24 @@ def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int) -> list
     for k in range(n - warmup, n):
         w.backward(bwd[k])
         w.comm(send_backward=bwd[k], recv_backward=recv_b.get(k))
-    return w.steps
+    return w.flush_weight()
 
 
 def build_schedule(
-    p: int, v: int, m: int, rank: int, *, kind: str = "auto", group_size: int | None = None
+    p: int, v: int, m: int, rank: int, *, kind: str = "auto", group_size: int | None = None,
+    split_backward: bool = False,
 ) -> list[Step]:
     """The steps pipeline rank `rank` runs for one iteration of m microbatches.
 
     kind: 'none' (p == 1), '1f1b' (v == 1), 'interleaved' (v > 1, needs
     p <= group_size <= m; group_size defaults to p), or 'auto' to pick by p, v.
+    `split_backward`: each BACKWARD is followed by its WEIGHT step (see the module docstring).
     Raises ValueError with a one-line message on bad arguments.
     """
     kind, g = _validate(p, v, m, rank, kind, group_size)
     if kind == "none":
-        return _no_pipelining(m)
+        return _no_pipelining(m, split_backward)
     warmup = num_warmup_microbatches(p, v, m, rank, kind=kind, group_size=group_size)
     if kind == "1f1b":
-        return _one_f_one_b(p, m, rank, warmup)
-    return _interleaved(p, v, m, rank, g, warmup)
+        return _one_f_one_b(p, m, rank, warmup, split_backward)
+    return _interleaved(p, v, m, rank, g, warmup, split_backward)

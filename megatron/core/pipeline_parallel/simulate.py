@@ -4,7 +4,8 @@ The simulator follows the executor's semantics, under NCCL's strictest reading:
 
 * a compute step takes `forward_time` or `backward_time`; before it starts the
   rank waits for the batch that received its input (forward) or output
-  gradient (backward);
+  gradient (backward); in split-backward lists a BACKWARD takes
+  `backward_time - weight_time` and its WEIGHT step `weight_time`;
 * a transfer step posts its ops as one batch and the rank goes on at once;
 * a rank's batches run one after another, as on NCCL's one communication
   stream: a batch starts when it is posted and the rank's previous batch has
@@ -19,7 +20,8 @@ The simulator follows the executor's semantics, under NCCL's strictest reading:
 On top of timing it checks that the lists are consistent: each send meets the
 receive of the same microbatch on the next (forward) or previous (backward)
 stage, a forward runs after its input was received, a backward after its
-forward and its output gradient, nothing runs twice. Any violation, and any
+forward and its output gradient, a weight step after its backward, nothing
+runs twice. Any violation, and any
 deadlock, raises `ScheduleError` with a one-line description.
 """
 from __future__ import annotations
@@ -83,9 +85,11 @@ class _Posted:
 
 class _Simulator:
     def __init__(self, schedules: list[list[Step]], v: int, forward_time: float, backward_time: float,
-                 transfer_time: float):
+                 transfer_time: float, weight_time: float):
         self.schedules, self.p, self.v = schedules, len(schedules), v
-        self.duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time}
+        split = any(a.kind is ActionKind.WEIGHT for steps in schedules for step in steps for a in step)
+        self.duration = {ActionKind.FORWARD: forward_time, ActionKind.WEIGHT: weight_time,
+                         ActionKind.BACKWARD: backward_time - weight_time if split else backward_time}
         self.transfer_time = transfer_time
         self.pos = [0] * self.p
         self.clock = [0.0] * self.p
@@ -159,8 +163,10 @@ class _Simulator:
                 raise self._fail(rank, a, "runs before its forward")
             if not last and (ActionKind.RECV_BACKWARD, a.microbatch, a.chunk) not in done:
                 raise self._fail(rank, a, "its output gradient has not been received")
+        if a.kind is ActionKind.WEIGHT and (ActionKind.BACKWARD, a.microbatch, a.chunk) not in done:
+            raise self._fail(rank, a, "runs before its backward")
         start = self.clock[rank]
-        batch = self.received[rank].get((_CONSUMES[a.kind], a.microbatch, a.chunk))
+        batch = self.received[rank].get((_CONSUMES.get(a.kind), a.microbatch, a.chunk))
         if batch is not None:
             if batch.completed is None:
                 return False
@@ -243,16 +249,20 @@ def _fmt(step: Step) -> str:
 
 def simulate_steps(
     schedules: list[list[Step]], v: int, *, forward_time: float = 1.0, backward_time: float = 2.0,
-    transfer_time: float = 0.0,
+    transfer_time: float = 0.0, weight_time: float | None = None,
 ) -> Timeline:
     """Run the action lists of all p = len(schedules) ranks; raise ScheduleError on deadlock or inconsistency.
 
     `transfer_time`: how long a batch takes once all its ops have met (0: the exact bubble of the
-    schedule; above 0: how much of the p2p latency the schedule hides behind computation)."""
-    if forward_time <= 0 or backward_time <= 0 or transfer_time < 0:
-        raise ValueError(f"forward and backward times must be positive and the transfer time non-negative, "
-                         f"got {forward_time}, {backward_time}, {transfer_time}")
-    return _Simulator(schedules, v, forward_time, backward_time, transfer_time).run()
+    schedule; above 0: how much of the p2p latency the schedule hides behind computation).
+    `weight_time`: the part of `backward_time` a split backward's WEIGHT step takes (default half:
+    a linear layer's input and weight gradients are one matrix product each)."""
+    weight_time = backward_time / 2 if weight_time is None else weight_time
+    if forward_time <= 0 or backward_time <= 0 or transfer_time < 0 or not 0 < weight_time < backward_time:
+        raise ValueError(f"forward and backward times must be positive, the transfer time non-negative and the "
+                         f"weight time inside the backward time, got {forward_time}, {backward_time}, "
+                         f"{transfer_time}, {weight_time}")
+    return _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time).run()
 
 
 def simulate(
@@ -265,11 +275,14 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     transfer_time: float = 0.0,
+    split_backward: bool = False,
+    weight_time: float | None = None,
 ) -> Timeline:
     """Build every rank's schedule with `build_schedule` and simulate them together."""
-    schedules = [build_schedule(p, v, m, r, kind=kind, group_size=group_size) for r in range(p)]
+    schedules = [build_schedule(p, v, m, r, kind=kind, group_size=group_size, split_backward=split_backward)
+                 for r in range(p)]
     return simulate_steps(schedules, v, forward_time=forward_time, backward_time=backward_time,
-                          transfer_time=transfer_time)
+                          transfer_time=transfer_time, weight_time=weight_time)
 
 
 def bubble_fraction(timeline: Timeline) -> list[float]:

@@ -6,6 +6,9 @@ layer's output is reduce-scattered back to sequence shards.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,59 +42,126 @@ class _Linear(torch.autograd.Function):
     column-parallel layer keeps 1/tp of its input, and reduce-scatters the input
     gradient back to sequence shards.
 
-    `fuse_wgrad` (Megatron's gradient accumulation fusion): backward adds the weight
-    gradient straight into the fp32 `weight.main_grad` with one addmm instead of making
-    a weight-gradient tensor that the buffer's hook then adds (one pass over the weight's
-    gradient and one allocation fewer per microbatch). Autograd still receives an
-    uninitialised placeholder of the weight's shape so that the buffer's post-accumulate
-    hook runs (it sees `grad_added_to_main_grad`, skips the add and can start the bucket's
-    reduction); the placeholder is why only a weight used once per backward may fuse. The
-    parameter itself is kept for that (saved tensors may come back as plain tensors without
+    `param` is the layer's own weight when it has a `main_grad` buffer (ModelChunkBuffers):
+    backward then adds the weight gradient into `main_grad` itself, with one addmm when
+    `fuse` (Megatron's gradient accumulation fusion: no weight-gradient tensor is made and
+    added later), or leaves it to a `WeightGradQueue` during a split backward. Autograd
+    still receives an uninitialised placeholder of the weight's shape so that the buffer's
+    post-accumulate hook runs (it sees `grad_added_to_main_grad` and skips the add); the
+    placeholder is why only a weight used once per backward goes this way. The parameter
+    itself is kept in ctx (saved tensors may come back as plain tensors without
     `main_grad`, e.g. from activation recomputation).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sp_group, fuse_wgrad):
-        ctx.sp_group, ctx.has_bias = sp_group, bias is not None
-        ctx.fused_param = weight if fuse_wgrad else None
+    def forward(ctx, x, weight, bias, sp_group, param, fuse, deferrable):
+        ctx.sp_group, ctx.has_bias, ctx.param, ctx.fuse = sp_group, bias is not None, param, fuse
+        ctx.deferrable = deferrable
         ctx.save_for_backward(x, weight)
         return F.linear(x if sp_group is None else all_gather_sequence(x, sp_group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        total_input = x if ctx.sp_group is None else all_gather_sequence(x, ctx.sp_group)
-        grad_2d, input_2d = grad_out.flatten(0, -2), total_input.flatten(0, -2)
-        if ctx.fused_param is not None:
-            ctx.fused_param.main_grad.addmm_(grad_2d.t(), input_2d)
-            ctx.fused_param.grad_added_to_main_grad = True
-            grad_weight = torch.empty_like(weight)
+        grad_2d = grad_out.flatten(0, -2)
+        if ctx.param is None:
+            grad_weight = grad_2d.t().mm(_gathered(x, ctx.sp_group).flatten(0, -2))
         else:
-            grad_weight = grad_2d.t().mm(input_2d)
-        del total_input, input_2d
+            weight_grad = _WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse)
+            if _deferring is not None and ctx.deferrable:
+                _deferring.add(weight_grad)
+            else:
+                weight_grad.accumulate()
+            ctx.param.grad_added_to_main_grad = True
+            grad_weight = torch.empty_like(weight)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         grad_input = grad_out.matmul(weight)
         if ctx.sp_group is not None:
             grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _fuses_wgrad(enabled: bool, weight: torch.Tensor) -> bool:
-    """Gradient accumulation fusion applies to a weight with a `main_grad` buffer of its own dtype
-    (fp32 weights; the fp32 accumulation of bf16/fp16 weights needs a kernel not built here)."""
+def _gathered(x: torch.Tensor, sp_group) -> torch.Tensor:
+    return x if sp_group is None else all_gather_sequence(x, sp_group)
+
+
+@dataclass
+class _WeightGrad:
+    """One linear layer's weight gradient, grad_out^T x, to add into the weight's main_grad."""
+
+    param: torch.Tensor
+    grad_out: torch.Tensor  # [tokens, out features]
+    x: torch.Tensor  # the layer's input (a sequence shard under sequence parallelism)
+    sp_group: object
+    fuse: bool
+
+    def accumulate(self) -> None:
+        total_input = _gathered(self.x, self.sp_group).flatten(0, -2)
+        if self.fuse:
+            self.param.main_grad.addmm_(self.grad_out.t(), total_input)
+        else:
+            self.param.main_grad.add_(self.grad_out.t().mm(total_input))
+
+
+class WeightGradQueue:
+    """Linear layers' weight gradients that a split backward left for later.
+
+    Inside `deferring(queue)` a backward computes input gradients (and the gradients of
+    every parameter that is not a linear layer's own weight in a gradient buffer) and
+    queues the linear weights' gradients; `compute()` adds them into `main_grad`. A
+    pipeline stage thus sends its input gradient upstream before spending the other
+    half of its backward (the weight gradients) -- the B/W split of zero-bubble
+    pipelining (Qi et al., 2023). The queue holds each linear layer's output gradient
+    until then.
+    """
+
+    def __init__(self):
+        self.pending: list[_WeightGrad] = []
+        self.params: set = set()
+
+    def __contains__(self, param) -> bool:
+        return param in self.params
+
+    def add(self, weight_grad: _WeightGrad) -> None:
+        self.pending.append(weight_grad)
+        self.params.add(weight_grad.param)
+
+    def compute(self) -> list[torch.Tensor]:
+        """Add every queued gradient into its main_grad; return the parameters, now final."""
+        done = [weight_grad.param for weight_grad in self.pending]
+        with torch.no_grad():
+            for weight_grad in self.pending:
+                weight_grad.accumulate()
+        self.pending, self.params = [], set()
+        return done
+
+
+_deferring: WeightGradQueue | None = None  # where _Linear leaves weight gradients (one backward runs at a time)
+
+
+@contextlib.contextmanager
+def deferring(queue: WeightGradQueue):
+    """Backward inside leaves the linear layers' weight gradients in `queue`."""
+    global _deferring
+    _deferring = queue
+    try:
+        yield
+    finally:
+        _deferring = None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, sp_group=None, owned: bool = True,
+            gradient_accumulation_fusion: bool = False, deferrable: bool = True) -> torch.Tensor:
+    """x W^T + b through `_Linear` when it does something autograd's linear does not (gather over the
+    sequence; gradients of the layer's own weight straight into its main_grad buffer), else F.linear.
+    Fused accumulation needs main_grad in the weight's dtype (fp32 weights: adding a bf16/fp16 product
+    into fp32 needs a kernel not built here)."""
     main_grad = getattr(weight, "main_grad", None)
-    return (enabled and torch.is_grad_enabled() and weight.requires_grad and main_grad is not None
-            and main_grad.dtype == weight.dtype)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, sp_group=None,
-           gradient_accumulation_fusion: bool = False) -> torch.Tensor:
-    """x W^T + b through `_Linear` when it does something autograd's linear does not (gather
-    over the sequence, fused weight-gradient accumulation), else through F.linear."""
-    fuse = _fuses_wgrad(gradient_accumulation_fusion, weight)
-    if sp_group is None and not fuse:
+    param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
+    if sp_group is None and param is None:
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, sp_group, fuse)
+    fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
+    return _Linear.apply(x, weight, bias, sp_group, param, fuse, deferrable)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -101,19 +171,23 @@ class ColumnParallelLinear(torch.nn.Module):
     (SwiGLU's [gate; up]) so every rank holds matching gate and up rows.
     `skip_weight` leaves the weight to be passed to forward (a tied output layer);
     `valid_rows`/`weight_seed_name` shape an output layer's init (see InitSpec).
-    `gradient_accumulation_fusion`: see `_Linear` (never for a weight passed to forward,
-    which may be used elsewhere too: the tied embedding).
+    `gradient_accumulation_fusion`: see `_Linear` (a weight passed to forward, which may be
+    used elsewhere too -- the tied embedding -- gets its gradient through autograd).
+    `split_backward_defers=False` keeps the weight gradient in the backward even in a split
+    backward (the output layer: deferring it would hold the logits' gradient).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool, init_std: float,
                  sequence_parallel: bool = False, gather_output: bool = False, stacked: int = 1,
                  dtype=torch.float32, device=None, skip_weight: bool = False, valid_rows: int | None = None,
-                 weight_seed_name: str | None = None, gradient_accumulation_fusion: bool = False):
+                 weight_seed_name: str | None = None, gradient_accumulation_fusion: bool = False,
+                 split_backward_defers: bool = True):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.gather_output = gather_output
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.split_backward_defers = split_backward_defers
         tp, rank = _group_size_rank(tp_group)
         local_out = divide(output_size, tp, "output size of a column-parallel layer over tensor parallel size")
         shard = ShardSpec(dim=0, num_shards=tp, rank=rank, stacked=stacked)
@@ -130,13 +204,14 @@ class ColumnParallelLinear(torch.nn.Module):
                                    device, tensor_model_parallel=True)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        fuse = self.gradient_accumulation_fusion and weight is None
-        weight = self.weight if weight is None else weight
+        owned = weight is None
+        weight = self.weight if owned else weight
+        fusion = dict(owned=owned, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                      deferrable=self.split_backward_defers)
         if self.sequence_parallel:
-            y = _linear(x, weight, self.bias, sp_group=self.tp_group, gradient_accumulation_fusion=fuse)
+            y = _linear(x, weight, self.bias, sp_group=self.tp_group, **fusion)
         else:
-            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias,
-                        gradient_accumulation_fusion=fuse)
+            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **fusion)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
