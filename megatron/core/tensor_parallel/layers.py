@@ -75,9 +75,11 @@ class _Linear(torch.autograd.Function):
             ctx.param.grad_added_to_main_grad = True
             grad_weight = torch.empty_like(weight)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        grad_input = grad_out.matmul(weight)
-        if ctx.sp_group is not None:
-            grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
+        grad_input = None
+        if ctx.needs_input_grad[0]:  # not for a first layer fed with data
+            grad_input = grad_out.matmul(weight)
+            if ctx.sp_group is not None:
+                grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
