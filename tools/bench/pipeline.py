@@ -55,6 +55,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 LOSS_RTOL = 1e-5
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # process_time: every thread, gloo's included
+MEASURES = {"wall": "the slowest rank's step time", "cpu": "the CPU time of all ranks per step (ms below)"}
 GRAD_RTOL = 1e-4
 
 
@@ -258,10 +260,11 @@ def worker(rank: int, args) -> dict:
         shift = it % len(order)
         for key in order[shift:] + order[:shift]:
             dist.barrier(group=mesh.pp_group)
-            start = time.perf_counter()
+            start = CLOCKS[args.clock]()
             runs[key].step(data)
-            times[order.index(key), it] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=mesh.pp_group)  # a step lasts as long as its slowest rank
+            times[order.index(key), it] = CLOCKS[args.clock]() - start
+    # wall: a step lasts as long as its slowest rank; cpu: the step's work is every rank's CPU time
+    dist.all_reduce(times, op=dist.ReduceOp.MAX if args.clock == "wall" else dist.ReduceOp.SUM, group=mesh.pp_group)
     spans = {key: runs[key].spans[-args.iters:] for key in order}
     gathered = [None] * p
     dist.all_gather_object(gathered, (check, spans), group=mesh.pp_group)
@@ -299,6 +302,10 @@ def _parser() -> argparse.ArgumentParser:
                              "--no-gradient-accumulation-fusion: accumulated by the buffers' hook")
     parser.add_argument("--split-backward", action="store_true",
                         help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall: step time of the slowest rank (default); cpu: CPU time of all ranks' processes "
+                             "(all threads) summed, the step's total work, which bounds the step when ranks outnumber "
+                             "cores")
     parser.add_argument("--warmup", type=_positive, default=2, help="untimed steps of each run (default 2)")
     parser.add_argument("--iters", type=_positive, default=10, help="timed steps of each run (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps of each run")
@@ -369,7 +376,7 @@ def report(args, results: list) -> bool:
           f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
           f"1 thread/rank; ours with{'' if args.gradient_accumulation_fusion else 'out'} gradient accumulation "
           f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
-          f"median of the slowest rank's step time")
+          f"median of {MEASURES[args.clock]}")
     ok = True
     for result in results:
         lines, good = check_lines(result, (one, inter))
@@ -403,7 +410,16 @@ def report(args, results: list) -> bool:
     print("(per-round: median of ours/torch over rounds that run both back to back; bubble (p-1)/(v*m); "
           "interleaved/1F1B step time measured and analytic (1 + (p-1)/(v*m)) / (1 + (p-1)/m), free transfers)")
     print()
+    if args.clock == "wall":
+        _print_breakdown(results, (one, inter))
+    print(f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), over p={','.join(map(str, args.pp))} "
+          f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
+          f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
+          f"{inter} {statistics.median(pooled[inter]):.3f}")
+    return ok
 
+
+def _print_breakdown(results: list, names: tuple) -> None:
     header = f"{'p':>2} {'m':>3} {'schedule':<16} {'side':<6} {'rank':>4} {'compute':>8} {'post':>6} {'wait':>6} {'other':>6}"
     print("where each rank's step time goes, ms (median over the timed steps; other = step time of the slowest "
           "rank minus the rest)")
@@ -411,18 +427,13 @@ def report(args, results: list) -> bool:
     print("-" * len(header))
     for result in results:
         times = dict(zip(result["order"], result["times"]))
-        for name in (one, inter):
+        for name in names:
             for side in ("ours", "torch"):
                 for rank, rank_spans in enumerate(result["spans"]):
                     b = breakdown(rank_spans[(name, side)], times[(name, side)])
                     print(f"{result['p']:>2} {result['m']:>3} {name:<16} {side:<6} {rank:>4} {b['compute']:>8.1f} "
                           f"{b['post']:>6.1f} {b['wait']:>6.1f} {b['other']:>6.1f}")
     print()
-    print(f"ours/torch step time (target <= 1.0), over p={','.join(map(str, args.pp))} "
-          f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
-          f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
-          f"{inter} {statistics.median(pooled[inter]):.3f}")
-    return ok
 
 
 def trace(args, results: list) -> dict:
