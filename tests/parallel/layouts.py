@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.pipeline_parallel.schedules import ActionKind
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.training import Trainer
 
@@ -41,7 +42,7 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     """Train on this rank; return losses and grad norms per iteration, initial weights, gradients of
     iteration `grads_at` (whole only with the replicated optimizer: the distributed one keeps just
     this rank's shard of each reduced gradient), the weights after the last step and the bytes of
-    optimizer state."""
+    optimizer state, and how many WEIGHT steps (split backward) this rank's schedule has."""
     trainer = build_trainer(model, extra)
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     losses, grads, grad_norms = [], {}, []
@@ -54,7 +55,8 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     trainer.optimizer.finish_param_sync()
     final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms, "final": final,
-            "optimizer_bytes": trainer.optimizer.state_bytes()}
+            "optimizer_bytes": trainer.optimizer.state_bytes(),
+            "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps)}
 
 
 def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:

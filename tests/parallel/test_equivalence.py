@@ -50,6 +50,8 @@ def results():
 @pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{l}" for _, l, m in CASES])
 def test_layout_matches_one_process(results, world, layout, model):
     assert_matches_one_process(results[(layout, model)], results[("reference", model)][0])
+    split = "split" in layout  # --split-backward layouts really run WEIGHT steps, the others none
+    assert all((rank["weight_steps"] > 0) == split for rank in results[(layout, model)])
 
 
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
