@@ -40,7 +40,8 @@ LAYOUTS = {
     1: {"dp1": DIST},
     2: {"dp2": DIST + GATHER},
     4: {"dp4": DIST, "tp2-sp-dp2": DIST + TP2 + SP + GATHER, "pp2-vpp2-dp2": DIST + PP2 + VPP + GATHER,
-        "cp2-dp2": DIST + ["--context-parallel-size", "2"] + GATHER},
+        "cp2-dp2": DIST + ["--context-parallel-size", "2"] + GATHER,
+        "pp2-vpp2-dp2-split": DIST + PP2 + VPP + GATHER + ["--split-backward"]},
     8: {"tp2-sp-pp2-vpp2-dp2": DIST + TP2 + SP + PP2 + VPP + GATHER},
 }
 MODELS = ("gpt", "llama")
