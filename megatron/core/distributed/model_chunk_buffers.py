@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.core.tensor_parallel.layers import WeightGradQueue, deferring
+from megatron.core.tensor_parallel.weight_grads import WeightGradQueue
 
 
 @dataclass
@@ -57,6 +57,8 @@ class ModelChunkBuffers(torch.nn.Module):
                                          bucket_size=bucket_size, group=dp_cp_group,
                                          sharded=config.use_distributed_optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
+        for _, param in named:
+            param.weight_grad_queue = self.weight_grads
         if config.overlap_param_gather:
             self._hooks += [m.register_forward_pre_hook(self._wait_for_params(m)) for m in module.modules()
                             if any(True for _ in m.parameters(recurse=False))]
@@ -76,7 +78,7 @@ class ModelChunkBuffers(torch.nn.Module):
 
     def deferring_weight_grads(self):
         """A backward inside leaves the linear layers' weight gradients for `compute_weight_grads`."""
-        return deferring(self.weight_grads)
+        return self.weight_grads.deferring()
 
     def compute_weight_grads(self) -> None:
         for param in self.weight_grads.compute():

@@ -77,7 +77,7 @@ def logits_temporary(dims: Dims, vocab_size: int) -> int:
 
 def split_backward_bytes(dims: Dims, config, layers: int) -> int:
     """What one chunk's split backward queues until its weight step: each linear layer's output
-    gradient (tensor_parallel/layers.py WeightGradQueue; the output layer computes its weight
+    gradient (tensor_parallel/weight_grads.py; the output layer computes its weight
     gradient at once), per layer QKV [s, b, (heads + 2 groups) d], projection and fc2 [s, b, h]
     (row-parallel outputs, before the sequence reduce-scatter), fc1 [s, b, ffn] (2 ffn with
     SwiGLU), local sizes, in the activation dtype."""

@@ -6,15 +6,11 @@ layer's output is reduce-scattered back to sequence shards.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.mappings import (
-    all_gather_sequence,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -22,6 +18,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, make_param
+from megatron.core.tensor_parallel.weight_grads import WeightGrad, sequence_input
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -45,8 +42,8 @@ class _Linear(torch.autograd.Function):
     `param` is the layer's own weight when it has a `main_grad` buffer (ModelChunkBuffers):
     backward then adds the weight gradient into `main_grad` itself, with one addmm when
     `fuse` (Megatron's gradient accumulation fusion: no weight-gradient tensor is made and
-    added later), or leaves it to a `WeightGradQueue` during a split backward. Autograd
-    still receives an uninitialised placeholder of the weight's shape so that the buffer's
+    added later), or queues it during a split backward (weight_grads.py). Autograd still
+    receives an uninitialised placeholder of the weight's shape so that the buffer's
     post-accumulate hook runs (it sees `grad_added_to_main_grad` and skips the add); the
     placeholder is why only a weight used once per backward goes this way. The parameter
     itself is kept in ctx (saved tensors may come back as plain tensors without
@@ -58,18 +55,19 @@ class _Linear(torch.autograd.Function):
         ctx.sp_group, ctx.has_bias, ctx.param, ctx.fuse = sp_group, bias is not None, param, fuse
         ctx.deferrable = deferrable
         ctx.save_for_backward(x, weight)
-        return F.linear(x if sp_group is None else all_gather_sequence(x, sp_group), weight, bias)
+        return F.linear(sequence_input(x, sp_group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_2d = grad_out.flatten(0, -2)
         if ctx.param is None:
-            grad_weight = grad_2d.t().mm(_gathered(x, ctx.sp_group).flatten(0, -2))
+            grad_weight = grad_2d.t().mm(sequence_input(x, ctx.sp_group).flatten(0, -2))
         else:
-            weight_grad = _WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse)
-            if _deferring is not None and ctx.deferrable:
-                _deferring.add(weight_grad)
+            weight_grad = WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse)
+            queue = getattr(ctx.param, "weight_grad_queue", None)
+            if queue is not None and queue.active and ctx.deferrable:
+                queue.add(weight_grad)
             else:
                 weight_grad.accumulate()
             ctx.param.grad_added_to_main_grad = True
@@ -81,75 +79,6 @@ class _Linear(torch.autograd.Function):
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
         return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-def _gathered(x: torch.Tensor, sp_group) -> torch.Tensor:
-    return x if sp_group is None else all_gather_sequence(x, sp_group)
-
-
-@dataclass
-class _WeightGrad:
-    """One linear layer's weight gradient, grad_out^T x, to add into the weight's main_grad."""
-
-    param: torch.Tensor
-    grad_out: torch.Tensor  # [tokens, out features]
-    x: torch.Tensor  # the layer's input (a sequence shard under sequence parallelism)
-    sp_group: object
-    fuse: bool
-
-    def accumulate(self) -> None:
-        total_input = _gathered(self.x, self.sp_group).flatten(0, -2)
-        if self.fuse:
-            self.param.main_grad.addmm_(self.grad_out.t(), total_input)
-        else:
-            self.param.main_grad.add_(self.grad_out.t().mm(total_input))
-
-
-class WeightGradQueue:
-    """Linear layers' weight gradients that a split backward left for later.
-
-    Inside `deferring(queue)` a backward computes input gradients (and the gradients of
-    every parameter that is not a linear layer's own weight in a gradient buffer) and
-    queues the linear weights' gradients; `compute()` adds them into `main_grad`. A
-    pipeline stage thus sends its input gradient upstream before spending the other
-    half of its backward (the weight gradients) -- the B/W split of zero-bubble
-    pipelining (Qi et al., 2023). The queue holds each linear layer's output gradient
-    until then.
-    """
-
-    def __init__(self):
-        self.pending: list[_WeightGrad] = []
-        self.params: set = set()
-
-    def __contains__(self, param) -> bool:
-        return param in self.params
-
-    def add(self, weight_grad: _WeightGrad) -> None:
-        self.pending.append(weight_grad)
-        self.params.add(weight_grad.param)
-
-    def compute(self) -> list[torch.Tensor]:
-        """Add every queued gradient into its main_grad; return the parameters, now final."""
-        done = [weight_grad.param for weight_grad in self.pending]
-        with torch.no_grad():
-            for weight_grad in self.pending:
-                weight_grad.accumulate()
-        self.pending, self.params = [], set()
-        return done
-
-
-_deferring: WeightGradQueue | None = None  # where _Linear leaves weight gradients (one backward runs at a time)
-
-
-@contextlib.contextmanager
-def deferring(queue: WeightGradQueue):
-    """Backward inside leaves the linear layers' weight gradients in `queue`."""
-    global _deferring
-    _deferring = queue
-    try:
-        yield
-    finally:
-        _deferring = None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, sp_group=None, owned: bool = True,
@@ -208,12 +137,12 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         owned = weight is None
         weight = self.weight if owned else weight
-        fusion = dict(owned=owned, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                      deferrable=self.split_backward_defers)
+        grad_options = dict(owned=owned, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                            deferrable=self.split_backward_defers)
         if self.sequence_parallel:
-            y = _linear(x, weight, self.bias, sp_group=self.tp_group, **fusion)
+            y = _linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
         else:
-            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **fusion)
+            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **grad_options)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

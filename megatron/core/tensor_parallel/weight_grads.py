@@ -1,0 +1,77 @@
+"""Weight gradients of linear layers, computed in backward or queued for later (split backward).
+
+A linear layer whose weight lives in a gradient buffer adds grad_out^T x into the weight's
+`main_grad` itself (tensor_parallel/layers.py `_Linear`). While the weight's queue
+(`param.weight_grad_queue`, set by the buffers that own it) is `deferring()`, it queues that
+work instead: the backward then computes input gradients (and the gradients of every
+parameter that is not such a weight), and `queue.compute()` adds the weight gradients later.
+A pipeline stage thus sends its input gradient upstream before spending the other half of its
+backward -- the B/W split of zero-bubble pipelining (Qi et al., 2023). The queue holds each
+linear layer's output gradient until then.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import all_gather_sequence
+
+
+def sequence_input(x: torch.Tensor, sp_group) -> torch.Tensor:
+    """A layer's whole input: x, all-gathered over the sequence under sequence parallelism."""
+    return x if sp_group is None else all_gather_sequence(x, sp_group)
+
+
+@dataclass
+class WeightGrad:
+    """One linear layer's weight gradient, grad_out^T x, to add into the weight's main_grad
+    (with one addmm when `fuse`: gradient accumulation fusion)."""
+
+    param: torch.Tensor
+    grad_out: torch.Tensor  # [tokens, out features]
+    x: torch.Tensor  # the layer's input (a sequence shard under sequence parallelism)
+    sp_group: object
+    fuse: bool
+
+    def accumulate(self) -> None:
+        total_input = sequence_input(self.x, self.sp_group).flatten(0, -2)
+        if self.fuse:
+            self.param.main_grad.addmm_(self.grad_out.t(), total_input)
+        else:
+            self.param.main_grad.add_(self.grad_out.t().mm(total_input))
+
+
+class WeightGradQueue:
+    """The weight gradients a split backward left for later, and their parameters."""
+
+    def __init__(self):
+        self.pending: list[WeightGrad] = []
+        self.params: set = set()
+        self.active = False  # inside deferring()
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """A backward inside queues the weight gradients of this queue's parameters."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def __contains__(self, param) -> bool:
+        return param in self.params
+
+    def add(self, weight_grad: WeightGrad) -> None:
+        self.pending.append(weight_grad)
+        self.params.add(weight_grad.param)
+
+    def compute(self) -> list[torch.Tensor]:
+        """Add every queued gradient into its main_grad; return the parameters, now final."""
+        done = [weight_grad.param for weight_grad in self.pending]
+        with torch.no_grad():
+            for weight_grad in self.pending:
+                weight_grad.accumulate()
+        self.pending, self.params = [], set()
+        return done
