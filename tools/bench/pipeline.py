@@ -10,8 +10,8 @@ Each schedule runs through our PipelineExecutor and through torch's PipelineStag
 Schedule1F1B / ScheduleInterleaved1F1B. Each side builds the blocks as its users
 would: ours from our linear layers (tp=1) in chunks wrapped in ModelChunkBuffers,
 as the trainer does, with gradient accumulation fusion (weight gradients added into
-the fp32 main_grad buffer by the layer; --no-gradient-accumulation-fusion turns it
-off, leaving the schedule as the only difference); torch's from torch.nn.Linear,
+the fp32 main_grad buffer by one addmm; --no-gradient-accumulation-fusion makes the
+product and adds it, as autograd does, leaving the schedule as the only difference); torch's from torch.nn.Linear,
 gradients accumulated by autograd into .grad. --split-backward runs ours with the
 trainer's --split-backward (weight gradients after the input gradient is sent;
 torch's 1F1B and interleaved schedules have no such option). Before timing, one step
@@ -299,7 +299,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="MLP blocks per interleaved stage; a 1F1B stage holds vpp times as many (default 1)")
     parser.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
                         help="ours: layers add weight gradients into main_grad (the trainer's default); "
-                             "--no-gradient-accumulation-fusion: accumulated by the buffers' hook")
+                             "--no-gradient-accumulation-fusion: a weight-gradient product added afterwards, "
+                             "as autograd does")
     parser.add_argument("--split-backward", action="store_true",
                         help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",

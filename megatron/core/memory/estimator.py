@@ -32,8 +32,8 @@ from megatron.core.memory.transients import (
     after_backward_temporary,
     cp_attention_bytes,
     estimate_transients,
-    split_backward_bytes,
     largest_temporary,
+    split_backward_bytes,
 )
 
 DEFAULT_THRESHOLD = 0.8  # Fujii et al.: no run estimated below 80% of device memory ran out of it

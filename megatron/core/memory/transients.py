@@ -142,7 +142,6 @@ def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
     dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0]
     return Transients(p2p_bytes=p2p_extra, split_backward_bytes=split_bytes, tp_bytes=tp_bytes, cp_bytes=cp_bytes,
-                      dp_bucket_bytes=0,
-                      largest_temporary_bytes=largest[0], largest_temporary=largest[1],
+                      dp_bucket_bytes=0, largest_temporary_bytes=largest[0], largest_temporary=largest[1],
                       fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
                       runtime_bytes=allowances.runtime_bytes)

@@ -45,6 +45,9 @@ class PipelineSpec:
     split_backward: bool = False
 
 
+COMPUTE_SPANS = ("forward", "backward", "weight")  # the Span kinds that are computation
+
+
 class Span(NamedTuple):
     """One piece of a rank's step: `kind` is 'forward', 'backward', 'weight' (the weight
     gradients of a split backward; of `microbatch` on local `chunk`), 'post' (handing a batch
@@ -121,9 +124,6 @@ def global_token_mean(token_sums: torch.Tensor) -> tuple[float, float]:
     if tokens == 0:
         return 0.0, 1.0
     return loss_sum / tokens, slots / tokens
-
-
-COMPUTE_SPANS = ("forward", "backward", "weight")
 
 
 class _SpanTimer:

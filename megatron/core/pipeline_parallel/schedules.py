@@ -181,7 +181,8 @@ def interleaved_order(m: int, v: int, g: int) -> list[tuple[int, int]]:
 
 class _Writer:
     """Appends the steps of one rank, leaving out transfers the stage does not make; with
-    `split_backward`, a backward's WEIGHT step follows the transfer step after it."""
+    `split_backward`, a backward's WEIGHT step follows the transfer step after it, or comes
+    before the next computation where none follows."""
 
     def __init__(self, p: int, v: int, rank: int, split_backward: bool = False):
         self.p, self.v, self.rank = p, v, rank
@@ -196,6 +197,7 @@ class _Writer:
         return self.rank == self.p - 1 and chunk == self.v - 1
 
     def forward(self, unit: tuple[int, int]) -> None:
+        self.flush_weight()
         self.steps.append([Action(ActionKind.FORWARD, *unit)])
 
     def backward(self, unit: tuple[int, int]) -> None:
