@@ -39,30 +39,21 @@ from megatron.core.checkpointing import (
     model_pieces,
     optimizer_state_pieces,
     read_pieces,
+    saved_tensors,
     state_name,
     verify_files,
     write_pieces,
 )
+from megatron.core.transformer.model_fields import CONTEXT, differences, model_record
 
 FORMAT = "torch_dist"
 FORMAT_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
-# TransformerConfig fields that fix the set and shapes of the stored tensors
-SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "kv_channels", "vocab_size", "position_embedding_type", "max_position_embeddings", "normalization",
-              "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
-# fields a converter needs to rebuild the same function (not checked on load: they may change when fine-tuning)
-NUMERIC_ARGS = ("norm_epsilon", "rotary_base", "seq_length", "init_method_std")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def model_args(config) -> dict:
-    """The model flags a checkpoint records (shape-defining ones are checked on load)."""
-    return {name: getattr(config, name) for name in SHAPE_ARGS + NUMERIC_ARGS}
 
 
 def layout_of(trainer) -> dict:
@@ -192,7 +183,7 @@ def checkpoint_contents(trainer, iteration: int) -> tuple[list[TensorPiece], dic
               + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
     metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
                 "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
-                "model": model_args(trainer.run.model), "layout": layout_of(trainer),
+                "model": model_record(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
                 "contents": ["model", "rng", "optimizer"]}
     return pieces, metadata
@@ -219,17 +210,47 @@ class CheckpointInfo:
     notes: tuple[str, ...] = ()  # lines for the log once loaded
 
 
+# Files that make a directory look like a saved model in some format (never ignored by --load)
+_CHECKPOINT_LOOKS = (
+    ("metadata.json", "a single checkpoint directory (metadata.json)"),
+    (".metadata", "torch.distributed.checkpoint files (.metadata)"),
+    ("common.pt", "a Megatron-LM torch_dist checkpoint directory (common.pt)"),
+    ("model_optim_rng.pt", "a Megatron-LM legacy torch checkpoint (model_optim_rng.pt)"),
+    ("config.json", "a Hugging Face model (config.json); convert it with tools/checkpoint/convert.py --loader hf"),
+)
+_CHECKPOINT_SUFFIXES = (".distcp", ".safetensors", ".pt", ".pth", ".bin")
+
+
+def _what_checkpoint_is_here(root: str) -> str | None:
+    """A description of checkpoint-like files in `root` that has no tracker (None: nothing like one)."""
+    names = os.listdir(root)
+    for name, description in _CHECKPOINT_LOOKS:
+        if name in names:
+            return description
+    iterations = sorted(n for n in names if n.startswith("iter_") and not n.endswith(".tmp"))
+    if iterations:
+        return f"iter_* directories ({iterations[-1]}) but no {TRACKER} (an interrupted first save?)"
+    for name in sorted(names):
+        if name.endswith(_CHECKPOINT_SUFFIXES) or name.startswith("mp_rank_"):
+            return f"{name}, which looks like saved model weights"
+    return None
+
+
 def find_checkpoint(root: str) -> CheckpointInfo | None:
-    """The checkpoint `<root>`'s tracker names, with its metadata; None for an empty or new directory
-    (training starts fresh, as Megatron does). Raises CheckpointError (one line) for anything else
-    that is wrong: a missing directory, an unreadable tracker, a missing or partial checkpoint."""
+    """The checkpoint `<root>`'s tracker names, with its metadata; None for a directory that does
+    not exist yet or holds no checkpoint at all (training starts fresh, as Megatron does). Raises
+    CheckpointError (one line) for anything else: a file, files that look like a checkpoint but no
+    tracker, an unreadable tracker, a missing, partial or foreign checkpoint."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--load {root}: is a file; pass the directory given to --save")
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root}: no such directory")
+        return None
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
-        if any(name.startswith("iter_") and not name.endswith(".tmp") for name in os.listdir(root)):
-            raise CheckpointError(f"{tracker}: missing, but {root} holds iter_* directories (an interrupted "
-                                  "first save?); remove them or restore the tracker")
+        found = _what_checkpoint_is_here(root)
+        if found is not None:
+            raise CheckpointError(f"--load {root}: holds {found}, and no {TRACKER}; pass the directory given to "
+                                  "--save (the parent of iter_*), or move these files away to start fresh")
         return None
     text = open(tracker).read().strip()
     if not text.isdigit():
@@ -242,23 +263,34 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
         metadata = json.load(open(path))
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if "sharded_backend" in metadata:
+        raise CheckpointError(f"{directory}: a Megatron-LM {metadata['sharded_backend']} checkpoint, which this "
+                              "version cannot read yet; convert it or start fresh")
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {metadata.get('format')} version {metadata.get('format_version')}, "
                               f"this code reads {FORMAT} version {FORMAT_VERSION}")
     return CheckpointInfo(directory, int(text), metadata)
 
 
-def check_compatible(info: CheckpointInfo, model_config, config) -> None:
-    """Refuse (one line) a checkpoint whose model shape differs from the flags, or that lacks the
-    optimizer state the flags ask to load."""
-    saved, wanted = info.metadata["model"], model_args(model_config)
-    for name in SHAPE_ARGS:
-        if saved.get(name) != wanted[name]:
-            raise CheckpointError(f"{info.directory}: saved with --{name.replace('_', '-')} {saved.get(name)}, "
-                                  f"the flags give {wanted[name]}")
+def check_compatible(info: CheckpointInfo, model_config, config) -> CheckpointInfo:
+    """Refuse (one line) a checkpoint whose model differs from the flags in a field that changes the
+    stored tensors or their meaning (see megatron.core.transformer.model_fields; --finetune may change
+    positional fields, with a note), or that lacks the optimizer state the flags ask to load. Returns
+    `info` with note lines for what was allowed or could not be checked."""
+    differing, unknown = differences(info.metadata["model"], model_record(model_config))
+    notes = []
+    for difference in differing:
+        if not (config.finetune and difference.field.kind == CONTEXT):
+            raise CheckpointError(f"{info.directory}: {difference.sentence()}")
+        notes.append(f"> note: --finetune changes how positions are encoded ({difference.sentence()}); the "
+                     "saved tensors keep their meaning")
+    if unknown:
+        notes.append(f"> note: {info.directory} predates the record of {', '.join(f.flag for f in unknown)}: "
+                     "not compared with the flags (the tensor set still is)")
     if not (config.no_load_optim or config.finetune) and "optimizer" not in info.metadata["contents"]:
         raise CheckpointError(f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) "
                               "to start the optimizer fresh")
+    return dataclasses.replace(info, notes=info.notes + tuple(notes))
 
 
 def _continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
@@ -282,14 +314,18 @@ def _continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
 def checkpoint_to_load(run) -> CheckpointInfo | None:
     """The checkpoint --load names, checked against the flags before any process group exists (and
     before the datasets are sized: the run's batch schedule continues from the saved sample count);
-    None without --load or for an empty directory (a fresh start)."""
-    if run.checkpoint.load is None:
+    None without --load or when it holds no checkpoint yet (a fresh start, noted in `run.notes`)."""
+    load = run.checkpoint.load
+    if load is None:
         return None
-    info = find_checkpoint(run.checkpoint.load)
-    if info is not None:
-        check_compatible(info, run.model, run.checkpoint)
-        if not run.checkpoint.finetune:
-            info = _continue_data_position(info, run)
+    info = find_checkpoint(load)
+    if info is None:
+        state = "does not exist yet" if not os.path.isdir(load) else f"holds no {TRACKER}"
+        run.notes.append(f"> note: --load {load} {state}: no checkpoint found, training starts from scratch")
+        return None
+    info = check_compatible(info, run.model, run.checkpoint)
+    if not run.checkpoint.finetune:
+        info = _continue_data_position(info, run)
     return info
 
 
@@ -306,11 +342,29 @@ def _load_optimizer(info: CheckpointInfo, trainer) -> None:
     trainer.optimizer.load_scalar_state(saved)
 
 
+def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]) -> None:
+    """A model tensor of the checkpoint that no rank's model reads (a flag that adds tensors left out,
+    e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
+    wanted = {piece.name for piece in pieces}
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, wanted)
+        wanted = set().union(*gathered)
+    unused = sorted(name for name in saved_tensors(info.directory)
+                    if not name.startswith(("optimizer.", "rng.")) and name not in wanted)
+    if unused:
+        raise CheckpointError(f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
+                              f"model, e.g. {unused[0]} (a flag that adds tensors is missing)")
+
+
 def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
-    from, lines for the log). Files are verified before anything is read."""
+    from, lines for the log). Files are verified and every saved model tensor is matched to a
+    parameter before anything is read."""
     verify_files(info.directory, info.metadata["files"])
-    read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
+    pieces = model_pieces(_named_parameters(trainer), tied_copies=True)
+    _refuse_unused_model_tensors(info, pieces)
+    read_pieces(pieces, info.directory)
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()

@@ -180,7 +180,6 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as handle:
         handle.write("1")
     assert run_distributed(2, _load_error, root, [])[0] is None
-    assert "no such directory" in _error(str(tmp_path / "missing"))
     metadata = os.path.join(root, "iter_0000001", "metadata.json")
     record = json.load(open(metadata))
     record["contents"].remove("optimizer")  # as a converted model
@@ -194,6 +193,53 @@ def _refusal(root: str, extra: list[str]) -> str:
     with pytest.raises(CheckpointError) as error:
         checkpoint_to_load(parse_run_config(argv, defaults, 1))
     return str(error.value)
+
+
+def _fresh_start_note(root: str) -> str:
+    """checkpoint_to_load finds nothing in `root` (a first launch): the one note line it adds."""
+    defaults, argv = model_flags("llama", ["--load", root])
+    run = parse_run_config(argv, defaults, 1)
+    before = list(run.notes)
+    assert checkpoint_to_load(run) is None
+    (note,) = [line for line in run.notes if line not in before]
+    return note
+
+
+def test_first_launch_with_save_and_load_of_one_new_directory_starts_fresh(tmp_path):
+    """Megatron-LM's scripts pass one directory to --save and --load from the first launch on."""
+    missing = str(tmp_path / "ckpt")
+    assert _fresh_start_note(missing) == (f"> note: --load {missing} does not exist yet: no checkpoint found, "
+                                          "training starts from scratch")
+    os.makedirs(missing)
+    open(os.path.join(missing, "train.log"), "w").close()  # a log beside nothing that looks like a checkpoint
+    assert "holds no latest_checkpointed_iteration.txt" in _fresh_start_note(missing)
+
+
+@pytest.mark.parametrize("files, found", [
+    (["metadata.json", ".metadata", "__0_0.distcp", "common.pt"], "single checkpoint directory (metadata.json)"),
+    (["common.pt", "__0_0.distcp"], "Megatron-LM torch_dist checkpoint directory (common.pt)"),
+    (["__0_0.distcp"], "__0_0.distcp, which looks like saved model weights"),
+    (["config.json", "model.safetensors"], "a Hugging Face model (config.json)"),
+    (["mp_rank_00"], "mp_rank_00, which looks like saved model weights"),
+    (["iter_0000002"], "iter_* directories (iter_0000002) but no latest_checkpointed_iteration.txt"),
+])
+def test_load_never_ignores_files_that_look_like_a_checkpoint(tmp_path, files, found):
+    for name in files:
+        open(tmp_path / name, "w").close()
+    message = _refusal(str(tmp_path), [])
+    assert message.startswith(f"--load {tmp_path}: holds ") and found in message, message
+    assert "\n" not in message
+
+
+def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
+    file = tmp_path / "model.pt"
+    file.write_bytes(b"x")
+    assert _refusal(str(file), []) == f"--load {file}: is a file; pass the directory given to --save"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    os.makedirs(tmp_path / "iter_0000005")
+    json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1},
+              open(tmp_path / "iter_0000005" / "metadata.json", "w"))
+    assert "a Megatron-LM torch_dist checkpoint" in _refusal(str(tmp_path), [])
 
 
 def _signal_control(rank: int, root: str) -> tuple:
@@ -235,6 +281,11 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         f"error: {ckpt}/iter_0000004: saved with --num-layers 2, the flags give 4"]
+    first_launch = str(tmp_path / "new")
+    fresh = _pretrain("--train-iters", "1", "--load", first_launch, "--save", first_launch)
+    assert fresh.returncode == 0, fresh.stderr
+    assert f"> note: --load {first_launch} does not exist yet: no checkpoint found" in fresh.stdout
+    assert sorted(os.listdir(first_launch)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -138,10 +138,11 @@ def test_bad_conversion_inputs_are_one_line_errors(tmp_path, capsys):
                     "--target-pipeline-parallel-size", "3"]) == 2
     assert "--num-layers (2)" in capsys.readouterr().err
     config = json.load(open(os.path.join(hf_dir, "config.json")))
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
     json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
     assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")]) == 2
-    assert "rope scaling" in capsys.readouterr().err
+    assert "rope_type 'yarn': only default and llama3" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "y")
     assert convert(["--loader", "mcore", "--saver", "hf", "--load-dir", str(tmp_path), "--save-dir",
                     str(tmp_path / "z")]) == 2
     assert "no checkpoint" in capsys.readouterr().err

@@ -36,7 +36,8 @@ from megatron.core.checkpointing import (  # noqa: E402
 )
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
-from megatron.training.checkpointing import commit_checkpoint, find_checkpoint, model_args  # noqa: E402
+from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
+from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402
 
@@ -50,26 +51,21 @@ def model_config(args: dict, tp: int = 1) -> TransformerConfig:
 
 
 def command_line(args: dict, tp: int, pp: int, load: str) -> str:
-    """The pretrain command (script and every model flag) that runs the converted model."""
+    """The pretrain command (script and every recorded model flag) that runs the converted model."""
     llama_like = (args["swiglu"] and not args["add_bias_linear"] and args["untie_embeddings_and_output_weights"]
                   and args["normalization"] == "RMSNorm" and args["position_embedding_type"] == "rope")
-    flags = [f"--num-layers {args['num_layers']}", f"--hidden-size {args['hidden_size']}",
-             f"--ffn-hidden-size {args['ffn_hidden_size']}", f"--num-attention-heads {args['num_attention_heads']}"]
+    flags = []
+    for field in MODEL_FIELDS:
+        if field.name in args and field.applies(args):
+            flags += field.command_line(args[field.name])
     if args["num_query_groups"] != args["num_attention_heads"]:
-        flags.append(f"--group-query-attention --num-query-groups {args['num_query_groups']}")
-    flags += [f"--kv-channels {args['kv_channels']}", f"--seq-length {args['seq_length']}",
-              f"--max-position-embeddings {args['max_position_embeddings']}",
-              f"--position-embedding-type {args['position_embedding_type']}",
-              f"--normalization {args['normalization']}", f"--norm-epsilon {args['norm_epsilon']}",
-              f"--vocab-size {args['vocab_size']}", f"--attention-dropout {args['attention_dropout']}",
-              f"--hidden-dropout {args['hidden_dropout']}"]
-    if args["position_embedding_type"] == "rope":
-        flags.append(f"--rotary-base {args['rotary_base']:g}")
-    switches = {"--swiglu": args["swiglu"], "--disable-bias-linear": not args["add_bias_linear"],
-                "--untie-embeddings-and-output-weights": args["untie_embeddings_and_output_weights"]}
-    flags += [flag for flag, on in switches.items() if on]
-    flags += [f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
-              f"--load {load} --finetune"]
+        flags.insert(flags.index("--num-query-groups"), "--group-query-attention")
+    else:
+        at = flags.index("--num-query-groups")
+        del flags[at:at + 2]
+    flags += ["--attention-dropout", f"{args['attention_dropout']}", "--hidden-dropout", f"{args['hidden_dropout']}",
+              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+              "--load", load, "--finetune"]
     return f"pretrain_{'llama' if llama_like else 'gpt'}.py " + " ".join(flags)
 
 
@@ -108,7 +104,7 @@ def hf_to_mcore(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
         raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
     with tqdm(total=len(rules), desc="hf -> mcore", unit="tensor") as progress:
         pieces = [_lazy_piece(rule, reader, progress) for rule in rules]
-        commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_args(config),
+        commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_record(config),
                                                 "layout": None, "contents": ["model"], "source": load_dir})
     return command_line(args, tp, pp, save_dir)
 
@@ -128,12 +124,17 @@ def mcore_to_hf(load_dir: str, save_dir: str) -> None:
     verify_files(info.directory, info.metadata["files"])
     args = info.metadata["model"]
     family = family_of_args(args)
-    hf_config = family.hf_config(args)
     saved = saved_tensors(info.directory)
+    hf_config = family.hf_config(args, str(saved["embedding.word_embeddings.weight"][1]).removeprefix("torch."))
     rules = family.rules(args)
     missing = [rule.ours for rule in rules if rule.ours not in saved]
     if missing:
         raise CheckpointError(f"{info.directory}: no tensor {missing[0]} (the checkpoint's model args need it)")
+    exported = {rule.ours for rule in rules}
+    unused = sorted(n for n in saved if not n.startswith(("optimizer.", "rng.")) and n not in exported)
+    if unused:
+        raise CheckpointError(f"{info.directory}: {len(unused)} saved model tensors have no place in the "
+                              f"{family.name} export, e.g. {unused[0]} (the checkpoint's record lacks a model flag)")
     groups = {}
     for rule in rules:
         groups.setdefault(_layer_of(rule.ours), []).append(rule)

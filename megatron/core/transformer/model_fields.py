@@ -1,0 +1,125 @@
+"""One record per model option: its command-line flag, its TransformerConfig field, what a
+different value does to a checkpoint, and its Hugging Face config key.
+
+The checkpoint metadata (which fields are saved), the resume / fine-tune compatibility
+check, the Hugging Face exporter (which fields it must represent or refuse) and the
+converter's printed command line all read `MODEL_FIELDS`; a new model option is declared
+here once. What a different value means for a saved model (`kind`):
+
+- TENSORS: the set or the shapes of the stored tensors differ (resume and fine-tune refuse).
+- MEANING: the same tensors compute another function (e.g. norms that scale by 1 + weight):
+  resume and fine-tune refuse, since the weights would silently mean something else.
+- CONTEXT: how positions are encoded (rotary base, rope scaling): a resume refuses, a
+  --finetune may change it (context extension) and says so in one note line.
+- RECORDED: kept for converters (sequence length, init std), never checked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+TENSORS, MEANING, CONTEXT, RECORDED = "tensors", "meaning", "context", "recorded"
+
+
+def _always(args: dict) -> bool:
+    return True
+
+
+def _rope(args: dict) -> bool:
+    return args.get("position_embedding_type") == "rope"
+
+
+def _rope_scaled(args: dict) -> bool:
+    return _rope(args) and bool(args.get("rope_scaling"))
+
+
+@dataclass(frozen=True)
+class ModelField:
+    """`name`: the TransformerConfig attribute; `flag`: the command-line flag (for a boolean, the switch
+    that turns it on, or off when `inverted`); `hf_key`: the Hugging Face config key (Llama family)
+    holding the same value, None where the exporter represents it otherwise (architecture, tensor
+    transform) or refuses; `applies`: whether the field changes anything for a model (rope fields
+    only with rotary positions)."""
+
+    name: str
+    kind: str
+    flag: str
+    hf_key: str | None = None
+    inverted: bool = False
+    applies: Callable[[dict], bool] = _always
+
+    def describe(self, value: Any) -> str:
+        """The value as a user passes it: a switch is 'set' or 'not set'."""
+        if isinstance(value, bool):
+            return "set" if value != self.inverted else "not set"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def command_line(self, value: Any) -> list[str]:
+        """The flags that give `value` (nothing for a switch left off)."""
+        if isinstance(value, bool):
+            return [self.flag] if value != self.inverted else []
+        return [self.flag, self.describe(value)]
+
+
+MODEL_FIELDS: tuple[ModelField, ...] = (
+    ModelField("num_layers", TENSORS, "--num-layers", "num_hidden_layers"),
+    ModelField("hidden_size", TENSORS, "--hidden-size", "hidden_size"),
+    ModelField("ffn_hidden_size", TENSORS, "--ffn-hidden-size", "intermediate_size"),
+    ModelField("num_attention_heads", TENSORS, "--num-attention-heads", "num_attention_heads"),
+    ModelField("num_query_groups", TENSORS, "--num-query-groups", "num_key_value_heads"),
+    ModelField("kv_channels", TENSORS, "--kv-channels", "head_dim"),
+    ModelField("vocab_size", TENSORS, "--vocab-size", "vocab_size"),
+    ModelField("position_embedding_type", TENSORS, "--position-embedding-type"),
+    ModelField("max_position_embeddings", TENSORS, "--max-position-embeddings", "max_position_embeddings"),
+    ModelField("normalization", TENSORS, "--normalization"),
+    ModelField("swiglu", TENSORS, "--swiglu"),
+    ModelField("add_bias_linear", TENSORS, "--disable-bias-linear", inverted=True),
+    ModelField("add_qkv_bias", TENSORS, "--add-qkv-bias"),
+    ModelField("qk_layernorm", TENSORS, "--qk-layernorm"),
+    ModelField("untie_embeddings_and_output_weights", TENSORS, "--untie-embeddings-and-output-weights"),
+    ModelField("layernorm_zero_centered_gamma", MEANING, "--apply-layernorm-1p"),
+    ModelField("norm_epsilon", MEANING, "--norm-epsilon", "rms_norm_eps"),
+    ModelField("rotary_interleaved", MEANING, "--rotary-interleaved", applies=_rope),
+    ModelField("rotary_percent", MEANING, "--rotary-percent", applies=_rope),
+    ModelField("rotary_base", CONTEXT, "--rotary-base", "rope_theta", applies=_rope),
+    ModelField("rope_scaling", CONTEXT, "--rope-scaling", applies=_rope),
+    ModelField("rope_scaling_factor", CONTEXT, "--rope-scaling-factor", applies=_rope_scaled),
+    ModelField("seq_length", RECORDED, "--seq-length"),
+    ModelField("init_method_std", RECORDED, "--init-method-std", "initializer_range"),
+)
+FIELDS_BY_NAME = {field.name: field for field in MODEL_FIELDS}
+
+
+def model_record(config) -> dict:
+    """Every recorded field of a TransformerConfig (or any object with those attributes)."""
+    return {field.name: getattr(config, field.name) for field in MODEL_FIELDS}
+
+
+@dataclass(frozen=True)
+class FieldDifference:
+    field: ModelField
+    saved: Any
+    wanted: Any
+
+    def sentence(self) -> str:
+        """'saved with --num-layers 2, the flags give 4' / 'saved with --qk-layernorm, the flags leave it out'."""
+        flag = self.field.flag
+        if isinstance(self.saved, bool):
+            if self.field.describe(self.saved) == "set":
+                return f"saved with {flag}, the flags leave it out"
+            return f"saved without {flag}, the flags give it"
+        return f"saved with {flag} {self.field.describe(self.saved)}, the flags give {self.field.describe(self.wanted)}"
+
+
+def differences(saved: dict, wanted: dict) -> tuple[list[FieldDifference], list[ModelField]]:
+    """(the checked fields whose values differ, the checked fields the saved record lacks: written
+    before they were recorded). A field is compared where it applies to either model."""
+    differing, unknown = [], []
+    for field in MODEL_FIELDS:
+        if field.kind == RECORDED or not (field.applies(saved) or field.applies(wanted)):
+            continue
+        if field.name not in saved:
+            unknown.append(field)
+        elif saved[field.name] != wanted[field.name]:
+            differing.append(FieldDifference(field, saved[field.name], wanted[field.name]))
+    return differing, unknown
