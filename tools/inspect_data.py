@@ -21,6 +21,7 @@ if ROOT not in sys.path:
 
 from megatron.data.builder import build_datasets  # noqa: E402
 from megatron.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.data_args import add_data_arguments, data_config_from_args  # noqa: E402
 
 
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         if train is None or samples.stop > len(train):
             raise ValueError(f"--samples {args.samples}: the train dataset has {0 if train is None else len(train)} "
                              f"samples")
-    except ValueError as error:
-        sys.exit(f"error: {error}")
+    except EXPECTED_ERRORS as error:
+        sys.exit(report_error(error))
     rows = [train.sample_tokens(i).tolist() for i in samples]
     if args.json:
         print(json.dumps(rows))

@@ -31,6 +31,7 @@ from tqdm import tqdm  # noqa: E402
 
 from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
 
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 1 << 14
@@ -250,8 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         build_tokenizer(**tokenizer_kwargs(args))
         stats = process_partitions(args) if args.partitions > 1 else process(args, args.output_prefix)
-    except ValueError as error:
-        sys.exit(f"error: {error}")
+    except EXPECTED_ERRORS as error:
+        sys.exit(report_error(error))
     seconds = max(stats["seconds"], 1e-9)
     outputs = ", ".join(output_prefix(args.output_prefix, key) + ".{bin,idx}" for key in args.json_keys)
     skipped = f", skipped {stats['skipped']} bad lines" if stats["skipped"] else ""

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spm-vocab-size", type=int, default=1024)
     args = parser.parse_args(argv)
     if not os.path.isfile(args.input):
-        sys.exit(f"error: --input {args.input}: no such file")
+        parser.error(f"--input {args.input}: no such file")
     texts = read_texts(args.input, args.json_key)
     train_gpt2_bpe(texts, args.bpe_vocab_size, os.path.join(args.output_dir, "gpt2-bpe"))
     train_sentencepiece(texts, args.spm_vocab_size, os.path.join(args.output_dir, "spm"))

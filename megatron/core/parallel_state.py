@@ -47,8 +47,9 @@ class ParallelDims:
         model_parallel = tp * cp * pp
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor ({tp}) x context ({cp}) x "
-                f"pipeline ({pp}) parallel sizes = {model_parallel}; launch a multiple of {model_parallel} ranks"
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+                f"--context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = {model_parallel}; "
+                f"launch a multiple of {model_parallel} ranks"
             )
         return cls(tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp, order=order)
 

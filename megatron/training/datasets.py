@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron.core.errors import AgreedError
 from megatron.data.builder import build_datasets
 from megatron.data.mock import MockGPTDataset
 from megatron.data.tokenizers import build_tokenizer
@@ -39,7 +40,7 @@ def build_run_datasets(run) -> tuple:
     shared = [error]
     dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
-        raise ValueError(shared[0])
+        raise AgreedError(shared[0])
     if datasets is None:
         datasets = build_datasets(run.data, tokenizer, model.seq_length, seed, *counts, is_builder=False)
     return datasets

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint
+from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint
+from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
 from megatron.training.offload_run import check_offload_budget
@@ -132,44 +133,46 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 
 
+def _train_from(validated: tuple, rank: int, world_size: int, backend: str) -> int:
+    """Build the model on every rank, load the checkpoint, train. Expected errors propagate."""
+    run, device, _, paths, memory_lines, checkpoint = validated
+    trainer = Trainer(run, device)
+    counts = _gather_parameter_counts(trainer)
+    state_line = _optimizer_state_line(trainer)
+    if rank == world_size - 1:
+        for line in startup_summary(trainer, backend, paths) + memory_lines:
+            print(line, flush=True)
+        print(f"> parameters per rank (rank order): {counts}", flush=True)
+        print(state_line, flush=True)
+    emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
+    start_iteration = 0
+    if checkpoint is not None:
+        start_iteration, notes = load_checkpoint(checkpoint, trainer, run.checkpoint)
+        for line in notes:
+            emit(line)
+    try:
+        train(trainer, emit=emit, start_iteration=start_iteration)
+    finally:
+        trainer.close()
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    return 0
+
+
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Exit status 0, or 2 with one error line for an expected error (megatron.training.cli_errors)."""
     rank, world_size, local_rank = launch_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:
-        run, device, backend, paths, memory_lines, checkpoint = _validate(
-            sys.argv[1:] if argv is None else argv, defaults, world_size, local_rank, prog)
-    except ValueError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        validated = _validate(sys.argv[1:] if argv is None else argv, defaults, world_size, local_rank, prog)
+    except EXPECTED_ERRORS as error:  # the same on every rank: nothing differs between them yet
+        return report_error(error, rank, on_every_rank=True)
+    run, device, backend = validated[:3]
     init_distributed(backend, run.parallel.timeout_minutes, device)
     if run.training.deterministic:
         torch.use_deterministic_algorithms(True)
     try:
-        trainer = Trainer(run, device)
-        counts = _gather_parameter_counts(trainer)
-        state_line = _optimizer_state_line(trainer)
-        if rank == world_size - 1:
-            for line in startup_summary(trainer, backend, paths) + memory_lines:
-                print(line, flush=True)
-            print(f"> parameters per rank (rank order): {counts}", flush=True)
-            print(state_line, flush=True)
-        emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
-        start_iteration = 0
-        if checkpoint is not None:
-            try:
-                start_iteration, notes = load_checkpoint(checkpoint, trainer, run.checkpoint)
-            except CheckpointError as error:  # raised on every rank alike, before any training
-                if rank == 0:
-                    print(f"error: {error}", file=sys.stderr, flush=True)
-                return 2
-            for line in notes:
-                emit(line)
-        try:
-            train(trainer, emit=emit, start_iteration=start_iteration)
-        finally:
-            trainer.close()
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
+        return _train_from(validated, rank, world_size, backend)
+    except EXPECTED_ERRORS as error:
+        return report_error(error, rank)
     finally:
         dist.destroy_process_group()
-    return 0

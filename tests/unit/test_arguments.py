@@ -21,7 +21,8 @@ def parse(extra, world_size=1, defaults=GPT_DEFAULTS):
 ERRORS = [
     (["--split-backward"], 1, "--split-backward only changes pipeline schedules: it needs "
                               "--pipeline-model-parallel-size > 1"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by tensor (2) x context (1) x pipeline (1)"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size (2) x --context-parallel-size (1) x "
+     "--pipeline-model-parallel-size (1)"),
     (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, "launch a multiple of 4 ranks"),
     (["--global-batch-size", "6"], 4, "--global-batch-size (6) must be a multiple of --micro-batch-size (2) x data-parallel size (4) = 8"),

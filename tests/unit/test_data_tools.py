@@ -80,17 +80,18 @@ def test_bad_line_names_file_and_line(preprocess, tmp_path, line, message, capsy
     source = write_jsonl(tmp_path / "in.jsonl", ['{"text": "one"}', '{"text": "two"}', line, '{"text": "four"}'])
     with pytest.raises(SystemExit) as info:
         preprocess.main(spm_args(source, tmp_path / "out", "--workers", "1"))
-    assert str(info.value).startswith(f"error: {source}:3: {message}")
+    assert info.value.code == 2 and capsys.readouterr().err.startswith(f"error: {source}:3: {message}")
     assert os.listdir(tmp_path) == ["in.jsonl"]  # nothing half-written is left
     stats = preprocess.main(spm_args(source, tmp_path / "out", "--workers", "2", "--skip-bad-lines"))
     assert (stats["documents"], stats["skipped"]) == (3, 1)
     assert "skipped 1 bad lines" in capsys.readouterr().out
 
 
-def test_bad_line_in_a_partition(preprocess, tmp_path):
+def test_bad_line_in_a_partition(preprocess, tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", ['{"text": "a"}', '{"text": "b"}', '{"text": "c"}', "oops"])
-    with pytest.raises(SystemExit, match=f"{source}:4: not valid JSON"):
+    with pytest.raises(SystemExit):
         preprocess.main(spm_args(source, tmp_path / "out", "--workers", "2", "--partitions", "2"))
+    assert f"{source}:4: not valid JSON" in capsys.readouterr().err
     assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
@@ -101,9 +102,10 @@ def test_preprocess_refuses_bad_flags(preprocess, tmp_path, capsys):
         with pytest.raises(SystemExit):
             preprocess.main(spm_args(source, tmp_path / "out", *extra))
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--tokenizer-model /no/t.model: no such file"):
+    with pytest.raises(SystemExit):
         preprocess.main(["--input", source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                          "Llama2Tokenizer", "--tokenizer-model", "/no/t.model", "--workers", "1"])
+    assert "--tokenizer-model /no/t.model: no such file" in capsys.readouterr().err
 
 
 def test_inspect_prints_the_trainers_samples(preprocess, tmp_path, capsys):

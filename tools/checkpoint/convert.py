@@ -38,6 +38,7 @@ from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa:
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
 from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
+from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402
 
@@ -178,9 +179,8 @@ def main(argv=None) -> int:
         else:
             mcore_to_hf(args.load_dir, args.save_dir)
             print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as error:
+        return report_error(error)
     return 0
 
 

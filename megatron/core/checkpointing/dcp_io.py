@@ -28,12 +28,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.core.checkpointing.pieces import TensorPiece
+from megatron.core.errors import AgreedError
 
 DCP_METADATA = ".metadata"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message is one line naming the path."""
+class CheckpointError(AgreedError):
+    """A checkpoint that cannot be used; the message is one line naming the path, the same on every
+    rank (checks that read files share their findings before raising)."""
 
 
 def _index(piece: TensorPiece) -> MetadataIndex:
