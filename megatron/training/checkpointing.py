@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron.core.checkpointing import (
     MOMENTS,
+    RECORD,
     CheckpointError,
     TensorPiece,
     digest_files,
@@ -49,7 +50,7 @@ from megatron.core.transformer.model_fields import CONTEXT, differences, model_r
 FORMAT = "torch_dist"
 FORMAT_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
-METADATA = "metadata.json"
+METADATA = RECORD  # metadata.json: format, model record, data position, the other files' digests
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -129,6 +129,25 @@ def _crash_during_save(rank: int, root: str) -> None:
         checkpointing.digest_files = original
 
 
+def _crash_at_rename(rank: int, root: str) -> None:
+    """A crash at the moment the finished directory is renamed: the tracker must not name it yet."""
+    trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
+    original = os.replace
+
+    def crash(src, dst):
+        if os.path.isdir(src) and src.endswith(".tmp"):
+            raise RuntimeError("simulated crash at the directory rename")
+        original(src, dst)
+
+    checkpointing.os.replace = crash
+    try:
+        save_checkpoint(root, 4, trainer)
+    except RuntimeError:  # only rank 0 renames: it meets the others at the save's closing barrier
+        dist.barrier()
+    finally:
+        checkpointing.os.replace = original
+
+
 def _load_error(rank: int, root: str, extra: list[str]) -> str | None:
     try:
         run = _run("llama", ["--tensor-model-parallel-size", "2", "--load", root, "--no-load-optim"] + extra)
@@ -155,6 +174,9 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
     run_distributed(2, _crash_during_save, root)  # the tracker still names iteration 2, which loads
     assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
     assert os.path.isdir(os.path.join(root, "iter_0000003.tmp"))
+    assert run_distributed(2, _load_error, root, [])[0] is None
+    run_distributed(2, _crash_at_rename, root)  # the tracker is written only after the rename
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
     assert run_distributed(2, _load_error, root, [])[0] is None
 
     assert "--hidden-size 64, the flags give 32" in _error(root, ["--hidden-size", "32", "--num-attention-heads", "4"])

@@ -189,6 +189,9 @@ def _async_saves(rank: int, root: str) -> dict:
     finally:
         checkpoint_saver.write_pieces = write_pieces
     finalized = _tracker(root)
+    directory = os.path.join(root, "iter_0000003")
+    recorded = sorted(json.load(open(os.path.join(directory, "metadata.json")))["files"])
+    on_disk = sorted(set(os.listdir(directory)) - {"metadata.json"})
     resumed = _resumed(model, flags, root)
     saver.save(5)  # a crash before finalizing: the writer finishes, nothing finalizes the save
     saver.pending.written.result()
@@ -196,7 +199,7 @@ def _async_saves(rank: int, root: str) -> dict:
     crashed = {"tracker": _tracker(root), "tmp": os.path.isdir(os.path.join(root, "iter_0000005.tmp")),
                "loads": checkpoint_to_load(_run(model, flags + ["--load", root])).iteration}
     return {"straight": straight[3:], "resumed": resumed, "pending": pending, "finalized": finalized,
-            "crashed": crashed}
+            "crashed": crashed, "recorded": recorded, "on_disk": on_disk}
 
 
 def test_async_save_resumes_bit_for_bit_and_moves_the_tracker_only_when_finalized(tmp_path):
@@ -205,3 +208,4 @@ def test_async_save_resumes_bit_for_bit_and_moves_the_tracker_only_when_finalize
         assert result["finalized"] == "3"
         assert result["resumed"] == result["straight"], result
         assert result["crashed"] == {"tracker": "3", "tmp": True, "loads": 3}, result["crashed"]
+        assert result["recorded"] == result["on_disk"], result  # every rank's files carry a digest

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core.checkpointing.dcp_io import CheckpointError
 
 _BLOCK = 1 << 24
+RECORD = "metadata.json"  # the file that holds the digests of all the others
 
 
 def file_digest(path: str) -> dict:
@@ -64,9 +65,14 @@ def _problem(directory: str, name: str, expected: dict) -> str | None:
 
 def verify_files(directory: str, expected: dict[str, dict]) -> None:
     """Raise CheckpointError (one line, the same on every rank) unless every file matches its
-    recorded size and digest."""
+    recorded size and digest, and every file DCP reads (`*.distcp`, `.metadata`) has one: a shard
+    that no digest covers was never verified."""
     local = {name: _problem(directory, name, expected[name]) for name in _my_share(sorted(expected))}
-    problems = sorted(p for p in _merge(local).values() if p is not None)
+    unrecorded = sorted(name for name in os.listdir(directory)
+                        if (name.endswith(".distcp") or name == ".metadata") and name not in expected)
+    problems = sorted([p for p in _merge(local).values() if p is not None]
+                      + [f"{os.path.join(directory, name)}: not in the checkpoint's record of files and digests "
+                         "(written by a rank whose digests were lost?)" for name in unrecorded])
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(problems[0] + more)
