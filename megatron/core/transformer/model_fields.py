@@ -89,6 +89,17 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
 )
 FIELDS_BY_NAME = {field.name: field for field in MODEL_FIELDS}
 
+# TransformerConfig fields that never change what a saved model computes: the parallel layout,
+# kernels and recomputation (same function, other schedule), dropout and initialisation (training
+# only), vocabulary padding (not stored), the weights' dtype (converted on load). A new field
+# belongs either here or in MODEL_FIELDS (tests/unit/test_model_fields.py checks).
+RUNTIME_FIELDS = frozenset({
+    "params_dtype", "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "cp_comm_type",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend",
+    "normalization_impl", "gradient_accumulation_fusion", "attention_dropout", "hidden_dropout", "init_method",
+    "make_vocab_size_divisible_by",
+})
+
 
 def model_record(config) -> dict:
     """Every recorded field of a TransformerConfig (or any object with those attributes)."""

@@ -1,0 +1,49 @@
+"""The model-field record stays complete and true to the command line.
+
+Every TransformerConfig field is either a model field (recorded in checkpoints, compared on
+resume, represented or refused by the Hugging Face export) or declared as runtime-only; and
+each recorded flag, given on the command line, sets the config field the record names.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.model_fields import MODEL_FIELDS, RUNTIME_FIELDS
+from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "100"]
+# a value other than the default for each flag that takes one
+VALUES = {"--num-layers": "3", "--hidden-size": "128", "--ffn-hidden-size": "96", "--num-attention-heads": "8",
+          "--num-query-groups": "2", "--kv-channels": "32", "--vocab-size": "50", "--position-embedding-type": "rope",
+          "--max-position-embeddings": "32", "--normalization": "RMSNorm", "--norm-epsilon": "1e-06",
+          "--rotary-percent": "0.5", "--rotary-base": "500000", "--rope-scaling-factor": "4", "--seq-length": "32",
+          "--init-method-std": "0.01"}
+
+
+def test_every_config_field_is_classified_once():
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    recorded = [field.name for field in MODEL_FIELDS]
+    assert len(recorded) == len(set(recorded))
+    assert not set(recorded) & RUNTIME_FIELDS
+    assert names == set(recorded) | RUNTIME_FIELDS, names ^ (set(recorded) | RUNTIME_FIELDS)
+
+
+@pytest.mark.parametrize("field", MODEL_FIELDS, ids=[f.flag for f in MODEL_FIELDS])
+def test_each_recorded_flag_sets_its_field(field):
+    flags = list(BASE)
+    if field.flag in flags:  # replace the base value
+        at = flags.index(field.flag)
+        del flags[at:at + 2]
+    extra = [field.flag] if field.flag not in VALUES else [field.flag, VALUES[field.flag]]
+    if field.flag == "--num-query-groups":
+        extra.insert(0, "--group-query-attention")
+    if field.flag == "--rope-scaling-factor":
+        extra.append("--rope-scaling")
+    config = parse_run_config(flags + extra, GPT_DEFAULTS, 1).model
+    default = parse_run_config(BASE, GPT_DEFAULTS, 1).model
+    assert getattr(config, field.name) != getattr(default, field.name), field
+    assert field.command_line(getattr(config, field.name))[0] == field.flag
