@@ -148,6 +148,32 @@ def test_shuffles_depend_only_on_the_seed(tmp_path):
     assert a.shuffle_index.tolist() != c.shuffle_index.tolist()
 
 
+def test_every_field_that_orders_the_samples_keys_the_cache(tmp_path):
+    """A cached index is reused only for the same seed, sample count, sequence length, documents
+    and file: changing any of them builds (and caches) its own indices, never the stale ones."""
+    cache = tmp_path / "cache"
+    indexed_prefix = tmp_path / "docs"
+    make_dataset(tmp_path, random_docs(), num_samples=300, seed=5, cache_dir=str(cache))
+    indexed = IndexedDataset(str(indexed_prefix))
+    base = dict(split_name="train", seq_length=8, seed=5, eod=0)
+    variants = {"seed": dict(seed=6), "seq_length": dict(seq_length=7), "num_samples": dict(num_samples=200),
+                "documents": dict(documents=np.arange(1, len(indexed)))}
+    for field, change in variants.items():
+        options = {**base, "num_samples": 300, "documents": np.arange(len(indexed)), **change}
+        documents, num_samples = options.pop("documents"), options.pop("num_samples")
+        files = set(cache.iterdir())
+        cached = GPTDataset(indexed, documents, num_samples, cache_dir=str(cache), **options)
+        fresh = GPTDataset(indexed, documents, num_samples, cache_dir=None, **options)
+        assert set(cache.iterdir()) != files, f"{field}: no cache of its own"
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            assert getattr(cached, name).tolist() == getattr(fresh, name).tolist(), (field, name)
+    files = set(cache.iterdir())
+    other = make_dataset(tmp_path, random_docs(seed=1), num_samples=300, seed=5, cache_dir=str(cache))
+    assert set(cache.iterdir()) != files, "another file at the same path: no cache of its own"
+    fresh = make_dataset(tmp_path, random_docs(seed=1), num_samples=300, seed=5)
+    assert other.shuffle_index.tolist() == fresh.shuffle_index.tolist()
+
+
 def test_final_epoch_is_shuffled_apart_when_mostly_unused():
     plan = plan_epochs(tokens_per_epoch=1001, seq_length=10, num_samples=120)  # 100 per epoch, 20 from the 2nd
     assert (plan.num_epochs, plan.separate_final_epoch, plan.samples_before_final_epoch) == (2, True, 100)
