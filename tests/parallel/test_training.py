@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.pipeline_parallel.schedules import ActionKind
 from megatron.training.arguments import parse_run_config
 from megatron.training.training import Trainer
 from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
@@ -70,22 +71,38 @@ def single_rank_checks(rank):
     return True
 
 
-def tied_embedding_copies(rank):
+def _watch_sent_outputs(executor) -> list[int]:
+    """Bytes the executor still holds of each output right after posting its send (filled as it runs)."""
+    held, post = [], executor._post
+
+    def post_and_look(step, transfers, inputs, outputs, *rest):
+        post(step, transfers, inputs, outputs, *rest)
+        sent = [(a.microbatch, a.chunk) for a in step if a.kind is ActionKind.SEND_FORWARD]
+        held.extend(outputs[key].untyped_storage().nbytes() for key in sent)
+
+    executor._post = post_and_look
+    return held
+
+
+def pipeline_run(rank):
     trainer = _trainer("gpt", ["--pipeline-model-parallel-size", "2"])
+    held = _watch_sent_outputs(trainer.executor)
     for iteration in range(1, 4):
         trainer.train_step(iteration)
     module = trainer.chunks[0].module
     weight = module.embedding.word_embeddings.weight if rank == 0 else module.output_layer.weight
-    return weight.detach().clone()
+    return weight.detach().clone(), held
 
 
 def test_single_rank_training_behaviour():
     assert run_distributed(1, single_rank_checks) == [True]
 
 
-def test_tied_embeddings_stay_identical_across_stages():
-    first, last = run_distributed(2, tied_embedding_copies)
+def test_tied_embeddings_stay_identical_and_sent_outputs_are_released():
+    (first, sent), (last, _) = run_distributed(2, pipeline_run)
     assert torch.equal(first, last)
+    assert len(sent) == 3 * 4, sent  # 4 microbatches a step, each output sent...
+    assert max(sent) <= 4, f"bytes of sent outputs still held by the executor: {sent}"  # ...and let go
 
 
 def test_cli_torchrun_matches_one_rank():
