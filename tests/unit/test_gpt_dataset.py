@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.data.blended_dataset import build_blending_indices, build_exhaustive_blending_indices, normalize
+from megatron.data import blending_loop
+from megatron.data.blended_dataset import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+    normalize,
+    python_blending_indices,
+    python_exhaustive_blending_indices,
+)
 from megatron.data.builder import build_datasets
 from megatron.data.config import Blend, DataConfig
 from megatron.data.gpt_dataset import GPTDataset
@@ -223,6 +230,23 @@ def test_blending_stays_within_one_sample_of_the_weights():
     assert build_blending_indices([0.5, 0.5], 4)[0].tolist() == [0, 1, 0, 1]  # ties go to the lower index
     index, sample = build_exhaustive_blending_indices([3, 1])
     assert index.tolist() == [0, 1, 0, 0] and sample.tolist() == [0, 0, 1, 2]
+
+
+def test_compiled_blending_loop_gives_the_python_loop_indices():
+    """The loop that builds the indices (compiled) equals the Python definition on random weights
+    and sizes, exact ties and datasets that run out."""
+    assert blending_loop.native() is not None, "no C compiler: the blending indices are built in Python"
+    rng = np.random.default_rng(7)
+    cases = [[0.5, 0.5], normalize([1, 1, 1]), normalize([1, 2, 4, 8, 16])]
+    cases += [normalize(rng.random(int(rng.integers(2, 12))) ** 3 + 1e-3) for _ in range(20)]
+    for weights in cases:
+        size = int(rng.integers(1, 3000))
+        ours, reference = build_blending_indices(weights, size), python_blending_indices(weights, size)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ours, reference)), weights
+    for _ in range(20):
+        sizes = rng.integers(0, 300, size=int(rng.integers(1, 8))).tolist() + [1]
+        ours, reference = build_exhaustive_blending_indices(sizes), python_exhaustive_blending_indices(sizes)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ours, reference)), sizes
 
 
 def test_builder_builds_once_and_others_load_the_cache(corpus, tokenizer, tmp_path):
