@@ -273,9 +273,11 @@ def test_bad_data_fails_in_one_line(corpus, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"--valid-data-path /no/v: /no/v.bin not found"):
         DataConfig(blend_per_split=[Blend.parse([corpus[0]]), Blend.parse(["/no/v"]), None])
     small = build_tokenizer("NullTokenizer", vocab_size=100)
-    config = DataConfig(blend=Blend.parse([corpus[0]]), cache_path=str(tmp_path))
-    with pytest.raises(ValueError, match=r"a_text_document.bin: token id \d+ is outside the tokenizer's vocabulary of 100"):
-        build_datasets(config, small, 16, 1, 10, 1, 1)
+    config = DataConfig(blend=Blend.parse([corpus[0]]), split="90,8,2", cache_path=str(tmp_path))
+    train = build_datasets(config, small, 16, 1, 10, 1, 1)[0]  # start-up reads no token of the .bin...
+    with pytest.raises(ValueError, match=r"a_text_document.bin: token id \d+ \(in train sample 0\) is outside the "
+                                         r"tokenizer's vocabulary of 100 ids"):
+        train[0]  # ...each sample is checked as it is read
     tiny = make_dataset(tmp_path, [[1, 2, 0]] * 3)
     with pytest.raises(ValueError, match="the valid split holds no tokens"):
         GPTDataset(tiny.indexed, np.arange(0), 5, split_name="valid", seq_length=8, seed=1, eod=0)
