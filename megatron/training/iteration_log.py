@@ -67,7 +67,7 @@ class IterationLog:
     def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
         """Account for one iteration; print and write scalars when a line is due. `force`: the
         window ends here (a save, the last iteration, an early exit)."""
-        self.totals.add(result.loss, elapsed, result.skipped, result.idle_fraction)
+        self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration
         closes = force or iteration % self.config.log_interval == 0
