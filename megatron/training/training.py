@@ -139,9 +139,8 @@ class Trainer:
         self.optimizer.set_lr(lr, decoupled_lr)
         for chunk in self.chunks:
             chunk.train()
-            chunk.zero_grad_buffer()
         loss_scale = self.optimizer.loss_scale
-        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale)
+        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale, zero_grads=True)
         loss, grad_scale = reduced_token_mean(stats.token_sums())
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
         return loss, lr, loss_scale, stats

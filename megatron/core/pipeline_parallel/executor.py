@@ -218,13 +218,16 @@ class PipelineExecutor:
     def _is_last(self, chunk: int) -> bool:
         return self.rank == self.p - 1 and chunk == self.v - 1
 
-    def run(self, batch, loss_scale: float = 1.0) -> StepStats:
+    def run(self, batch, loss_scale: float = 1.0, zero_grads: bool = False) -> StepStats:
         """One iteration. Each microbatch's backward starts from its masked loss sum times
         loss_scale / (m x token positions): the mean when nothing is masked; the caller
-        rescales the reduced gradients by (positions / unmasked tokens) of the global batch."""
+        rescales the reduced gradients by (positions / unmasked tokens) of the global batch.
+        `zero_grads`: zero each chunk's gradient buffer just before its first backward, so the
+        forwards before it need not wait for what still reads the old gradients."""
         device = next(self.chunks[0].parameters()).device
         stats, timer = StepStats.zeros(device), _SpanTimer(device)
         inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
+        unzeroed = set(range(self.v)) if zero_grads else set()
         transfers = _Transfers()
         for step in self.steps:
             action = step[0]
@@ -239,6 +242,9 @@ class PipelineExecutor:
                 if not self._is_last(action.chunk):
                     self._wait(transfers, ActionKind.RECV_BACKWARD, key, timer)
                 started = timer.start()
+                if action.chunk in unzeroed:
+                    unzeroed.discard(action.chunk)
+                    self.chunks[action.chunk].zero_grad_buffer()
                 self._backward(action, inputs, outputs, received_grads, input_grads)
                 inputs.pop(key, None), outputs.pop(key, None)
                 timer.stop("backward", started, action)
