@@ -5,14 +5,19 @@ step i (error = weight * max(i, 1) - samples taken so far; ties go to the lower 
 and is that dataset's next unused sample. Every prefix of the blend therefore stays
 within about one sample of its target proportions, and the order is a pure function of
 the weights and the size. Without a size (a bare --data-path list) each dataset's samples
-are all taken exactly once, in proportion to their counts.
+are all taken exactly once, in proportion to their counts. The loops below are the
+definition; the same loops compiled (blending_loop.py) build the indices, about two orders
+of magnitude faster (tools/bench/blending.py), and the Python ones run only without a C compiler.
 """
 from __future__ import annotations
 
+import functools
 import json
+import sys
 
 import numpy as np
 
+from megatron.data import blending_loop
 from megatron.data.index_cache import IndexCache
 
 
@@ -22,8 +27,34 @@ def normalize(weights) -> list[float]:
     return (array / np.sum(array)).tolist()
 
 
+@functools.cache
+def _compiled_loop() -> bool:
+    """True when the compiled loop is available; says once that the Python loop runs otherwise."""
+    if blending_loop.native() is not None:
+        return True
+    print("warning: no C compiler ($CC or cc) to build the blending loop; building blend indices in Python "
+          "(minutes per 100M samples)", file=sys.stderr, flush=True)
+    return False
+
+
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16 [size], dataset_sample_index int64 [size]) for normalized weights."""
+    if _compiled_loop():
+        return blending_loop.run(weights, None, size)
+    return python_blending_indices(weights, size)
+
+
+def build_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """As build_blending_indices with weights proportional to `sizes`, taking exactly sizes[d]
+    samples from dataset d (a dataset drops out once used up)."""
+    if _compiled_loop():
+        total = sum(sizes)
+        return blending_loop.run([s / total for s in sizes], sizes, total)
+    return python_exhaustive_blending_indices(sizes)
+
+
+def python_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """build_blending_indices as a Python loop."""
     dataset_index = np.zeros(size, dtype=np.int16)
     sample_index = np.zeros(size, dtype=np.int64)
     taken = [0] * len(weights)
@@ -36,9 +67,8 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     return dataset_index, sample_index
 
 
-def build_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """As build_blending_indices with weights proportional to `sizes`, taking exactly sizes[d]
-    samples from dataset d (a dataset drops out once used up)."""
+def python_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """build_exhaustive_blending_indices as a Python loop."""
     total = sum(sizes)
     weights = [s / total for s in sizes]
     dataset_index = np.zeros(total, dtype=np.int16)

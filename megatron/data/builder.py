@@ -24,7 +24,7 @@ import numpy as np
 from megatron.data.blended_dataset import BlendedDataset, normalize
 from megatron.data.config import SPLIT_NAMES, Blend, DataConfig
 from megatron.data.gpt_dataset import GPTDataset, default_cache_dir
-from megatron.data.indexed_dataset import IndexedDataset, data_file_path
+from megatron.data.indexed_dataset import IndexedDataset
 
 
 def build_datasets(config: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int | None,
@@ -98,17 +98,11 @@ class _Builder:
                           eod=None if self.tokenizer is None else self.tokenizer.eod,
                           eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
                           reset_attention_mask=config.reset_attention_mask,
-                          cache_dir=config.cache_path or default_cache_dir(prefix), is_builder=self.is_builder)
+                          cache_dir=config.cache_path or default_cache_dir(prefix), is_builder=self.is_builder,
+                          vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size)
 
     def _open(self, prefix: str) -> IndexedDataset:
-        """Each prefix opened once; the builder also checks its tokens fit the tokenizer's vocabulary."""
+        """Each prefix opened once (its tokens are checked against the vocabulary as samples are read)."""
         if prefix not in self._indexed:
-            indexed = IndexedDataset(prefix)
-            if self.is_builder and self.tokenizer is not None:
-                largest = indexed.max_token_id()
-                if largest >= self.tokenizer.vocab_size:
-                    raise ValueError(f"{data_file_path(prefix)}: token id {largest} is outside the tokenizer's "
-                                     f"vocabulary of {self.tokenizer.vocab_size} ids; was it preprocessed with "
-                                     f"another tokenizer?")
-            self._indexed[prefix] = indexed
+            self._indexed[prefix] = IndexedDataset(prefix)
         return self._indexed[prefix]

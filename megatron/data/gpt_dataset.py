@@ -20,7 +20,7 @@ import torch
 
 from megatron.data.gpt_indices import build_gpt_indices
 from megatron.data.index_cache import IndexCache
-from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.indexed_dataset import IndexedDataset, data_file_path
 
 INDEX_NAMES = ["document_index", "sample_index", "shuffle_index"]
 
@@ -34,15 +34,17 @@ class GPTDataset:
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int | None, *,
                  split_name: str, seq_length: int, seed: int, eod: int | None, eod_mask_loss: bool = False,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 cache_dir: str | None = None, is_builder: bool = True):
+                 cache_dir: str | None = None, is_builder: bool = True, vocab_size: int | None = None):
         """`documents`: the sequence ids of this split; `num_samples`: at least this many samples
-        (None: one epoch). The indices are cached in `cache_dir` (None: kept in memory)."""
+        (None: one epoch). The indices are cached in `cache_dir` (None: kept in memory).
+        `vocab_size`: each sample read is checked to hold only ids below it (a sample's worth of
+        work, where a check at start-up would read every .bin in full at every launch)."""
         if seq_length < 2:
             raise ValueError(f"--seq-length must be >= 2, got {seq_length}")
         if eod is None and (eod_mask_loss or reset_position_ids or reset_attention_mask):
             raise ValueError("--eod-mask-loss and --reset-position-ids/--reset-attention-mask need a tokenizer's EOD id")
         self.indexed, self.split_name, self.seq_length = indexed, split_name, seq_length
-        self.eod, self.eod_mask_loss = eod, eod_mask_loss
+        self.eod, self.eod_mask_loss, self.vocab_size = eod, eod_mask_loss, vocab_size
         self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         documents = np.asarray(documents, dtype=np.int32)
         self.description = json.dumps({
@@ -82,7 +84,12 @@ class GPTDataset:
             parts = [self.indexed.get(int(self.document_index[doc_beg]), off_beg)]
             parts += [self.indexed.get(int(self.document_index[i])) for i in range(doc_beg + 1, doc_end)]
             parts.append(self.indexed.get(int(self.document_index[doc_end]), 0, off_end + 1))
-        return np.concatenate(parts).astype(np.int64)
+        tokens = np.concatenate(parts).astype(np.int64)
+        if self.vocab_size is not None and tokens.max() >= self.vocab_size:
+            raise ValueError(f"{data_file_path(self.indexed.prefix)}: token id {tokens.max()} (in {self.split_name} "
+                             f"sample {index}) is outside the tokenizer's vocabulary of {self.vocab_size} ids; was "
+                             f"it preprocessed with another tokenizer?")
+        return tokens
 
     def __getitem__(self, index: int) -> dict:
         text = torch.from_numpy(self.sample_tokens(index))

@@ -200,9 +200,3 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return len(self._data)
-
-    def max_token_id(self, chunk: int = 1 << 26) -> int:
-        """The largest token id in .bin, read in chunks (a full pass over the file)."""
-        if not len(self._data):
-            return -1
-        return max(int(self._data[i:i + chunk].max()) for i in range(0, len(self._data), chunk))

@@ -1,7 +1,10 @@
 """What the training loop reports after each iteration, with Megatron's timing.
 
-- a line every --log-interval iterations and always after the first iteration of a run
-  (that first line does not restart the averages: the next line covers iterations 1..N);
+- a line every --log-interval iterations, after each checkpoint save and the last iteration,
+  and always after the first iteration of a run. A line closes the averaging window unless it
+  is only there for being the first (the next line then covers that iteration too). Windows
+  end at every save, so a run resumed from any checkpoint prints the very lines (loss, grad
+  norm, learning rate, skipped counts) the uninterrupted run prints;
 - Megatron's memory line once, after the first iteration;
 - TensorBoard / W&B scalars with every line (iteration time, memory and world size when asked);
 - --log-params-norm and --log-num-zeros-in-grad figures (collectives: every rank calls `report`).
@@ -62,11 +65,13 @@ class IterationLog:
         self._auto_logged = False
 
     def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
-        """Account for one iteration; print and write scalars when a line is due (or `force`)."""
-        self.totals.add(result.loss, elapsed, result.skipped, result.idle_fraction)
+        """Account for one iteration; print and write scalars when a line is due. `force`: the
+        window ends here (a save, the last iteration, an early exit)."""
+        self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration
-        if not (first or force or iteration % self.config.log_interval == 0):
+        closes = force or iteration % self.config.log_interval == 0
+        if not (first or closes):
             return
         trainer, totals, config = self.trainer, self.totals, self.config
         optimizer = trainer.optimizer
@@ -95,7 +100,7 @@ class IterationLog:
         if first:
             self.emit(memory_line(self.rank, iteration, memory))
         self._scalars(iteration, result, totals.loss, batch, seconds, memory, norm, zeros)
-        if not first:
+        if closes:
             self.totals, self.data_wait = IntervalTotals(), 0.0
 
     def _offload_lines(self) -> None:

@@ -7,38 +7,54 @@ import math
 import os
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
+def _read(value) -> float:
+    return value() if callable(value) else value
+
+
 class IntervalTotals:
     """What the log line averages or counts since the last line, as Megatron counts: the loss
-    averages the iterations that updated; a skipped iteration counts as nan when its loss is."""
+    averages the iterations that updated; a skipped iteration counts as nan when its loss is.
+    Losses may be device tensors and times lazy (a callable returning the seconds, e.g. a
+    pair of CUDA events): they are summed on the device or kept, and read only when a line
+    asks for them."""
 
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    elapsed: float = 0.0
-    iterations: int = 0
-    skipped: int = 0
-    nan: int = 0
-    idle_sum: float = 0.0
+    def __init__(self):
+        self.iterations = self.skipped = self.loss_count = 0
+        self._loss_sum = self._nan = 0.0
+        self._elapsed, self._idle = [], []
 
-    def add(self, loss: float, elapsed: float, skipped: bool, idle: float) -> None:
+    def add(self, loss, elapsed, skipped: bool, idle) -> None:
+        """`loss`: a float or 0-dim tensor; `elapsed`, `idle`: floats or callables returning one."""
+        loss = torch.as_tensor(loss, dtype=torch.float64)
         self.iterations += 1
-        self.elapsed += elapsed
-        self.idle_sum += idle
+        self._elapsed.append(elapsed)
+        self._idle.append(idle)
         if skipped:
             self.skipped += 1
-            self.nan += not math.isfinite(loss)
+            self._nan = self._nan + (~torch.isfinite(loss)).double()
         else:
-            self.loss_sum += loss
+            self._loss_sum = self._loss_sum + loss
             self.loss_count += 1
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / self.loss_count if self.loss_count else math.nan
+        return float(self._loss_sum) / self.loss_count if self.loss_count else math.nan
+
+    @property
+    def nan(self) -> int:
+        return int(self._nan)
+
+    @property
+    def elapsed(self) -> float:
+        return sum(_read(e) for e in self._elapsed)
+
+    @property
+    def idle_sum(self) -> float:
+        return sum(_read(i) for i in self._idle)
 
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,

@@ -56,8 +56,7 @@ class AutoOffload:
         budget = device_memory_bytes(trainer.device, trainer.run.training.device_memory_gb)
         self.decision = auto_keep(forward_order(buffers), numels, state_bytes_per_element(trainer.run.model.params_dtype),
                                   budget, model_bytes, int(peak.item()))
-        for index in self.decision.keep:
-            optimizer.adam.offload.move_to_device(index)
+        optimizer.adam.offload.keep_on_device(self.decision.keep)
 
 
 def offload_line(optimizer) -> str:

@@ -105,7 +105,8 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
             if saver is not None:
                 saver.poll()  # finalizes a background save once every rank has written it
             stop = control.after_iteration(iteration, training.train_iters)
-            log.report(iteration, result, elapsed, force=iteration == training.train_iters or stop is not None)
+            window_ends = iteration == training.train_iters or stop is not None or control.last_save == iteration
+            log.report(iteration, result, elapsed, force=window_ends)
             if iteration % run.evaluation.interval == 0 and iteration != training.train_iters:
                 validation.run(iteration)
             if stop is not None:

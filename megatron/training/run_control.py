@@ -24,6 +24,7 @@ class RunControl:
         self.config, self.save, self.device = config, save, device
         self.start_time = time.monotonic() if start_time is None else start_time
         self.signalled = False
+        self.last_save: int | None = None  # the iteration of the latest save
         if config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -55,4 +56,5 @@ class RunControl:
         due = iteration == last or reason is not None or interval
         if config.save and due:
             self.save(iteration)
+            self.last_save = iteration
         return reason

@@ -11,7 +11,7 @@ from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
-from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, global_token_mean
+from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, StepStats, reduced_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.data.batches import model_input_fields
@@ -22,13 +22,25 @@ from megatron.training.offload_run import AutoOffload
 
 @dataclass
 class IterationResult:
-    loss: float
+    """One iteration's figures. The mean loss stays a device tensor and the pipeline timeline
+    is read only on demand, so producing a result makes the host wait for nothing; `loss`
+    and `idle_fraction` read them."""
+
+    mean_loss: torch.Tensor
     grad_norm: float | None
     skipped: bool
     lr: float
     loss_scale: float
-    idle_fraction: float
+    stats: StepStats
     data_wait: float = 0.0  # seconds this rank waited for its batches
+
+    @property
+    def loss(self) -> float:
+        return self.mean_loss.item()
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.stats.idle_fraction
 
 
 class Trainer:
@@ -118,38 +130,58 @@ class Trainer:
     def forward_backward(self, iteration: int):
         """Run all microbatches of `iteration` and leave the reduced gradients of the global
         mean token loss in `main_grad`. Returns (mean lm loss, learning rate, loss scale,
-        pipeline idle fraction)."""
+        pipeline idle fraction), read by the host (train_step reads none of them)."""
+        loss, lr, loss_scale, stats = self._forward_backward(iteration)
+        return loss.item(), lr, loss_scale, stats.idle_fraction
+
+    def _forward_backward(self, iteration: int) -> tuple[torch.Tensor, float, float, StepStats]:
         lr, decoupled_lr = self.learning_rates()
         self.optimizer.set_lr(lr, decoupled_lr)
         for chunk in self.chunks:
             chunk.train()
-            chunk.zero_grad_buffer()
         loss_scale = self.optimizer.loss_scale
-        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale)
-        loss, grad_scale = global_token_mean(stats.token_sums())
+        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale, zero_grads=True)
+        loss, grad_scale = reduced_token_mean(stats.token_sums())
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
-        return loss, lr, loss_scale, stats.idle_fraction
+        return loss, lr, loss_scale, stats
 
     def train_step(self, iteration: int) -> IterationResult:
         """One iteration. Like Megatron's log, the result carries the learning rate and loss scale
-        as they stand after the update (the values the next iteration uses)."""
+        as they stand after the update (the values the next iteration uses). The host reads one
+        number: the global gradient norm, which the update needs (clipping, skipping a
+        non-finite step), as Megatron reads it."""
         auto = self.auto_offload if self.auto_offload is not None and self.auto_offload.decision is None else None
         if auto is not None:
             auto.before_first_iteration()
-        loss, _, _, idle = self.forward_backward(iteration)
+        loss, _, _, stats = self._forward_backward(iteration)
         result = self.optimizer.step()
         if auto is not None:
             auto.after_first_iteration()
-        return IterationResult(loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
-                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, idle_fraction=idle,
+        return IterationResult(mean_loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
+                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, stats=stats,
                                data_wait=self.loaders["train"].take_wait_seconds())
 
 
-def timed_step(trainer: Trainer, iteration: int) -> tuple[IterationResult, float]:
-    if trainer.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+class _EventSpan:
+    """Device seconds between two CUDA events; calling it waits for the second."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def __call__(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def timed_step(trainer: Trainer, iteration: int) -> tuple[IterationResult, float | _EventSpan]:
+    """One iteration and its duration, without making the host wait: wall clock on CPU; on CUDA
+    events around it on the current stream, read (called) only when a log line needs them."""
+    if trainer.device.type != "cuda":
+        start = time.perf_counter()
+        result = trainer.train_step(iteration)
+        return result, time.perf_counter() - start
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     result = trainer.train_step(iteration)
-    if trainer.device.type == "cuda":
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - start
+    end.record()
+    return result, _EventSpan(start, end)

@@ -1,6 +1,7 @@
 """Context-parallel attention on 2 and 4 gloo ranks against one-process causal attention in
 float64: output and dq, dk, dv of every rank's load-balanced chunks, both comm types, MHA and
-GQA, torch reference and Triton kernels (interpreter). Plus, without processes: the sharding,
+GQA, torch reference and Triton kernels (interpreter); with bf16 inputs, dK/dV equal the fp32 sum
+of every block's share rounded once. Plus, without processes: the sharding,
 the chunk-pair mask rule, load balance, the block-level backward, and saved-tensor memory.
 
 Each world size starts its ranks once (a module fixture) and every check reads its results.
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from kernels import flash_attention as fa
 from megatron.core.context_parallel import COMM_STATS, context_parallel_attention, positions, shard, unshard
+from megatron.core.context_parallel import ring_attention
 from megatron.core.context_parallel.ring_attention import visible_pairs
 from megatron.core.context_parallel.sharding import causal_pairs, chunk_ids
 from tests.distributed import run_distributed
@@ -65,12 +67,40 @@ def _rank_checks(rank, cp):
         errors = {name: _relative_error(a, shard(e, rank, cp))
                   for name, a, e in zip(("out", "dq", "dk", "dv"), actual, _one_rank(q, k, v, dout))}
         results[comm, impl, batch, heads, kv_heads] = dict(errors=errors, sent=dict(stats.bytes), saved=saved)
-    return results
+    return results, _bf16_block_gradients(rank, cp)
+
+
+def _bf16_block_gradients(rank, cp):
+    """With bf16 inputs, per comm type: this rank's dk and dv, and every block's share of them
+    that this rank's backward computed (fp64, by global key chunk)."""
+    q, k, v, dout = (t.bfloat16() for t in _problem(1, 2, 1))
+    length = SEQ // (2 * cp)
+    key_chunks = k.split(length, dim=1)
+    real, parts = ring_attention.flash_attention_block_backward, []
+
+    def recording(q_, k_, *rest, **kwargs):
+        dq_, dk_, dv_ = real(q_, k_, *rest, **kwargs)
+        chunk = next(c for c, key in enumerate(key_chunks) if torch.equal(key, k_))
+        parts.append((chunk, dk_.double(), dv_.double()))
+        return dq_, dk_, dv_
+
+    out = {}
+    ring_attention.flash_attention_block_backward = recording
+    try:
+        for comm in ("p2p", "all_gather"):
+            parts.clear()
+            local = [shard(t, rank, cp).requires_grad_() for t in (q, k, v)]
+            attention = context_parallel_attention(*local, dist.group.WORLD, comm_type=comm, impl="torch")
+            _, dk, dv = torch.autograd.grad((attention * shard(dout, rank, cp)).sum(), local)
+            out[comm] = dict(dk=dk.double(), dv=dv.double(), parts=list(parts))
+    finally:
+        ring_attention.flash_attention_block_backward = real
+    return out
 
 
 @pytest.fixture(scope="module")
-def cp_results():
-    """cp size -> per-rank results, each world started once."""
+def cp_worlds():
+    """cp size -> per-rank (results per case, bf16 block gradients), each world started once."""
     cache = {}
 
     def results(cp):
@@ -79,6 +109,34 @@ def cp_results():
         return cache[cp]
 
     return results
+
+
+@pytest.fixture(scope="module")
+def cp_results(cp_worlds):
+    return lambda cp: [checks for checks, _ in cp_worlds(cp)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bf16_dk_dv_are_summed_in_fp32(cp_worlds, cp):
+    """bf16 dK/dV: every block's share (from every rank) summed in fp32 and rounded to bf16
+    once, so each element is within half a bf16 ulp of the exact sum of the shares; summing
+    in bf16 rounds at every chunk and hop and lands further away."""
+    ranks = [bf16 for _, bf16 in cp_worlds(cp)]
+    for comm in ("p2p", "all_gather"):
+        exact, magnitude = {}, {}
+        for rank in ranks:
+            for chunk, dk, dv in rank[comm]["parts"]:
+                part = torch.stack([dk, dv])
+                exact[chunk] = exact.get(chunk, 0) + part
+                magnitude[chunk] = magnitude.get(chunk, 0) + part.abs()
+        for r, rank in enumerate(ranks):
+            ids = chunk_ids(r, cp)
+            want = torch.cat([exact[c] for c in ids], dim=2)
+            slack = torch.cat([magnitude[c] for c in ids], dim=2) * 2.0 ** -22  # fp32 rounding of the sums
+            half_ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 9)
+            error = (torch.stack([rank[comm]["dk"], rank[comm]["dv"]]) - want).abs()
+            worst = (error / (half_ulp + slack)).max().item()
+            assert worst <= 1.0, f"cp {cp} {comm} rank {r}: dk/dv {worst:.2f} x (half a bf16 ulp) from the exact sum"
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -12,6 +12,7 @@ losses and the offload accounting line.
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -43,8 +44,11 @@ def train_and_place(rank: int, runs: list) -> list[dict]:
         result = train("gpt", flags)
         trainer = build_trainer("gpt", flags)
         trainer.train_step(1)
-        result["host_chunks"] = len(trainer.optimizer.adam.offload.order)
+        adam = trainer.optimizer.adam
+        result["host_chunks"] = len(adam.offload.order)
         result["chunks"] = len(trainer.optimizer.shards)
+        result["slab_bytes"] = adam.host_memory.slab.untyped_storage().nbytes()
+        result["host_elements"] = sum(adam.shards[i].main.numel() for i in adam.offload.order)
         out.append(result)
     return out
 
@@ -77,6 +81,8 @@ def test_offload_matches_one_process(results, world, layout):
             assert host == chunks
         else:  # half, or auto under a budget that holds some chunks but not all
             assert 0 < host < chunks, f"rank {rank}: {host} of {chunks} chunks on host"
+        # the host slab holds exactly the chunks still offloaded (auto: resized after measuring)
+        assert out["slab_bytes"] == 16 * out["host_elements"], (rank, out["slab_bytes"], out["host_elements"])
 
 
 def _host_state(trainer) -> list[torch.Tensor]:
@@ -108,6 +114,10 @@ def check_accounting(rank: int, dtype_flags: list[str], device_per_element: int)
     on_device = [s for s in optimizer.shards if not s.offloaded]
     device, host = placement_bytes(optimizer.adam)
     assert host == sum(16 * s.main.numel() for s in offloaded)  # master, m, v and the gradient copy, fp32
+    slab = optimizer.adam.host_memory.slab.untyped_storage()  # one allocation holds them all: its bytes count
+    assert slab.nbytes() == host and {t.untyped_storage().data_ptr() for i, s in enumerate(optimizer.shards)
+                                      if s.offloaded for t in (s.main, s.host_grad, optimizer.adam.exp_avg[i],
+                                                               optimizer.adam.exp_avg_sq[i])} <= {slab.data_ptr()}
     assert device == sum(device_per_element * s.main.numel() for s in on_device)
     padded = sum(chunk.buffer.layout.numel for chunk in trainer.chunks)
     assert sum(s.main.numel() for s in optimizer.shards) == padded // 2  # dp = 2
@@ -117,8 +127,49 @@ def check_accounting(rank: int, dtype_flags: list[str], device_per_element: int)
     assert (estimate.device_bytes, estimate.host_bytes) == (device, host)
 
 
+def check_thread_budgets(rank: int) -> None:
+    """The CPU step runs on its own thread budget; the training thread's (and that of threads
+    started later, such as the batch loader's) stays what it was."""
+    before = torch.get_num_threads()
+    trainer = build_trainer("gpt", FULL + ["--cpu-optimizer-threads", str(before + 1)])
+    offload = trainer.optimizer.adam.offload
+    assert torch.get_num_threads() == before
+    assert offload.pool.submit(torch.get_num_threads).result() == offload.threads == before + 1
+    with ThreadPoolExecutor(1) as later:
+        assert later.submit(torch.get_num_threads).result() == before
+
+
+def check_gradient_copies_are_waited_for_where_reused(rank: int) -> None:
+    """The training stream does not wait for the gradients' copies to host at the step: a model
+    chunk's gradient buffer waits for its own copies when it is zeroed, just before that chunk's
+    first backward of the next iteration. (CPU copies need no events: tokens stand in for them.)"""
+    trainer = build_trainer("gpt", FULL + PP2 + VPP)
+    shards, offload = trainer.optimizer.shards, trainer.optimizer.adam.offload
+    transfers, waited, zeroed = offload.transfers, [], {}
+    transfers.copy = lambda dst, src: (dst.copy_(src), ("copy", dst.data_ptr()))[1]
+    transfers.synchronize = lambda event: None
+    transfers.current_waits = waited.append
+    for chunk in trainer.chunks:
+        zero = chunk.zero_grad_buffer
+        chunk.zero_grad_buffer = lambda zero=zero, chunk=chunk: (zero(), zeroed.setdefault(chunk, set(waited)))
+    copies_of = {chunk: {("copy", shards[i].host_grad.data_ptr()) for i in offload.order
+                         if offload.buffer_of[i] is chunk.buffer} for chunk in trainer.chunks}
+    trainer.train_step(1)
+    assert not set().union(*copies_of.values()) & set(waited), "the step waited for gradient copies"
+    zeroed.clear()
+    trainer.train_step(2)
+    order = list(zeroed)  # the chunks in the order their first backward zeroed them
+    assert len(order) == len(trainer.chunks) == 2
+    for position, chunk in enumerate(order):
+        later = set().union(*(copies_of[c] for c in order[position + 1:]))
+        assert copies_of[chunk] and copies_of[chunk] <= zeroed[chunk], "zeroed before its copies were waited for"
+        assert not later & zeroed[chunk], "waited for another chunk's copies before that chunk needed them"
+
+
 def world2_checks(rank: int) -> None:
     check_fp16_inf_skips_everywhere(rank)
+    check_thread_budgets(rank)
+    check_gradient_copies_are_waited_for_where_reused(rank)
     check_accounting(rank, [], 8)            # fp32 weights are their own master on the device
     check_accounting(rank, ["--bf16"], 12)   # bf16: fp32 master + moments
 

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.data.blended_dataset import build_blending_indices, build_exhaustive_blending_indices, normalize
+from megatron.data import blending_loop
+from megatron.data.blended_dataset import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+    normalize,
+    python_blending_indices,
+    python_exhaustive_blending_indices,
+)
 from megatron.data.builder import build_datasets
 from megatron.data.config import Blend, DataConfig
 from megatron.data.gpt_dataset import GPTDataset
@@ -148,6 +155,32 @@ def test_shuffles_depend_only_on_the_seed(tmp_path):
     assert a.shuffle_index.tolist() != c.shuffle_index.tolist()
 
 
+def test_every_field_that_orders_the_samples_keys_the_cache(tmp_path):
+    """A cached index is reused only for the same seed, sample count, sequence length, documents
+    and file: changing any of them builds (and caches) its own indices, never the stale ones."""
+    cache = tmp_path / "cache"
+    indexed_prefix = tmp_path / "docs"
+    make_dataset(tmp_path, random_docs(), num_samples=300, seed=5, cache_dir=str(cache))
+    indexed = IndexedDataset(str(indexed_prefix))
+    base = dict(split_name="train", seq_length=8, seed=5, eod=0)
+    variants = {"seed": dict(seed=6), "seq_length": dict(seq_length=7), "num_samples": dict(num_samples=200),
+                "documents": dict(documents=np.arange(1, len(indexed)))}
+    for field, change in variants.items():
+        options = {**base, "num_samples": 300, "documents": np.arange(len(indexed)), **change}
+        documents, num_samples = options.pop("documents"), options.pop("num_samples")
+        files = set(cache.iterdir())
+        cached = GPTDataset(indexed, documents, num_samples, cache_dir=str(cache), **options)
+        fresh = GPTDataset(indexed, documents, num_samples, cache_dir=None, **options)
+        assert set(cache.iterdir()) != files, f"{field}: no cache of its own"
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            assert getattr(cached, name).tolist() == getattr(fresh, name).tolist(), (field, name)
+    files = set(cache.iterdir())
+    other = make_dataset(tmp_path, random_docs(seed=1), num_samples=300, seed=5, cache_dir=str(cache))
+    assert set(cache.iterdir()) != files, "another file at the same path: no cache of its own"
+    fresh = make_dataset(tmp_path, random_docs(seed=1), num_samples=300, seed=5)
+    assert other.shuffle_index.tolist() == fresh.shuffle_index.tolist()
+
+
 def test_final_epoch_is_shuffled_apart_when_mostly_unused():
     plan = plan_epochs(tokens_per_epoch=1001, seq_length=10, num_samples=120)  # 100 per epoch, 20 from the 2nd
     assert (plan.num_epochs, plan.separate_final_epoch, plan.samples_before_final_epoch) == (2, True, 100)
@@ -199,6 +232,23 @@ def test_blending_stays_within_one_sample_of_the_weights():
     assert index.tolist() == [0, 1, 0, 0] and sample.tolist() == [0, 0, 1, 2]
 
 
+def test_compiled_blending_loop_gives_the_python_loop_indices():
+    """The loop that builds the indices (compiled) equals the Python definition on random weights
+    and sizes, exact ties and datasets that run out."""
+    assert blending_loop.native() is not None, "no C compiler: the blending indices are built in Python"
+    rng = np.random.default_rng(7)
+    cases = [[0.5, 0.5], normalize([1, 1, 1]), normalize([1, 2, 4, 8, 16])]
+    cases += [normalize(rng.random(int(rng.integers(2, 12))) ** 3 + 1e-3) for _ in range(20)]
+    for weights in cases:
+        size = int(rng.integers(1, 3000))
+        ours, reference = build_blending_indices(weights, size), python_blending_indices(weights, size)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ours, reference)), weights
+    for _ in range(20):
+        sizes = rng.integers(0, 300, size=int(rng.integers(1, 8))).tolist() + [1]
+        ours, reference = build_exhaustive_blending_indices(sizes), python_exhaustive_blending_indices(sizes)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ours, reference)), sizes
+
+
 def test_builder_builds_once_and_others_load_the_cache(corpus, tokenizer, tmp_path):
     config = DataConfig(blend=Blend.parse(["0.5", corpus[0], "0.5", corpus[1]]), split="90,8,2",
                         cache_path=str(tmp_path))
@@ -223,9 +273,11 @@ def test_bad_data_fails_in_one_line(corpus, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"--valid-data-path /no/v: /no/v.bin not found"):
         DataConfig(blend_per_split=[Blend.parse([corpus[0]]), Blend.parse(["/no/v"]), None])
     small = build_tokenizer("NullTokenizer", vocab_size=100)
-    config = DataConfig(blend=Blend.parse([corpus[0]]), cache_path=str(tmp_path))
-    with pytest.raises(ValueError, match=r"a_text_document.bin: token id \d+ is outside the tokenizer's vocabulary of 100"):
-        build_datasets(config, small, 16, 1, 10, 1, 1)
+    config = DataConfig(blend=Blend.parse([corpus[0]]), split="90,8,2", cache_path=str(tmp_path))
+    train = build_datasets(config, small, 16, 1, 10, 1, 1)[0]  # start-up reads no token of the .bin...
+    with pytest.raises(ValueError, match=r"a_text_document.bin: token id \d+ \(in train sample 0\) is outside the "
+                                         r"tokenizer's vocabulary of 100 ids"):
+        train[0]  # ...each sample is checked as it is read
     tiny = make_dataset(tmp_path, [[1, 2, 0]] * 3)
     with pytest.raises(ValueError, match="the valid split holds no tokens"):
         GPTDataset(tiny.indexed, np.arange(0), 5, split_name="valid", seq_length=8, seed=1, eod=0)

@@ -46,7 +46,6 @@ def test_reader_reads_golden_files(tmp_path):
     assert [ds[i].tolist() for i in range(3)] == DOCS
     assert ds.get(2, offset=1, length=3).tolist() == [10, 11, 12]
     assert ds.document_indices.tolist() == [0, 1, 2, 3]
-    assert ds.max_token_id() == 13
     assert isinstance(ds._data, np.memmap)
 
 

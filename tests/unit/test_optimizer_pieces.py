@@ -49,6 +49,11 @@ def test_dynamic_scaler_hysteresis_backoff_and_growth():
     for _ in range(3):
         scaler.update(found_inf=False)
     assert scaler.scale == 512.0
+    assert scaler.state_dict()["hysteresis_tracker"] == 2  # a growth restores the full hysteresis
+    scaler.update(found_inf=True)
+    assert scaler.scale == 512.0  # so the first overflow after it is absorbed again
+    scaler.update(found_inf=True)
+    assert scaler.scale == 256.0
 
 
 def test_clip_grads_scales_to_max_norm():

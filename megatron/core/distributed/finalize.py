@@ -25,12 +25,14 @@ def _all_reduce_flat(grads: list, group) -> None:
         offset += grad.numel()
 
 
-def finalize_model_grads(chunks: list, mesh, grad_scale: float = 1.0) -> None:
+def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = None) -> None:
     """`chunks`: this rank's ModelChunkBuffers.
 
     - wait for the data-parallel (dp x cp) bucket reductions;
     - multiply the local gradients by `grad_scale` (the loss normalisation known only after
-      all microbatches ran: token positions / unmasked tokens of the global batch);
+      all microbatches ran: token positions / unmasked tokens of the global batch), a tensor
+      on the device so that the host never waits for it (the product is in fp32, as with a
+      Python float);
     - sum the gradients of replicated weights that saw only a sequence shard
       (`sequence_parallel` norm weights and row-parallel biases) across tp;
     - sum the two copies of tied embeddings across the first and last pipeline stage.
@@ -38,8 +40,8 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: float = 1.0) -> None:
     for chunk in chunks:
         chunk.finish_grad_sync()
     buffers = [chunk.buffer for chunk in chunks]
-    if grad_scale != 1.0:
-        torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale)
+    if grad_scale is not None:
+        torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale.float())
     _all_reduce_flat([g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))],
                      mesh.tp_group)
     shared = [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "shared_embedding", False))]

@@ -98,8 +98,14 @@ class ParamAndGradBuffer:
                                self.shard_rank)
                         for index, bucket in enumerate(self.layout.buckets)]
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        self.reuse_waits: list = []
 
     def zero(self) -> None:
+        """Zero the gradients once whatever still reads them is done (`reuse_waits`: callables
+        that make the current stream wait, e.g. for the offload optimizer's copies to host)."""
+        for wait in self.reuse_waits:
+            wait()
+        self.reuse_waits = []
         self.grad_data.zero_()
 
     def mark_ready(self, param) -> None:

@@ -1,11 +1,12 @@
 """The offload optimizer: the middle part (state and step) of chosen shards in host memory.
 
 After PatrickStar and ZeRO-Offload, without their limits: an offloaded shard keeps its fp32
-master weights and Adam moments in host memory (pinned when CUDA is present, allocated once)
-and is stepped by the CPU, every other part of the optimizer unchanged: gradient preparation
-(fp16 unscale and inf check, the global norm, clipping) runs on the device gradients of every
-shard, so clipping is by the exact global norm, gradient accumulation and the loss scaler work
-as without offload, and a skipped step never reaches the host.
+master weights and Adam moments in host memory (one slab per rank, pinned when CUDA is present,
+allocated once) and is stepped by the CPU on a worker thread with its own thread budget, every
+other part of the optimizer unchanged: gradient preparation (fp16 unscale and inf check, the
+global norm, clipping) runs on the device gradients of every shard, so clipping is by the exact
+global norm, gradient accumulation and the loss scaler work as without offload, and a skipped
+step never reaches the host.
 
 Why the CPU step starts after the norm, not during backward: clipping scales every gradient by
 a factor known only when the last gradient exists, and Adam is not linear in its gradient, so
@@ -19,7 +20,10 @@ update: different numerics). We defer instead and hide the CPU work behind the *
    soon as its gradient has arrived (torch's fused CPU AdamW, `cpu_adam.py`), writes the
    updated weights in the model dtype into host staging (the gradient copy's own bytes: no
    fp32 copy ever goes to the device) and streams them host -> device. Chunk i's CPU step
-   overlaps chunk i+1's device -> host and chunk i-1's host -> device copy.
+   overlaps chunk i+1's device -> host and chunk i-1's host -> device copy. The training
+   stream does not wait for the device -> host copies: a model chunk's gradient buffer waits
+   for its own copies only when it is next zeroed, before that chunk's first backward of the
+   next iteration (ParamAndGradBuffer.reuse_waits).
 2. `wait(i)` (a forward pre-hook, `param_sync.ParamSync`): the first module of the next forward
    that uses chunk i waits for it, then its parameters are all-gathered. Chunks of the first
    layers step first, so the forward starts as soon as they are done while the CPU steps the
@@ -29,7 +33,9 @@ and the worker shares the cores with the training thread.
 """
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,23 +48,49 @@ class HostMemoryError(RuntimeError):
     """Host buffers for offloaded state could not be allocated (one line naming what to change)."""
 
 
+def _pin_in_place(slab: torch.Tensor) -> None:
+    """Page-lock `slab` where it is (cudaHostRegister) and unlock it when its memory is freed."""
+    cudart = torch.cuda.cudart()
+    pointer, nbytes = slab.data_ptr(), slab.numel() * slab.element_size()
+    error = cudart.cudaHostRegister(pointer, nbytes, 0)
+    if int(error) != 0:
+        raise RuntimeError(cudart.cudaGetErrorString(error))
+    weakref.finalize(slab.untyped_storage(), cudart.cudaHostUnregister, pointer)
+
+
 class HostMemory:
-    """Allocates the host buffers of offloaded shards, pinned when CUDA is present (page-locked
-    memory is what lets copies run asynchronously on a side stream)."""
+    """One slab of host memory per rank holding every offloaded tensor (all fp32), handed out
+    in slices, so that the host bytes are the slab's: 16 per offloaded element, as the memory
+    estimator counts. With CUDA the slab is allocated as ordinary memory and pinned in place
+    (page-locked memory is what lets copies run asynchronously on a side stream): torch's
+    pinned allocator would round every block up to a power of two, up to twice the bytes."""
 
-    def __init__(self, pin: bool):
+    def __init__(self, numel: int, pin: bool):
         self.pin = pin
-
-    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self.used = 0
+        what = "pin" if pin else "allocate"
         try:
-            return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+            self.slab = torch.empty(numel, dtype=torch.float32)
+            if pin and numel:
+                _pin_in_place(self.slab)
         except RuntimeError as error:
-            what = "pin" if self.pin else "allocate"
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise HostMemoryError(
-                f"cannot {what} {numel * dtype.itemsize / 2**30:.2f} GiB of host memory for the offloaded optimizer "
+                f"cannot {what} {numel * 4 / 2**30:.2f} GiB of host memory for the offloaded optimizer "
                 f"({reason}); lower --optimizer-offload-fraction, use --offload-policy auto, or give the process "
                 f"more host memory (and a higher locked-memory limit, ulimit -l, for pinned memory)") from None
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size()
+
+    def empty(self, numel: int) -> torch.Tensor:
+        if self.used + numel > self.slab.numel():
+            raise RuntimeError(f"host slab of {self.slab.numel()} elements exhausted (asked {numel} more "
+                             f"after {self.used})")
+        view = self.slab[self.used: self.used + numel]
+        self.used += numel
+        return view
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
         out = self.empty(tensor.numel())
@@ -67,6 +99,9 @@ class HostMemory:
 
     def zeros(self, numel: int) -> torch.Tensor:
         return self.empty(numel).zero_()
+
+
+HOST_TENSORS_PER_ELEMENT = 4  # fp32 master, exp_avg, exp_avg_sq and the gradient's host copy
 
 
 class Transfers:
@@ -89,10 +124,6 @@ class Transfers:
     def side_waits_for_current(self) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-
-    def current_waits_for_side(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     @staticmethod
     def current_waits(event) -> None:
@@ -140,17 +171,20 @@ class OffloadedSteps:
     """Steps the offloaded shards of `adam` (an adamw.ShardedAdamW) on the CPU, chunk by chunk
     in `order` (shard indices in the order the next forward uses them)."""
 
-    def __init__(self, adam, order: list[int], device: torch.device, threads: int | None = None):
-        if threads is None and device.type == "cuda":
-            threads = default_cpu_threads()
-        if threads is not None:  # where host = device the training thread's setting stands unless given
-            torch.set_num_threads(threads)
-        self.threads = torch.get_num_threads()
+    def __init__(self, adam, order: list[int], device: torch.device, threads: int | None = None,
+                 buffer_of: list | None = None):
+        """`threads`: the CPU step's intra-op threads (None: default_cpu_threads() with CUDA, else
+        the training thread's); the training thread's own setting is left as it is. `buffer_of[i]`:
+        the ParamAndGradBuffer holding shard i's gradient (whose zeroing waits for its copy)."""
+        if threads is None:
+            threads = default_cpu_threads() if device.type == "cuda" else torch.get_num_threads()
+        self.threads = threads
         self.adam = adam
         self.order = [i for i in order if adam.shards[i].offloaded]
+        self.buffer_of = buffer_of
         self.transfers = Transfers(device)
         self.cpu = {i: self._cpu_adam(i) for i in self.order}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adam")
+        self.pool = _worker_with_threads(threads)
         self.pending: dict = {}
         self.stats = OffloadStats()
 
@@ -173,8 +207,9 @@ class OffloadedSteps:
         hyper = _Hyper(adam.step_count, adam.lr, adam.decoupled_lr, adam.betas, adam.eps, adam.weight_decay)
         self.transfers.side_waits_for_current()  # the gradients are final on the training stream
         arrived = {i: self.transfers.copy(adam.shards[i].host_grad, adam.shards[i].grad) for i in self.order}
-        self.transfers.current_waits_for_side()  # the gradient buffer is zeroed again only after the copies
         for i in self.order:
+            if arrived[i] is not None and self.buffer_of is not None:  # zeroing the gradient waits for its copy
+                self.buffer_of[i].reuse_waits.append(functools.partial(self.transfers.current_waits, arrived[i]))
             self.stats.d2h_bytes += adam.shards[i].grad.numel() * adam.shards[i].grad.element_size()
             self.pending[i] = self.pool.submit(self._step, i, arrived[i], hyper)
         self.stats.steps += 1
@@ -210,14 +245,40 @@ class OffloadedSteps:
         stats, self.stats = self.stats, OffloadStats()
         return stats
 
-    def move_to_device(self, index: int) -> None:
-        """Bring shard `index`'s state back to the device (the auto policy, after measuring)."""
-        self.wait(index)
-        adam, shard = self.adam, self.adam.shards[index]
-        device = shard.model.device
-        shard.main = shard.model if shard.model.dtype == torch.float32 else shard.main.to(device)
-        adam.exp_avg[index] = adam.exp_avg[index].to(device)
-        adam.exp_avg_sq[index] = adam.exp_avg_sq[index].to(device)
-        shard.host_grad = None
-        self.order.remove(index)
-        del self.cpu[index]
+    def keep_on_device(self, indices) -> None:
+        """Bring the state of shards `indices` back to the device (the auto policy, after
+        measuring) and move the rest into a slab of their own size, so that the host holds
+        only what stays offloaded."""
+        self.wait_all()
+        adam = self.adam
+        for index in indices:
+            shard = adam.shards[index]
+            device = shard.model.device
+            shard.main = shard.model if shard.model.dtype == torch.float32 else shard.main.to(device)
+            adam.exp_avg[index] = adam.exp_avg[index].to(device)
+            adam.exp_avg_sq[index] = adam.exp_avg_sq[index].to(device)
+            shard.host_grad = None
+            self.order.remove(index)
+            del self.cpu[index]
+        host = HostMemory(HOST_TENSORS_PER_ELEMENT * sum(adam.shards[i].main.numel() for i in self.order),
+                          adam.host_memory.pin)
+        for index in self.order:
+            shard = adam.shards[index]
+            shard.main, shard.host_grad = host.copy_of(shard.main), host.copy_of(shard.host_grad)
+            adam.exp_avg[index], adam.exp_avg_sq[index] = host.copy_of(adam.exp_avg[index]), host.copy_of(
+                adam.exp_avg_sq[index])
+            self.cpu[index] = self._cpu_adam(index)
+        adam.host_memory = host
+
+
+def _worker_with_threads(threads: int) -> ThreadPoolExecutor:
+    """One worker thread whose intra-op parallelism is `threads`. torch's setting is per thread
+    once a thread has used it, but threads that start later take the last value set; so the
+    worker sets its own and the caller's is set again afterwards (unchanged for the caller,
+    and again the default for threads started later, such as the batch loader's)."""
+    training = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adam", initializer=torch.set_num_threads,
+                              initargs=(threads,))
+    pool.submit(torch.get_num_threads).result()  # the worker exists and has taken its setting
+    torch.set_num_threads(training)
+    return pool

@@ -91,16 +91,12 @@ def auto_keep(order: list[int], numels: list[int], per_element: int, budget_byte
 
 
 def placement_bytes(adam) -> tuple[int, int]:
-    """(device, host) bytes of optimizer state, counted from the tensors that exist: master copies
-    (not fp32 weights that are their own master) and moments; on host also the gradient copy."""
-    device = host = 0
+    """(device, host) bytes of optimizer state: on the device counted from the tensors that exist
+    (master copies, not fp32 weights that are their own master, and moments); on host the slab
+    that holds the offloaded masters, moments and gradient copies (what the process holds)."""
+    device = 0
     for shard, exp_avg, exp_avg_sq in zip(adam.shards, adam.exp_avg, adam.exp_avg_sq):
-        tensors = [exp_avg, exp_avg_sq] + ([] if shard.aliased else [shard.main])
-        if shard.offloaded:
-            tensors.append(shard.host_grad)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if shard.offloaded:
-            host += nbytes
-        else:
-            device += nbytes
-    return device, host
+        if not shard.offloaded:
+            tensors = [exp_avg, exp_avg_sq] + ([] if shard.aliased else [shard.main])
+            device += sum(t.numel() * t.element_size() for t in tensors)
+    return device, adam.host_memory.nbytes if adam.host_memory is not None else 0

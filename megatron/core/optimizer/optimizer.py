@@ -19,7 +19,7 @@ from megatron.core.optimizer.adamw import ShardedAdamW
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.grad_preparation import clip_grads, global_grad_norm, unscale_and_check
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.offload import HostMemory, OffloadedSteps
+from megatron.core.optimizer.offload import HOST_TENSORS_PER_ELEMENT, HostMemory, OffloadedSteps
 from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
 from megatron.core.optimizer.param_sync import ParamSync
 from megatron.core.optimizer.shards import build_shards
@@ -49,18 +49,20 @@ class MixedPrecisionOptimizer:
         buffers = [chunk.buffer for chunk in chunks]
         order, offload = forward_order(buffers), config.offload
         device = buffers[0].param_data.device if buffers else torch.device("cpu")
-        host = HostMemory(pin=device.type == "cuda") if offload.enabled else None
         numels = [bucket.param_shard.numel() for b in buffers for bucket in b.buckets]
         # auto starts with everything on host and brings back what fits after measuring
         fraction = 1.0 if offload.policy == "auto" else offload.fraction
         offloaded = static_offloaded(order, numels, fraction) if offload.enabled else frozenset()
+        host = (HostMemory(HOST_TENSORS_PER_ELEMENT * sum(numels[i] for i in offloaded), pin=device.type == "cuda")
+                if offload.enabled else None)
         self.shards = build_shards(buffers, mesh, host, offloaded)
         sharded = any(b.layout.shards > 1 for b in buffers)
         self.replicas = 1 if sharded else mesh.dp_size * mesh.cp_size
         self.adam = ShardedAdamW(self.shards, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                  eps=config.adam_eps, weight_decay=config.weight_decay, host_memory=host)
         if offload.enabled:
-            self.adam.offload = OffloadedSteps(self.adam, order, device, offload.cpu_threads)
+            buffer_of = [b for b in buffers for _ in b.buckets]  # shard index -> its gradient's buffer
+            self.adam.offload = OffloadedSteps(self.adam, order, device, offload.cpu_threads, buffer_of)
         self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
 

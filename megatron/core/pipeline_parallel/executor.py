@@ -71,13 +71,14 @@ class StepStats:
     (unmasked tokens) and `slots` (all token positions), fp64 tensors on the last
     stage, zero elsewhere. `spans` is the measured timeline of the step (compute,
     posting and waiting), timed with CUDA events on CUDA (host timing would only see
-    the enqueue); time in transfers (posting + waiting) is this rank's pipeline idle time.
+    the enqueue) and read only when asked for, so a step costs no synchronisation;
+    time in transfers (posting + waiting) is this rank's pipeline idle time.
     """
 
     loss_sum: torch.Tensor
     tokens: torch.Tensor
     slots: torch.Tensor
-    spans: list[Span] = field(default_factory=list)
+    timer: "_SpanTimer | None" = None
 
     @classmethod
     def zeros(cls, device) -> "StepStats":
@@ -97,6 +98,10 @@ class StepStats:
         """[loss sum, unmasked tokens, token positions] (fp64), to add up and reduce."""
         return torch.stack([self.loss_sum, self.tokens, self.slots])
 
+    @functools.cached_property
+    def spans(self) -> list[Span]:
+        return self.timer.result() if self.timer is not None else []
+
     def seconds(self, *kinds: str) -> float:
         return sum(span.end - span.start for span in self.spans if span.kind in kinds)
 
@@ -114,21 +119,27 @@ class StepStats:
         return self.wait_seconds / total if total else 0.0
 
 
-def global_token_mean(token_sums: torch.Tensor) -> tuple[float, float]:
+def reduced_token_mean(token_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce [loss sum, tokens, positions] over the world (only last-stage ranks hold
-    non-zero sums; tp ranks' identical copies cancel in the ratios) and return (mean loss over
-    the unmasked tokens, positions / tokens: the factor that turns per-position gradients into
-    gradients of that mean). Nothing unmasked gives loss 0 and factor 1, not NaN."""
+    non-zero sums; tp ranks' identical copies cancel in the ratios) and return, as fp64 tensors
+    on their device (nothing is read by the host), the mean loss over the unmasked tokens and
+    positions / tokens: the factor that turns per-position gradients into gradients of that
+    mean. Nothing unmasked gives loss 0 and factor 1, not NaN."""
     dist.all_reduce(token_sums)
-    loss_sum, tokens, slots = token_sums.tolist()
-    if tokens == 0:
-        return 0.0, 1.0
-    return loss_sum / tokens, slots / tokens
+    loss_sum, tokens, slots = token_sums.unbind()
+    none = tokens == 0
+    return torch.where(none, 0.0, loss_sum / tokens), torch.where(none, 1.0, slots / tokens)
+
+
+def global_token_mean(token_sums: torch.Tensor) -> tuple[float, float]:
+    """`reduced_token_mean`, read by the host."""
+    loss, grad_scale = reduced_token_mean(token_sums)
+    return loss.item(), grad_scale.item()
 
 
 class _SpanTimer:
-    """Records the spans of one step: host clock on CPU, CUDA events on CUDA (read once
-    at the end of the step, so timing adds no synchronisation per span). On CUDA a span
+    """Records the spans of one step: host clock on CPU, CUDA events on CUDA (read when the
+    spans are asked for, so timing adds no synchronisation to the step). On CUDA a span
     is what the device stream saw: a wait is the time the compute stream stalled."""
 
     def __init__(self, device: torch.device):
@@ -153,8 +164,8 @@ class _SpanTimer:
         return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
 
     def result(self) -> list[Span]:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda and self.spans:
+            self.spans[-1][3].synchronize()  # the last event recorded: every earlier one has completed
         return [Span(kind, getattr(action, "microbatch", None), getattr(action, "chunk", None),
                      self._seconds(self.origin, start), self._seconds(self.origin, end))
                 for kind, action, start, end in self.spans]
@@ -207,13 +218,16 @@ class PipelineExecutor:
     def _is_last(self, chunk: int) -> bool:
         return self.rank == self.p - 1 and chunk == self.v - 1
 
-    def run(self, batch, loss_scale: float = 1.0) -> StepStats:
+    def run(self, batch, loss_scale: float = 1.0, zero_grads: bool = False) -> StepStats:
         """One iteration. Each microbatch's backward starts from its masked loss sum times
         loss_scale / (m x token positions): the mean when nothing is masked; the caller
-        rescales the reduced gradients by (positions / unmasked tokens) of the global batch."""
+        rescales the reduced gradients by (positions / unmasked tokens) of the global batch.
+        `zero_grads`: zero each chunk's gradient buffer just before its first backward, so the
+        forwards before it need not wait for what still reads the old gradients."""
         device = next(self.chunks[0].parameters()).device
         stats, timer = StepStats.zeros(device), _SpanTimer(device)
         inputs, outputs, received_grads, input_grads = {}, {}, {}, {}
+        unzeroed = set(range(self.v)) if zero_grads else set()
         transfers = _Transfers()
         for step in self.steps:
             action = step[0]
@@ -228,6 +242,9 @@ class PipelineExecutor:
                 if not self._is_last(action.chunk):
                     self._wait(transfers, ActionKind.RECV_BACKWARD, key, timer)
                 started = timer.start()
+                if action.chunk in unzeroed:
+                    unzeroed.discard(action.chunk)
+                    self.chunks[action.chunk].zero_grad_buffer()
                 self._backward(action, inputs, outputs, received_grads, input_grads)
                 inputs.pop(key, None), outputs.pop(key, None)
                 timer.stop("backward", started, action)
@@ -242,7 +259,7 @@ class PipelineExecutor:
         started = timer.start()
         transfers.wait_all()
         timer.stop("wait", started)
-        stats.spans = timer.result()
+        stats.timer = timer
         return stats
 
     @staticmethod
