@@ -154,10 +154,31 @@ def _key(config: TransformerConfig) -> tuple:
     return dataclasses.astuple(config)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One traced piece of a chunk (the embedding, a unit of layers, the head) on one microbatch."""
+
+    own_bytes: int        # saved storages other than its input and output
+    input_saved: bool
+    output_saved: bool
+    output_bytes: int
+    shared_bytes: int
+    recompute_bytes: int
+
+
+def _without_recompute(config: TransformerConfig) -> TransformerConfig:
+    if config.recompute_granularity is None:
+        return config
+    return dataclasses.replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+
+
 @functools.lru_cache(maxsize=8192)
-def _trace(config_key: tuple, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
+def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) -> _Piece:
+    """kind: "embedding" (token ids in, hidden states out), "layers" (a middle chunk of `n_layers`
+    layers) or "head" (final norm, output layer, the loss accounted as the executor does)."""
     config = TransformerConfig(*config_key)
     b, s = setting.micro_batch_size, config.seq_length // setting.cp
+    pre, post = kind == "embedding", kind == "head"
     with _fake_run(setting.device_type, setting.attention):
         model = _build(config, setting.tp, setting.cp, pre, post, n_layers)
         for p in model.parameters():  # as ModelChunkBuffers: linear layers add weight gradients into it
@@ -171,12 +192,14 @@ def _trace(config_key: tuple, setting: Setting, pre: bool, post: bool, n_layers:
         with recorder.recording():
             if post:
                 labels, loss_mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s)
-                StepStats.zeros("cpu").add_loss(model(x, labels), loss_mask)
+                out = StepStats.zeros("cpu").add_loss(model(x, labels), loss_mask)
             else:
-                model(x)
-        if not pre:  # the received input, which the executor holds until this microbatch's backward
-            recorder.saved.setdefault(_storage(x), x.untyped_storage().nbytes())
-    return Saved(sum(recorder.saved.values()), sum(recorder.shared.values()), recorder.recompute_bytes)
+                out = model(x)
+    saved = dict(recorder.saved)
+    input_saved = not pre and saved.pop(_storage(x), None) is not None  # token ids stay the embedding's own
+    output_saved = saved.pop(_storage(out), None) is not None
+    return _Piece(sum(saved.values()), input_saved, output_saved, out.untyped_storage().nbytes(),
+                  sum(recorder.shared.values()), recorder.recompute_bytes)
 
 
 def _units(config: TransformerConfig, n_layers: int) -> list[tuple[int, bool]]:
@@ -197,20 +220,26 @@ def _unit_config(config: TransformerConfig, layers: int, recomputed: bool) -> Tr
     return config
 
 
+def _residual_bytes(config: TransformerConfig, setting: Setting) -> int:
+    """One microbatch's [s, b, h] hidden states between pipeline stages (a sequence shard under SP)."""
+    rows = config.seq_length // setting.cp // (setting.tp if config.sequence_parallel else 1)
+    return rows * setting.micro_batch_size * config.hidden_size * config.params_dtype.itemsize
+
+
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
-    """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring)."""
-    units = _units(config, n_layers)
-    if not units:
-        return _trace(_key(config), setting, pre, post, 0)
-    first = units[0]
-    base = _trace(_key(_unit_config(config, *first)), setting, pre, post, first[0])
-    total, recompute = base.bytes, base.recompute_bytes
-    for layers, recomputed in units[1:]:
-        key = _key(_unit_config(config, layers, recomputed))
-        one, two = _trace(key, setting, False, False, layers), _trace(key, setting, False, False, 2 * layers)
-        total += two.bytes - one.bytes
-        recompute = max(recompute, two.recompute_bytes)
-    return Saved(total, base.shared_bytes, recompute)
+    """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
+    own tensors, and each storage passed between two pieces once when either keeps it; a received
+    input is kept by the executor in any case."""
+    plain = _key(_without_recompute(config))
+    units = [_trace(_key(_unit_config(config, layers, recomputed)), setting, "layers", layers)
+             for layers, recomputed in _units(config, n_layers)]
+    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + units
+    pieces += [_trace(plain, setting, "head")] if post else []
+    total = 0 if pre else _residual_bytes(config, setting)
+    for before, after in zip(pieces, pieces[1:]):
+        total += before.output_bytes if before.output_saved or after.input_saved else 0
+    total += sum(p.own_bytes for p in pieces)
+    return Saved(total, sum(p.shared_bytes for p in pieces), max(p.recompute_bytes for p in pieces))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -227,5 +256,16 @@ def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: 
                            n_layers: int) -> list[tuple[int, ...]]:
     """This tp rank's parameter shapes of a chunk, in named_parameters() order (the gradient
     buffer's bucket layout depends on it)."""
-    shapes, (start, end) = _parameter_shapes(_key(config), tp, pre, post)
+    shapes, (start, end) = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)
     return list(shapes[:start]) + list(shapes[start:end]) * n_layers + list(shapes[end:])
+
+
+def trace_cache_clear() -> None:
+    """Forget every trace (benchmarks time a cold start)."""
+    _trace.cache_clear()
+    _parameter_shapes.cache_clear()
+
+
+def traces_run() -> int:
+    """Distinct chunk traces run since the last `trace_cache_clear`."""
+    return _trace.cache_info().currsize
