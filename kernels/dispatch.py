@@ -7,9 +7,11 @@
   * 'auto'   runs Triton when it can (triton importable, tensors on CUDA, shape and dtype
     supported by the kernel) and the torch reference otherwise.
 """
+import contextlib
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 try:
     import triton
@@ -39,6 +41,33 @@ HAS_TRITON = triton is not None
 INTERPRETER = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+_estimated_device_type = None  # set by `estimating_for` while the memory estimator traces a run
+
+
+@contextlib.contextmanager
+def estimating_for(device_type):
+    """Within: calls on shape-only tensors choose their path as they would on `device_type`
+    with Triton installed. The memory estimator traces a CUDA run with fake CPU tensors, so
+    that each op saves for backward what it saves on the device the estimate is for."""
+    global _estimated_device_type
+    saved, _estimated_device_type = _estimated_device_type, device_type
+    try:
+        yield
+    finally:
+        _estimated_device_type = saved
+
+
+def device_of(t):
+    """The device a kernel call on `t` dispatches for (see `estimating_for`)."""
+    return torch.device(_estimated_device_type) if _estimated_device_type and is_fake(t) else t.device
+
+
+def shape_only(t) -> bool:
+    """True for fake tensors (shapes and dtypes, no data): kernels allocate their outputs and
+    save for backward as on a real call, but launch nothing."""
+    return is_fake(t)
+
+
 def check_impl(impl):
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -46,7 +75,7 @@ def check_impl(impl):
 
 def _environment_reason(impl, device):
     """Why `impl` cannot run Triton on `device`, or None if it can."""
-    if not HAS_TRITON:
+    if not HAS_TRITON and _estimated_device_type is None:
         return "triton is not installed"
     kind = torch.device(device).type
     if kind == "cuda":

@@ -285,6 +285,8 @@ def _attn_forward(q, k, v, causal, softmax_scale):
     lse = dispatch.empty((batch, n_heads, s_q), torch.float32, q.device)
     opts = _launch_options("fwd", head_dim, q.dtype)
     grid = (_cdiv(s_q, opts["BLOCK_M"]), batch * n_heads)
+    if dispatch.shape_only(q):
+        return out, lse
     _attn_fwd_kernel[grid](q, k, v, out, lse, s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e),
                            CAUSAL=causal, **opts)
     return out, lse
@@ -295,6 +297,8 @@ def _attn_backward(q, k, v, out, lse, dout, dlse, causal, softmax_scale):
     batch, s_q, n_heads, head_dim = q.shape
     s_k, n_kv_heads = k.shape[1], k.shape[2]
     delta = dispatch.empty((batch, n_heads, s_q), torch.float32, q.device)
+    if dispatch.shape_only(q):
+        return tuple(dispatch.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     _bwd_preprocess_kernel[(_cdiv(s_q, _PREPROCESS_BLOCK_M), batch * n_heads)](
         out, dout, dlse, delta, s_q, n_heads, HEAD_DIM=head_dim, BLOCK_M=_PREPROCESS_BLOCK_M,
         HAS_DLSE=dlse is not None, num_warps=_PREPROCESS_WARPS)
@@ -376,7 +380,7 @@ def flash_attention_torch(q, k, v, causal=True, softmax_scale=None):
 def flash_attention(q, k, v, causal=True, softmax_scale=None, impl="auto"):
     """softmax(q k^T * scale) v per head; q [b, s_q, h, d], k/v [b, s_k, h_kv, d] -> [b, s_q, h, d]."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q.device, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if dispatch.use_triton(impl, dispatch.device_of(q), unsupported_reason(q.shape[-1], q.dtype, dispatch.device_of(q))):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))[0]
     return flash_attention_torch(q, k, v, causal, softmax_scale)
 
@@ -400,7 +404,7 @@ def flash_attention_block(q, k, v, causal, softmax_scale=None, impl="auto"):
     fp32). Both outputs are differentiable, so context parallelism can merge blocks with
     `merge_attention_blocks` and backpropagate through the merge."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q.device, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if dispatch.use_triton(impl, dispatch.device_of(q), unsupported_reason(q.shape[-1], q.dtype, dispatch.device_of(q))):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_torch(q, k, v, causal, softmax_scale)
 
@@ -433,7 +437,7 @@ def flash_attention_block_backward(q, k, v, out, lse, dout, causal, softmax_scal
     of the global softmax and delta = rowsum(dout * out) the global one, so the per-block gradients
     of a context-parallel ring add up to the exact gradients without keeping any block's output."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q.device, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if dispatch.use_triton(impl, dispatch.device_of(q), unsupported_reason(q.shape[-1], q.dtype, dispatch.device_of(q))):
         q, k, v, out, lse, dout = (t.contiguous() for t in (q, k, v, out, lse, dout))
         return _attn_backward(q, k, v, out, lse, dout, None, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_backward_torch(q, k, v, out, lse, dout, causal, softmax_scale)

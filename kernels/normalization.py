@@ -112,6 +112,8 @@ def _norm_forward(x, residual, weight, bias, eps, is_rms):
     h = None if residual is None else dispatch.empty(x.shape, residual.dtype, x.device)
     mean = None if is_rms else dispatch.empty((n_rows,), torch.float32, x.device)
     rstd = dispatch.empty((n_rows,), torch.float32, x.device)
+    if dispatch.shape_only(x):
+        return y, h, mean, rstd
     block_n, num_warps = _launch_config(n_cols)
     _norm_fwd_kernel[(n_rows,)](x, residual, weight, bias, y, h, mean, rstd, n_cols, eps, BLOCK_N=block_n,
                                 IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
@@ -128,9 +130,10 @@ def _norm_backward(x, weight, has_bias, dy, dres, mean, rstd, is_rms):
     dw_part = dispatch.empty((n_programs, n_cols), torch.float32, x.device)
     db_part = dispatch.empty((n_programs, n_cols), torch.float32, x.device) if has_bias else None
     block_n, num_warps = _launch_config(n_cols)
-    _norm_bwd_kernel[(n_programs,)](x, weight, dy, dres, dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
-                                    rows_per_program, BLOCK_N=block_n, IS_RMS=is_rms, HAS_DRES=dres is not None,
-                                    HAS_BIAS=has_bias, num_warps=num_warps)
+    if not dispatch.shape_only(x):
+            _norm_bwd_kernel[(n_programs,)](x, weight, dy, dres, dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
+                                        rows_per_program, BLOCK_N=block_n, IS_RMS=is_rms,
+                                        HAS_DRES=dres is not None, HAS_BIAS=has_bias, num_warps=num_warps)
     return dx, dw_part.sum(0), db_part.sum(0) if has_bias else None
 
 
@@ -206,7 +209,7 @@ def _norm(x, weight, bias, eps, impl, residual, is_rms):
         raise ValueError(f"weight/bias must have shape {tuple(x.shape[-1:])}, got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-    if dispatch.use_triton(impl, x.device, unsupported_reason(x.shape[-1], x.dtype)):
+    if dispatch.use_triton(impl, dispatch.device_of(x), unsupported_reason(x.shape[-1], x.dtype)):
         return _NormFn.apply(x, weight, bias, residual, eps, is_rms)
     if is_rms:
         return rms_norm_torch(x, weight, eps, residual)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
-from megatron.core.memory.activations import Dims
+from megatron.core.memory.transients import Dims
 from megatron.core.memory.layout import MemoryLayout
 from megatron.core.memory.transients import split_backward_bytes
 from megatron.core.tensor_parallel import mappings as M

@@ -1,18 +1,18 @@
-"""Saved-activation formulas: closed forms per layer, the paper's Llama form, kernels, recomputation.
+"""Saved activations traced from our modules: closed forms per layer, the paper's Llama form, kernels,
+recomputation, on CUDA (traced as CUDA dispatches) and CPU.
 
 The exact agreement with measured saved tensors is in tests/parallel/test_memory_measured.py;
-these tests pin the formulas themselves.
+these tests pin what the trace finds against closed forms derived by hand from the code.
 """
 import dataclasses
 
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory.activations import ActivationModel, Ledger, recompute_groups
 from megatron.core.memory.inflight import peaks
 from megatron.core.memory.kernels import resolve_kernels
-from megatron.core.memory.parameters import ModelChunk
+from megatron.core.memory.trace import Setting, chunk_saved
+from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
 
 S, B, H, A, G, D, F = 4096, 2, 4096, 32, 8, 128, 14336
@@ -24,13 +24,17 @@ GPT = TransformerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, 
                         params_dtype=torch.bfloat16)
 
 
-def layer_bytes(config, tp=1, device="cuda", **layout):
-    config = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
-    lay = MemoryLayout(tp=tp, micro_batch_size=B, device_type=device, **layout)
-    model = ActivationModel(config, lay, resolve_kernels(config, device))
-    led = Ledger()
-    model.layer(led, 0, "x")
-    return led.total
+def _saved(config, pre=False, post=False, n_layers=1, tp=1, cp=1, device="cuda"):
+    config = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                 context_parallel_size=cp)
+    setting = Setting(tp, cp, B, device, resolve_kernels(config, device).attention)
+    return chunk_saved(config, setting, pre, post, n_layers)
+
+
+def layer_bytes(config, tp=1, device="cuda", cp=1):
+    """What one more layer in a chunk adds: its own saved tensors and its input when it saves that."""
+    two, one = (_saved(config, n_layers=n, tp=tp, cp=cp, device=device).bytes for n in (2, 1))
+    return two - one
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
@@ -104,20 +108,8 @@ def test_kernel_choices_by_device():
         resolve_kernels(GPT, "cuda", attention="sdpa")
 
 
-def test_ledger_counts_a_storage_once():
-    led = Ledger()
-    led.save("qkv", 10)
-    led.save("qkv", 10)
-    led.save("out", 5)
-    assert led.total == 15
-    with pytest.raises(AssertionError):
-        led.save("qkv", 11)
-
-
-def _chunk_bytes(config, **layout):
-    lay = MemoryLayout(micro_batch_size=B, **layout)
-    model = ActivationModel(config, lay, resolve_kernels(config, lay.device_type))
-    return model.chunk(ModelChunk(0, tuple(range(config.num_layers)), False, False))
+def _chunk_bytes(config):
+    return _saved(config, n_layers=config.num_layers)
 
 
 def test_full_recomputation_keeps_group_inputs_only():
@@ -126,7 +118,7 @@ def test_full_recomputation_keeps_group_inputs_only():
                                   recompute_num_layers=2)
     result = _chunk_bytes(uniform)
     assert result.bytes == 2 * residual  # two groups of two layers: their inputs (the first is the chunk input)
-    assert result.recompute_working_bytes == 2 * layer_bytes(LLAMA) - residual  # the second layer's input recomputed
+    assert result.recompute_bytes == 2 * layer_bytes(LLAMA) - residual  # the second layer's input recomputed
     block = dataclasses.replace(uniform, recompute_method="block", recompute_num_layers=1)
     plain = _chunk_bytes(LLAMA).bytes
     assert _chunk_bytes(block).bytes == plain - layer_bytes(LLAMA) + residual
@@ -150,22 +142,21 @@ def test_selective_recomputation_keeps_core_attention_inputs():
 
 def test_recompute_groups_follow_the_block():
     full = dataclasses.replace(LLAMA, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
-    assert recompute_groups(full, 4) == [(0, 3, True), (3, 4, True)]
+    assert layer_groups(full, 4) == [(0, 3, True), (3, 4, True)]
     block = dataclasses.replace(full, recompute_method="block", recompute_num_layers=1)
-    assert recompute_groups(block, 3) == [(0, 1, True), (1, 2, False), (2, 3, False)]
-    assert recompute_groups(LLAMA, 4) == [(0, 4, False)]
+    assert layer_groups(block, 3) == [(0, 1, True), (1, 2, False), (2, 3, False)]
+    assert layer_groups(LLAMA, 4) == [(0, 4, False)]
 
 
 def test_first_and_last_stage_extras():
-    """First stage: token ids; last stage: the fp32 softmax over the local vocabulary dominates."""
-    lay = MemoryLayout(micro_batch_size=B)
-    model = ActivationModel(LLAMA, lay, resolve_kernels(LLAMA, "cuda"))
-    middle = model.chunk(ModelChunk(0, (0,), False, False)).bytes
-    first = model.chunk(ModelChunk(0, (0,), True, False)).bytes
-    last = model.chunk(ModelChunk(0, (0,), False, True)).items
-    assert first - middle == B * S * 8
-    assert last["softmax"] == S * B * 128256 * 4
-    assert last["loss_mask"] == B * S * 4
+    """First stage: token ids. Last stage: the final norm (Triton: its input and fp32 rstd), the output
+    layer's input, the cross entropy's fp32 softmax over the local vocabulary, its targets (int64) and
+    out-of-range mask (bool), and the executor's fp32 loss mask."""
+    middle = _saved(LLAMA).bytes
+    assert _saved(LLAMA, pre=True).bytes - middle == B * S * 8
+    sb, vocab = S * B, 128256
+    final_norm = sb * H * 2 + sb * 4
+    assert _saved(LLAMA, post=True).bytes - middle == final_norm + sb * H * 2 + sb * vocab * 4 + sb * 8 + sb + B * S * 4
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -182,8 +173,7 @@ def test_ring_attention_under_cp(cp):
 def test_positions_buffer_counts_once_per_rank():
     """Learned positions: the embedding saves a view of the model's positions buffer [s] (int64), the
     same storage for every microbatch, so it counts once however many microbatches are in flight."""
-    lay = MemoryLayout(micro_batch_size=B)
-    chunk = ActivationModel(GPT, lay, resolve_kernels(GPT, "cuda")).chunk(ModelChunk(0, (0,), True, False))
-    assert chunk.shared_bytes == 1024 * 8 and "positions" not in chunk.items
+    chunk = _saved(GPT, pre=True)
+    assert chunk.shared_bytes == 1024 * 8
     assert peaks(frozenset({((3,), 0)}), [chunk.bytes], 0, [chunk.shared_bytes]).activations_bytes == (
         3 * chunk.bytes + chunk.shared_bytes)

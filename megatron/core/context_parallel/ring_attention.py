@@ -85,6 +85,15 @@ def _save_for_backward(ctx, acc, q, k, v, group, scale, impl):
     return out
 
 
+def _shape_only_accumulator(q):
+    """What the block loop leaves for shape-only (fake) inputs, which have no values to attend over:
+    an (out, lse) of each query chunk in the accumulator's dtype, so `_save_for_backward` saves what
+    a real forward saves (the memory estimator traces this)."""
+    b, s, h, _ = q.shape
+    return [(q.new_empty((b, s // 2) + tuple(q.shape[2:]), dtype=_accumulator_dtype(q.dtype)),
+             q.new_empty((b, h, s // 2), dtype=torch.float32)) for _ in range(2)]
+
+
 def _backward_inputs(ctx, dout):
     """(q, k, v, out, lse, dout, a zero fp32 dq, cp size, cp rank) for either backward."""
     q, k, v, out, lse = ctx.saved_tensors
@@ -98,6 +107,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, impl):
+        if dispatch.shape_only(q):
+            return _save_for_backward(ctx, _shape_only_accumulator(q), q, k, v, group, scale, impl)
         cp, me = group_size(group), group_rank(group)
         ring = Ring(group) if cp > 1 else None
         kv = torch.stack([k, v])  # one message carries K and V
@@ -144,6 +155,8 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, impl):
+        if dispatch.shape_only(q):
+            return _save_for_backward(ctx, _shape_only_accumulator(q), q, k, v, group, scale, impl)
         cp, me = group_size(group), group_rank(group)
         acc = [None, None]
         for rank, kv in enumerate(_gather_blocks(k, v, group)):

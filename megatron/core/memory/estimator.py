@@ -18,16 +18,18 @@ refuses a layout only when its certain part exceeds device memory
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
-from megatron.core.memory.activations import ActivationModel
 from megatron.core.memory.inflight import rank_in_flight
 from megatron.core.memory.kernels import KernelChoice, resolve_kernels
 from megatron.core.memory.layout import MemoryLayout
 from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import chunk_shapes, rank_chunks, total_parameters
+from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
+from megatron.core.memory.trace import Setting, chunk_saved
 from megatron.core.memory.transients import (
     Allowances,
+    Dims,
     Transients,
     after_backward_temporary,
     cp_attention_bytes,
@@ -142,21 +144,32 @@ class MemoryEstimate:
         }
 
 
-def estimate_rank(config, layout: MemoryLayout, model: ActivationModel, allowances: Allowances,
+def _with_attention(config, attention: str):
+    """The config whose attention backend runs `attention` (an implementation asked for, not the model's own)."""
+    backend = {"triton": "triton", "flash": "torch", "efficient": "torch", "math": "torch"}.get(attention)
+    if backend is None or config.attention_backend == backend or (backend == "triton"
+                                                                   and config.attention_backend == "auto"):
+        return config
+    return dataclasses.replace(config, attention_backend=backend)
+
+
+def estimate_rank(config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances,
                   pp_rank: int) -> RankEstimate:
     chunks = rank_chunks(config, layout, pp_rank)
-    shapes = [s for c in chunks for s in chunk_shapes(config, layout.tp, c)]
+    largest_param = max((numel(s) for c in chunks for s in chunk_shapes(config, layout.tp, c)), default=0)
     buffers = [chunk_buffer(config, layout, c) for c in chunks]
     states = model_states(config, layout, buffers)
-    activations = [model.chunk(c) for c in chunks]
-    dims = model.dims
+    setting = Setting(layout.tp, layout.cp, layout.micro_batch_size, layout.device_type, kernels.attention)
+    traced = _with_attention(config, kernels.attention)
+    activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, len(c.layer_ids)) for c in chunks]
+    dims = Dims.of(config, layout)
     inflight = rank_in_flight(layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes,
                               [a.shared_bytes for a in activations])
     tied = not config.untie_embeddings_and_output_weights
     largest = largest_temporary(
-        dims, config, shapes, has_last=any(c.post_process for c in chunks),
+        dims, config, largest_param, has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
-        recompute_working=max(a.recompute_working_bytes for a in activations))
+        recompute_working=max(a.recompute_bytes for a in activations))
     split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if layout.split_backward else 0
     transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes, split_bytes=split,
                                      cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
@@ -181,8 +194,7 @@ def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",
         raise ValueError(f"the model config is split for cp={config.context_parallel_size} "
                          f"but the layout has cp={layout.cp}")
     kernels = resolve_kernels(config, layout.device_type, attention)
-    model = ActivationModel(config, layout, kernels)
     allowances = allowances or Allowances.default(layout.device_type)
-    ranks = tuple(estimate_rank(config, layout, model, allowances, r) for r in range(layout.pp))
+    ranks = tuple(estimate_rank(config, layout, kernels, allowances, r) for r in range(layout.pp))
     return MemoryEstimate(ranks=ranks, total_parameters=total_parameters(config, layout.tp), kernels=kernels,
                           layout=layout)

@@ -35,11 +35,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.memory.activations import FP32, Dims
-from megatron.core.memory.parameters import Shape, numel
+from megatron.core.memory.kernels import dtype_bytes
+from megatron.core.memory.parameters import padded_vocab
 
+FP32 = 4
 FRAGMENTATION_FRACTION = 0.10
 CUDA_RUNTIME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-microbatch sizes on one rank, for the formulas below."""
+
+    b: int
+    s: int        # sequence on this cp rank (full over tp)
+    s_res: int    # rows of the residual stream: s / tp under sequence parallelism
+    h: int
+    heads: int    # local attention heads
+    groups: int   # local query groups
+    d: int
+    ffn: int      # local ffn width
+    vocab: int    # local padded vocabulary
+    p: int        # weight bytes
+    sp: bool
+    tp: int
+
+    @classmethod
+    def of(cls, config, layout) -> "Dims":
+        tp, s = layout.tp, config.seq_length // layout.cp
+        sp = config.sequence_parallel and tp > 1
+        return cls(b=layout.micro_batch_size, s=s, s_res=s // tp if sp else s, h=config.hidden_size,
+                   heads=config.num_attention_heads // tp, groups=config.num_query_groups // tp,
+                   d=config.kv_channels, ffn=config.ffn_hidden_size // tp, vocab=padded_vocab(config, tp) // tp,
+                   p=dtype_bytes(config.params_dtype), sp=sp, tp=tp)
+
+    @property
+    def residual_bytes(self) -> int:
+        return self.s_res * self.b * self.h * self.p
 
 
 @dataclass(frozen=True)
@@ -102,9 +134,9 @@ def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
     return (1 + cp) * block * dims.p + cp * block * FP32 + dq
 
 
-def largest_temporary(dims: Dims, config, shapes: list[Shape], has_last: bool, tied_in_one_stage: bool,
+def largest_temporary(dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool,
                       recompute_working: int) -> tuple[int, str]:
-    largest_param = max((numel(s) for s in shapes), default=0)
+    """`largest_param`: elements of the rank's largest parameter."""
     candidates = {
         "weight gradient": largest_param * dims.p * (2 if tied_in_one_stage else 1),
         "mlp activation gradients": dims.s * dims.b * dims.ffn * dims.p * (3 if config.swiglu else 2),

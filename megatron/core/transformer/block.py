@@ -8,6 +8,18 @@ from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import Norm
 
 
+def layer_groups(config, n_layers: int, training: bool = True) -> list[tuple[int, int, bool]]:
+    """(start, end, recomputed?) of the groups a block of `n_layers` layers runs, following
+    --recompute-granularity full and --recompute-method (the memory estimator traces one group of each kind)."""
+    if config.recompute_granularity != "full" or not training:
+        return [(0, n_layers, False)]
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(start, min(start + n, n_layers), True) for start in range(0, n_layers, n)]
+    # block: the first n layers of this chunk are recomputed, the rest keep activations
+    return [(i, i + 1, i < n) for i in range(n_layers)]
+
+
 class TransformerBlock(torch.nn.Module):
     """Layers `layer_ids` (global indices, which name the modules: `layers.<global index>`,
     so names agree in every pipeline layout) and, on the last stage, the final norm."""
@@ -27,17 +39,8 @@ class TransformerBlock(torch.nn.Module):
     def _recomputed_groups(self):
         """Yield (layers, recompute?) in order, following --recompute-method."""
         layers = list(self.layers.values())
-        config = self.config
-        if config.recompute_granularity != "full" or not self.training:
-            yield layers, False
-            return
-        n = config.recompute_num_layers
-        if config.recompute_method == "uniform":
-            for start in range(0, len(layers), n):
-                yield layers[start:start + n], True
-        else:  # block: the first n layers of this chunk are recomputed, the rest keep activations
-            for index, layer in enumerate(layers):
-                yield [layer], index < n
+        for start, end, recomputed in layer_groups(self.config, len(layers), self.training):
+            yield layers[start:end], recomputed
 
     def forward(self, x, rotary_angles=None, attention_mask=None):
         for group, recomputed in self._recomputed_groups():

@@ -1,0 +1,271 @@
+"""Saved activations and parameter shapes of a rank's model chunks, traced from our own modules.
+
+Nothing here restates what a layer keeps. A chunk's modules (GPTModel with the rank's tp, cp,
+sequence parallelism, recomputation and kernels) are built at their per-rank size with fake
+tensors (shapes and dtypes, no memory: torch's FakeTensorMode), process groups of the rank's
+sizes that move no data (fake_dist.py), and a forward runs as the pipeline executor runs it:
+token ids into the first stage, a received [s, b, h] input (held by the executor until the
+backward) into the others, the per-token loss through `StepStats.add_loss` on the last. What
+autograd saves is recorded with `saved_tensors_hooks`, one count per storage, parameters
+excluded -- the rule tools/bench/estimator_accuracy.py measures real runs with. A saved storage
+that is a module buffer (the positions of learned position embeddings) is the same for every
+microbatch and is reported apart (`shared_bytes`). A forward is enough: saved tensors are
+packed during the forward only, and backward allocates transients (transients.py).
+
+For a CUDA estimate the trace's fake CPU tensors dispatch as on CUDA: our Triton kernels
+through `kernels.dispatch.estimating_for` (shape-only: outputs allocated and saved, nothing
+launched), torch's device-dependent ops through cuda_ops.py.
+
+Speed: layers of one configuration are identical, so a chunk is never traced whole. Its
+layers run in units (`_units`: one layer, or one recomputed group as TransformerBlock forms
+them); a chunk of n units costs the trace of its first unit with the chunk's embedding and
+head, plus, per later unit, the difference between a middle chunk of two such units and of
+one. That difference is exact: a unit saves its own tensors and possibly its input (the
+previous unit's output), never anything of a unit further away; what all layers share
+(rotary angles, masks) appears once in both traces and cancels. Every trace is cached, so the
+planner traces each distinct (configuration, tp, cp, micro batch, device) once.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kernels.dispatch import estimating_for
+from megatron.core.memory.cuda_ops import CudaOps
+from megatron.core.memory.fake_dist import FakeGroup, fake_collectives
+from megatron.core.models.gpt_model import GPTModel
+from megatron.core.pipeline_parallel.executor import StepStats
+from megatron.core.transformer.block import layer_groups
+from megatron.core.transformer.config import TransformerConfig
+
+LAYER_PREFIX = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a trace depends on besides the model config."""
+
+    tp: int
+    cp: int
+    micro_batch_size: int
+    device_type: str
+    attention: str  # KernelChoice.attention: the SDPA kernel a CUDA run picks
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Bytes one microbatch's forward leaves for backward."""
+
+    bytes: int           # storages of this microbatch (the held chunk input included)
+    shared_bytes: int    # module buffers: one storage for every microbatch of the chunk
+    recompute_bytes: int  # the largest recomputed region, re-materialised in backward
+
+
+class _NoRandomness:
+    """Stands in for the chunk's RNGTracker: dropout draws nothing from fake tensors."""
+
+    @staticmethod
+    def fork(tensor_parallel: bool):
+        return contextlib.nullcontext()
+
+    def get_state(self):
+        return None
+
+    def set_state(self, states) -> None:
+        pass
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Recorder:
+    """Unique storages saved for backward (parameters excluded, buffers apart), and the largest
+    set saved inside a recomputed region (torch.utils.checkpoint, as tensor_parallel.random.recompute
+    calls it: run once more, plainly, to see what its recomputation holds besides its inputs)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = {_storage(p) for p in model.parameters()}
+        self.buffers = {_storage(b) for b in model.buffers()}
+        self.saved: dict[int, int] = {}
+        self.shared: dict[int, int] = {}
+        self.recompute_bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage(t)
+        if key not in self.params:
+            (self.shared if key in self.buffers else self.saved)[key] = t.untyped_storage().nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def recording(self):
+        checkpoint = torch.utils.checkpoint.checkpoint
+
+        def observed(function, *args, **kwargs):
+            skip = self.params | self.buffers | {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+            inner: dict[int, int] = {}
+
+            def pack(t):
+                if _storage(t) not in skip:
+                    inner[_storage(t)] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+                function(*args)
+            self.recompute_bytes = max(self.recompute_bytes, sum(inner.values()))
+            return checkpoint(function, *args, **kwargs)
+
+        torch.utils.checkpoint.checkpoint = observed
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, _identity):
+                yield
+        finally:
+            torch.utils.checkpoint.checkpoint = checkpoint
+
+
+def _identity(t):
+    return t
+
+
+@contextlib.contextmanager
+def _fake_run(device_type: str, attention: str):
+    """Fake tensors, fake groups and, for CUDA, the CUDA kernels' saving behaviour."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(fake_collectives())
+        if device_type == "cuda":
+            stack.enter_context(estimating_for("cuda"))
+            stack.enter_context(CudaOps(attention))
+        yield
+
+
+def _build(config: TransformerConfig, tp: int, cp: int, pre: bool, post: bool, n_layers: int) -> GPTModel:
+    return GPTModel(config, tp_group=FakeGroup(tp), rng_tracker=_NoRandomness(), layer_ids=range(n_layers),
+                    pre_process=pre, post_process=post, cp_group=FakeGroup(cp) if cp > 1 else None, device="cpu")
+
+
+def _key(config: TransformerConfig) -> tuple:
+    return dataclasses.astuple(config)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One traced piece of a chunk (the embedding, a unit of layers, the head) on one microbatch."""
+
+    own_bytes: int        # saved storages other than its input and output
+    input_saved: bool
+    output_saved: bool
+    output_bytes: int
+    shared_bytes: int
+    recompute_bytes: int
+
+
+def _without_recompute(config: TransformerConfig) -> TransformerConfig:
+    if config.recompute_granularity is None:
+        return config
+    return dataclasses.replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+
+
+@functools.lru_cache(maxsize=8192)
+def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) -> _Piece:
+    """kind: "embedding" (token ids in, hidden states out), "layers" (a middle chunk of `n_layers`
+    layers) or "head" (final norm, output layer, the loss accounted as the executor does)."""
+    config = TransformerConfig(*config_key)
+    b, s = setting.micro_batch_size, config.seq_length // setting.cp
+    pre, post = kind == "embedding", kind == "head"
+    with _fake_run(setting.device_type, setting.attention):
+        model = _build(config, setting.tp, setting.cp, pre, post, n_layers)
+        for p in model.parameters():  # as ModelChunkBuffers: linear layers add weight gradients into it
+            p.main_grad = torch.empty(p.shape, dtype=torch.float32)
+        if pre:
+            x = torch.zeros(b, s, dtype=torch.long)
+        else:
+            rows = s // setting.tp if config.sequence_parallel else s
+            x = torch.empty(rows, b, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
+        recorder = _Recorder(model)
+        with recorder.recording():
+            if post:
+                labels, loss_mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s)
+                out = StepStats.zeros("cpu").add_loss(model(x, labels), loss_mask)
+            else:
+                out = model(x)
+    saved = dict(recorder.saved)
+    input_saved = not pre and saved.pop(_storage(x), None) is not None  # token ids stay the embedding's own
+    output_saved = saved.pop(_storage(out), None) is not None
+    return _Piece(sum(saved.values()), input_saved, output_saved, out.untyped_storage().nbytes(),
+                  sum(recorder.shared.values()), recorder.recompute_bytes)
+
+
+def _units(config: TransformerConfig, n_layers: int) -> list[tuple[int, bool]]:
+    """(layers, recomputed?) of a chunk's units: each recomputed group, and each other layer."""
+    units = []
+    for start, end, recomputed in layer_groups(config, n_layers):
+        units += [(end - start, True)] if recomputed else [(1, False)] * (end - start)
+    return units
+
+
+def _unit_config(config: TransformerConfig, layers: int, recomputed: bool) -> TransformerConfig:
+    """A config whose block runs `layers` layers as one unit of this kind."""
+    if recomputed:
+        return dataclasses.replace(config, recompute_method="uniform", recompute_num_layers=layers)
+    if config.recompute_granularity == "full":
+        return dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
+                                   recompute_num_layers=None)
+    return config
+
+
+def _residual_bytes(config: TransformerConfig, setting: Setting) -> int:
+    """One microbatch's [s, b, h] hidden states between pipeline stages (a sequence shard under SP)."""
+    rows = config.seq_length // setting.cp // (setting.tp if config.sequence_parallel else 1)
+    return rows * setting.micro_batch_size * config.hidden_size * config.params_dtype.itemsize
+
+
+def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
+    """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
+    own tensors, and each storage passed between two pieces once when either keeps it; a received
+    input is kept by the executor in any case."""
+    plain = _key(_without_recompute(config))
+    units = [_trace(_key(_unit_config(config, layers, recomputed)), setting, "layers", layers)
+             for layers, recomputed in _units(config, n_layers)]
+    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + units
+    pieces += [_trace(plain, setting, "head")] if post else []
+    total = 0 if pre else _residual_bytes(config, setting)
+    for before, after in zip(pieces, pieces[1:]):
+        total += before.output_bytes if before.output_saved or after.input_saved else 0
+    total += sum(p.own_bytes for p in pieces)
+    return Saved(total, sum(p.shared_bytes for p in pieces), max(p.recompute_bytes for p in pieces))
+
+
+@functools.lru_cache(maxsize=8192)
+def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple, tuple]:
+    """(shapes of a chunk with one layer, in named_parameters() order; the index range of the layer's)."""
+    with _fake_run("cpu", "flash"):
+        model = _build(TransformerConfig(*config_key), tp, 1, pre, post, 1)
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    layer = [i for i, (n, _) in enumerate(named) if n.startswith(LAYER_PREFIX)]
+    return tuple(s for _, s in named), (layer[0], layer[-1] + 1)
+
+
+def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: bool,
+                           n_layers: int) -> list[tuple[int, ...]]:
+    """This tp rank's parameter shapes of a chunk, in named_parameters() order (the gradient
+    buffer's bucket layout depends on it)."""
+    shapes, (start, end) = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)
+    return list(shapes[:start]) + list(shapes[start:end]) * n_layers + list(shapes[end:])
+
+
+def trace_cache_clear() -> None:
+    """Forget every trace (benchmarks time a cold start)."""
+    _trace.cache_clear()
+    _parameter_shapes.cache_clear()
+
+
+def traces_run() -> int:
+    """Distinct chunk traces run since the last `trace_cache_clear`."""
+    return _trace.cache_info().currsize
