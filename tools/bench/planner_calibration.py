@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""The step-time model against published training runs, and the time to plan a 1,000-layout search.
+
+    python tools/bench/planner_calibration.py          # the table; last line: the calibration summary
+    python tools/bench/planner_calibration.py --fit    # re-fit the constants of compute_cost.Calibration
+
+For every run of tools/bench/published_runs.py: the predicted and published TFLOP/s per GPU
+(the metric its source reports: hardware for SC21, model for Megatron-Core), the error, the
+predicted step time and whether the memory estimate fits the layout in the device's memory.
+Rows whose micro batch and virtual stages were not published take the planner's fastest
+layout that fits (the planner picks them as it would for a user).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.core.memory.compute_cost import Calibration  # noqa: E402
+from megatron.core.memory.estimator import estimate_memory  # noqa: E402
+from megatron.core.memory.hardware import DEVICES  # noqa: E402
+from megatron.core.memory.planner import Search, enumerate_layouts, plan  # noqa: E402
+from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
+from megatron.training.memory_check import GIB, layout_from_run, run_config_for_tool  # noqa: E402
+from tools.bench.published_runs import RUNS  # noqa: E402
+
+PROG = "tools/bench/planner_calibration.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    run: object
+    layout: object
+    time: object
+    fits: bool
+    certain_fits: bool
+    total_gib: float
+
+    @property
+    def predicted(self) -> float:
+        t = self.time
+        return t.hardware_tflops_per_gpu if self.run.metric == "hardware" else t.model_tflops_per_gpu
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.run.tflops - 1
+
+
+def projection_for(run, cal: Calibration) -> Projection:
+    return Projection(hw=DEVICES[run.device], cal=cal,
+                      overlap=Overlap(grad_reduce=run.overlap_grad_reduce, param_gather=run.overlap_param_gather),
+                      attention=run.attention)
+
+
+@functools.lru_cache(maxsize=None)
+def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
+    """(config, layout, fits under the planner's margin, fits its certain part, GiB) of the run's own layout, or
+    of every layout the planner would consider for it when the source leaves micro batch and virtual stages open
+    (memory does not depend on the constants, so a fit estimates it once)."""
+    device_bytes = int(DEVICES[run.device].memory_gib * GIB)
+    flags = list(run.flags) + (["--micro-batch-size", "1"] if run.searched else [])
+    config = run_config_for_tool(flags, "gpt", run.num_gpus, PROG)
+    if not run.searched:
+        layouts = [(config.model, dataclasses.replace(layout_from_run(config, "cuda"), grad_dtype_bytes=run.grad_bytes))]
+    else:
+        par = config.parallel
+        search = Search(tps=(par.tp,), cps=(1,), pps=(par.pp,), micro_batch_sizes=(1, 2, 4), recompute=("none",),
+                        distributed_optimizer=(True,), stage_splits=((None, None),), grad_dtype_bytes=run.grad_bytes,
+                        max_virtual_stages=config.model.num_layers)
+        layouts = [(cfg, lay) for cfg, lay, _ in enumerate_layouts(config.model, run.num_gpus,
+                                                                   config.training.global_batch_size, search,
+                                                                   DEVICES[run.device])]
+    out = []
+    for cfg, layout in layouts:
+        estimate = estimate_memory(cfg, layout)
+        out.append((cfg, layout, estimate.fits(device_bytes), not estimate.would_refuse(device_bytes),
+                    estimate.max_total_bytes / GIB))
+    return tuple(out)
+
+
+def evaluate(run, cal: Calibration = Calibration()) -> Outcome:
+    """Predict one published run: its own layout, or the planner's pick (the fastest that fits under
+    the planner's margin) where the source leaves micro batch and virtual stages open."""
+    projection = projection_for(run, cal)
+    options = [c for c in candidates(run) if c[2]] if run.searched else candidates(run)
+    if not options:
+        raise ValueError(f"{run.name}: no layout fits")
+    timed = [(projection(cfg, layout), cfg, layout, fits, certain, gib) for cfg, layout, fits, certain, gib in options]
+    time, _, layout, fits, certain, gib = min(timed, key=lambda t: t[0].total_s)
+    return Outcome(run, layout, time, fits, certain, gib)
+
+
+def evaluate_all(cal: Calibration = Calibration()) -> list[Outcome]:
+    return [evaluate(run, cal) for run in RUNS]
+
+
+def summary(outcomes: list[Outcome]) -> tuple[float, float]:
+    errors = [abs(o.error) for o in outcomes]
+    return sum(errors) / len(errors), max(errors)
+
+
+def fit() -> Calibration:
+    """Grid search of the fitted constants for the smallest mean |error| (ties: smallest max)."""
+    best = None
+    for peak, half, flash in itertools.product((0.70, 0.75, 0.80, 0.85, 0.90), (64, 128, 256, 384, 512),
+                                               (0.35, 0.45, 0.55, 0.65)):
+        cal = Calibration(gemm_peak_fraction=peak, gemm_half_dim=half, flash_fraction=flash)
+        score = summary(evaluate_all(cal))
+        if best is None or score < best[0]:
+            best = (score, cal)
+        print(f"  {peak:.2f} {half:4d} {flash:.2f}: mean {100 * score[0]:.1f}% max {100 * score[1]:.1f}%",
+              flush=True)
+    print(f"best: {best[1]}")
+    return best[1]
+
+
+def _layout_text(lay) -> str:
+    text = f"t{lay.tp} p{lay.pp} d{lay.dp} v{lay.virtual_stages} mbs{lay.micro_batch_size} m{lay.num_microbatches}"
+    return text
+
+
+def print_table(outcomes: list[Outcome]) -> None:
+    print(f"{'run':<14} {'layout':<30} {'metric':<8} {'published':>9} {'predicted':>9} {'error':>7} "
+          f"{'step s':>7} {'bubble':>6} {'mem GiB':>8} {'fits':>4}")
+    for o in outcomes:
+        print(f"{o.run.name:<14} {_layout_text(o.layout):<30} {o.run.metric:<8} {o.run.tflops:9.1f} "
+              f"{o.predicted:9.1f} {100 * o.error:+6.1f}% {o.time.total_s:7.2f} {100 * o.time.bubble_fraction:5.1f}% "
+              f"{o.total_gib:8.1f} {'yes' if o.fits else 'no':>4}")
+
+
+def time_search() -> tuple[int, float]:
+    """Plan a Llama-2-70B-like model on 512 H100s: about a thousand layouts estimated and projected."""
+    config = run_config_for_tool(
+        ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
+         "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096", "--vocab-size", "32000",
+         "--bf16", "--micro-batch-size", "1", "--global-batch-size", "1024"], "llama", 512, PROG)
+    search = Search(micro_batch_sizes=(1, 2), recompute=("none", "full"), distributed_optimizer=(True,),
+                    cps=(1, 2), max_virtual_stages=4)
+    start = time.perf_counter()
+    fitting, rejected, _ = plan(config.model, 512, 1024, int(79.11 * GIB), search=search,
+                                projection=Projection(hw=DEVICES["h100-80gb"]))
+    return len(fitting) + rejected, time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true", help="grid-search the fitted constants first")
+    parser.add_argument("--no-search-timing", action="store_true", help="skip timing the 1,000-layout search")
+    args = parser.parse_args(argv)
+    cal = fit() if args.fit else Calibration()
+    outcomes = evaluate_all(cal)
+    print_table(outcomes)
+    if not args.no_search_timing:
+        count, seconds = time_search()
+        print(f"planning a search of {count} layouts (Llama-2-70B shape, 512 GPUs): {seconds:.1f} s, "
+              f"{1e3 * seconds / count:.1f} ms per layout")
+    mean, worst = summary(outcomes)
+    print(f"calibration: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% over {len(outcomes)} published runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
