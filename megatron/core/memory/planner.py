@@ -131,6 +131,11 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                                             device_type=search.device_type), name
 
 
+def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Projection = Projection()) -> Candidate:
+    """One layout's memory estimate and projected step time, whether it fits or not."""
+    return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
+
+
 def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
          projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
     """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of

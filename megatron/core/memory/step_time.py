@@ -70,8 +70,8 @@ class StepTime:
     tokens: int             # per iteration
     world_size: int
 
-    PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s", "pp_comm_s",
-             "bubble_s", "dp_comm_s", "optimizer_s")
+    PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s",
+             "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s")
 
     @property
     def compute_s(self) -> float:
@@ -185,72 +185,97 @@ def _recomputed(config, forward: PassTime, layers: int) -> PassTime:
     return forward.scaled(recomputed_layers(config, layers))
 
 
-def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Calibration(),
-              overlap: Overlap = Overlap(), attention: str = "auto") -> StepTime:
-    """Project one iteration of `config` (split for layout.tp / cp) trained with `layout` on `hw`.
-    `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
-    tp, cp, pp, dp, v, m = layout.tp, layout.cp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
+def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention: str = "auto") -> RankWork:
+    """One microbatch through the pipeline rank with the most work (its layers, and the output layer
+    on the last rank: uneven first/last stages move that balance)."""
+    tp, cp = layout.tp, layout.cp
     element = dtype_bytes(config.params_dtype)
-    b, s, h = layout.micro_batch_size, config.seq_length, config.hidden_size
-    tokens = b * s // cp
+    tokens = layout.micro_batch_size * config.seq_length // cp
     kernel = resolve_kernels(config, layout.device_type, attention).attention
-    layer_f, layer_b = layer_time(config, kernel, b, cp, tp, hw, cal)
-    vocab = padded_vocab(config, tp)
-    out_f, out_b = output_layer_time(config, vocab, tokens, tp, hw, cal)
+    layer_f, layer_b = layer_time(config, kernel, layout.micro_batch_size, cp, tp, hw, cal)
+    out_f, out_b = output_layer_time(config, padded_vocab(config, tp), tokens, tp, hw, cal)
+    tp_layer = (tp_bytes_per_layer(tokens, config.hidden_size, element, tp)
+                / (group_bandwidth(hw, tp, 1) * cal.comm_efficiency))
+    cp_layer = (cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp)
+                / (group_bandwidth(hw, cp, tp) * cal.comm_efficiency))
+    cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
+    cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
 
-    tp_layer = tp_bytes_per_layer(tokens, h, element, tp) / (group_bandwidth(hw, tp, 1) * cal.comm_efficiency)
-    cp_bw = group_bandwidth(hw, cp, tp) * cal.comm_efficiency
-    cp_layer = cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp) / cp_bw
-    cp_exposed_f = max(0.0, cp_layer - layer_f.attention)
-    cp_exposed_b = max(0.0, 2 * cp_layer - layer_b.attention)
-
-    def rank_work(layers: int, last: bool) -> RankWork:
+    def work(layers: int, last: bool) -> RankWork:
         forward = layer_f.scaled(layers) + (out_f if last else PassTime())
         backward = layer_b.scaled(layers) + (out_b if last else PassTime())
         recompute = _recomputed(config, layer_f, layers)
         again = recomputed_layers(config, layers)
-        tp_f, cp_f = tp_layer * layers, cp_exposed_f * layers
-        tp_b, cp_b = tp_layer * (layers + again), cp_exposed_b * layers + cp_exposed_f * again
-        return RankWork(forward, backward, recompute, tp_f + tp_b, cp_f + cp_b, forward.total + tp_f + cp_f,
-                        backward.total + recompute.total + tp_b + cp_b)
+        tp_fwd, cp_fwd = tp_layer * layers, cp_f * layers
+        tp_bwd, cp_bwd = tp_layer * (layers + again), cp_b * layers + cp_f * again
+        return RankWork(forward, backward, recompute, tp_fwd + tp_bwd, cp_fwd + cp_bwd,
+                        forward.total + tp_fwd + cp_fwd, backward.total + recompute.total + tp_bwd + cp_bwd)
 
-    counts = layer_counts(config.num_layers, pp, layout.first_stage_layers, layout.last_stage_layers)
-    work = max((rank_work(n, r == pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    return max((work(n, r == layout.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+
+
+def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
+    """One pipeline send between neighbouring stages (tp x cp x dp ranks apart)."""
+    if layout.pp == 1:
+        return 0.0
+    tokens = layout.micro_batch_size * config.seq_length // layout.cp
+    volume = p2p_bytes(tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.tp,
+                       config.sequence_parallel)
+    return volume / (group_bandwidth(hw, 2, layout.tp * layout.cp * layout.dp) * cal.comm_efficiency)
+
+
+def rank_parameters(config, layout) -> float:
+    """Parameters of the pipeline rank holding the most (its layers and an embedding or output layer)."""
+    embedding = padded_vocab(config, layout.tp) * config.hidden_size
+    embeddings = 2 if config.untie_embeddings_and_output_weights else 1
+    per_layer = (total_parameters(config, layout.tp) - embeddings * embedding) / config.num_layers
+    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    return (max(counts) * per_layer + embedding) / layout.tp
+
+
+def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
+    d = layout.dp * layout.cp
+    grad, gather = dp_bytes(rank_parameters(config, layout), d, layout.grad_dtype_bytes,
+                            dtype_bytes(config.params_dtype), layout.distributed_optimizer)
+    bandwidth = group_bandwidth(hw, d, layout.tp) * cal.comm_efficiency
+    return grad / bandwidth, gather / bandwidth
+
+
+def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Calibration(),
+              overlap: Overlap = Overlap(), attention: str = "auto") -> StepTime:
+    """Project one iteration of `config` (split for layout.tp / cp) trained with `layout` on `hw`.
+    `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
+    pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
-    transfer = 0.0
-    if pp > 1:
-        transfer = (p2p_bytes(tokens, h, element, tp, config.sequence_parallel)
-                    / (group_bandwidth(hw, 2, tp * cp * dp) * cal.comm_efficiency))
-    makespan = pipeline_seconds(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk, transfer)
+    makespan = pipeline_seconds(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk,
+                                transfer_seconds(config, layout, hw, cal))
     busy = v * m * (f_chunk + b_chunk)
     bubble = bubble_units(pp, v, m, layout.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
     bubble = min(bubble, makespan - busy)
 
-    # data parallelism over dp x cp: the rank with the most parameters (first or last stage)
-    embedding = vocab * h
-    embeddings = 2 if config.untie_embeddings_and_output_weights else 1
-    per_layer = (total_parameters(config, tp) - embeddings * embedding) / config.num_layers
-    params_rank = (max(counts) * per_layer + embedding) / tp
-    d = dp * cp
-    grad_bytes, gather_bytes = dp_bytes(params_rank, d, layout.grad_dtype_bytes, element, layout.distributed_optimizer)
-    dp_bw = group_bandwidth(hw, d, tp) * cal.comm_efficiency
-    grad_s, gather_s = grad_bytes / dp_bw, gather_bytes / dp_bw
-    exposed_grad = max(0.0, grad_s - v * b_chunk) if overlap.grad_reduce else grad_s
-    exposed_gather = max(0.0, gather_s - v * f_chunk) if overlap.param_gather else gather_s
-    shard = params_rank / (d if layout.distributed_optimizer else 1)
+    grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
+    # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
+    # --overlap-param-gather: the next iteration's first forward waits for each bucket's gather
+    exposed_grad = max(0.0, grad_s - work.backward_s) if overlap.grad_reduce else grad_s
+    exposed_gather = max(0.0, gather_s - work.forward_s) if overlap.param_gather else gather_s
+    shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
     optimizer = shard * OPTIMIZER_BYTES_PER_PARAMETER / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
 
-    global_batch = b * dp * m
+    global_batch = layout.micro_batch_size * layout.dp * m
     model = flops_per_iteration(config, global_batch)
-    extra = recompute_forward_flops(config, global_batch * s, config.num_layers)
+    extra = recompute_forward_flops(config, global_batch * config.seq_length, config.num_layers)
+    forward, backward = work.forward, work.backward
     return StepTime(
-        gemm_s=m * (work.forward.gemm + work.backward.gemm),
-        attention_s=m * (work.forward.attention + work.backward.attention),
-        elementwise_s=m * (work.forward.elementwise + work.backward.elementwise),
-        overhead_s=m * (work.forward.overhead + work.backward.overhead) + cal.step_overhead_s, recompute_s=m * work.recompute.total,
-        tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s, pp_comm_s=makespan - busy - bubble, bubble_s=bubble,
-        dp_comm_s=exposed_grad + exposed_gather, optimizer_s=optimizer, dp_comm_total_s=grad_s + gather_s,
-        model_flops=model, hardware_flops=model + extra, tokens=global_batch * s, world_size=layout.world_size)
+        gemm_s=m * (forward.gemm + backward.gemm), attention_s=m * (forward.attention + backward.attention),
+        elementwise_s=m * (forward.elementwise + backward.elementwise),
+        overhead_s=m * (forward.overhead + backward.overhead) + cal.step_overhead_s,
+        recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
+        pp_comm_s=makespan - busy - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
+        optimizer_s=optimizer, dp_comm_total_s=grad_s + gather_s, model_flops=model, hardware_flops=model + extra,
+        tokens=global_batch * config.seq_length, world_size=layout.world_size)
 
 
 @dataclass(frozen=True)
