@@ -154,12 +154,12 @@ def explain(c, hw: Hardware) -> list[str]:
              f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
              f"per GPU, {hw.gpus_per_node} GPUs per node (slowest pipeline rank):"]
     what = {"gemm_s": "GEMMs (forward + backward)", "attention_s": "attention core", "elementwise_s":
-            "norms, activations, dropout, loss (HBM bytes)", "overhead_s": "host launch overhead (per layer, step)",
+            "norms, activations, dropout, loss (HBM bytes)", "overhead_s": "host launch overhead of the layers",
             "recompute_s": "recomputed forward", "tp_comm_s": "tensor-parallel collectives",
             "cp_comm_s": "context-parallel ring (not hidden by attention)", "pp_comm_s":
             "pipeline transfers not hidden", "bubble_s": "pipeline bubble", "dp_comm_s":
             f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
-            "optimizer_s": "optimizer step"}
+            "optimizer_s": "optimizer step", "step_overhead_s": "per-iteration host work (fitted)"}
     for name in t.PARTS:
         seconds = getattr(t, name)
         lines.append(f"  {what[name]:<52} {1e3 * seconds:12.2f} ms {100 * seconds / t.total_s:6.1f}%")

@@ -37,10 +37,10 @@ class Calibration:
     published runs of tools/bench/published_runs.py: the GEMM curve and flash efficiency.
     Taken from public measurements, not fitted: the share of link and HBM bandwidth reached."""
 
-    gemm_peak_fraction: float = 0.85
-    flash_fraction: float = 0.35
+    gemm_peak_fraction: float = 0.80
+    flash_fraction: float = 0.25
     layer_overhead_s: float = 4e-4
-    step_overhead_s: float = 0.1
+    step_overhead_s: float = 0.05
     comm_efficiency: float = 0.80   # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
     hbm_efficiency: float = 0.80    # achieved / spec HBM bandwidth of streaming kernels
 

@@ -31,7 +31,6 @@ from megatron.core.memory.comm_volume import (
 )
 from megatron.core.memory.compute_cost import Calibration, PassTime, layer_time, output_layer_time
 from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.inflight import equivalent_microbatches
 from megatron.core.memory.kernels import dtype_bytes, resolve_kernels
 from megatron.core.memory.parameters import padded_vocab, total_parameters
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
@@ -64,6 +63,7 @@ class StepTime:
     bubble_s: float
     dp_comm_s: float
     optimizer_s: float
+    step_overhead_s: float
     dp_comm_total_s: float  # the data-parallel communication before overlap (not part of the sum)
     model_flops: float      # per iteration, all GPUs: megatron/training/flops.py (no recomputation)
     hardware_flops: float   # the same plus the recomputed forward
@@ -71,7 +71,7 @@ class StepTime:
     world_size: int
 
     PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s",
-             "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s")
+             "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s", "step_overhead_s")
 
     @property
     def compute_s(self) -> float:
@@ -119,31 +119,26 @@ def _two_digits(x: float) -> float:
     return float(f"{x:.2g}")
 
 
-@functools.lru_cache(maxsize=1024)
 def bubble_units(p: int, v: int, m: int, group_size: int | None) -> float:
     """Idle time per rank of our schedule without transfer time, in units of one chunk's forward +
-    backward: the simulated makespan minus the busy time, with forward 1 and backward 2.
-
-    The idle time is proportional to (forward + backward) and stops growing with m beyond a few
-    p microbatches (both checked in tests/unit/test_memory_planner.py), so the simulator runs
-    once per (p, v, m) with `equivalent_microbatches`."""
-    m_sim = equivalent_microbatches(p, m, group_size)
-    timeline = simulate(p, v, m_sim, group_size=group_size, forward_time=1.0, backward_time=2.0)
-    return (timeline.makespan - v * m_sim * 3.0) / 3.0
+    backward: the simulated makespan minus the busy time, with forward 1 and backward 2 (the idle
+    time is proportional to forward + backward: checked in tests/unit/test_memory_planner.py)."""
+    return (_unit_makespan(p, v, m, group_size, 2.0, 0.0) - v * m * 3.0) / 3.0
 
 
 @functools.lru_cache(maxsize=4096)
 def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: float, transfer: float) -> float:
-    """The schedule's makespan with forward 1; past `equivalent_microbatches` it grows linearly with
-    m (the steady state repeats), so two simulations p microbatches apart give the slope."""
+    """The schedule's makespan with forward 1. Past 2p microbatches (same m mod p) it grows by the
+    same amount per p more (the steady state repeats; checked against full simulations in
+    tests/unit/test_memory_planner.py), so two simulations give it for any m."""
     def run(microbatches: int) -> float:
         return simulate(p, v, microbatches, group_size=group_size, forward_time=1.0, backward_time=backward,
                         transfer_time=transfer).makespan
-    m_sim = equivalent_microbatches(p, m, group_size)
-    first = run(m_sim)
-    if m_sim == m:
-        return first
-    return first + (run(m_sim + p) - first) / p * (m - m_sim)
+    base = 2 * p + m % p
+    if group_size is not None or m <= base + p:
+        return run(m)
+    first = run(base)
+    return first + (run(base + p) - first) * (m - base) / p
 
 
 def pipeline_seconds(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
@@ -271,10 +266,10 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
     return StepTime(
         gemm_s=m * (forward.gemm + backward.gemm), attention_s=m * (forward.attention + backward.attention),
         elementwise_s=m * (forward.elementwise + backward.elementwise),
-        overhead_s=m * (forward.overhead + backward.overhead) + cal.step_overhead_s,
+        overhead_s=m * (forward.overhead + backward.overhead),
         recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
         pp_comm_s=makespan - busy - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
-        optimizer_s=optimizer, dp_comm_total_s=grad_s + gather_s, model_flops=model, hardware_flops=model + extra,
+        optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s, model_flops=model, hardware_flops=model + extra,
         tokens=global_batch * config.seq_length, world_size=layout.world_size)
 
 
