@@ -25,9 +25,12 @@ class Hardware:
     memory_gib: float = 79.11
 
     def __post_init__(self):
-        for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "memory_gib"):
+        flags = {"peak_tflops": "--peak-tflops", "hbm_gbps": "--hbm-gbps", "intra_node_gbps": "--intra-node-gbps",
+                 "inter_node_gbps": "--inter-node-gbps", "gpus_per_node": "--gpus-per-node",
+                 "memory_gib": "--device-memory-gb"}
+        for name, flag in flags.items():
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag} must be > 0, got {getattr(self, name)}")
 
 
 DEVICES = {
