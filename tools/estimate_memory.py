@@ -12,8 +12,9 @@ Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
 the offload optimizer's --optimizer-cpu-offload, --optimizer-offload-fraction and
 --offload-policy included; auto is estimated as full offload, its best case) plus --num-gpus
 (the world size) and --device (a GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, whose memory
-is the limit unless --device-memory-gb is given). Prints one row per pipeline rank (weights, grads, optimizer on the device,
-activations, transients, certain, total, host: offloaded optimizer state, % of device), or --json.
+is the limit unless --device-memory-gb is given). Prints one row per pipeline rank (weights,
+grads, optimizer on the device, activations, transients, certain, total, host: offloaded
+optimizer state, % of device), or --json.
 
 Exit status follows the start-up check: 1 when it would refuse the run (the
 certain part of a rank -- weights, grads, optimizer, saved activations --

@@ -21,8 +21,9 @@ predicted_model_tflops_per_gpu, predicted_hardware_tflops_per_gpu and the breakd
 --overlap-grad-reduce / --overlap-param-gather (pretrain flags) decide what of the
 data-parallel communication the projection hides behind computation.
 
-When every layout flag below is restricted to one value, that one layout is evaluated:
-printed with its projection whether it fits or not, and when it does not, why (exit 1).
+When every layout flag below is restricted to one value, that layout is evaluated (with both
+optimizers unless --use-distributed-optimizer): printed with its projection whether it fits or
+not, and when it does not, why (exit 1 when neither fits).
 
 Flags of pretrain_*.py that fix part of the layout restrict the search and may
 list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
@@ -215,10 +216,9 @@ def main(argv: list[str]) -> int:
         projection = Projection(hw=hw, overlap=Overlap(grad_reduce=ddp.overlap_grad_reduce,
                                                        param_gather=ddp.overlap_param_gather))
         batch = run.training.global_batch_size
-        given = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
-        if len(given) == 1:  # every candidate flag restricted to one value: evaluate that layout
-            candidate = evaluate_layout(*given[0], projection)
-            return _print_given(candidate, device_bytes, args, hw)
+        layouts = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
+        if _one_layout(layouts):  # every layout flag restricted to one value: evaluate it (with either optimizer)
+            return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
         fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search,
                                             projection=projection)
         offloaded = [] if fitting else plan_offload(run.model, args.num_gpus, batch, device_bytes, search=search,
@@ -251,18 +251,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _print_given(candidate, device_bytes: int, args, hw: Hardware) -> int:
-    """One layout given by the flags: always printed with its projection, and whether it fits."""
-    fits = candidate.estimate.fits(device_bytes)
-    why = None if fits else _why_not(candidate.estimate, device_bytes)
+def _one_layout(layouts) -> bool:
+    """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
+    replicated one)."""
+    shapes = {dataclasses.replace(lay, distributed_optimizer=False) for _, lay, _ in layouts}
+    return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
+
+
+def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
+    """A layout given by the flags: always printed with its projection, and whether it fits and why not."""
+    whys = [None if c.estimate.fits(device_bytes) else _why_not(c.estimate, device_bytes) for c in candidates]
+    fits = any(why is None for why in whys)
     if args.json:
-        print(json.dumps([_json(candidate, why)], indent=2))
+        print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
     print(HEADER)
-    print(_row(1, candidate, device_bytes))
-    if args.explain:
-        print("\n".join(explain(candidate, hw)))
-    print(f"> fits: {'yes' if fits else 'no, ' + why}")
+    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+        print(_row(rank, candidate, device_bytes))
+    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+        if args.explain:
+            print("\n".join(explain(candidate, hw)))
+        print(f"> layout {rank} fits: {'yes' if why is None else 'no, ' + why}")
     return 0 if fits else 1
 
 

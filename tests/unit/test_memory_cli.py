@@ -322,5 +322,8 @@ def test_a_given_layout_is_printed_even_when_it_does_not_fit(capsys):
     assert code == 1 and row["fits"] is False and "above the planner's 80%" in row["why_not"]
     assert "start-up check refuses it" in row["why_not"] and row["predicted_step_time_s"] > 0
     code, out, _ = run_tool(plan_tool, argv + ["--explain"], capsys)
-    assert code == 1 and "> fits: no, worst rank" in out
+    assert code == 1 and "> layout 1 fits: no, worst rank" in out
     assert "pipeline bubble" in out and "GEMMs (forward + backward)" in out and "MFU" in out
+    code, out, _ = run_tool(plan_tool, argv[:-1] + ["--json"], capsys)  # either optimizer: both printed
+    assert code == 1 and [row["distributed_optimizer"] for row in json.loads(out)] == [False, True]
+    assert not any(row["fits"] for row in json.loads(out))

@@ -7,7 +7,8 @@ import torch
 from megatron.core.memory import MemoryLayout
 from megatron.core.memory import estimate_memory
 from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
-from megatron.core.memory.step_time import Hardware, bubble_units, step_time
+from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.step_time import bubble_units, step_time
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.core.transformer.config import TransformerConfig
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from megatron.core.memory import MemoryLayout
-from megatron.core.memory.comm_volume import cp_bytes_per_layer, dp_bytes, group_bandwidth, p2p_bytes, tp_bytes_per_layer
+from megatron.core.memory.comm_volume import (
+    cp_bytes_per_layer,
+    dp_bytes,
+    group_bandwidth,
+    p2p_bytes,
+    tp_bytes_per_layer,
+)
 from megatron.core.memory.compute_cost import Calibration, gemm_efficiency, layer_time
 from megatron.core.memory.hardware import DEVICES, Hardware
 from megatron.core.memory.planner import Search, enumerate_layouts, stage_splits

@@ -66,7 +66,8 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
     flags = list(run.flags) + (["--micro-batch-size", "1"] if run.searched else [])
     config = run_config_for_tool(flags, "gpt", run.num_gpus, PROG)
     if not run.searched:
-        layouts = [(config.model, dataclasses.replace(layout_from_run(config, "cuda"), grad_dtype_bytes=run.grad_bytes))]
+        layout = dataclasses.replace(layout_from_run(config, "cuda"), grad_dtype_bytes=run.grad_bytes)
+        layouts = [(config.model, layout)]
     else:
         par = config.parallel
         search = Search(tps=(par.tp,), cps=(1,), pps=(par.pp,), micro_batch_sizes=(1, 2, 4), recompute=("none",),

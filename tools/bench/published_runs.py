@@ -15,8 +15,9 @@ its authors published. Two sources:
   H100 80 GB (DGX H100, 8 x NDR InfiniBand per node), bf16, seq 4096, vocab 131,072, dp 48,
   the distributed optimizer with overlapped gradient reduce-scatter and parameter all-gather,
   sequence parallelism, bf16 gradient buffers (Megatron-Core's default without
-  --accumulate-allreduce-grads-in-fp32; ours are always fp32), flash attention (no dropout), GPT layers (GELU MLP of 4 h, untied
-  embeddings: the parameter counts match the table's names). Reported: model TFLOP/s per GPU.
+  --accumulate-allreduce-grads-in-fp32; ours are always fp32), flash attention (no dropout),
+  GPT layers (GELU MLP of 4 h, untied embeddings: the parameter counts match the table's
+  names). Reported: model TFLOP/s per GPU.
   Micro batch and virtual stages are not published: the planner picks them (its fastest
   layout that fits among micro batch 1, 2, 4 and every valid virtual-stage count).
 """

@@ -33,7 +33,8 @@ def p2p_bytes(tokens: int, hidden: int, element_bytes: int, tp: int, sequence_pa
     return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
 
 
-def dp_bytes(parameters: float, ranks: int, grad_bytes: int, param_bytes: int, distributed: bool) -> tuple[float, float]:
+def dp_bytes(parameters: float, ranks: int, grad_bytes: int, param_bytes: int,
+             distributed: bool) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) bytes sent per rank per step over dp x cp `ranks`:
     a reduce-scatter of the gradients and an all-gather of the updated parameters with the
     distributed optimizer; an all-reduce of the gradients (and nothing to gather) without."""

@@ -137,7 +137,8 @@ def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Pr
 
 
 def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-         projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
+         projection: Projection = Projection(),
+         threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
     """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
     valid layouts dropped above it; how many of those the start-up check would still start).
 
@@ -187,7 +188,8 @@ def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: in
 
 
 def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD, top: int = 10) -> list[Candidate]:
+                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD,
+                 top: int = 10) -> list[Candidate]:
     """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
     each at the smallest fraction that fits; least offloaded first (the CPU step it adds hides only
     behind the next forward), then fastest. For when `plan` finds nothing."""

@@ -37,7 +37,8 @@ from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.training.flops import flops_per_iteration
 
-OPTIMIZER_BYTES_PER_PARAMETER = 38  # Adam on fp32 master, m, v: read grad + 3 states, write 3 states + weight, zero grad
+# Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
+OPTIMIZER_BYTES_PER_PARAMETER = 38
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,8 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
         overhead_s=m * (forward.overhead + backward.overhead),
         recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
         pp_comm_s=makespan - busy - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
-        optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s, model_flops=model, hardware_flops=model + extra,
-        tokens=global_batch * config.seq_length, world_size=layout.world_size)
+        optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
+        model_flops=model, hardware_flops=model + extra, tokens=global_batch * config.seq_length, world_size=layout.world_size)
 
 
 @dataclass(frozen=True)
