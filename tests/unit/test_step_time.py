@@ -128,7 +128,8 @@ def test_gemm_efficiency_follows_shape_and_device():
 
 
 def test_sc21_1_7b_never_above_peak():
-    """Every layout the planner enumerates for SC21's first row stays below the A100's peak."""
+    """Every layout the planner enumerates for SC21's first row stays below the A100's peak, and
+    its parts are non-negative and add up to the step."""
     search = Search(cps=(1,), micro_batch_sizes=(1, 4, 16), recompute=("none", "full"),
                     distributed_optimizer=(True,), max_virtual_stages=2)
     projection = Projection(hw=A100)
@@ -136,6 +137,8 @@ def test_sc21_1_7b_never_above_peak():
     for config, layout, _ in enumerate_layouts(GPT_1_7B, 32, 512, search, A100):
         t = projection(config, layout)
         assert 0 < t.model_tflops_per_gpu <= t.hardware_tflops_per_gpu < A100.peak_tflops
+        assert min(t.breakdown().values()) >= 0 and t.total_s == pytest.approx(sum(t.breakdown().values())
+                                                                              - t.dp_comm_total_s)
         seen += 1
     assert seen > 20
 

@@ -142,14 +142,22 @@ def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: flo
     return first + (run(base + p) - first) * (m - base) / p
 
 
+def pipeline_idle(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
+                  transfer: float) -> float:
+    """Idle time per rank of the pipeline schedule with these per-chunk durations: the simulated
+    makespan minus the computation. The simulation runs with backward / forward and transfer /
+    forward rounded to two significant digits, so that planning reuses simulations."""
+    if p == 1:
+        return 0.0
+    ratio_b = _two_digits(backward / forward)
+    ratio_t = _two_digits(transfer / forward) if transfer else 0.0
+    return forward * (_unit_makespan(p, v, m, group_size, ratio_b, ratio_t) - v * m * (1.0 + ratio_b))
+
+
 def pipeline_seconds(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
                      transfer: float) -> float:
-    """Makespan of the pipeline schedule with these per-chunk durations (backward / forward and
-    transfer / forward rounded to two significant digits, so that planning reuses simulations)."""
-    if p == 1:
-        return m * (forward + backward)
-    ratio_t = _two_digits(transfer / forward) if transfer else 0.0
-    return forward * _unit_makespan(p, v, m, group_size, _two_digits(backward / forward), ratio_t)
+    """Makespan of the pipeline schedule with these per-chunk durations."""
+    return v * m * (forward + backward) + pipeline_idle(p, v, m, group_size, forward, backward, transfer)
 
 
 def recompute_forward_flops(config, tokens: int, layers: int) -> float:
@@ -246,11 +254,10 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
     pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
-    makespan = pipeline_seconds(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk,
-                                transfer_seconds(config, layout, hw, cal))
-    busy = v * m * (f_chunk + b_chunk)
+    idle = pipeline_idle(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk,
+                         transfer_seconds(config, layout, hw, cal))
     bubble = bubble_units(pp, v, m, layout.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
-    bubble = min(bubble, makespan - busy)
+    bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
     # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
@@ -269,7 +276,7 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
         elementwise_s=m * (forward.elementwise + backward.elementwise),
         overhead_s=m * (forward.overhead + backward.overhead),
         recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
-        pp_comm_s=makespan - busy - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
+        pp_comm_s=idle - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
         optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
         model_flops=model, hardware_flops=model + extra, tokens=global_batch * config.seq_length, world_size=layout.world_size)
 
