@@ -11,8 +11,10 @@ Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
 --use-distributed-optimizer, --ddp-bucket-size, --decoder-first/last-pipeline-num-layers and
 the offload optimizer's --optimizer-cpu-offload, --optimizer-offload-fraction and
 --offload-policy included; auto is estimated as full offload, its best case) plus --num-gpus
-(the world size). Prints one row per pipeline rank (weights, grads, optimizer on the device,
-activations, transients, certain, total, host: offloaded optimizer state, % of device), or --json.
+(the world size) and --device (a GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, whose memory
+is the limit unless --device-memory-gb is given). Prints one row per pipeline rank (weights,
+grads, optimizer on the device, activations, transients, certain, total, host: offloaded
+optimizer state, % of device), or --json.
 
 Exit status follows the start-up check: 1 when it would refuse the run (the
 certain part of a rank -- weights, grads, optimizer, saved activations --
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device_bytes = device_memory_bytes(device, args.device_memory_gb)
+    device_bytes = device_memory_bytes(device, args.device_memory_gb, args.device)
     if args.json:
         print(json.dumps(estimate.to_dict(device_bytes, DEFAULT_THRESHOLD), indent=2))
     else:

@@ -1,22 +1,35 @@
 #!/usr/bin/env python
 """Rank the parallel layouts of a model that fit in device memory, fastest first.
 
-    python tools/plan_parallelism.py --num-gpus 64 --device-memory-gb 80 --model-family llama \\
+    python tools/plan_parallelism.py --num-gpus 64 --device h100-80gb --model-family llama \\
         --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 \\
         --seq-length 4096 --vocab-size 32000 --global-batch-size 1024 --bf16
 
-Enumerates (tp, cp, pp, virtual stages, dp, micro batch, recomputation, replicated or
-distributed optimizer) for the given GPUs and global batch, drops layouts whose worst-rank memory estimate is
-above 80% of device memory (Fujii et al.'s margin: a recommendation keeps it;
-the start-up check refuses only what certainly cannot fit, and the summary says
-how many dropped layouts it would still start), ranks the rest by
-an analytic step time (megatron/core/memory/step_time.py: compute, tp/cp/dp
-communication, our pipeline schedule's bubble) and prints the top ones.
+Enumerates (tp, cp, pp with even and uneven first/last stages, virtual stages, dp, micro
+batch, recomputation, replicated or distributed optimizer) for the given GPUs and global
+batch, drops layouts whose worst-rank memory estimate is above 80% of device memory
+(Fujii et al.'s margin: a recommendation keeps it; the start-up check refuses only what
+certainly cannot fit, and the summary says how many dropped layouts it would still
+start), ranks the rest by a projected step time (megatron/core/memory/step_time.py,
+calibrated on published runs: docs/planner.md) and prints the top ones with their model
+TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
+default h100-80gb for the step time; its memory unless --device-memory-gb is given);
+--peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps and --gpus-per-node
+override its figures. --explain prints the step-time breakdown of the first layout;
+--json gives per layout predicted_step_time_s, predicted_tokens_per_s,
+predicted_model_tflops_per_gpu, predicted_hardware_tflops_per_gpu and the breakdown.
+--overlap-grad-reduce / --overlap-param-gather (pretrain flags) decide what of the
+data-parallel communication the projection hides behind computation.
+
+When every layout flag below is restricted to one value, that layout is evaluated (with both
+optimizers unless --use-distributed-optimizer): printed with its projection whether it fits or
+not, and when it does not, why (exit 1 when neither fits).
 
 Flags of pretrain_*.py that fix part of the layout restrict the search and may
 list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 --pipeline-model-parallel-size, --num-virtual-stages-per-pipeline-rank,
---micro-batch-size, --recompute-granularity {none,selective,full};
+--micro-batch-size, --recompute-granularity {none,selective,full},
+--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (one value);
 --use-distributed-optimizer plans only the distributed optimizer (default: both).
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
@@ -27,10 +40,12 @@ optimizer state in host memory, each at the smallest --optimizer-offload-fractio
 steps) that fits, least offloaded first, then fastest (the step-time model leaves out the
 CPU step), with the host bytes per rank.
 
-Exit status: 0 when some layout fits (with offload or without), 1 when none does, 2 on invalid input.
+Exit status: 0 when some layout fits (with offload or without), 1 when none does (or the given
+one does not), 2 on invalid input.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,17 +55,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD  # noqa: E402
-from megatron.core.memory.planner import RECOMPUTE, Search, plan, plan_offload  # noqa: E402
-from megatron.core.memory.step_time import Hardware  # noqa: E402
+from megatron.core.memory.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
+from megatron.core.memory.planner import (  # noqa: E402
+    RECOMPUTE,
+    Search,
+    enumerate_layouts,
+    evaluate_layout,
+    plan,
+    plan_offload,
+)
+from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
-from megatron.training.memory_check import GIB, device_memory_bytes, run_config_for_tool, tool_parser  # noqa: E402
+from megatron.training.memory_check import (  # noqa: E402
+    GIB,
+    device_memory_bytes,
+    refusal,
+    run_config_for_tool,
+    tool_parser,
+)
 
 PROG = "tools/plan_parallelism.py"
 
 
 def _parser():
-    parser = tool_parser(PROG, "Rank the parallel layouts that fit in memory")
+    parser = tool_parser(PROG, "Rank the parallel layouts that fit in memory by their projected step time")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the step-time breakdown of the first layout printed")
     parser.add_argument("--tensor-model-parallel-size", type=int, nargs="+", dest="tps")
     parser.add_argument("--context-parallel-size", type=int, nargs="+", dest="cps")
     parser.add_argument("--use-distributed-optimizer", action="store_true",
@@ -61,18 +92,28 @@ def _parser():
     parser.add_argument("--recompute-granularity", nargs="+", choices=sorted(RECOMPUTE), dest="recompute",
                         default=["none", "selective", "full"])
     parser.add_argument("--sequence-parallel", action="store_true", help="accepted; always on with tp > 1")
-    hw = Hardware()
-    for name, help_text in (("peak-tflops", "dense peak TFLOP/s per GPU"), ("matmul-efficiency", "achieved fraction"),
-                            ("intra-node-gbps", "GB/s per GPU inside a node"),
-                            ("inter-node-gbps", "GB/s per GPU across nodes"), ("hbm-gbps", "GB/s of device memory")):
-        attr = name.replace("-", "_")
-        parser.add_argument(f"--{name}", type=float, default=getattr(hw, attr), help=f"{help_text} (step-time model)")
-    parser.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, dest="first_layers",
+                        help="layers of the first pipeline stage (default: try even and uneven splits)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, dest="last_layers",
+                        help="layers of the last pipeline stage (default: try even and uneven splits)")
+    for name, help_text in (("peak-tflops", "dense fp16/bf16 peak TFLOP/s per GPU"),
+                            ("hbm-gbps", "GB/s of device memory"), ("intra-node-gbps", "NVLink GB/s per GPU"),
+                            ("inter-node-gbps", "network GB/s per GPU across nodes")):
+        parser.add_argument(f"--{name}", type=float, help=f"{help_text} (default: the --device preset's)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --device preset's)")
     return parser
 
 
-HEADER = "rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble"
+HEADER = ("rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble  model TF/s  "
+          "stages")
 OFFLOAD_HEADER = HEADER + "  offload  host GiB"
+
+
+def _stages(lay) -> str:
+    """The layers of the first / middle / last pipeline stage when uneven, else '-'."""
+    if lay.first_stage_layers is None and lay.last_stage_layers is None:
+        return "-"
+    return f"{lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}"
 
 
 def _row(rank: int, c, device_bytes: int) -> str:
@@ -80,7 +121,8 @@ def _row(rank: int, c, device_bytes: int) -> str:
     row = (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
            f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
-           f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}%")
+           f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
+           f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}")
     if lay.offload_fraction:
         row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
     return row
@@ -90,14 +132,57 @@ def _max_host_bytes(c) -> int:
     return max(r.host_bytes for r in c.estimate.ranks)
 
 
-def _json(c) -> dict:
-    lay, est = c.layout, c.estimate
+def _json(c, why: str | None = None) -> dict:
+    lay, est, t = c.layout, c.estimate, c.time
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "virtual_stages": lay.virtual_stages, "dp": lay.dp,
             "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
+            "decoder_first_pipeline_num_layers": lay.first_stage_layers,
+            "decoder_last_pipeline_num_layers": lay.last_stage_layers,
             "recompute": c.recompute, "distributed_optimizer": lay.distributed_optimizer,
             "offload_fraction": lay.offload_fraction, "max_host_bytes": _max_host_bytes(c),
             "max_certain_bytes": est.max_certain_bytes, "max_total_bytes": est.max_total_bytes,
-            "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
+            "fits": why is None, "why_not": why,
+            "predicted_step_time_s": t.total_s, "predicted_tokens_per_s": t.tokens_per_s,
+            "predicted_model_tflops_per_gpu": t.model_tflops_per_gpu,
+            "predicted_hardware_tflops_per_gpu": t.hardware_tflops_per_gpu,
+            "breakdown": t.breakdown(), "step_time_s": t.total_s, "bubble_fraction": t.bubble_fraction}
+
+
+def explain(c, hw: Hardware) -> list[str]:
+    """The step-time breakdown of one layout, one line per part."""
+    t = c.time
+    lines = [f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
+             f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
+             f"per GPU, {hw.gpus_per_node} GPUs per node (slowest pipeline rank):"]
+    what = {"gemm_s": "GEMMs (forward + backward)", "attention_s": "attention core", "elementwise_s":
+            "norms, activations, dropout, loss (HBM bytes)", "overhead_s": "host launch overhead of the layers",
+            "recompute_s": "recomputed forward", "tp_comm_s": "tensor-parallel collectives",
+            "cp_comm_s": "context-parallel ring (not hidden by attention)", "pp_comm_s":
+            "pipeline transfers not hidden", "bubble_s": "pipeline bubble", "dp_comm_s":
+            f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
+            "optimizer_s": "optimizer step", "step_overhead_s": "per-iteration host work (fitted)"}
+    for name in t.PARTS:
+        seconds = getattr(t, name)
+        lines.append(f"  {what[name]:<52} {1e3 * seconds:12.2f} ms {100 * seconds / t.total_s:6.1f}%")
+    lines.append(f"  {'total':<52} {1e3 * t.total_s:12.2f} ms: {t.tokens_per_s:,.0f} tokens/s, "
+                 f"{t.model_tflops_per_gpu:.1f} model TFLOP/s per GPU ({t.hardware_tflops_per_gpu:.1f} with "
+                 f"recomputation), MFU {t.model_tflops_per_gpu / hw.peak_tflops:.1%}")
+    return lines
+
+
+def _hardware(args) -> Hardware:
+    base = DEVICES[args.device or DEFAULT_DEVICE]
+    given = {name: getattr(args, name) for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps",
+                                                    "gpus_per_node") if getattr(args, name) is not None}
+    return dataclasses.replace(base, **given)
+
+
+def _why_not(estimate, device_bytes: int) -> str:
+    text = (f"worst rank {estimate.max_total_bytes / GIB:.2f} GiB is {estimate.max_total_bytes / device_bytes:.1%} of "
+            f"{device_bytes / GIB:.2f} GiB, above the planner's {DEFAULT_THRESHOLD:.0%}")
+    if estimate.would_refuse(device_bytes):
+        return text + f"; the start-up check refuses it: {refusal(estimate, device_bytes)}"
+    return text + "; the start-up check would still start it (its certain part fits)"
 
 
 def main(argv: list[str]) -> int:
@@ -112,23 +197,32 @@ def main(argv: list[str]) -> int:
             raise ArgumentError("--global-batch-size is required: the planner keeps it fixed across layouts")
         if args.num_gpus < 1 or args.top < 1 or min(args.mbs) < 1 or min(args.cps or [1]) < 1:
             raise ArgumentError("--num-gpus, --top, --micro-batch-size and --context-parallel-size must be >= 1")
+        if min(n for n in (args.first_layers, args.last_layers, 1) if n is not None) < 1:
+            raise ArgumentError("--decoder-first/last-pipeline-num-layers must be >= 1")
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)
+        hw = _hardware(args)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device_bytes = device_memory_bytes(device, args.device_memory_gb)
+        device_bytes = device_memory_bytes(device, args.device_memory_gb, args.device)
         if device_bytes is None:
-            raise ArgumentError("no device memory known: pass --device-memory-gb")
+            raise ArgumentError("no device memory known: pass --device or --device-memory-gb")
+        uneven = args.first_layers is not None or args.last_layers is not None
         search = Search(tps=tuple(args.tps) if args.tps else None, cps=tuple(args.cps) if args.cps else None,
                         pps=tuple(args.pps) if args.pps else None, micro_batch_sizes=tuple(args.mbs),
                         recompute=tuple(args.recompute),
                         distributed_optimizer=(True,) if args.use_distributed_optimizer else (False, True),
-                        device_type=args.device_type, virtual_stages=tuple(args.vpps) if args.vpps else None)
-        hw = Hardware(peak_tflops=args.peak_tflops, matmul_efficiency=args.matmul_efficiency,
-                      intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                      hbm_gbps=args.hbm_gbps, gpus_per_node=args.gpus_per_node)
+                        device_type=args.device_type, virtual_stages=tuple(args.vpps) if args.vpps else None,
+                        stage_splits=((args.first_layers, args.last_layers),) if uneven else None)
+        ddp = run.parallel.ddp
+        projection = Projection(hw=hw, overlap=Overlap(grad_reduce=ddp.overlap_grad_reduce,
+                                                       param_gather=ddp.overlap_param_gather))
         batch = run.training.global_batch_size
-        fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search, hw=hw)
+        layouts = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
+        if _one_layout(layouts):  # every layout flag restricted to one value: evaluate it (with either optimizer)
+            return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
+        fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search,
+                                            projection=projection)
         offloaded = [] if fitting else plan_offload(run.model, args.num_gpus, batch, device_bytes, search=search,
-                                                    hw=hw, top=args.top)
+                                                    projection=projection, top=args.top)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -150,9 +244,35 @@ def main(argv: list[str]) -> int:
     print(OFFLOAD_HEADER if offloaded else HEADER)
     for rank, candidate in enumerate(shown, start=1):
         print(_row(rank, candidate, device_bytes))
-    print("> step times are an analytic model for ranking (see megatron/core/memory/step_time.py), not predictions"
-          + ("; they leave out the CPU step of the offloaded state" if offloaded else ""))
+    if args.explain:
+        print("\n".join(explain(shown[0], hw)))
+    print("> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what it "
+          "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded else ""))
     return 0
+
+
+def _one_layout(layouts) -> bool:
+    """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
+    replicated one)."""
+    shapes = {dataclasses.replace(lay, distributed_optimizer=False) for _, lay, _ in layouts}
+    return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
+
+
+def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
+    """A layout given by the flags: always printed with its projection, and whether it fits and why not."""
+    whys = [None if c.estimate.fits(device_bytes) else _why_not(c.estimate, device_bytes) for c in candidates]
+    fits = any(why is None for why in whys)
+    if args.json:
+        print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
+        return 0 if fits else 1
+    print(HEADER)
+    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+        print(_row(rank, candidate, device_bytes))
+    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+        if args.explain:
+            print("\n".join(explain(candidate, hw)))
+        print(f"> layout {rank} fits: {'yes' if why is None else 'no, ' + why}")
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.core.memory.hardware import DEVICES
 from megatron.core.memory.layout import MemoryLayout
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentError, parse_run_config
 
@@ -44,10 +45,13 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         split_backward=par.split_backward)
 
 
-def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:
-    """`--device-memory-gb` (GiB, 2**30 bytes), else the CUDA device's total memory, else None (no limit known)."""
+def device_memory_bytes(device: torch.device, device_memory_gb: float | None, preset: str | None = None) -> int | None:
+    """`--device-memory-gb` (GiB, 2**30 bytes), else the `--device` preset's, else the CUDA device's total
+    memory, else None (no limit known)."""
     if device_memory_gb is not None:
         return int(device_memory_gb * GIB)
+    if preset is not None:
+        return int(DEVICES[preset].memory_gib * GIB)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return None
@@ -153,7 +157,11 @@ def tool_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--num-gpus", type=int, required=True, help="world size (all GPUs of the job)")
     parser.add_argument("--model-family", choices=sorted(FAMILIES), default="gpt",
                         help="defaults of pretrain_gpt.py or pretrain_llama.py")
-    parser.add_argument("--device-memory-gb", type=float, help="device memory in GiB (default: this CUDA device's)")
+    parser.add_argument("--device", choices=sorted(DEVICES),
+                        help="a GPU preset (megatron/core/memory/hardware.py): its memory, and for the planner its "
+                             "FLOP/s and bandwidths; each overridden by the flags that name it")
+    parser.add_argument("--device-memory-gb", type=float,
+                        help="device memory in GiB (default: the --device preset's, else this CUDA device's)")
     parser.add_argument("--device-type", choices=["cuda", "cpu"], default="cuda",
                         help="device the run will use: decides the attention/norm/dropout kernels (default cuda)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

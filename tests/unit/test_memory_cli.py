@@ -191,7 +191,7 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     assert "0 fit" in out
     assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.70" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert [(row[8], row[14]) for row in rows] == [("full", "0.70"), ("none", "0.97")]
+    assert [(row[8], row[16]) for row in rows] == [("full", "0.70"), ("none", "0.97")]
     assert "offload  host GiB" in out and "leave out the CPU step" in out
     code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
     data = json.loads(out)
@@ -279,3 +279,51 @@ def test_json_shows_host_bytes(capsys):
     assert code == 0 and data["would_refuse"] is False and data["layout"]["offload_fraction"] == 1.0
     assert data["ranks"][0]["host_bytes"] == 16 * data["ranks"][0]["parameters"]
     assert data["ranks"][0]["optimizer_bytes"] == 0
+
+
+ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--pipeline-model-parallel-size",
+              "1", "--micro-batch-size", "1", "--recompute-granularity", "none", "--use-distributed-optimizer"]
+PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s", "predicted_model_tflops_per_gpu",
+             "predicted_hardware_tflops_per_gpu")
+
+
+def test_device_presets_set_memory_and_speed(capsys):
+    """--device gives the memory limit (unless --device-memory-gb) and the planner's figures (unless
+    --peak-tflops and the bandwidth flags); H200's HBM makes the same layout faster than H100's."""
+    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device", "a100-40gb", "--json"] + TINY, capsys)
+    assert code == 0 and json.loads(out)["device_memory_bytes"] == int(39.39 * GIB)
+    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device", "a100-40gb", "--device-memory-gb", "2",
+                                            "--json"] + TINY, capsys)
+    assert json.loads(out)["device_memory_bytes"] == 2 * GIB
+    base = ["--num-gpus", "8", "--json"] + LLAMA_7B[:-4] + ["--global-batch-size", "64"] + ONE_LAYOUT[:-3] + [
+        "--recompute-granularity", "full", "--use-distributed-optimizer"]
+    rows = {}
+    for name, extra in (("h100", ["--device", "h100-80gb"]), ("h200", ["--device", "h200"]),
+                        ("slow", ["--device", "h100-80gb", "--peak-tflops", "500"])):
+        code, out, err = run_tool(plan_tool, base + extra, capsys)
+        assert code == 0, err
+        (rows[name],) = json.loads(out)
+        assert all(rows[name][key] > 0 for key in PREDICTED) and rows[name]["fits"] is True
+    assert rows["h200"]["predicted_step_time_s"] < rows["h100"]["predicted_step_time_s"]
+    assert rows["slow"]["predicted_step_time_s"] > rows["h100"]["predicted_step_time_s"]
+    assert rows["h100"]["predicted_hardware_tflops_per_gpu"] > rows["h100"]["predicted_model_tflops_per_gpu"]
+    assert sum(rows["h100"]["breakdown"][k] for k in rows["h100"]["breakdown"] if k != "dp_comm_total_s") == \
+        pytest.approx(rows["h100"]["predicted_step_time_s"])
+    code, _, err = run_tool(plan_tool, base + ["--device", "b300"], capsys)
+    assert code == 2 and "--device" in err and "h100-80gb" in err and len(err.splitlines()) == 1
+
+
+def test_a_given_layout_is_printed_even_when_it_does_not_fit(capsys):
+    """Llama-2-7B on one 16 GiB device, every layout flag fixed: the layout comes with its projection,
+    marked as not fitting and why (exit 1); --explain adds the breakdown."""
+    argv = ["--num-gpus", "1", "--device-memory-gb", "16"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"] + ONE_LAYOUT
+    code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
+    (row,) = json.loads(out)
+    assert code == 1 and row["fits"] is False and "above the planner's 80%" in row["why_not"]
+    assert "start-up check refuses it" in row["why_not"] and row["predicted_step_time_s"] > 0
+    code, out, _ = run_tool(plan_tool, argv + ["--explain"], capsys)
+    assert code == 1 and "> layout 1 fits: no, worst rank" in out
+    assert "pipeline bubble" in out and "GEMMs (forward + backward)" in out and "MFU" in out
+    code, out, _ = run_tool(plan_tool, argv[:-1] + ["--json"], capsys)  # either optimizer: both printed
+    assert code == 1 and [row["distributed_optimizer"] for row in json.loads(out)] == [False, True]
+    assert not any(row["fits"] for row in json.loads(out))

@@ -7,7 +7,8 @@ import torch
 from megatron.core.memory import MemoryLayout
 from megatron.core.memory import estimate_memory
 from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
-from megatron.core.memory.step_time import Hardware, bubble_units, step_time
+from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.step_time import bubble_units, step_time
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.core.transformer.config import TransformerConfig
 
@@ -34,7 +35,7 @@ def test_step_time_components():
     assert (one.tp_comm_s, one.dp_comm_s, one.bubble_s) == (0.0, 0.0, 0.0)
     tp = step_time(dataclasses.replace(MODEL, tensor_model_parallel_size=2, sequence_parallel=True),
                    MemoryLayout(tp=2, num_microbatches=8))
-    assert tp.tp_comm_s > 0 and tp.compute_s == pytest.approx(one.compute_s / 2)
+    assert tp.tp_comm_s > 0 and one.compute_s / 2 < tp.compute_s < one.compute_s  # smaller GEMMs, same launches
     pp = step_time(MODEL, MemoryLayout(pp=4, num_microbatches=8))
     vpp = step_time(MODEL, MemoryLayout(pp=4, virtual_stages=2, num_microbatches=8))
     assert vpp.bubble_s == pytest.approx(pp.bubble_s / 2, rel=0.05)  # p2p time is per chunk, not halved
@@ -42,7 +43,7 @@ def test_step_time_components():
                                          recompute_num_layers=1), MemoryLayout(num_microbatches=8))
     assert full.compute_s > one.compute_s
     dp = step_time(MODEL, MemoryLayout(dp=8, num_microbatches=1))
-    assert dp.dp_comm_s > 0
+    assert dp.dp_comm_total_s > 0 and dp.dp_comm_s == 0  # hidden behind the backward (--overlap-grad-reduce)
 
 
 def test_enumeration_is_valid_and_complete():

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
 from megatron.core.memory.layout import MemoryLayout
 from megatron.core.memory.offload import fraction_that_fits
-from megatron.core.memory.step_time import Hardware, StepTime, step_time
+from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.step_time import Projection, StepTime
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
 
 RECOMPUTE = {
@@ -50,6 +52,8 @@ class Search:
     max_virtual_stages: int = 8
     distributed_optimizer: tuple[bool, ...] = (False, True)
     device_type: str = "cuda"
+    stage_splits: tuple[tuple[int | None, int | None], ...] | None = None  # (first, last) stage layers
+    grad_dtype_bytes: int = 4  # our trainer's fp32 gradient buffers; 2 describes a run with bf16 ones
 
 
 def _divisors(n: int) -> list[int]:
@@ -65,24 +69,50 @@ def _valid_schedule(pp: int, v: int, m: int) -> bool:
     return True
 
 
+def stage_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None]]:
+    """(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers) to try for pp stages:
+    (None, None) for the even split when pp divides the layers; and splits whose first and last
+    stages hold fewer layers than the r of every other stage, for r around L / pp (Llama 3's 126
+    layers on 16 stages: 7 on the first and the last, 8 on the others), which also lightens the
+    stages holding the embedding and the output layer."""
+    if pp == 1:
+        return [(None, None)]
+    splits = [(None, None)] if num_layers % pp == 0 else []
+    for middle in sorted({num_layers // pp, -(-num_layers // pp), -(-num_layers // pp) + 1}):
+        ends = num_layers - middle * (pp - 2)
+        first, last = ends // 2, ends - ends // 2
+        for pair in {(first, last), (last, first)}:
+            uneven = len({*pair, middle} if pp > 2 else set(pair)) > 1
+            if uneven and middle >= 1 and 1 <= min(pair) and max(pair) <= middle:
+                splits.append(pair)
+    return sorted(set(splits), key=lambda pair: (pair[0] is not None, pair))
+
+
 def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
-    """(tp, cp, pp, v, dp) that divide the GPUs and the layers; tp stays inside a node."""
+    """(tp, cp, pp, v, dp, (first, last)) that divide the GPUs and the layers; tp stays inside a node."""
     for tp in search.tps or [t for t in _divisors(num_gpus) if t <= hw.gpus_per_node]:
         for cp in search.cps or _divisors(num_gpus):
             if num_gpus % (tp * cp):
                 continue
             for pp in search.pps or _divisors(num_gpus // (tp * cp)):
-                if num_gpus % (tp * cp * pp) or config.num_layers % pp:
+                if num_gpus % (tp * cp * pp):
                     continue
-                virtuals = [1] if pp == 1 else _divisors(config.num_layers // pp)
-                for v in virtuals:
-                    if v <= search.max_virtual_stages and (search.virtual_stages is None or v in search.virtual_stages):
-                        yield tp, cp, pp, v, num_gpus // (tp * cp * pp)
+                splits = stage_splits(config.num_layers, pp) if search.stage_splits is None else search.stage_splits
+                for first, last in splits:
+                    try:
+                        counts = layer_counts(config.num_layers, pp, first, last)
+                    except ValueError:
+                        continue
+                    virtuals = [1] if pp == 1 else _divisors(math.gcd(*counts))
+                    for v in virtuals:
+                        if v <= search.max_virtual_stages and (search.virtual_stages is None
+                                                               or v in search.virtual_stages):
+                            yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
 
 
 def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Search, hw: Hardware):
     """Yield (config, layout, recompute name) for every valid layout."""
-    for tp, cp, pp, v, dp in _mesh_shapes(config, num_gpus, search, hw):
+    for tp, cp, pp, v, dp, (first, last) in _mesh_shapes(config, num_gpus, search, hw):
         for mbs in search.micro_batch_sizes:
             m = global_batch_size // (mbs * dp)
             if global_batch_size % (mbs * dp) or (v > 1 and not _valid_schedule(pp, v, m)):
@@ -96,24 +126,32 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 for sharded in search.distributed_optimizer:
                     yield cfg, MemoryLayout(tp=tp, cp=cp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
                                             num_microbatches=m, distributed_optimizer=sharded,
+                                            first_stage_layers=first, last_stage_layers=last,
+                                            grad_dtype_bytes=search.grad_dtype_bytes,
                                             device_type=search.device_type), name
 
 
+def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Projection = Projection()) -> Candidate:
+    """One layout's memory estimate and projected step time, whether it fits or not."""
+    return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
+
+
 def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-         hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
+         projection: Projection = Projection(),
+         threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
     """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
     valid layouts dropped above it; how many of those the start-up check would still start).
 
     The planner recommends, so it keeps the paper's margin on the full estimate; the
     start-up check refuses only on the certain part (MemoryEstimate.would_refuse)."""
     fitting, rejected, startable = [], 0, 0
-    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, hw):
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         estimate = estimate_memory(cfg, layout)
         if not estimate.fits(device_bytes, threshold):
             rejected += 1
             startable += not estimate.would_refuse(device_bytes)
             continue
-        fitting.append(Candidate(cfg, layout, name, estimate, step_time(cfg, layout, hw)))
+        fitting.append(Candidate(cfg, layout, name, estimate, projection(cfg, layout)))
     fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return fitting, rejected, startable
 
@@ -150,16 +188,17 @@ def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: in
 
 
 def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-                 hw: Hardware = Hardware(), threshold: float = DEFAULT_THRESHOLD, top: int = 10) -> list[Candidate]:
+                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD,
+                 top: int = 10) -> list[Candidate]:
     """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
     each at the smallest fraction that fits; least offloaded first (the CPU step it adds hides only
     behind the next forward), then fastest. For when `plan` finds nothing."""
     search = dataclasses.replace(search, distributed_optimizer=(True,))
     needed = []
-    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, hw):
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         need = offload_needed(estimate_memory(cfg, layout), device_bytes, threshold)
         if need:  # None: not even full offload fits; 0: fits without
-            needed.append((need, step_time(cfg, layout, hw), cfg, layout, name))
+            needed.append((need, projection(cfg, layout), cfg, layout, name))
     needed.sort(key=lambda n: (n[0], n[1].total_s))
     proposals = []
     for need, time, cfg, layout, name in needed:

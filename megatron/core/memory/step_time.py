@@ -1,133 +1,296 @@
-"""An analytic iteration-time model, used only to *rank* layouts that fit in memory.
+"""A performance projection of one training iteration: seconds, tokens/s and TFLOP/s per GPU.
 
-Per microbatch and model chunk: model FLOPs (as megatron/training/flops.py counts
-them: forward 2 FLOPs per multiply-accumulate, backward twice the forward, plus
-the recomputed forward) at `peak_tflops x matmul_efficiency`, divided by tp x cp;
-tensor-parallel collectives (4 all-reduce equivalents of [s, b, h] per layer,
-forward + backward; an all-reduce moves 2 (t-1)/t of its bytes), the context-
-parallel k/v ring ((c-1)/c of the full k and v, forward; twice that, backward) and
-the p2p send, none of them overlapped with compute. The pipeline is our own
-schedule run by the simulator (megatron/core/pipeline_parallel/simulate.py) with
-those chunk times, so the bubble is the schedule's, not (p-1)/(v m). Then the
-data-parallel gradient all-reduce (not overlapped: pessimistic) and the optimizer
-step (memory-bound). Bandwidths are per GPU; a group stays on NVLink while it
-fits in a node (tp fastest, then cp, dp, pp, as the mesh orders ranks).
+Per microbatch and model chunk, on the pipeline rank with the most work (layers, plus the
+output layer on the last rank), the forward F and backward B are the sum of:
+computation (megatron/core/memory/compute_cost.py: GEMMs by shape, attention, elementwise
+by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
+(comm_volume.py volumes at the tp group's bandwidth; not overlapped) and the context-
+parallel ring (overlapped with the attention it feeds: only what exceeds it counts).
+The pipeline is our own schedule run by the simulator with F, B and the p2p transfer
+time T: its makespan holds the bubble and the transfers the schedule does not hide
+(1F1B exposes two per microbatch; interleaving sends v times as many, mostly hidden).
+Then the data-parallel gradient reduction (and the distributed optimizer's parameter
+all-gather): with --overlap-grad-reduce it runs during the last microbatch's backward,
+so only what exceeds that backward counts; the parameter all-gather likewise behind the
+first forward with --overlap-param-gather. Last the optimizer step, memory-bound.
 
-The constants in `Hardware` are assumptions for ranking (defaults: H100 SXM,
-8 per node, 200 Gb/s InfiniBand per GPU), not measurements.
+Bandwidths are per GPU (hardware.py); a group stays on NVLink while it fits in a node.
+The constants are in compute_cost.Calibration, fitted on published runs (docs/planner.md).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from megatron.core.memory.inflight import equivalent_microbatches
-from megatron.core.memory.kernels import dtype_bytes
+from megatron.core.memory.comm_volume import (
+    cp_bytes_per_layer,
+    dp_bytes,
+    group_bandwidth,
+    p2p_bytes,
+    tp_bytes_per_layer,
+)
+from megatron.core.memory.compute_cost import Calibration, PassTime, layer_time, output_layer_time
+from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.kernels import dtype_bytes, resolve_kernels
 from megatron.core.memory.parameters import padded_vocab, total_parameters
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.training.flops import flops_per_iteration
+
+# Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
+OPTIMIZER_BYTES_PER_PARAMETER = 38
 
 
 @dataclass(frozen=True)
-class Hardware:
-    peak_tflops: float = 989.0
-    matmul_efficiency: float = 0.5
-    intra_node_gbps: float = 300.0
-    inter_node_gbps: float = 25.0
-    hbm_gbps: float = 2500.0
-    gpus_per_node: int = 8
+class Overlap:
+    """Which data-parallel communication runs behind computation (the trainer's flags)."""
+
+    grad_reduce: bool = True    # --overlap-grad-reduce (default on)
+    param_gather: bool = False  # --overlap-param-gather (distributed optimizer only)
 
 
 @dataclass(frozen=True)
 class StepTime:
-    compute_s: float
+    """One iteration's seconds on the slowest rank, by cause (they add up to `total_s`), and its FLOPs."""
+
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    overhead_s: float
+    recompute_s: float
     tp_comm_s: float
     cp_comm_s: float
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
     optimizer_s: float
+    step_overhead_s: float
+    dp_comm_total_s: float  # the data-parallel communication before overlap (not part of the sum)
+    model_flops: float      # per iteration, all GPUs: megatron/training/flops.py (no recomputation)
+    hardware_flops: float   # the same plus the recomputed forward
+    tokens: int             # per iteration
+    world_size: int
+
+    PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s",
+             "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s", "step_overhead_s")
+
+    @property
+    def compute_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.overhead_s + self.recompute_s
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.bubble_s
-                + self.dp_comm_s + self.optimizer_s)
+        return sum(getattr(self, name) for name in self.PARTS)
 
     @property
     def bubble_fraction(self) -> float:
-        busy = self.compute_s + self.tp_comm_s + self.cp_comm_s + self.pp_comm_s
+        busy = self.compute_s + self.tp_comm_s + self.cp_comm_s
         return self.bubble_s / busy if busy else 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
 
-@functools.lru_cache(maxsize=1024)
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.total_s / self.world_size / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.total_s / self.world_size / 1e12
+
+    def breakdown(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name.endswith("_s")}
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One microbatch through all of a pipeline rank's layers (and its output layer on the last rank)."""
+
+    forward: PassTime
+    backward: PassTime
+    recompute: PassTime
+    tp_s: float
+    cp_s: float
+    forward_s: float   # the forward with its communication
+    backward_s: float  # the backward, recomputation and their communication
+
+
+def _two_digits(x: float) -> float:
+    return float(f"{x:.2g}")
+
+
 def bubble_units(p: int, v: int, m: int, group_size: int | None) -> float:
-    """Idle time per rank of our schedule, in units of one chunk's forward + backward time:
-    the simulated makespan minus the busy time, with forward 1 and backward 2.
-
-    For these schedules the idle time is proportional to (forward + backward) and
-    stops growing with m beyond a few p microbatches (both checked in
-    tests/unit/test_memory_planner.py), so the simulator runs once per (p, v, m)
-    with `equivalent_microbatches` (min(m, 4p + m mod p)), which keeps planning fast.
-    """
-    m_sim = equivalent_microbatches(p, m, group_size)
-    timeline = simulate(p, v, m_sim, group_size=group_size, forward_time=1.0, backward_time=2.0)
-    return (timeline.makespan - v * m_sim * 3.0) / 3.0
+    """Idle time per rank of our schedule without transfer time, in units of one chunk's forward +
+    backward: the simulated makespan minus the busy time, with forward 1 and backward 2 (the idle
+    time is proportional to forward + backward: checked in tests/unit/test_memory_planner.py)."""
+    return (_unit_makespan(p, v, m, group_size, 2.0, 0.0) - v * m * 3.0) / 3.0
 
 
-def _bandwidth(hw: Hardware, span: int) -> float:
-    """Bytes/s for a group whose ranks span `span` consecutive global ranks."""
-    return 1e9 * (hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps)
+@functools.lru_cache(maxsize=4096)
+def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: float, transfer: float) -> float:
+    """The schedule's makespan with forward 1. Past 2p microbatches (same m mod p) it grows by the
+    same amount per p more (the steady state repeats; checked against full simulations in
+    tests/unit/test_memory_planner.py), so two simulations give it for any m."""
+    def run(microbatches: int) -> float:
+        return simulate(p, v, microbatches, group_size=group_size, forward_time=1.0, backward_time=backward,
+                        transfer_time=transfer).makespan
+    base = 2 * p + m % p
+    if group_size is not None or m <= base + p:
+        return run(m)
+    first = run(base)
+    return first + (run(base + p) - first) * (m - base) / p
 
 
-def layer_forward_flops(config, tokens: int, seq: int) -> float:
-    h, d, a, g, f = (config.hidden_size, config.kv_channels, config.num_attention_heads, config.num_query_groups,
-                     config.ffn_hidden_size)
-    mats = h * (a + 2 * g) * d + a * d * h + (3 if config.swiglu else 2) * h * f
-    return 2.0 * tokens * (mats + 2 * seq * a * d)
+def pipeline_idle(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
+                  transfer: float) -> float:
+    """Idle time per rank of the pipeline schedule with these per-chunk durations: the simulated
+    makespan minus the computation. The simulation runs with backward / forward and transfer /
+    forward rounded to two significant digits, so that planning reuses simulations."""
+    if p == 1:
+        return 0.0
+    ratio_b = _two_digits(backward / forward)
+    ratio_t = _two_digits(transfer / forward) if transfer else 0.0
+    return forward * (_unit_makespan(p, v, m, group_size, ratio_b, ratio_t) - v * m * (1.0 + ratio_b))
 
 
-def _recompute_forward_flops(config, tokens: int, seq: int, layers: int) -> float:
+def pipeline_seconds(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
+                     transfer: float) -> float:
+    """Makespan of the pipeline schedule with these per-chunk durations."""
+    return v * m * (forward + backward) + pipeline_idle(p, v, m, group_size, forward, backward, transfer)
+
+
+def recompute_forward_flops(config, tokens: int, layers: int) -> float:
+    """FLOPs of the forward that recomputation runs again: the attention scores and context
+    (selective), or the whole forward of the recomputed layers (full)."""
+    s, a, d = config.seq_length, config.num_attention_heads, config.kv_channels
     if config.recompute_granularity == "selective":
-        return layers * 4.0 * tokens * seq * config.num_attention_heads * config.kv_channels
+        return layers * 4.0 * tokens * s * a * d
     if config.recompute_granularity == "full":
-        n = layers if config.recompute_method == "uniform" else min(config.recompute_num_layers, layers)
-        return n * layer_forward_flops(config, tokens, seq)
+        n = recomputed_layers(config, layers)
+        h, g, f = config.hidden_size, config.num_query_groups, config.ffn_hidden_size
+        mats = h * (a + 2 * g) * d + a * d * h + (3 if config.swiglu else 2) * h * f
+        return n * 2.0 * tokens * (mats + 2 * s * a * d)
     return 0.0
 
 
-def step_time(config, layout, hw: Hardware = Hardware()) -> StepTime:
-    tp, cp, pp, dp, v, m = layout.tp, layout.cp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
-    p_bytes = dtype_bytes(config.params_dtype)
-    seq, b, h = config.seq_length, layout.micro_batch_size, config.hidden_size
-    tokens = b * seq
-    flops_rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
-    # the rank with the most layers sets the pace (--decoder-first/last-pipeline-num-layers)
-    layers_per_rank = max(layer_counts(config.num_layers, pp, layout.first_stage_layers, layout.last_stage_layers))
-    logits = 2.0 * tokens * h * padded_vocab(config, tp)
-    forward = (layers_per_rank * layer_forward_flops(config, tokens, seq) + logits) / (tp * cp)
-    recompute = _recompute_forward_flops(config, tokens, seq, layers_per_rank) / (tp * cp)
-    t_fwd_compute = forward / v / flops_rate
-    t_bwd_compute = (2 * forward + recompute) / v / flops_rate
-    activation = tokens // cp * h * p_bytes
-    tp_layer = 2 * (tp - 1) / tp * activation / _bandwidth(hw, tp) if tp > 1 else 0.0
-    kv = 2 * tokens * config.num_query_groups * config.kv_channels * p_bytes / tp
-    cp_layer = (cp - 1) / cp * kv / _bandwidth(hw, tp * cp) if cp > 1 else 0.0
-    layers_per_chunk = layers_per_rank / v
-    p2p = activation / (tp if config.sequence_parallel else 1) / _bandwidth(hw, layout.world_size) if pp > 1 else 0.0
-    t_f = t_fwd_compute + layers_per_chunk * (2 * tp_layer + cp_layer) + p2p
-    t_b = t_bwd_compute + layers_per_chunk * (2 * tp_layer + 2 * cp_layer) + p2p
-    bubble = (t_f + t_b) * bubble_units(pp, v, m, layout.microbatch_group_size)
-    params_rank = total_parameters(config, tp) / (tp * pp)  # average per rank: enough for communication time
-    d = dp * cp
-    if layout.distributed_optimizer:
-        dp_bytes = (d - 1) / d * params_rank * (layout.grad_dtype_bytes + p_bytes)
-    else:
-        dp_bytes = 2 * (d - 1) / d * params_rank * layout.grad_dtype_bytes
-    dp_comm = dp_bytes / _bandwidth(hw, tp * cp * dp) if d > 1 else 0.0
-    shard = params_rank / (d if layout.distributed_optimizer else 1)
-    optimizer = shard * 2 * (layout.grad_dtype_bytes + 12 + p_bytes) / (hw.hbm_gbps * 1e9)
+def recomputed_layers(config, layers: int) -> int:
+    """How many of a rank's `layers` full recomputation runs forward twice."""
+    if config.recompute_granularity != "full":
+        return 0
+    return layers if config.recompute_method == "uniform" else min(config.recompute_num_layers, layers)
+
+
+def _recomputed(config, forward: PassTime, layers: int) -> PassTime:
+    """What recomputation adds to a rank's backward: the attention core (selective) or the
+    forward of the recomputed layers (full)."""
+    if config.recompute_granularity == "selective":
+        return PassTime(attention=forward.attention).scaled(layers)
+    return forward.scaled(recomputed_layers(config, layers))
+
+
+def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention: str = "auto") -> RankWork:
+    """One microbatch through the pipeline rank with the most work (its layers, and the output layer
+    on the last rank: uneven first/last stages move that balance)."""
+    tp, cp = layout.tp, layout.cp
+    element = dtype_bytes(config.params_dtype)
+    tokens = layout.micro_batch_size * config.seq_length // cp
+    kernel = resolve_kernels(config, layout.device_type, attention).attention
+    layer_f, layer_b = layer_time(config, kernel, layout.micro_batch_size, cp, tp, hw, cal)
+    out_f, out_b = output_layer_time(config, padded_vocab(config, tp), tokens, tp, hw, cal)
+    tp_layer = (tp_bytes_per_layer(tokens, config.hidden_size, element, tp)
+                / (group_bandwidth(hw, tp, 1) * cal.comm_efficiency))
+    cp_layer = (cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp)
+                / (group_bandwidth(hw, cp, tp) * cal.comm_efficiency))
+    cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
+    cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
+
+    def work(layers: int, last: bool) -> RankWork:
+        forward = layer_f.scaled(layers) + (out_f if last else PassTime())
+        backward = layer_b.scaled(layers) + (out_b if last else PassTime())
+        recompute = _recomputed(config, layer_f, layers)
+        again = recomputed_layers(config, layers)
+        tp_fwd, cp_fwd = tp_layer * layers, cp_f * layers
+        tp_bwd, cp_bwd = tp_layer * (layers + again), cp_b * layers + cp_f * again
+        return RankWork(forward, backward, recompute, tp_fwd + tp_bwd, cp_fwd + cp_bwd,
+                        forward.total + tp_fwd + cp_fwd, backward.total + recompute.total + tp_bwd + cp_bwd)
+
+    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    return max((work(n, r == layout.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+
+
+def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
+    """One pipeline send between neighbouring stages (tp x cp x dp ranks apart)."""
+    if layout.pp == 1:
+        return 0.0
+    tokens = layout.micro_batch_size * config.seq_length // layout.cp
+    volume = p2p_bytes(tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.tp,
+                       config.sequence_parallel)
+    return volume / (group_bandwidth(hw, 2, layout.tp * layout.cp * layout.dp) * cal.comm_efficiency)
+
+
+def rank_parameters(config, layout) -> float:
+    """Parameters of the pipeline rank holding the most (its layers and an embedding or output layer)."""
+    embedding = padded_vocab(config, layout.tp) * config.hidden_size
+    embeddings = 2 if config.untie_embeddings_and_output_weights else 1
+    per_layer = (total_parameters(config, layout.tp) - embeddings * embedding) / config.num_layers
+    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    return (max(counts) * per_layer + embedding) / layout.tp
+
+
+def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
+    d = layout.dp * layout.cp
+    grad, gather = dp_bytes(rank_parameters(config, layout), d, layout.grad_dtype_bytes,
+                            dtype_bytes(config.params_dtype), layout.distributed_optimizer)
+    bandwidth = group_bandwidth(hw, d, layout.tp) * cal.comm_efficiency
+    return grad / bandwidth, gather / bandwidth
+
+
+def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Calibration(),
+              overlap: Overlap = Overlap(), attention: str = "auto") -> StepTime:
+    """Project one iteration of `config` (split for layout.tp / cp) trained with `layout` on `hw`.
+    `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
+    pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    work = slowest_rank_work(config, layout, hw, cal, attention)
+    f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
+    idle = pipeline_idle(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk,
+                         transfer_seconds(config, layout, hw, cal))
+    bubble = bubble_units(pp, v, m, layout.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
+    bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
+
+    grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
+    # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
+    # --overlap-param-gather: the next iteration's first forward waits for each bucket's gather
+    exposed_grad = max(0.0, grad_s - work.backward_s) if overlap.grad_reduce else grad_s
+    exposed_gather = max(0.0, gather_s - work.forward_s) if overlap.param_gather else gather_s
+    shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
+    optimizer = shard * OPTIMIZER_BYTES_PER_PARAMETER / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+
+    global_batch = layout.micro_batch_size * layout.dp * m
+    model = flops_per_iteration(config, global_batch)
+    extra = recompute_forward_flops(config, global_batch * config.seq_length, config.num_layers)
+    forward, backward = work.forward, work.backward
     return StepTime(
-        compute_s=v * m * (t_fwd_compute + t_bwd_compute),
-        tp_comm_s=v * m * layers_per_chunk * 4 * tp_layer, cp_comm_s=v * m * layers_per_chunk * 3 * cp_layer,
-        pp_comm_s=v * m * 2 * p2p, bubble_s=max(bubble, 0.0), dp_comm_s=dp_comm, optimizer_s=optimizer)
+        gemm_s=m * (forward.gemm + backward.gemm), attention_s=m * (forward.attention + backward.attention),
+        elementwise_s=m * (forward.elementwise + backward.elementwise),
+        overhead_s=m * (forward.overhead + backward.overhead),
+        recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
+        pp_comm_s=idle - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
+        optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
+        model_flops=model, hardware_flops=model + extra, tokens=global_batch * config.seq_length, world_size=layout.world_size)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Everything `step_time` needs besides the model and the layout: the cluster, the model's
+    constants, the data-parallel overlap and the attention kernel ("auto": the trainer's)."""
+
+    hw: Hardware = Hardware()
+    cal: Calibration = Calibration()
+    overlap: Overlap = Overlap()
+    attention: str = "auto"
+
+    def __call__(self, config, layout) -> StepTime:
+        return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention)
 

@@ -1,0 +1,151 @@
+"""Seconds of computation of one transformer layer, one microbatch, on one rank.
+
+Three kinds of work, each timed from first principles:
+
+* GEMMs: FLOPs (2 per multiply-accumulate) at `gemm_peak_fraction` of the device peak plus
+  the bytes of its three matrices at HBM bandwidth, a roofline whose two terms add (tiles load
+  while others multiply, but not perfectly): the efficiency follows the GEMM's shape through its
+  arithmetic intensity, so small per-rank GEMMs (hidden / tp under high tp, the head dimension
+  of unfused attention) run further below peak, and more so on a device whose FLOPs outgrow its
+  bandwidth (H100: 295 FLOP per byte; A100: 153). A GEMM's backward is two GEMMs with the same
+  three dimensions (input and weight gradients), so the same time each.
+* attention: the flash path (ours or torch's: no dropout) at `flash_fraction` of peak on the
+  FLOPs it really does (half of the s x s scores under the causal mask; the backward
+  recomputes the scores: 2.5 x the forward); the unfused path (attention dropout) as two
+  batched GEMMs per head (s x s x d, the shape curve above) plus the softmax and dropout
+  passes over the [heads, s, s] scores at HBM bandwidth.
+* elementwise (norms, bias + activation, dropout + residual, rotary): bytes read and written
+  at `hbm_efficiency` of the HBM bandwidth.
+* `layer_overhead_s` per layer and forward (twice per backward): the host's time to launch a
+  layer's kernels, which the GPU waits for when they are short (small models, small micro batches).
+
+The constants live in `Calibration`; docs/planner.md says what each is fitted to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.kernels import dtype_bytes
+
+UNFUSED = ("math", "efficient")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The step-time model's constants. Fitted (tools/bench/planner_calibration.py --fit) on the
+    published runs of tools/bench/published_runs.py: the GEMM curve and flash efficiency.
+    Taken from public measurements, not fitted: the share of link and HBM bandwidth reached."""
+
+    gemm_peak_fraction: float = 0.80
+    flash_fraction: float = 0.25
+    layer_overhead_s: float = 4e-4
+    step_overhead_s: float = 0.05
+    comm_efficiency: float = 0.80   # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
+    hbm_efficiency: float = 0.80    # achieved / spec HBM bandwidth of streaming kernels
+
+
+@dataclass(frozen=True)
+class PassTime:
+    """Seconds of one pass (forward or backward) of one layer or of the output layer."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.overhead
+
+    def __add__(self, other: "PassTime") -> "PassTime":
+        return PassTime(self.gemm + other.gemm, self.attention + other.attention, self.elementwise + other.elementwise,
+                        self.overhead + other.overhead)
+
+    def scaled(self, k: float) -> "PassTime":
+        return PassTime(k * self.gemm, k * self.attention, k * self.elementwise, k * self.overhead)
+
+
+def gemm_seconds(m: float, n: float, k: float, element_bytes: int, hw: Hardware, cal: Calibration) -> float:
+    """An [m, k] x [k, n] product: its FLOPs at the GEMM peak plus its matrices' bytes at HBM bandwidth."""
+    flops = 2.0 * m * n * k / (hw.peak_tflops * 1e12 * cal.gemm_peak_fraction)
+    return flops + element_bytes * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+
+
+def gemm_efficiency(m: float, n: float, k: float, element_bytes: int, hw: Hardware, cal: Calibration) -> float:
+    """Achieved / peak FLOP/s of that product."""
+    return 2.0 * m * n * k / gemm_seconds(m, n, k, element_bytes, hw, cal) / (hw.peak_tflops * 1e12)
+
+
+def layer_gemm_shapes(config, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of a layer's forward GEMMs on one tp rank: QKV, output projection, MLP in and out."""
+    h, d, a, g, f = (config.hidden_size, config.kv_channels, config.num_attention_heads, config.num_query_groups,
+                     config.ffn_hidden_size)
+    mlp_in = (2 if config.swiglu else 1) * f
+    return [(tokens, (a + 2 * g) * d // tp, h), (tokens, h, a * d // tp), (tokens, mlp_in // tp, h),
+            (tokens, h, f // tp)]
+
+
+def attention_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware,
+                   cal: Calibration) -> tuple[PassTime, PassTime]:
+    """(forward, backward) of the attention core of one layer: `batch` sequences, s / cp queries
+    each against all s keys (context parallelism splits the queries), a / tp heads."""
+    s, d = config.seq_length, config.kv_channels
+    heads = config.num_attention_heads // tp
+    queries = s // cp
+    if kernel not in UNFUSED:
+        flops = 2 * 2.0 * batch * heads * queries * s * d * 0.5  # scores and context, causal half
+        seconds = flops / (hw.peak_tflops * 1e12 * cal.flash_fraction)
+        return PassTime(attention=seconds), PassTime(attention=2.5 * seconds)
+    element = dtype_bytes(config.params_dtype)
+    gemm = 2 * batch * heads * gemm_seconds(queries, s, d, element, hw, cal)  # Q K^T and P V per head
+    scores = batch * heads * queries * s
+    dropout = config.attention_dropout > 0
+    # forward: scale-mask-softmax reads and writes the scores; dropout reads them, writes them and a
+    # 1-byte mask. Backward: dropout's gradient (gradient and mask in, gradient out), softmax's
+    # (gradient and probabilities in, gradient out).
+    forward_bytes = scores * (2 * element + (2 * element + 1 if dropout else 0))
+    backward_bytes = scores * (3 * element + (2 * element + 1 if dropout else 0))
+    bandwidth = hw.hbm_gbps * 1e9 * cal.hbm_efficiency
+    return (PassTime(attention=gemm + forward_bytes / bandwidth),
+            PassTime(attention=2 * gemm + backward_bytes / bandwidth))
+
+
+def elementwise_bytes(config, tokens: int, tp: int) -> float:
+    """Bytes one layer's forward reads and writes outside GEMMs and attention, on one tp rank:
+    two norms (in, out), two dropout + residual adds (two in, one out, a 1-byte mask when dropout
+    is on), the activation (GELU: f in, f out; SwiGLU: 2f in, f out) and rotary embedding on q and
+    k (in, out). Norms and residuals run on tokens / tp under sequence parallelism."""
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    e = dtype_bytes(config.params_dtype)
+    row_tokens = tokens // tp if config.sequence_parallel else tokens
+    mask = 1 if config.hidden_dropout > 0 else 0
+    per_row = 2 * (2 * h * e) + 2 * (3 * h * e + h * mask)
+    activation = (3 if config.swiglu else 2) * f // tp * e
+    rotary = (2 * (config.num_attention_heads + config.num_query_groups) * d // tp * e
+              if config.position_embedding_type == "rope" else 0)
+    return row_tokens * per_row + tokens * (activation + rotary)
+
+
+def layer_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware,
+               cal: Calibration) -> tuple[PassTime, PassTime]:
+    """(forward, backward) of one transformer layer on one rank; the backward costs twice the
+    forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out)."""
+    tokens = batch * config.seq_length // cp
+    element = dtype_bytes(config.params_dtype)
+    gemm = sum(gemm_seconds(m, n, k, element, hw, cal) for m, n, k in layer_gemm_shapes(config, tokens, tp))
+    elementwise = elementwise_bytes(config, tokens, tp) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    attn_f, attn_b = attention_time(config, kernel, batch, cp, tp, hw, cal)
+    overhead = cal.layer_overhead_s
+    return (PassTime(gemm=gemm, elementwise=elementwise, overhead=overhead) + attn_f,
+            PassTime(gemm=2 * gemm, elementwise=2 * elementwise, overhead=2 * overhead) + attn_b)
+
+
+def output_layer_time(config, vocab: int, tokens: int, tp: int, hw: Hardware,
+                      cal: Calibration) -> tuple[PassTime, PassTime]:
+    """(forward, backward) of the logits GEMM and the vocab-parallel cross entropy on fp32 logits:
+    forward 20 bytes per logit (the cast writes 4, the max reads 4, exp reads and writes 8, the sum
+    reads 4), backward 12 (the softmax gradient reads and writes 8, the cast back writes 2, rounded up)."""
+    gemm = gemm_seconds(tokens, vocab // tp, config.hidden_size, dtype_bytes(config.params_dtype), hw, cal)
+    logits = tokens * vocab // tp / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    return PassTime(gemm=gemm, elementwise=20 * logits), PassTime(gemm=2 * gemm, elementwise=12 * logits)

@@ -1,0 +1,46 @@
+"""What the step-time model knows of a GPU cluster: one `Hardware` per device preset.
+
+Every figure is the vendor's spec sheet (sources in docs/planner.md); bandwidths are per
+GPU and per direction:
+
+* `peak_tflops`: dense fp16/bf16 tensor-core peak (no sparsity);
+* `hbm_gbps`: device-memory bandwidth;
+* `intra_node_gbps`: NVLink bandwidth of one GPU (half the bidirectional figure);
+* `inter_node_gbps`: the network bandwidth of one GPU: DGX A100 / DGX H100 nodes have one
+  InfiniBand adapter per GPU (HDR 200 Gb/s = 25 GB/s; NDR 400 Gb/s = 50 GB/s);
+* `memory_gib`: the device memory CUDA reports as total (what the start-up check compares with).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float = 989.0
+    hbm_gbps: float = 3350.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    gpus_per_node: int = 8
+    memory_gib: float = 79.11
+
+    def __post_init__(self):
+        flags = {"peak_tflops": "--peak-tflops", "hbm_gbps": "--hbm-gbps", "intra_node_gbps": "--intra-node-gbps",
+                 "inter_node_gbps": "--inter-node-gbps", "gpus_per_node": "--gpus-per-node",
+                 "memory_gib": "--device-memory-gb"}
+        for name, flag in flags.items():
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{flag} must be > 0, got {getattr(self, name)}")
+
+
+DEVICES = {
+    "a100-40gb": Hardware(peak_tflops=312.0, hbm_gbps=1555.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
+                          gpus_per_node=8, memory_gib=39.39),
+    "a100-80gb": Hardware(peak_tflops=312.0, hbm_gbps=2039.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
+                          gpus_per_node=8, memory_gib=79.15),
+    "h100-80gb": Hardware(peak_tflops=989.0, hbm_gbps=3350.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
+                          gpus_per_node=8, memory_gib=79.11),
+    "h200": Hardware(peak_tflops=989.0, hbm_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
+                     gpus_per_node=8, memory_gib=139.7),
+}
+DEFAULT_DEVICE = "h100-80gb"
