@@ -64,9 +64,10 @@ class IterationLog:
         self.data_wait = 0.0
         self._auto_logged = False
 
-    def report(self, iteration: int, result, elapsed: float, force: bool = False) -> None:
-        """Account for one iteration; print and write scalars when a line is due. `force`: the
-        window ends here (a save, the last iteration, an early exit)."""
+    def report(self, iteration: int, result, elapsed, force: bool = False) -> None:
+        """Account for one iteration; print and write scalars when a line is due. `elapsed`: its
+        seconds, or a callable giving them (read only for a line, see training.timed_step);
+        `force`: the window ends here (a save, the last iteration, an early exit)."""
         self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration

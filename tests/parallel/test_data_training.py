@@ -71,10 +71,13 @@ def test_bad_data_flags_are_one_clear_line(corpus, tmp_path):
 def _vocabulary_too_small(rank, prefix):
     run = parse_run_config(MODEL + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--data-path", prefix],
                            GPT_DEFAULTS, dist.get_world_size())
+    trainer = Trainer(run, torch.device("cpu"))  # start-up reads no token of the .bin
     try:
-        Trainer(run, torch.device("cpu"))
+        trainer.train_step(1)
     except ValueError as error:
         return str(error)
+    finally:
+        trainer.close()
     return None
 
 
@@ -82,9 +85,10 @@ def test_tokens_outside_the_vocabulary_stop_every_rank_with_one_line(tmp_path):
     prefix = str(tmp_path / "ids")
     with IndexedDatasetWriter(prefix, token_dtype(1000)) as writer:
         for start in range(0, 400, 40):
-            writer.add_document(np.arange(start, start + 40) % 100)
-    errors = run_distributed(2, _vocabulary_too_small, prefix)
-    assert errors[0] == errors[1] and errors[0].startswith(f"{prefix}.bin: token id 99 is outside")
+            writer.add_document(50 + np.arange(start, start + 40) % 100)  # every id outside a vocabulary of 50
+    for error in run_distributed(2, _vocabulary_too_small, prefix):
+        assert re.fullmatch(rf"{re.escape(prefix)}\.bin: token id \d+ \(in train sample \d+\) is outside the "
+                            r"tokenizer's vocabulary of 50 ids; was it preprocessed with another tokenizer\?", error), error
 
 
 def test_cli_preprocess_then_torchrun_matches_one_rank(corpus):

@@ -102,10 +102,4 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_job(tmp_path):
     assert int(stop[1]) < ITERATIONS
     expected, resumed = _metrics(reference_log), _metrics(log)
     assert sorted(expected) == sorted(resumed) == list(range(1, ITERATIONS + 1))
-    # As Megatron's log does, the line after a run's first logged iteration averages the two losses
-    after_first = int(stop[1]) + 2
-    mean = (float(expected[after_first - 1][0]) + float(expected[after_first][0])) / 2
-    assert float(resumed[after_first][0]) == pytest.approx(mean, rel=1e-6)
-    assert resumed[after_first][1] == expected[after_first][1]
-    del resumed[after_first], expected[after_first]
-    assert resumed == expected
+    assert resumed == expected  # every line, the resumed run's first ones included
