@@ -110,7 +110,7 @@ OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
 
 def _stages(lay) -> str:
-    """The layers of the first / middle / last pipeline stage when uneven, else '-'."""
+    """first/last stage layers of an uneven split ('=': that stage gets the even share), else '-'."""
     if lay.first_stage_layers is None and lay.last_stage_layers is None:
         return "-"
     return f"{lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}"
