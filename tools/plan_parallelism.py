@@ -110,7 +110,7 @@ OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
 
 def _stages(lay) -> str:
-    """The layers of the first / middle / last pipeline stage when uneven, else '-'."""
+    """first/last stage layers of an uneven split ('=': that stage gets the even share), else '-'."""
     if lay.first_stage_layers is None and lay.last_stage_layers is None:
         return "-"
     return f"{lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}"
@@ -197,6 +197,8 @@ def main(argv: list[str]) -> int:
             raise ArgumentError("--global-batch-size is required: the planner keeps it fixed across layouts")
         if args.num_gpus < 1 or args.top < 1 or min(args.mbs) < 1 or min(args.cps or [1]) < 1:
             raise ArgumentError("--num-gpus, --top, --micro-batch-size and --context-parallel-size must be >= 1")
+        if args.device_memory_gb is not None and args.device_memory_gb <= 0:
+            raise ArgumentError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
         if min(n for n in (args.first_layers, args.last_layers, 1) if n is not None) < 1:
             raise ArgumentError("--decoder-first/last-pipeline-num-layers must be >= 1")
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)

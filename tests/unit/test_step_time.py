@@ -13,7 +13,14 @@ from megatron.core.memory.comm_volume import (
     p2p_bytes,
     tp_bytes_per_layer,
 )
-from megatron.core.memory.compute_cost import Calibration, gemm_efficiency, layer_time
+from megatron.core.memory.compute_cost import (
+    Calibration,
+    attention_time,
+    elementwise_bytes,
+    gemm_efficiency,
+    gemm_seconds,
+    layer_time,
+)
 from megatron.core.memory.hardware import DEVICES, Hardware
 from megatron.core.memory.planner import Search, enumerate_layouts, stage_splits
 from megatron.core.memory.step_time import (
@@ -125,6 +132,29 @@ def test_gemm_efficiency_follows_shape_and_device():
     a100, h100 = DEVICES["a100-80gb"], DEVICES["h100-80gb"]
     assert gemm_efficiency(*thin, 2, a100, CAL) < gemm_efficiency(*big, 2, a100, CAL) < CAL.gemm_peak_fraction
     assert gemm_efficiency(*big, 2, h100, CAL) < gemm_efficiency(*big, 2, a100, CAL)  # 295 vs 153 FLOP per byte
+
+
+def test_attention_and_elementwise_terms():
+    """Flash: the causal half of 4 b a s^2 d FLOPs at flash_fraction of peak, backward 2.5x; unfused:
+    two GEMMs per head plus the softmax (and dropout) bytes over the scores; elementwise bytes of
+    norms and residuals split over tp under sequence parallelism."""
+    b, s, a, d = 2, 2048, 24, 96
+    forward, backward = attention_time(GPT_1_7B, "flash", b, 1, 1, A100, CAL)
+    assert forward.attention == pytest.approx(4 * b * a * s * s * d / 2 / (312e12 * CAL.flash_fraction))
+    assert backward.attention == pytest.approx(2.5 * forward.attention)
+    gemms = 2 * b * a * gemm_seconds(s, s, d, 2, A100, CAL)
+    hbm = 2039e9 * CAL.hbm_efficiency
+    no_dropout = dataclasses.replace(GPT_1_7B, attention_dropout=0.0, hidden_dropout=0.0)
+    unfused, _ = attention_time(no_dropout, "math", b, 1, 1, A100, CAL)
+    assert unfused.attention == pytest.approx(gemms + b * a * s * s * 4 / hbm)  # softmax reads and writes fp16
+    dropped, _ = attention_time(GPT_1_7B, "math", b, 1, 1, A100, CAL)
+    assert dropped.attention == pytest.approx(gemms + b * a * s * s * (4 + 5) / hbm)  # + dropout in, out, mask
+    tokens, h, f = 4096, 2304, 4 * 2304
+    plain = elementwise_bytes(no_dropout, tokens, 1)
+    assert plain == tokens * (2 * 2 * h * 2 + 2 * 3 * h * 2 + 2 * f * 2)
+    sp = elementwise_bytes(dataclasses.replace(no_dropout, tensor_model_parallel_size=4, sequence_parallel=True),
+                           tokens, 4)
+    assert sp == pytest.approx(plain / 4)
 
 
 def test_sc21_1_7b_never_above_peak():

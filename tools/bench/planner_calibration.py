@@ -139,6 +139,15 @@ def print_table(outcomes: list[Outcome]) -> None:
               f"{o.total_gib:8.1f} {'yes' if o.fits else 'no':>4}")
 
 
+def print_markdown(outcomes: list[Outcome]) -> None:
+    """The table as docs/planner.md shows it."""
+    print("| run | layout | metric | published | predicted | error | step s | bubble | mem GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for o in outcomes:
+        print(f"| {o.run.name} | {_layout_text(o.layout)} | {o.run.metric} | {o.run.tflops:.1f} | {o.predicted:.1f} | "
+              f"{100 * o.error:+.1f}% | {o.time.total_s:.2f} | {100 * o.time.bubble_fraction:.1f}% | {o.total_gib:.1f} |")
+
+
 def time_search() -> tuple[int, float]:
     """Plan a Llama-2-70B-like model on 512 H100s: over a thousand layouts estimated, those that fit
     projected. Returns (layouts, fitting, wall seconds, CPU seconds)."""
@@ -159,10 +168,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--holdout", action="store_true",
                         help="also fit on every other run (from a neutral start) and report the error on the rest")
     parser.add_argument("--no-search-timing", action="store_true", help="skip timing the 1,000-layout search")
+    parser.add_argument("--markdown", action="store_true", help="print the table in markdown (docs/planner.md)")
     args = parser.parse_args(argv)
     cal = fit() if args.fit else Calibration()
     outcomes = evaluate_all(cal)
-    print_table(outcomes)
+    (print_markdown if args.markdown else print_table)(outcomes)
     if not args.no_search_timing:
         count, fitting, seconds, cpu = time_search()
         print(f"planning a search of {count} layouts (Llama-2-70B shape, 512 H100s; all estimated, the {fitting} "
