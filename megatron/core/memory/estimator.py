@@ -156,7 +156,7 @@ def _with_attention(config, attention: str):
 def estimate_rank(config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances,
                   pp_rank: int) -> RankEstimate:
     chunks = rank_chunks(config, layout, pp_rank)
-    largest_param = max((numel(s) for c in chunks for s in chunk_shapes(config, layout.tp, c)), default=0)
+    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, layout.tp, c))), default=0)
     buffers = [chunk_buffer(config, layout, c) for c in chunks]
     states = model_states(config, layout, buffers)
     setting = Setting(layout.tp, layout.cp, layout.micro_batch_size, layout.device_type, kernels.attention)

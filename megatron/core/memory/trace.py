@@ -150,8 +150,12 @@ def _build(config: TransformerConfig, tp: int, cp: int, pre: bool, post: bool, n
                     pre_process=pre, post_process=post, cp_group=FakeGroup(cp) if cp > 1 else None, device="cpu")
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+
+
 def _key(config: TransformerConfig) -> tuple:
-    return dataclasses.astuple(config)
+    """The config's field values: a cache key from which `TransformerConfig(*key)` rebuilds it."""
+    return tuple(getattr(config, name) for name in _FIELDS)
 
 
 @dataclass(frozen=True)
@@ -230,10 +234,16 @@ def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bo
     """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
     own tensors, and each storage passed between two pieces once when either keeps it; a received
     input is kept by the executor in any case."""
+    return _chunk_saved(_key(config), setting, pre, post, n_layers)
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
+    config = TransformerConfig(*config_key)
     plain = _key(_without_recompute(config))
-    units = [_trace(_key(_unit_config(config, layers, recomputed)), setting, "layers", layers)
-             for layers, recomputed in _units(config, n_layers)]
-    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + units
+    units = _units(config, n_layers)
+    kinds = {kind: _trace(_key(_unit_config(config, *kind)), setting, "layers", kind[0]) for kind in set(units)}
+    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + [kinds[kind] for kind in units]
     pieces += [_trace(plain, setting, "head")] if post else []
     total = 0 if pre else _residual_bytes(config, setting)
     for before, after in zip(pieces, pieces[1:]):
@@ -262,8 +272,8 @@ def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: 
 
 def trace_cache_clear() -> None:
     """Forget every trace (benchmarks time a cold start)."""
-    _trace.cache_clear()
-    _parameter_shapes.cache_clear()
+    for cache in (_trace, _chunk_saved, _parameter_shapes):
+        cache.cache_clear()
 
 
 def traces_run() -> int:
