@@ -139,8 +139,8 @@ def _fake_run(device_type: str, attention: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(fake_collectives())
+        stack.enter_context(estimating_for(device_type))
         if device_type == "cuda":
-            stack.enter_context(estimating_for("cuda"))
             stack.enter_context(CudaOps(attention))
         yield
 
