@@ -5,10 +5,12 @@ TransformerLayer, nothing in megatron/core/memory/ changes, and the estimate gro
 norm's weight and by what it saves for backward; on CPU the traced bytes equal the bytes a
 real forward of the patched model saves.
 """
+import dataclasses
+
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout, estimate_memory
+from megatron.core.memory import MemoryLayout, estimate_memory, trace
 from megatron.core.memory.fake_dist import FakeGroup, fake_collectives
 from megatron.core.memory.trace import trace_cache_clear
 from megatron.core.models.gpt_model import GPTModel
@@ -89,3 +91,24 @@ def test_an_option_added_to_the_model_only_shows_up_in_the_estimate(extra_norm):
     # CPU: the torch reference's fp32 copies (input, normalised input, weight) and rstd, as a real forward saves
     assert after_cpu.activations_bytes > before_cpu.activations_bytes
     assert after_cpu.activations_bytes == _measured_saved_bytes()
+
+
+@pytest.mark.parametrize("keep_angles", [False, True])
+def test_chunks_composed_from_pieces_equal_one_trace_of_the_chunk(monkeypatch, keep_angles):
+    """A chunk adds up one-layer pieces; tracing its three layers at once gives the same bytes, also
+    when every layer keeps the rotary angles the block hands it (one storage, counted once)."""
+    if keep_angles:
+        forward = TransformerLayer.forward
+        def keeping_angles(self, x, angles=None, mask=None):
+            return forward(self, x, angles, mask) * angles[:, :, 0, :1]  # mul keeps a view of the angles
+
+        monkeypatch.setattr(TransformerLayer, "forward", keeping_angles)
+    trace_cache_clear()
+    config = dataclasses.replace(LLAMA, params_dtype=torch.float32)
+    setting = trace.Setting(1, 1, B, "cpu", "flash")
+    whole = trace._trace(trace._key(config), setting, "layers", 3)
+    assert (whole.block_inputs_bytes > 0) == keep_angles
+    expected = (trace._residual_bytes(config, setting) + whole.own_bytes + whole.block_inputs_bytes
+                + (whole.output_bytes if whole.output_saved else 0))
+    assert trace.chunk_saved(config, setting, False, False, 3).bytes == expected
+    trace_cache_clear()
