@@ -47,8 +47,9 @@ _estimated_device_type = None  # set by `estimating_for` while the memory estima
 @contextlib.contextmanager
 def estimating_for(device_type):
     """Within: calls on shape-only tensors choose their path as they would on `device_type`
-    with Triton installed. The memory estimator traces a CUDA run with fake CPU tensors, so
-    that each op saves for backward what it saves on the device the estimate is for."""
+    with Triton installed (on CPU: with the interpreter on). The memory estimator traces runs
+    with fake CPU tensors, so that each op saves for backward what it saves on the device the
+    estimate is for, whether or not this process could launch the kernel."""
     global _estimated_device_type
     saved, _estimated_device_type = _estimated_device_type, device_type
     try:
@@ -75,7 +76,8 @@ def check_impl(impl):
 
 def _environment_reason(impl, device):
     """Why `impl` cannot run Triton on `device`, or None if it can."""
-    if not HAS_TRITON and _estimated_device_type is None:
+    estimating = _estimated_device_type is not None  # a shape-only trace: as if Triton could run
+    if not HAS_TRITON and not estimating:
         return "triton is not installed"
     kind = torch.device(device).type
     if kind == "cuda":
@@ -84,7 +86,9 @@ def _environment_reason(impl, device):
         return f"no Triton kernels for device type {kind!r}"
     if impl == "auto":
         return "tensors on CPU"
-    return None if INTERPRETER else "tensors on CPU and TRITON_INTERPRET=1 was not set before importing triton"
+    if INTERPRETER or estimating:
+        return None
+    return "tensors on CPU and TRITON_INTERPRET=1 was not set before importing triton"
 
 
 def use_triton(impl, device, unsupported=None):

@@ -9,6 +9,10 @@ All tp, cp and dp ranks of one pipeline stage hold identical shapes, so one
 because the optimizer step (and the tied-embedding gradient reduction) run after
 the last backward, when no activation is alive.
 
+Parameter shapes and saved activations are traced from our modules (trace.py), the
+microbatches in flight walked on our schedule (inflight.py), the buffers laid out by the
+trainer's own BufferLayout (model_states.py).
+
 Only part of that is certain: weights, gradients, optimizer state and saved
 activations (`certain_bytes`) equal measured bytes on CPU; the transients and the
 after-backward temporaries are derived from our code's shapes but unmeasured,

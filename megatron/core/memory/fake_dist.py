@@ -45,10 +45,9 @@ def _patched(original, fake):
 
 def _batch_isend_irecv(original):
     def call(ops):
-        if ops and isinstance(getattr(ops[0], "group", None), FakeGroup):
+        if ops and isinstance(ops[0], _P2POp):
             return [_DoneWork() for _ in ops]
-        return original([dist.distributed_c10d.P2POp(o.op, o.tensor, o.peer, o.group) if isinstance(o, _P2POp)
-                         else o for o in ops])
+        return original(ops)
     return call
 
 

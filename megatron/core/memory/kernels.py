@@ -1,40 +1,20 @@
-"""Which kernel runs each memory-relevant op, because that decides what autograd keeps.
+"""Which kernel runs each memory-relevant op on the device the estimate is for.
 
 The choice follows the dispatch of our layers (kernels/dispatch.py `use_triton`, with the
-kernels' own `unsupported_reason`), assuming Triton is installed on CUDA machines. What each
-path saves was read from the code and, for CPU, verified with
-`torch.autograd.graph.saved_tensors_hooks` (torch 2.13); the CUDA paths are NOT validated
-on a GPU yet.
+kernels' own `unsupported_reason`), assuming Triton is installed on CUDA machines. It is
+reported with every estimate (`--json` "kernels"), and it tells the trace (trace.py) which
+SDPA kernel a CUDA run would pick (cuda_ops.py); what each kernel saves comes from tracing it.
 
 attention (megatron/core/transformer/attention.py `core_attention`)
-  * "ring": context parallelism (cp > 1, whatever the backend:
-    megatron/core/context_parallel/ring_attention.py, p2p or all-gather): saves q, k, v
-    as given (views of the rotated q / k and of the QKV output), its output (a new
-    [b, s, heads, d] tensor in the input dtype) and the fp32 log-sum-exp [b, heads, s],
-    never a received K/V block; the projection input is a copy of the transposed output.
-  * "triton": our flash-attention kernel (no dropout; CUDA fp16/bf16, head dims 32/64/128,
-    or the CPU interpreter with --attention-backend triton). Its wrapper saves contiguous
-    [b, s, heads, d] copies of q, k and v, the output and the fp32 log-sum-exp
-    [b, heads, s]; the output projection's input is another copy (reshape of the
-    transposed output).
+  * "ring": context parallelism (cp > 1, whatever the backend; ring_attention.py);
+  * "triton": our flash-attention kernel (no dropout; CUDA fp16/bf16 with the head dims it
+    takes, or the CPU interpreter with --attention-backend triton);
   * "flash": torch SDPA's flash kernel (the torch reference without dropout on CPU; CUDA
-    fp16/bf16 otherwise): saves q, k, v as given (views: the QKV output stays alive through
-    v), the output ([b, s, heads, d] in memory, so the projection input is a view) and
-    the fp32 log-sum-exp.
-  * "efficient": CUDA memory-efficient SDPA (fp32 without GQA): as flash, the
-    log-sum-exp padded to a multiple of 32 along s.
-  * "math": composite SDPA (CPU with dropout; CUDA otherwise): the scaled q and k, the
-    softmax probabilities and, with dropout, the dropout mask and the dropped
-    probabilities ([b, heads, s, s] each), and v (a view of the QKV output when no
-    copy or cast is needed); on CPU it computes in fp32 even for bf16/fp16.
-normalisation (megatron/core/transformer/norm.py via kernels/normalization.py)
-  * "triton": saves x, rstd and (LayerNorm) mean, both fp32 [rows].
-  * "torch" reference: upcasts x and the weight (and bias) to fp32 (copies unless
-    already fp32) and calls F.layer_norm (saves x, weight, bias, mean, rstd) or
-    F.rms_norm: on CPU the composite (saves x, rstd, the normalised x and the weight,
-    all fp32), on CUDA `_fused_rms_norm` (saves x, rstd and the weight).
-dropout (`F.dropout`): CPU multiplies by a noise tensor of the input dtype and saves it;
-  CUDA's fused dropout saves a bool mask.
+    fp16/bf16 otherwise); "efficient": CUDA memory-efficient SDPA (fp32 without GQA);
+  * "math": composite SDPA (CPU with dropout; CUDA otherwise), in fp32 on CPU.
+normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, or F.rms_norm,
+  composite on CPU and `_fused_rms_norm` on CUDA).
+dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
 """
 from __future__ import annotations
 

@@ -16,13 +16,14 @@ For a CUDA estimate the trace's fake CPU tensors dispatch as on CUDA: our Triton
 through `kernels.dispatch.estimating_for` (shape-only: outputs allocated and saved, nothing
 launched), torch's device-dependent ops through cuda_ops.py.
 
-Speed: layers of one configuration are identical, so a chunk is never traced whole. Its
-layers run in units (`_units`: one layer, or one recomputed group as TransformerBlock forms
-them); a chunk of n units costs the trace of its first unit with the chunk's embedding and
-head, plus, per later unit, the difference between a middle chunk of two such units and of
-one. That difference is exact: a unit saves its own tensors and possibly its input (the
-previous unit's output), never anything of a unit further away; what all layers share
-(rotary angles, masks) appears once in both traces and cancels. Every trace is cached, so the
+Speed: layers of one configuration are identical, so a chunk is never traced whole. It is
+cut into pieces: the embedding, its layers in units (`_units`: one layer, or one recomputed
+group as TransformerBlock forms them), the head; each kind of piece is traced once, and a
+chunk adds up its pieces' own storages, each storage passed from one piece to the next once
+when either keeps it, and once what the block hands every layer (rotary angles, attention
+mask) if a layer keeps it. That is exact as long as a piece keeps nothing of another piece
+but its input and output, and the layers of a chunk differ only in their index
+(tests/parallel/test_memory_measured.py would show otherwise). Every trace is cached, so the
 planner traces each distinct (configuration, tp, cp, micro batch, device) once.
 """
 from __future__ import annotations
@@ -139,8 +140,8 @@ def _fake_run(device_type: str, attention: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(fake_collectives())
+        stack.enter_context(estimating_for(device_type))
         if device_type == "cuda":
-            stack.enter_context(estimating_for("cuda"))
             stack.enter_context(CudaOps(attention))
         yield
 
@@ -162,7 +163,8 @@ def _key(config: TransformerConfig) -> tuple:
 class _Piece:
     """One traced piece of a chunk (the embedding, a unit of layers, the head) on one microbatch."""
 
-    own_bytes: int        # saved storages other than its input and output
+    own_bytes: int        # saved storages other than its input, its output and the block's shared inputs
+    block_inputs_bytes: int  # saved storages among what the block hands every layer (angles, mask)
     input_saved: bool
     output_saved: bool
     output_bytes: int
@@ -193,6 +195,9 @@ def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) ->
             rows = s // setting.tp if config.sequence_parallel else s
             x = torch.empty(rows, b, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
         recorder = _Recorder(model)
+        block_inputs = set()
+        model.decoder.register_forward_pre_hook(
+            lambda _, args: block_inputs.update(_storage(a) for a in args[1:] if isinstance(a, torch.Tensor)))
         with recorder.recording():
             if post:
                 labels, loss_mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s)
@@ -202,7 +207,8 @@ def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) ->
     saved = dict(recorder.saved)
     input_saved = not pre and saved.pop(_storage(x), None) is not None  # token ids stay the embedding's own
     output_saved = saved.pop(_storage(out), None) is not None
-    return _Piece(sum(saved.values()), input_saved, output_saved, out.untyped_storage().nbytes(),
+    shared_inputs = sum(saved.pop(key) for key in block_inputs & saved.keys())
+    return _Piece(sum(saved.values()), shared_inputs, input_saved, output_saved, out.untyped_storage().nbytes(),
                   sum(recorder.shared.values()), recorder.recompute_bytes)
 
 
@@ -232,8 +238,8 @@ def _residual_bytes(config: TransformerConfig, setting: Setting) -> int:
 
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
     """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
-    own tensors, and each storage passed between two pieces once when either keeps it; a received
-    input is kept by the executor in any case."""
+    own tensors, each storage passed between two pieces once when either keeps it (a received input
+    is kept by the executor in any case), and the block's shared inputs once."""
     return _chunk_saved(_key(config), setting, pre, post, n_layers)
 
 
@@ -248,7 +254,7 @@ def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, n_l
     total = 0 if pre else _residual_bytes(config, setting)
     for before, after in zip(pieces, pieces[1:]):
         total += before.output_bytes if before.output_saved or after.input_saved else 0
-    total += sum(p.own_bytes for p in pieces)
+    total += sum(p.own_bytes for p in pieces) + max(p.block_inputs_bytes for p in pieces)
     return Saved(total, sum(p.shared_bytes for p in pieces), max(p.recompute_bytes for p in pieces))
 
 
