@@ -96,7 +96,7 @@ def _low_precision(trainer) -> bool:
 def _rng_states(trainer) -> dict[str, torch.Tensor]:
     """Name -> state of torch's generators on this rank and of each model chunk's dropout streams
     (named by global stage, cp and tp rank: equal on dp replicas, which DCP writes once)."""
-    mesh, rank = trainer.mesh, dist.get_rank()
+    mesh, rank = trainer.mesh, dist.getrank()
     states = {f"rng.torch.rank_{rank:05d}": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         states[f"rng.cuda.rank_{rank:05d}"] = torch.cuda.get_rng_state(trainer.device)
@@ -109,7 +109,7 @@ def _rng_states(trainer) -> dict[str, torch.Tensor]:
 
 
 def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
-    rank = dist.get_rank()
+    rank = dist.getrank()
     torch.set_rng_state(states[f"rng.torch.rank_{rank:05d}"])
     if trainer.device.type == "cuda":
         torch.cuda.set_rng_state(states[f"rng.cuda.rank_{rank:05d}"], trainer.device)
@@ -127,7 +127,7 @@ def _named_parameters(trainer):
         yield from chunk.module.named_parameters()
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     """Write through a temporary name and rename: readers see the old or the new file, never a part."""
     with open(path + ".tmp", "w") as handle:
         handle.write(text)
@@ -136,8 +136,8 @@ def _write_text(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def rank() -> int:
+    return dist.getrank() if dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -148,7 +148,7 @@ def _barrier() -> None:
 def prepare_staging(root: str, iteration: int) -> str:
     """The empty temporary directory a save of `iteration` writes into (a collective)."""
     staging = iteration_dir(root, iteration) + ".tmp"
-    if _rank() == 0:
+    if rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
     _barrier()
@@ -160,17 +160,23 @@ def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict)
     iteration and the files' digests), renames the directory and only then points the tracker at it
     (a collective). Returns the checkpoint's directory."""
     final = iteration_dir(root, iteration)
-    if _rank() == 0:
+    if rank() == 0:
         staging = final + ".tmp"
         record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
                   "files": digests}
-        _write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
-        if os.path.isdir(final):  # saving the same iteration again replaces it
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _write_text(os.path.join(root, TRACKER), str(iteration))
+        write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
+        replace_checkpoint(staging, final, root, iteration)
     _barrier()
     return final
+
+
+def replace_checkpoint(staging: str, final: str, root: str, iteration: int) -> None:
+    """Rename the finished staging directory to `final` (replacing an earlier save of the same
+    iteration), then point the tracker at it (rank 0 only)."""
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    write_text(os.path.join(root, TRACKER), str(iteration))
 
 
 def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
@@ -182,19 +188,19 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
 
 
-def checkpoint_contents(trainer, iteration: int) -> tuple[list[TensorPiece], dict]:
-    """(this rank's pieces: model, optimizer state and RNG states; the metadata) of a save after
-    `iteration`. The pieces are views of the live tensors."""
+def checkpoint_contents(trainer, iteration: int, rng: bool = True) -> tuple[list[TensorPiece], dict]:
+    """(this rank's pieces: model, optimizer state and, with `rng`, RNG states; the metadata) of a
+    save after `iteration`. The pieces are views of the live tensors."""
     trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
     master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
     pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
               + optimizer_pieces(trainer, tied_copies=False, master=master)
-              + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
+              + ([TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()] if rng else []))
     metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
                 "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
                 "model": model_args(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
-                "contents": ["model", "rng", "optimizer"]}
+                "contents": ["model", "optimizer"] + (["rng"] if rng else [])}
     return pieces, metadata
 
 
@@ -217,6 +223,7 @@ class CheckpointInfo:
     iteration: int
     metadata: dict
     notes: tuple[str, ...] = ()  # lines for the log once loaded
+    format: str = "ours"  # or "torch_dist": Megatron-LM's (see checkpoint_formats.py)
 
 
 def find_checkpoint(root: str) -> CheckpointInfo | None:
@@ -261,7 +268,7 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> None:
                               "to start the optimizer fresh")
 
 
-def _continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
+def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
     """The data order is a function of the samples consumed. When the flags' batch sizes reach another
     count at the checkpoint's iteration (--global-batch-size or its ramp-up changed), the run continues
     from the saved count, as Megatron does: the batch schedule restarts there, and the learning-rate
@@ -289,11 +296,15 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     if info is not None:
         check_compatible(info, run.model, run.checkpoint)
         if not run.checkpoint.finetune:
-            info = _continue_data_position(info, run)
+            info = continue_data_position(info, run)
     return info
 
 
-def _load_optimizer(info: CheckpointInfo, trainer) -> None:
+def _as_stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
+    return pieces
+
+
+def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
     """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
     saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
     saved = info.metadata["optimizer"]
@@ -302,27 +313,29 @@ def _load_optimizer(info: CheckpointInfo, trainer) -> None:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    read_pieces(optimizer_pieces(trainer, tied_copies=True, master=master), info.directory)
+    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
     trainer.optimizer.load_scalar_state(saved)
 
 
-def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
+def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
-    from, lines for the log). Files are verified before anything is read."""
-    verify_files(info.directory, info.metadata["files"])
-    read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
+    from, lines for the log). Our files are verified against their digests before anything is read.
+    `stored`: our pieces -> the pieces as the checkpoint stores them (another format's names)."""
+    if info.format == "ours":
+        verify_files(info.directory, info.metadata["files"])
+    read_pieces(stored(model_pieces(_named_parameters(trainer), tied_copies=True)), info.directory)
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
     else:
-        _load_optimizer(info, trainer)
+        _load_optimizer(info, trainer, stored)
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
     if config.no_load_rng:
         notes.append("> --no-load-rng: RNG states not loaded")
     elif "rng" not in info.metadata["contents"]:
-        notes.append("> the checkpoint holds no RNG states (a converted model): RNG states not loaded")
+        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
     elif info.metadata["layout"] != layout_of(trainer):
         notes.append(f"> RNG states not loaded: saved with layout {info.metadata['layout']}, "
                      f"running {layout_of(trainer)}")

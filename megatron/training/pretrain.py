@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpointing import CheckpointError, checkpoint_to_load, load_checkpoint
+from megatron.core.checkpointing import CheckpointError
+from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
 from megatron.training.offload_run import check_offload_budget

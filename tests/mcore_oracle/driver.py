@@ -2,10 +2,12 @@
 
 Runs only in the megatron-core virtual environment, where our package is not importable:
     .venv-mcore/bin/python -I tests/mcore_oracle/driver.py SPEC.json
-SPEC (JSON): {"world": ranks, "tp": tensor-parallel size, "model": our model args (TransformerConfig
-field names, as our checkpoints record them), "make_vocab_size_divisible_by": n, "seed": s,
-"batch": file holding {"tokens": [b, s], "labels": [b, s]}, "optimizer": {lr, min_lr, warmup_iters,
-decay_iters, weight_decay, clip_grad, ...}, "ops": [...]}. The ops run in order on every rank:
+SPEC (JSON): {"world": ranks, "port": a free port, "jobs": [job, ...]}, the jobs run one after the
+other in the same processes. A job: {"tp": tensor-parallel size (the rest of the ranks are data
+parallel), "model": our model args (TransformerConfig field names, as our checkpoints record them),
+"make_vocab_size_divisible_by": n, "seed": s, "batch": file holding {"tokens": [b, s], "labels":
+[b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
+"ops": [...]}. The ops run in order on every rank:
 - {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
 - {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
@@ -119,6 +121,7 @@ class Oracle:
         logits = torch.cat(parts, dim=-1)[..., : self.spec["model"]["vocab_size"]]
         if dist.get_rank() == 0:
             torch.save({"logits": logits, "loss": loss}, out)
+        dist.barrier()
         self.model.train()
 
     def train(self, iters: int, out: str) -> None:
@@ -176,12 +179,14 @@ class Oracle:
 def run(rank: int, spec: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec["tp"])
-    oracle = Oracle(spec)
-    for op in spec["ops"]:
-        kind = op.pop("op")
-        getattr(oracle, kind)(**op)
-    dist.barrier()
+    for job in spec["jobs"]:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
+        oracle = Oracle(job)
+        for op in job["ops"]:
+            op = dict(op)
+            getattr(oracle, op.pop("op"))(**op)
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

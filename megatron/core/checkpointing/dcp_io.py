@@ -11,6 +11,7 @@ halves of a SwiGLU shard) and DTensor placements cannot express those.
 """
 from __future__ import annotations
 
+import io
 import os
 
 import torch
@@ -45,9 +46,10 @@ def _key(index: MetadataIndex) -> tuple:
 
 
 class _PieceSavePlanner(DefaultSavePlanner):
-    def __init__(self, pieces: list[TensorPiece]):
+    def __init__(self, pieces: list[TensorPiece], objects: dict[str, bytes]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {_key(_index(p)): p for p in pieces}
+        self.objects = objects
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -57,10 +59,13 @@ class _PieceSavePlanner(DefaultSavePlanner):
             chunk=ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
             properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.global_shape)))
             for p in self.pieces.values()]
+        items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO) for name in self.objects]
         self.plan = SavePlan(items)
         return self.plan
 
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.objects:
+            return io.BytesIO(self.objects[index.fqn])
         return self.pieces[_key(index)].tensor()
 
 
@@ -110,11 +115,13 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
         raise CheckpointError(problems[0])
 
 
-def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -> list[str]:
-    """Write this rank's pieces (a collective over `process_group`, or one process without
-    torch.distributed). Returns every file of the checkpoint, relative to `directory`."""
+def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None,
+                 objects: dict[str, bytes] | None = None) -> list[str]:
+    """Write this rank's pieces, and `objects` (name -> bytes, DCP's byte items), as a collective over
+    `process_group` (or one process without torch.distributed). Returns every file of the
+    checkpoint, relative to `directory`."""
     metadata = dcp.save({}, storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
-                        planner=_PieceSavePlanner(pieces), process_group=process_group)
+                        planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group)
     return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
 
 
