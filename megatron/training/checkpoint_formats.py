@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.core.checkpointing import CheckpointError, read_pieces, saved_tensors, write_pieces
-from megatron.core.checkpointing.megatron_lm import to_megatron, vocabulary_padding
+from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
+from megatron.core.checkpointing.megatron_lm import extra_state_objects, to_megatron, vocabulary_padding
 from megatron.training import checkpointing as ours
 from megatron.training.megatron_lm_args import args_mismatch, megatron_args
 
@@ -249,9 +249,9 @@ def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     padded = config.padded_vocab_size
     megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
     staging = ours.prepare_staging(root, iteration)
-    write_pieces(megatron, staging)
+    write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
     final = ours.iteration_dir(root, iteration)
-    if ours.rank() == 0:
+    if ours.global_rank() == 0:
         torch.save(megatron_common(trainer, iteration, metadata), os.path.join(staging, COMMON))
         ours.write_text(os.path.join(staging, ours.METADATA), json.dumps(MEGATRON_METADATA))
         ours.replace_checkpoint(staging, final, root, iteration)

@@ -96,7 +96,7 @@ def _low_precision(trainer) -> bool:
 def _rng_states(trainer) -> dict[str, torch.Tensor]:
     """Name -> state of torch's generators on this rank and of each model chunk's dropout streams
     (named by global stage, cp and tp rank: equal on dp replicas, which DCP writes once)."""
-    mesh, rank = trainer.mesh, dist.getrank()
+    mesh, rank = trainer.mesh, dist.get_rank()
     states = {f"rng.torch.rank_{rank:05d}": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         states[f"rng.cuda.rank_{rank:05d}"] = torch.cuda.get_rng_state(trainer.device)
@@ -109,7 +109,7 @@ def _rng_states(trainer) -> dict[str, torch.Tensor]:
 
 
 def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
-    rank = dist.getrank()
+    rank = dist.get_rank()
     torch.set_rng_state(states[f"rng.torch.rank_{rank:05d}"])
     if trainer.device.type == "cuda":
         torch.cuda.set_rng_state(states[f"rng.cuda.rank_{rank:05d}"], trainer.device)
@@ -136,8 +136,8 @@ def write_text(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def rank() -> int:
-    return dist.getrank() if dist.is_initialized() else 0
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -148,7 +148,7 @@ def _barrier() -> None:
 def prepare_staging(root: str, iteration: int) -> str:
     """The empty temporary directory a save of `iteration` writes into (a collective)."""
     staging = iteration_dir(root, iteration) + ".tmp"
-    if rank() == 0:
+    if global_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
     _barrier()
@@ -160,7 +160,7 @@ def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict)
     iteration and the files' digests), renames the directory and only then points the tracker at it
     (a collective). Returns the checkpoint's directory."""
     final = iteration_dir(root, iteration)
-    if rank() == 0:
+    if global_rank() == 0:
         staging = final + ".tmp"
         record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
                   "files": digests}

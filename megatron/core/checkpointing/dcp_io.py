@@ -11,7 +11,6 @@ halves of a SwiGLU shard) and DTensor placements cannot express those.
 """
 from __future__ import annotations
 
-import io
 import os
 
 import torch
@@ -46,7 +45,7 @@ def _key(index: MetadataIndex) -> tuple:
 
 
 class _PieceSavePlanner(DefaultSavePlanner):
-    def __init__(self, pieces: list[TensorPiece], objects: dict[str, bytes]):
+    def __init__(self, pieces: list[TensorPiece], objects: dict[str, object]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {_key(_index(p)): p for p in pieces}
         self.objects = objects
@@ -65,7 +64,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects:
-            return io.BytesIO(self.objects[index.fqn])
+            return self.objects[index.fqn]  # DCP pickles it (torch.save)
         return self.pieces[_key(index)].tensor()
 
 
@@ -116,8 +115,8 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
 
 
 def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None,
-                 objects: dict[str, bytes] | None = None) -> list[str]:
-    """Write this rank's pieces, and `objects` (name -> bytes, DCP's byte items), as a collective over
+                 objects: dict[str, object] | None = None) -> list[str]:
+    """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
     `process_group` (or one process without torch.distributed). Returns every file of the
     checkpoint, relative to `directory`."""
     metadata = dcp.save({}, storage_writer=FileSystemWriter(directory, single_file_per_rank=True),

@@ -80,3 +80,18 @@ def vocabulary_padding(pieces: list[TensorPiece], padded: int) -> list[TensorPie
             padding.append(TensorPiece(name, (padded,) + rest, (rows,) + (0,) * len(rest), tuple(zeros.shape),
                                        piece.dtype, lambda zeros=zeros: zeros))
     return padding
+
+
+# modules whose `_extra_state` (fp8 metadata in Transformer Engine layers, None in local ones) a
+# Megatron GPTModel asks for on load, one object per layer
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state_objects(pieces: list[TensorPiece], num_layers: int) -> dict[str, list]:
+    """Empty `_extra_state` objects of the layers among `pieces` (our names), under Megatron's keys
+    `<module>._extra_state/shard_<layer>_<layers>`: the list of a rank's values, [None], which both
+    layer kinds accept."""
+    layers = {int(match.group(1)) for p in pieces if (match := LAYER.fullmatch(_split_state(p.name)[1]))}
+    return {f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}": [None]
+            for layer in sorted(layers) for module in EXTRA_STATE_MODULES}
