@@ -1,0 +1,94 @@
+"""--ckpt-format torch_dist (Megatron-LM's format) without megatron-core: a save loads back bit for
+bit, and a truncated shard file or a model flag that differs is refused with one line.
+Agreement with megatron-core itself: tests/mcore_oracle/test_megatron_core.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.checkpointing import CheckpointError
+from megatron.training.arguments import parse_run_config
+from megatron.training.checkpoint_formats import (
+    MEGATRON,
+    OURS,
+    checkpoint_to_load,
+    detect_checkpoint_format,
+    load_checkpoint,
+    save_megatron_checkpoint,
+)
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.training import Trainer
+from tests.cli import TINY_LLAMA, run_cli
+from tests.distributed import run_distributed
+from tests.parallel.layouts import model_flags, named_params
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def _trainer(extra: list[str]) -> Trainer:
+    defaults, argv = model_flags("llama", extra)
+    return Trainer(parse_run_config(argv, defaults, dist.get_world_size()), torch.device("cpu"))
+
+
+def _state(trainer) -> dict:
+    """Weights, Adam moments and step count, copied."""
+    state = {name: p.detach().clone() for name, p in named_params(trainer)}
+    for name, ranges in trainer.optimizer.state_dict_by_name().items():
+        if name != "step":
+            state.update({f"{key}.{name}.{start}": view.clone() for start, _, views in ranges
+                          for key, view in views.items()})
+    state["step"] = trainer.optimizer.adam.step_count
+    return state
+
+
+def _round_trip(rank: int, root: str) -> list[str]:
+    trainer = _trainer(TP2)
+    for iteration in (1, 2):
+        trainer.forward_backward(iteration)
+        trainer.optimizer.step()
+    save_megatron_checkpoint(os.path.join(root, "megatron"), 2, trainer)
+    save_checkpoint(os.path.join(root, "ours"), 2, trainer)
+    expected = _state(trainer)
+    defaults, argv = model_flags("llama", TP2 + ["--seed", "9", "--load", os.path.join(root, "megatron")])
+    run = parse_run_config(argv, defaults, dist.get_world_size())
+    loaded = Trainer(run, torch.device("cpu"))
+    iteration, _ = load_checkpoint(checkpoint_to_load(run), loaded, run.checkpoint)
+    state = _state(loaded)
+    differ = [k for k, v in expected.items() if not (torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k])]
+    return differ + ([] if iteration == 2 else [f"iteration {iteration}"])
+
+
+def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
+    root = str(tmp_path)
+    assert run_distributed(2, _round_trip, root) == [[], []]
+    assert detect_checkpoint_format(os.path.join(root, "megatron")) == MEGATRON
+    assert detect_checkpoint_format(os.path.join(root, "ours")) == OURS
+    assert detect_checkpoint_format(root) is None
+
+    def refusal(extra: list[str]) -> str:
+        defaults, argv = model_flags("llama", extra + ["--load", os.path.join(root, "megatron")])
+        with pytest.raises(CheckpointError) as error:
+            checkpoint_to_load(parse_run_config(argv, defaults, 2))
+        return str(error.value)
+
+    assert "saved with --hidden-size 64, the flags give 32" in refusal(["--hidden-size", "32"])
+    assert "saved with --num-query-groups 4, the flags give 2" in refusal(["--num-query-groups", "2"])
+    shard = os.path.join(root, "megatron", "iter_0000002", "__1_0.distcp")
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    message = refusal([])
+    assert shard in message and "truncated" in message and "\n" not in message
+
+
+def test_cli_refuses_a_torch_dist_checkpoint_of_another_model_with_one_line(tmp_path):
+    save = run_cli("pretrain_llama.py", TINY_LLAMA + ["--ckpt-format", "torch_dist", "--save", str(tmp_path),
+                                                      "--train-iters", "1"])
+    assert save.returncode == 0, save.stderr[-2000:]
+    assert detect_checkpoint_format(str(tmp_path)) == MEGATRON
+    proc = run_cli("pretrain_llama.py", TINY_LLAMA + ["--hidden-size", "64", "--load", str(tmp_path)])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"]
