@@ -240,21 +240,28 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
             "num_floating_point_operations_so_far": 0}
 
 
-def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
-    """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
-    `<root>/iter_NNNNNNN` (a collective), written into a temporary directory that is renamed and
-    only then named by the tracker, as ours. Returns the directory."""
-    pieces, metadata = ours.checkpoint_contents(trainer, iteration, rng=False)
-    config = trainer.run.model
+def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
+    """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
+    checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors padded as
+    Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt.
+    Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
     padded = config.padded_vocab_size
     megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
     staging = ours.prepare_staging(root, iteration)
     write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
     final = ours.iteration_dir(root, iteration)
     if ours.global_rank() == 0:
-        torch.save(megatron_common(trainer, iteration, metadata), os.path.join(staging, COMMON))
+        torch.save(common, os.path.join(staging, COMMON))
         ours.write_text(os.path.join(staging, ours.METADATA), json.dumps(MEGATRON_METADATA))
         ours.replace_checkpoint(staging, final, root, iteration)
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
+    """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
+    `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
+    pieces, metadata = ours.checkpoint_contents(trainer, iteration, rng=False)
+    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model,
+                                       megatron_common(trainer, iteration, metadata))

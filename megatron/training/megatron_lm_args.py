@@ -106,3 +106,24 @@ def megatron_args(config, *, iteration: int, consumed_samples: int, tp: int, pp:
         consumed_train_samples=consumed_samples, consumed_valid_samples=0, ckpt_format="torch_dist",
         use_dist_ckpt=True, use_distributed_optimizer=False, **extra)
     return argparse.Namespace(**values)
+
+
+def config_fields(args) -> dict:
+    """TransformerConfig keyword arguments of the model a Megatron-LM checkpoint's `args` describe
+    (refused, one ValueError line, when it uses a feature this framework does not build). Without
+    `args.vocab_size` (a tokenizer's vocabulary) the padded size stands for it."""
+    for name, off in UNSUPPORTED.items():
+        value = getattr(args, name, off)
+        if value not in (off, False, None, 0):
+            raise ValueError(f"saved with {_flag(name)} {value}: not supported by this framework")
+    fields = {arg.field: value for arg in FIELDS if (value := megatron_value(args, arg)) is not None}
+    if fields.get("add_qkv_bias") and fields.get("add_bias_linear"):
+        fields["add_qkv_bias"] = False  # implied by the biases of every linear layer
+    vocab = getattr(args, "vocab_size", None) or args.padded_vocab_size
+    seq = getattr(args, "seq_length", None) or args.max_position_embeddings
+    fields.update(vocab_size=vocab, seq_length=seq, max_position_embeddings=args.max_position_embeddings,
+                  make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+                  init_method_std=getattr(args, "init_method_std", 0.02),
+                  attention_dropout=getattr(args, "attention_dropout", 0.1),
+                  hidden_dropout=getattr(args, "hidden_dropout", 0.1))
+    return fields

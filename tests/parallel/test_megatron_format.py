@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.checkpointing import CheckpointError
+from megatron.core.checkpointing import CheckpointError, TensorPiece, read_pieces, saved_tensors
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_formats import (
     MEGATRON,
@@ -24,6 +24,7 @@ from megatron.training.training import Trainer
 from tests.cli import TINY_LLAMA, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
+from tools.checkpoint.convert import main as convert
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 
@@ -61,12 +62,35 @@ def _round_trip(rank: int, root: str) -> list[str]:
     return differ + ([] if iteration == 2 else [f"iteration {iteration}"])
 
 
+def _model_tensors(root: str, iteration: int) -> dict:
+    """Every model tensor (not optimizer, not RNG) of a checkpoint, whole."""
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved_tensors(directory).items()
+               if not name.startswith(("optimizer.", "rng."))}
+    read_pieces([TensorPiece.whole(name, t) for name, t in tensors.items()], directory)
+    return tensors
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(t, b[name]) for name, t in a.items())
+
+
 def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
     root = str(tmp_path)
     assert run_distributed(2, _round_trip, root) == [[], []]
     assert detect_checkpoint_format(os.path.join(root, "megatron")) == MEGATRON
     assert detect_checkpoint_format(os.path.join(root, "ours")) == OURS
     assert detect_checkpoint_format(root) is None
+    # the converter: torch_dist -> canonical gives our save's model tensors, and back (at the saving tp) the
+    # torch_dist save's
+
+    canonical, megatron = os.path.join(root, "converted"), os.path.join(root, "converted_back")
+    assert convert(["--loader", "torch_dist", "--saver", "canonical", "--load-dir", os.path.join(root, "megatron"),
+                    "--save-dir", canonical]) == 0
+    assert _same(_model_tensors(canonical, 0), _model_tensors(os.path.join(root, "ours"), 2))
+    assert convert(["--loader", "canonical", "--saver", "torch_dist", "--load-dir", canonical, "--save-dir", megatron,
+                    "--target-tensor-parallel-size", "2"]) == 0
+    assert _same(_model_tensors(megatron, 0), _model_tensors(os.path.join(root, "megatron"), 2))
 
     def refusal(extra: list[str]) -> str:
         defaults, argv = model_flags("llama", extra + ["--load", os.path.join(root, "megatron")])

@@ -51,6 +51,20 @@ def megatron_name(name: str) -> tuple[str, int | None]:
     return f"{prefix}decoder.layers.{rest}", int(match.group(1))
 
 
+def our_tensors(name: str, shape: tuple[int, ...], vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Our canonical (name, shape) of each tensor held by the Megatron-LM model tensor `name` of `shape`
+    (one per layer for stacked ones; vocabulary tensors cut at `vocab_size` rows)."""
+    if name in VOCABULARY:
+        return [(name, (vocab_size,) + shape[1:])]
+    if not name.startswith("decoder.layers."):
+        return [(name, shape)]
+    rest = name[len("decoder.layers."):]
+    for ours, theirs in NORM_NAMES.items():
+        if rest.startswith(theirs):
+            rest = ours + rest[len(theirs):]
+    return [(f"decoder.layers.{i}.{rest}", shape[1:]) for i in range(shape[0])]
+
+
 def is_vocabulary(name: str) -> bool:
     return _split_state(name)[1] in VOCABULARY
 
