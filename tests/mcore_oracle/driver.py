@@ -12,12 +12,16 @@ parallel), "model": our model args (TransformerConfig field names, as our checkp
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
 - {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
 - {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
-  optimizer and scheduler) as Megatron-LM's --load does.
+  optimizer and scheduler) as Megatron-LM's --load does;
+- {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
+  and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
 """
 import argparse
 import json
 import os
+import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -174,6 +178,27 @@ class Oracle:
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             self.iteration = state["iteration"]
             self.consumed = state["args"].consumed_train_samples
+
+
+    def time_checkpoint(self, root: str, repeat: int, out: str) -> None:
+        def timed(fn) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            seconds = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            return seconds.item()
+
+        times = {"save": [], "load": []}
+        for _ in range(repeat):
+            if dist.get_rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
+            times["save"].append(timed(lambda: self.save(root, 1)))
+            times["load"].append(timed(lambda: self.load(root, optimizer=True)))
+        if dist.get_rank() == 0:
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+            json.dump({key: min(values) for key, values in times.items()} | {"bytes": size}, open(out, "w"))
+        dist.barrier()
 
 
 def run(rank: int, spec: dict) -> None:

@@ -88,8 +88,8 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
     assert convert(["--loader", "torch_dist", "--saver", "canonical", "--load-dir", os.path.join(root, "megatron"),
                     "--save-dir", canonical]) == 0
     assert _same(_model_tensors(canonical, 0), _model_tensors(os.path.join(root, "ours"), 2))
-    assert convert(["--loader", "canonical", "--saver", "torch_dist", "--load-dir", canonical, "--save-dir", megatron,
-                    "--target-tensor-parallel-size", "2"]) == 0
+    assert convert(["--loader", "mcore", "--saver", "torch_dist", "--load-dir", canonical, "--save-dir", megatron,
+                    "--target-tensor-parallel-size", "2"]) == 0  # mcore: the old name of canonical
     assert _same(_model_tensors(megatron, 0), _model_tensors(os.path.join(root, "megatron"), 2))
 
     def refusal(extra: list[str]) -> str:
