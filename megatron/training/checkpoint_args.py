@@ -61,5 +61,6 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
         raise ValueError("--async-save writes --ckpt-format canonical only; drop one of them")
     return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-                            async_save=args.async_save, ckpt_format=args.ckpt_format, exit_signal_handler=args.exit_signal_handler,
-                            exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins)
+                            async_save=args.async_save, ckpt_format=args.ckpt_format,
+                            exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
+                            exit_duration_in_mins=args.exit_duration_in_mins)

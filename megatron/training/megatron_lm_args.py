@@ -90,7 +90,8 @@ def args_mismatch(args, config) -> str | None:
     return None
 
 
-def megatron_args(config, *, iteration: int, consumed_samples: int, tp: int, pp: int, extra: dict) -> argparse.Namespace:
+def megatron_args(config, *, iteration: int, consumed_samples: int, tp: int, pp: int,
+                  extra: dict) -> argparse.Namespace:
     """The `args` a Megatron-format checkpoint of ours records, under Megatron-LM's names."""
     values = {arg.megatron: getattr(config, arg.field) for arg in FIELDS}
     values.update(UNSUPPORTED)

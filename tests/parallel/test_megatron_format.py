@@ -116,3 +116,32 @@ def test_cli_refuses_a_torch_dist_checkpoint_of_another_model_with_one_line(tmp_
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"]
+
+
+def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatch):
+    """Megatron-LM's args hold its enums and configs: common.pt unpickles with stand-ins for them."""
+    import argparse
+    import enum
+    import sys
+    import types
+
+    from megatron.training.checkpoint_formats import read_common
+
+    module = types.ModuleType("megatron.core.not_ours")
+
+    class AttnBackend(enum.Enum):
+        auto = 5
+
+    AttnBackend.__module__, AttnBackend.__qualname__ = "megatron.core.not_ours", "AttnBackend"
+    module.AttnBackend = AttnBackend
+    monkeypatch.setitem(sys.modules, "megatron.core.not_ours", module)
+    args = argparse.Namespace(hidden_size=32, attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16)
+    torch.save({"args": args, "iteration": 7}, tmp_path / "common.pt")
+    monkeypatch.delitem(sys.modules, "megatron.core.not_ours")
+    common = read_common(str(tmp_path))
+    assert common["iteration"] == 7 and common["args"].hidden_size == 32
+    assert common["args"].params_dtype == torch.bfloat16
+    assert type(common["args"].attention_backend).__name__ == "AttnBackend"
+    (tmp_path / "common.pt").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="common.pt: unreadable"):
+        read_common(str(tmp_path))

@@ -47,7 +47,12 @@ from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
 from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
 from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
 from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, model_args, save_checkpoint  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    checkpoint_to_load,
+    load_checkpoint,
+    model_args,
+    save_checkpoint,
+)
 from megatron.training.training import Trainer  # noqa: E402
 
 FLAGS = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size", "1408",
@@ -134,7 +139,8 @@ def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
     directory.mkdir()
     torch.save({"tokens": torch.randint(0, config.vocab_size, (1, config.seq_length)),
                 "labels": torch.randint(0, config.vocab_size, (1, config.seq_length))}, directory / "batch.pt")
-    job = {"tp": world, "model": model_args(config), "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+    job = {"tp": world, "model": model_args(config),
+           "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
            "seed": 1, "batch": str(directory / "batch.pt"), "global_batch_size": 1, "optimizer": {},
            "ops": [{"op": "train", "iters": 1, "out": str(directory / "train.json")},
                    {"op": "time_checkpoint", "root": str(directory / "ckpt"), "repeat": repeat,

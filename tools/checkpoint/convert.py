@@ -195,7 +195,10 @@ def hf_source(load_dir: str) -> Source:
         return tuple(rule.to_ours(*(torch.empty(reader.shape(n), device="meta") for n in rule.hf)).shape)
 
     saved = {name: (shape(rule), reader.dtype(rule.hf[0])) for name, rule in rules.items()}
-    return Source(args, saved, lambda names: {n: rules[n].to_ours(*(reader.get(h) for h in rules[n].hf)) for n in names})
+    def read(names):
+        return {n: rules[n].to_ours(*(reader.get(h) for h in rules[n].hf)) for n in names}
+
+    return Source(args, saved, read)
 
 
 SOURCES = {"canonical": canonical_source, "torch_dist": torch_dist_source, "hf": hf_source}
@@ -249,7 +252,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     formats = ["hf", "canonical", "torch_dist", "mcore"]
     parser.add_argument("--loader", choices=formats, required=True,
-                        help="hf: Hugging Face; canonical: ours; torch_dist: Megatron-LM's; mcore: old name of canonical")
+                        help="hf: Hugging Face; canonical: ours; torch_dist: Megatron-LM's; "
+                             "mcore: canonical's old name")
     parser.add_argument("--saver", choices=formats, required=True, help="as --loader")
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
