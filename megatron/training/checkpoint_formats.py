@@ -134,6 +134,7 @@ def megatron_metadata(directory: str) -> dict:
     if args is None:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
+    objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
     rows = [tensors[name][0][0] for name in VOCABULARY if name in tensors]
     step = _step(common.get("optimizer"))
     moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
@@ -143,8 +144,7 @@ def megatron_metadata(directory: str) -> dict:
             "optimizer": {"step": step or 0, "loss_scaler": None,
                           "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors)},
             "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
-            "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in
-                                         FileSystemReader(directory).read_metadata().state_dict_metadata),
+            "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
             "megatron_args": args, "vocab_rows": rows[0] if rows else None}
 
 
