@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
-from megatron.core.checkpointing.megatron_lm import extra_state_objects, to_megatron, vocabulary_padding
+from megatron.core.checkpointing.megatron_lm import VOCABULARY, extra_state_objects, to_megatron, vocabulary_padding
 from megatron.training import checkpointing as ours
 from megatron.training.megatron_lm_args import args_mismatch, megatron_args
 
@@ -40,7 +40,6 @@ COMMON = "common.pt"
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                      "common_backend_version": 1}
 CHECKPOINT_VERSION = 3.0
-VOCABULARY = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def detect_checkpoint_format(root: str) -> str | None:
