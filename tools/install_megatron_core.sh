@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 source tools/python_env.sh
 VENV="$PWD/.venv-mcore"
 VERSION=0.16.1
-check() { "$VENV/bin/python" -I -c "import megatron.core, torch, numpy, psutil; assert megatron.core.__version__ == '$VERSION'" 2>/dev/null; }
+# megatron-core's `megatron` must be the one imported there (a non-editable install of ours beside torch would shadow it)
+check() { "$VENV/bin/python" -I -c "import megatron.core, torch, numpy, psutil
+assert megatron.core.__version__ == '$VERSION' and megatron.core.__file__.startswith('$VENV/')" 2>/dev/null; }
 if [ -x "$VENV/bin/python" ] && check; then echo "$VENV/bin/python"; exit 0; fi
 "$PYTHON" -m venv "$VENV"
 site="$("$VENV/bin/python" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -17,5 +19,5 @@ torch_site="$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirn
 echo "$torch_site" > "$site/main_torch.pth"
 "$VENV/bin/python" -m pip install -q --no-deps "megatron-core==$VERSION"
 "$VENV/bin/python" -I -c "import numpy, psutil" 2>/dev/null || "$VENV/bin/python" -m pip install -q numpy psutil
-check || { echo "error: megatron-core $VERSION does not import in $VENV" >&2; exit 1; }
+check || { echo "error: megatron-core $VERSION does not import from $VENV (is another package named megatron installed beside torch?)" >&2; exit 1; }
 echo "$VENV/bin/python"
