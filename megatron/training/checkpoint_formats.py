@@ -22,6 +22,7 @@ step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it wi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -144,7 +145,7 @@ def megatron_metadata(directory: str) -> dict:
                           "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors)},
             "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
             "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
-            "megatron_args": args, "vocab_rows": rows[0] if rows else None}
+            "megatron_args": args, "vocab_rows": rows[0] if rows else None, "scheduler": scheduler}
 
 
 def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -> ours.CheckpointInfo:
@@ -178,12 +179,33 @@ def megatron_checkpoint_info(root: str) -> ours.CheckpointInfo:
     return ours.CheckpointInfo(directory, iteration, megatron_metadata(directory), (), MEGATRON)
 
 
+# Megatron's scheduler state -> our LRSchedule field
+SCHEDULE_FIELDS = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_decay_style": "style", "lr_warmup_steps": "warmup_steps",
+                   "lr_decay_steps": "decay_steps"}
+
+
+def schedule_note(saved: dict, schedule) -> str | None:
+    """A log line when the checkpoint's LR schedule differs from the flags' (ours is used; Megatron-LM
+    would refuse without --override-opt_param-scheduler)."""
+    if not saved or schedule is None:
+        return None
+    differ = [f"{name} {saved[name]} (flags: {getattr(schedule, ours_name)})" for name, ours_name in
+              SCHEDULE_FIELDS.items() if name in saved and saved[name] != getattr(schedule, ours_name)]
+    if not differ:
+        return None
+    return f"> the checkpoint's LR schedule differs from the flags', which are used: {', '.join(differ)}"
+
+
 def checkpoint_to_load(run) -> ours.CheckpointInfo | None:
     """As checkpointing.checkpoint_to_load, for either format."""
     if run.checkpoint.load is None or detect_checkpoint_format(run.checkpoint.load) != MEGATRON:
         return ours.checkpoint_to_load(run)
     info = check_megatron_compatible(megatron_checkpoint_info(run.checkpoint.load), run.model, run.checkpoint)
-    return info if run.checkpoint.finetune else ours.continue_data_position(info, run)
+    if run.checkpoint.finetune:
+        return info
+    note = None if run.checkpoint.no_load_optim else schedule_note(info.metadata["scheduler"], run.lr_schedule)
+    info = dataclasses.replace(info, notes=info.notes + (note,)) if note else info
+    return ours.continue_data_position(info, run)
 
 
 def stored_as_megatron(num_layers: int, vocab_rows: int | None):

@@ -98,6 +98,9 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
             checkpoint_to_load(parse_run_config(argv, defaults, 2))
         return str(error.value)
 
+    defaults, argv = model_flags("llama", ["--lr", "0.5", "--load", os.path.join(root, "megatron")])
+    notes = checkpoint_to_load(parse_run_config(argv, defaults, 2)).notes
+    assert any("LR schedule differs from the flags', which are used: max_lr 0.003 (flags: 0.5)" in n for n in notes)
     assert "saved with --hidden-size 64, the flags give 32" in refusal(["--hidden-size", "32"])
     assert "saved with --num-query-groups 4, the flags give 2" in refusal(["--num-query-groups", "2"])
     shard = os.path.join(root, "megatron", "iter_0000002", "__1_0.distcp")
