@@ -114,10 +114,28 @@ def check_file_lengths(directory: str) -> None:
                                   f"{size} (truncated)")
 
 
+def _torch_optimizer(optimizer_state) -> dict:
+    """The torch optimizer's part of Megatron's optimizer common state: the state itself (fp32
+    optimizer), or under `optimizer` (the bf16/fp16 one, beside `grad_scaler`)."""
+    if not isinstance(optimizer_state, dict):
+        return {}
+    return optimizer_state["optimizer"] if isinstance(optimizer_state.get("optimizer"), dict) else optimizer_state
+
+
+def _loss_scaler(optimizer_state) -> dict | None:
+    """Megatron's dynamic loss scaler state (the same names as ours), None without one."""
+    scaler = optimizer_state.get("grad_scaler") if isinstance(optimizer_state, dict) else None
+    if not scaler or "growth_tracker" not in scaler:  # none, or a constant scale (nothing to restore)
+        return None
+    return {"scale": float(scaler["scale"]), "growth_tracker": int(scaler["growth_tracker"]),
+            "hysteresis_tracker": int(scaler["hysteresis_tracker"])}
+
+
 def _step(optimizer_state) -> int | None:
     """Adam's step count in Megatron's optimizer common state (torch AdamW: `state.common_step`;
     fused Adam: the param groups' `step`)."""
-    if not isinstance(optimizer_state, dict):
+    optimizer_state = _torch_optimizer(optimizer_state)
+    if not optimizer_state:
         return None
     step = optimizer_state.get("state", {}).get("common_step")
     if step is None:
@@ -141,7 +159,7 @@ def megatron_metadata(directory: str) -> dict:
     consumed = getattr(args, "consumed_train_samples", 0) or 0
     scheduler = common.get("opt_param_scheduler") or {}
     return {"consumed_samples": consumed, "update_samples": scheduler.get("num_steps", consumed), "layout": None,
-            "optimizer": {"step": step or 0, "loss_scaler": None,
+            "optimizer": {"step": step or 0, "loss_scaler": _loss_scaler(common.get("optimizer")),
                           "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors)},
             "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
             "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
@@ -254,9 +272,16 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
                          tp=dims.tp, pp=dims.pp, extra={"lr": trainer.run.optimizer.lr,
                                                         "min_lr": trainer.run.optimizer.min_lr})
     step = trainer.optimizer.adam.step_count
+    optimizer = {"param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
+                 "state": {"common_step": torch.tensor(float(step))}}
+    if trainer.run.model.params_dtype != torch.float32:  # Megatron's bf16/fp16 optimizer nests it, beside its scaler
+        optimizer = {"optimizer": optimizer}
+        scaler = trainer.optimizer.grad_scaler
+        if scaler is not None:
+            state = scaler.state_dict()
+            optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
     return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "optimizer": {"param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
-                          "state": {"common_step": torch.tensor(float(step))}},
+            "optimizer": optimizer,
             "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
             "num_floating_point_operations_so_far": 0}
 

@@ -41,25 +41,32 @@ def _state(trainer) -> dict:
         if name != "step":
             state.update({f"{key}.{name}.{start}": view.clone() for start, _, views in ranges
                           for key, view in views.items()})
-    state["step"] = trainer.optimizer.adam.step_count
+    state["scalars"] = trainer.optimizer.scalar_state()  # step count, loss scaler
     return state
 
 
 def _round_trip(rank: int, root: str) -> list[str]:
-    trainer = _trainer(TP2)
-    for iteration in (1, 2):
-        trainer.forward_backward(iteration)
-        trainer.optimizer.step()
-    save_megatron_checkpoint(os.path.join(root, "megatron"), 2, trainer)
-    save_checkpoint(os.path.join(root, "ours"), 2, trainer)
-    expected = _state(trainer)
-    defaults, argv = model_flags("llama", TP2 + ["--seed", "9", "--load", os.path.join(root, "megatron")])
-    run = parse_run_config(argv, defaults, dist.get_world_size())
-    loaded = Trainer(run, torch.device("cpu"))
-    iteration, _ = load_checkpoint(checkpoint_to_load(run), loaded, run.checkpoint)
-    state = _state(loaded)
-    differ = [k for k, v in expected.items() if not (torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k])]
-    return differ + ([] if iteration == 2 else [f"iteration {iteration}"])
+    """fp32, and fp16 (master weights, a dynamic loss scaler): save torch_dist, load, compare."""
+    differ = []
+    for precision in ([], ["--fp16"]):
+        trainer = _trainer(TP2 + precision)
+        for iteration in (1, 2):
+            trainer.forward_backward(iteration)
+            trainer.optimizer.step()
+        megatron = os.path.join(root, "megatron" + "".join(precision))
+        save_megatron_checkpoint(megatron, 2, trainer)
+        if not precision:
+            save_checkpoint(os.path.join(root, "ours"), 2, trainer)
+        expected = _state(trainer)
+        defaults, argv = model_flags("llama", TP2 + precision + ["--seed", "9", "--load", megatron])
+        run = parse_run_config(argv, defaults, dist.get_world_size())
+        loaded = Trainer(run, torch.device("cpu"))
+        iteration, _ = load_checkpoint(checkpoint_to_load(run), loaded, run.checkpoint)
+        state = _state(loaded)
+        differ += [f"{precision} {k}" for k, v in expected.items()
+                   if not (torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k])]
+        differ += [] if iteration == 2 else [f"{precision} iteration {iteration}"]
+    return differ
 
 
 def _model_tensors(root: str, iteration: int) -> dict:
