@@ -6,8 +6,9 @@ untied) GPTModel at tp 1 and tp 2, saves it before training and again after 2 st
 optimizer (AdamW, clipping, warm-up + cosine), and records its logits and 5 steps on one batch.
 We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss; 5 steps from
 the untrained checkpoint, and steps 3-5 from the one with optimizer state, give megatron-core's
-losses and grad norms. Then ours saves --ckpt-format torch_dist and megatron-core loads it at
-tp 1 and tp 2: the same logits. All within 1e-5.
+losses and grad norms. Then ours saves --ckpt-format torch_dist (the Llama from tp 2, the tied GPT
+from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same logits and loss.
+All within 1e-5.
 
 Both vocabularies (128) need no padding. A third Llama with 120 tokens, padded to 128 rows in
 the checkpoint, is saved at tp 2 and loaded at tp 1: its logits over the real vocabulary are
@@ -46,6 +47,9 @@ PADDED = "llama_vocab_120"
 MODELS[PADDED] = (LLAMA_DEFAULTS, MODELS["llama"][1][:-1] + ["120"])
 TRAINED = ("gpt", "llama")
 LAYOUTS = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+# (model, saved tp, our layout) whose state after step 5 we save as torch_dist: the tied GPT from two
+# pipeline stages, the Llama from two tp ranks
+SAVED_BY_US = (("gpt", 1, "pp2"), ("llama", 2, "tp2"))
 OPTIMIZER = {"lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 2, "decay_iters": 10, "decay_style": "cosine",
              "weight_decay": 0.01, "clip_grad": 1.0}
 
@@ -147,9 +151,9 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
                 trainer, iteration = _load(model, layout, os.path.join(saved, "trained"), batch, [])
                 resumed = _train(trainer, iteration + 1, 5)
                 results[(model, tp, layout)] = {"logits": logits, "loss": loss, "steps": steps, "resumed": resumed}
-                if (model, tp, layout) == ("llama", 2, "tp2"):
-                    save_megatron_checkpoint(os.path.join(directory, "ours_torch_dist"), 5, trainer)
-                    results["saved"] = _logits_and_loss(trainer, batch)
+                if (model, tp, layout) in SAVED_BY_US:  # our torch_dist save, for megatron-core to load
+                    save_megatron_checkpoint(os.path.join(directory, f"ours_{model}_{layout}"), 5, trainer)
+                    results[("saved", model, layout)] = _logits_and_loss(trainer, batch)
     return results
 
 
@@ -178,13 +182,16 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                 for key in ("loss", "grad_norm"):
                     _close(ours["steps"][key], steps[key], case + f": 5 steps' {key}")
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
-    # megatron-core loads our torch_dist save (model and optimizer) at tp 1 and tp 2
-    jobs = [_job("llama", tp, batch_file, [
-        {"op": "load", "root": str(directory / "ours_torch_dist"), "optimizer": True},
-        {"op": "forward", "out": str(directory / f"ours_in_mcore_tp{tp}.pt")}]) for tp in (1, 2)]
+    # megatron-core loads our torch_dist saves (model and optimizer): the Llama at tp 1 and tp 2, the GPT at tp 1
+    loads = [("llama", "tp2", 1), ("llama", "tp2", 2), ("gpt", "pp2", 1)]
+    jobs = [_job(model, tp, batch_file, [
+        {"op": "load", "root": str(directory / f"ours_{model}_{layout}"), "optimizer": True},
+        {"op": "forward", "out": str(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")}])
+        for model, layout, tp in loads]
     run_oracle(jobs, directory)
-    logits, loss = results["saved"]
-    for tp in (1, 2):
-        theirs = torch.load(directory / f"ours_in_mcore_tp{tp}.pt")
-        _close(logits, theirs["logits"], f"our torch_dist save loaded by megatron-core at tp{tp}: logits")
-        _close(loss, theirs["loss"], f"our torch_dist save loaded by megatron-core at tp{tp}: loss")
+    for model, layout, tp in loads:
+        logits, loss = results[("saved", model, layout)]
+        theirs = torch.load(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")
+        case = f"our torch_dist save of the {model} at {layout} loaded by megatron-core at tp{tp}"
+        _close(logits, theirs["logits"], case + ": logits")
+        _close(loss, theirs["loss"], case + ": loss")
