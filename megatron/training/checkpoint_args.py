@@ -14,6 +14,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     async_save: bool = False
+    ckpt_format: str = "canonical"  # ours; "torch_dist": Megatron-LM's (see checkpoint_formats.py)
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -28,8 +29,10 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     g.add_argument("--no-load-rng", action="store_true", help="do not load random-number generator states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start from iteration 0 (no optimizer, RNG or iteration)")
-    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
-                   help="torch_dist: sharded, layout-independent (torch.distributed.checkpoint)")
+    g.add_argument("--ckpt-format", choices=["canonical", "torch_dist", "torch"], default="canonical",
+                   help="format of --save: canonical (ours: layout-independent, with file digests, RNG states and "
+                        "the data position) or torch_dist (Megatron-LM's, for Megatron-LM to load); --load reads "
+                        "either")
     g.add_argument("--async-save", action="store_true",
                    help="copy the state to host memory and write it in the background; the tracker moves once "
                         "every rank has written")
@@ -45,7 +48,7 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
     """Validate the checkpoint flags; every problem is one ValueError line naming the flag."""
     if args.ckpt_format == "torch":
         raise ValueError("--ckpt-format torch (per-rank files bound to one parallel layout) is not supported; "
-                         "use --ckpt-format torch_dist (sharded, loads into any layout)")
+                         "use --ckpt-format canonical or torch_dist (sharded, load into any layout)")
     for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins)):
         if value is not None and value <= 0:
@@ -54,7 +57,10 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
         raise ValueError("--save-interval needs --save (the directory to save into)")
     if args.async_save and not args.save:
         raise ValueError("--async-save needs --save (the directory to save into)")
+    if args.async_save and args.ckpt_format == "torch_dist":
+        raise ValueError("--async-save writes --ckpt-format canonical only; drop one of them")
     return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-                            async_save=args.async_save, exit_signal_handler=args.exit_signal_handler,
-                            exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins)
+                            async_save=args.async_save, ckpt_format=args.ckpt_format,
+                            exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
+                            exit_duration_in_mins=args.exit_duration_in_mins)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError, digest_share, write_pieces
+from megatron.training.checkpoint_formats import save_megatron_checkpoint
 from megatron.training.checkpointing import checkpoint_contents, prepare_staging, publish_checkpoint, save_checkpoint
 
 
@@ -62,7 +63,9 @@ class CheckpointSaver:
 
     def save(self, iteration: int) -> None:
         if self.group is None:
-            self.emit(f"> saved {save_checkpoint(self.root, iteration, self.trainer)}")
+            save = save_megatron_checkpoint if self.trainer.run.checkpoint.ckpt_format == "torch_dist" else \
+                save_checkpoint
+            self.emit(f"> saved {save(self.root, iteration, self.trainer)}")
             return
         self.finish()  # one save in flight at a time
         pieces, metadata = checkpoint_contents(self.trainer, iteration)

@@ -119,7 +119,7 @@ def _named_parameters(trainer):
         yield from chunk.module.named_parameters()
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     """Write through a temporary name and rename: readers see the old or the new file, never a part."""
     with open(path + ".tmp", "w") as handle:
         handle.write(text)
@@ -128,7 +128,7 @@ def _write_text(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _rank() -> int:
+def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -140,7 +140,7 @@ def _barrier() -> None:
 def prepare_staging(root: str, iteration: int) -> str:
     """The empty temporary directory a save of `iteration` writes into (a collective)."""
     staging = iteration_dir(root, iteration) + ".tmp"
-    if _rank() == 0:
+    if global_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
     _barrier()
@@ -152,17 +152,23 @@ def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict)
     iteration and the files' digests), renames the directory and only then points the tracker at it
     (a collective). Returns the checkpoint's directory."""
     final = iteration_dir(root, iteration)
-    if _rank() == 0:
+    if global_rank() == 0:
         staging = final + ".tmp"
         record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
                   "files": digests}
-        _write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
-        if os.path.isdir(final):  # saving the same iteration again replaces it
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _write_text(os.path.join(root, TRACKER), str(iteration))
+        write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
+        replace_checkpoint(staging, final, root, iteration)
     _barrier()
     return final
+
+
+def replace_checkpoint(staging: str, final: str, root: str, iteration: int) -> None:
+    """Rename the finished staging directory to `final` (replacing an earlier save of the same
+    iteration), then point the tracker at it (rank 0 only)."""
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    write_text(os.path.join(root, TRACKER), str(iteration))
 
 
 def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
@@ -174,19 +180,19 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
 
 
-def checkpoint_contents(trainer, iteration: int) -> tuple[list[TensorPiece], dict]:
-    """(this rank's pieces: model, optimizer state and RNG states; the metadata) of a save after
-    `iteration`. The pieces are views of the live tensors."""
+def checkpoint_contents(trainer, iteration: int, rng: bool = True) -> tuple[list[TensorPiece], dict]:
+    """(this rank's pieces: model, optimizer state and, with `rng`, RNG states; the metadata) of a
+    save after `iteration`. The pieces are views of the live tensors."""
     trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
     master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
     pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
               + optimizer_pieces(trainer, tied_copies=False, master=master)
-              + [TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()])
+              + ([TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()] if rng else []))
     metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
                 "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
                 "model": model_record(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
-                "contents": ["model", "rng", "optimizer"]}
+                "contents": ["model", "optimizer"] + (["rng"] if rng else [])}
     return pieces, metadata
 
 
@@ -209,6 +215,7 @@ class CheckpointInfo:
     iteration: int
     metadata: dict
     notes: tuple[str, ...] = ()  # lines for the log once loaded
+    format: str = "ours"  # or "torch_dist": Megatron-LM's (see checkpoint_formats.py)
 
 
 # Files that make a directory look like a saved model in some format (never ignored by --load)
@@ -265,8 +272,8 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if "sharded_backend" in metadata:
-        raise CheckpointError(f"{directory}: a Megatron-LM {metadata['sharded_backend']} checkpoint, which this "
-                              "version cannot read yet; convert it or start fresh")
+        raise CheckpointError(f"{directory}: a Megatron-LM {metadata['sharded_backend']} checkpoint: pretrain's "
+                              "--load reads it, and tools/checkpoint/convert.py --loader torch_dist")
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {metadata.get('format')} version {metadata.get('format_version')}, "
                               f"this code reads {FORMAT} version {FORMAT_VERSION}")
@@ -294,7 +301,7 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> CheckpointIn
     return dataclasses.replace(info, notes=info.notes + tuple(notes))
 
 
-def _continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
+def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
     """The data order is a function of the samples consumed. When the flags' batch sizes reach another
     count at the checkpoint's iteration (--global-batch-size or its ramp-up changed), the run continues
     from the saved count, as Megatron does: the batch schedule restarts there, and the learning-rate
@@ -326,11 +333,15 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
         return None
     info = check_compatible(info, run.model, run.checkpoint)
     if not run.checkpoint.finetune:
-        info = _continue_data_position(info, run)
+        info = continue_data_position(info, run)
     return info
 
 
-def _load_optimizer(info: CheckpointInfo, trainer) -> None:
+def _as_stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
+    return pieces
+
+
+def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
     """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
     saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
     saved = info.metadata["optimizer"]
@@ -339,7 +350,7 @@ def _load_optimizer(info: CheckpointInfo, trainer) -> None:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    read_pieces(optimizer_pieces(trainer, tied_copies=True, master=master), info.directory)
+    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
     trainer.optimizer.load_scalar_state(saved)
 
 
@@ -358,12 +369,14 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
                               f"model, e.g. {unused[0]} (a flag that adds tensors is missing)")
 
 
-def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
+def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
-    from, lines for the log). Files are verified and every saved model tensor is matched to a
-    parameter before anything is read."""
-    verify_files(info.directory, info.metadata["files"])
-    pieces = model_pieces(_named_parameters(trainer), tied_copies=True)
+    from, lines for the log). Our files are verified against their digests, and every saved model
+    tensor is matched to a parameter, before anything is read. `stored`: our pieces -> the pieces as
+    the checkpoint stores them (another format's names)."""
+    if info.format == "ours":
+        verify_files(info.directory, info.metadata["files"])
+    pieces = stored(model_pieces(_named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)
     read_pieces(pieces, info.directory)
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
@@ -371,13 +384,13 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
     else:
-        _load_optimizer(info, trainer)
+        _load_optimizer(info, trainer, stored)
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
     if config.no_load_rng:
         notes.append("> --no-load-rng: RNG states not loaded")
     elif "rng" not in info.metadata["contents"]:
-        notes.append("> the checkpoint holds no RNG states (a converted model): RNG states not loaded")
+        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
     elif info.metadata["layout"] != layout_of(trainer):
         notes.append(f"> RNG states not loaded: saved with layout {info.metadata['layout']}, "
                      f"running {layout_of(trainer)}")

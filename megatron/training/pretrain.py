@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint
+from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory

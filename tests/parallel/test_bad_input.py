@@ -56,10 +56,10 @@ CASES = {
     "bad-tracker": ("pretrain_llama.py", 2, lambda c, t: TINY_LLAMA + _bad_tracker(t),
                     "expected an iteration number"),
     "convert-missing-dir": ("tools/checkpoint/convert.py", 1,
-                            lambda c, t: ["--loader", "mcore", "--saver", "hf", "--load-dir", str(t / "none"),
+                            lambda c, t: ["--loader", "canonical", "--saver", "hf", "--load-dir", str(t / "none"),
                                           "--save-dir", str(t / "hf")], "no checkpoint"),
     "convert-hf-without-config": ("tools/checkpoint/convert.py", 1,
-                                  lambda c, t: ["--loader", "hf", "--saver", "mcore", "--load-dir", str(t),
+                                  lambda c, t: ["--loader", "hf", "--saver", "canonical", "--load-dir", str(t),
                                                 "--save-dir", str(t / "out")], "config.json"),
     "preprocess-missing-input": ("tools/preprocess_data.py", 1,
                                  lambda c, t: ["--input", str(t / "none.jsonl"), "--output-prefix", str(t / "out")]

@@ -196,7 +196,7 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
         byte = handle.read(1)
         handle.seek(100)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    assert "SHA-256 differs" in _error(root)
+    assert "CRC32 differs" in _error(root)
 
     # the previous checkpoint still loads once the tracker names it
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as handle:

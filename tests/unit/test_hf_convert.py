@@ -65,7 +65,7 @@ def _converted(family: str, tmp_path, tp: int = 1, pp: int = 1):
     model = MODELS[family]()
     hf_dir, ours = str(tmp_path / f"{family}_hf"), str(tmp_path / f"{family}_ours")
     model.save_pretrained(hf_dir)
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", ours,
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", ours,
                     "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]) == 0
     return model, hf_dir, ours
 
@@ -113,7 +113,7 @@ def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path,
     assert all(abs(l - hf_loss) < 1e-5 for l in losses), (losses, hf_loss)
 
     back = str(tmp_path / f"{family}_back")
-    assert convert(["--loader", "mcore", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
     original = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
     index = json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"]
     restored = {}
@@ -130,20 +130,20 @@ def test_bad_conversion_inputs_are_one_line_errors(tmp_path, capsys):
     _, hf_dir, _ = _converted("llama", tmp_path)
     capsys.readouterr()
     # 2 query groups do not split over tp 4
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
                     "--target-tensor-parallel-size", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--num-query-groups (2)" in err, err
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
                     "--target-pipeline-parallel-size", "3"]) == 2
     assert "--num-layers (2)" in capsys.readouterr().err
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
     json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")]) == 2
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")]) == 2
     assert "rope_type 'yarn': only default and llama3" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "y")
-    assert convert(["--loader", "mcore", "--saver", "hf", "--load-dir", str(tmp_path), "--save-dir",
+    assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", str(tmp_path), "--save-dir",
                     str(tmp_path / "z")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 

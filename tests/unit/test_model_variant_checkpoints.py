@@ -103,7 +103,7 @@ def test_variant_resume_and_export(variant, tmp_path, capsys):
         expected = f"> note: --finetune changes how positions are encoded (saved with {first}"
         assert any(line.startswith(expected) for line in info.notes), info.notes
 
-    status = convert(["--loader", "mcore", "--saver", "hf", "--load-dir", root, "--save-dir", hf_dir])
+    status = convert(["--loader", "canonical", "--saver", "hf", "--load-dir", root, "--save-dir", hf_dir])
     err = capsys.readouterr().err.strip()
     if export.startswith("error:"):
         assert status == 2 and err.startswith(export) and len(err.splitlines()) == 1, err
@@ -115,7 +115,7 @@ def test_variant_resume_and_export(variant, tmp_path, capsys):
     torch.testing.assert_close(_hf_logits(hf_dir), ours, atol=1e-5, rtol=0)
 
     back = str(tmp_path / "back")
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", back]) == 0
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", back]) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     for flag in flags:
         if flag not in ("--apply-layernorm-1p", "--rotary-interleaved"):  # folded into the tensors on export
@@ -158,7 +158,7 @@ def test_hf_llama_rope_theta_and_llama3_scaling_are_imported(tmp_path, capsys):
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
     transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
-    assert convert(["--loader", "hf", "--saver", "mcore", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", ours]) == 0
     flags = capsys.readouterr().out.strip().splitlines()[-1].split()[1:]
     assert flags[flags.index("--rotary-base") + 1] == "500000" and "--rope-scaling" in flags
     logits = run_distributed(1, _converted_logits, flags)[0]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checkpoint save and load: our layout-independent format vs torch.save, side by side.
+"""Checkpoint save and load: our formats vs megatron-core's dist_checkpointing and torch.save, side by side.
 
     python tools/bench/checkpoint.py [--repeat 2] [--dir /tmp]
 
@@ -9,7 +9,13 @@ state) on 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). O
 then SHA-256 of every file, metadata, rename) and `load_checkpoint` (verify every file, then
 read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
 optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
-fsynced as ours is, and loads them back with `torch.load` + copy. Times are the slowest rank's, best of `--repeat`;
+fsynced as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
+`--ckpt-format torch_dist`'s save (no digests: Megatron-LM records none) and our load of it (file
+lengths checked against `.metadata`, then read). megatron-core 0.16.1 (its own environment,
+tests/mcore_oracle/driver.py, skipped when it cannot be installed): the same model built as its
+GPTModel on the same ranks, after one AdamW step, `dist_checkpointing.save` of model + optimizer +
+common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the
+model's and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`;
 loads read from the page cache (the files were just written).
 
 Then the training loop's blocked time: `--loop-iterations` iterations of the same model on
@@ -22,6 +28,7 @@ writer competes with training for the CPU cores). Slowest rank, best of `--repea
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -37,7 +44,15 @@ import torch.distributed as dist  # noqa: E402
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.core.checkpointing import verify_files  # noqa: E402
 from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
+from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
+from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    checkpoint_to_load,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.core.transformer.model_fields import model_record  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
 FLAGS = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size", "1408",
@@ -88,7 +103,10 @@ def measure(rank: int, root: str, repeat: int) -> dict:
     if rank == 0:
         os.makedirs(ours, exist_ok=True)
         os.makedirs(baseline, exist_ok=True)
-    times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": []}
+    megatron = os.path.join(root, f"torch_dist_{world}")
+    megatron_run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", megatron],
+                                    LLAMA_DEFAULTS, world)
+    times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": [], "td_save": [], "td_load": []}
     for _ in range(repeat):
         times["save"].append(_timed(lambda: save_checkpoint(ours, 1, trainer)))
         info = checkpoint_to_load(run)
@@ -101,9 +119,38 @@ def measure(rank: int, root: str, repeat: int) -> dict:
                 state[name].copy_(tensor)
 
         times["torch_load"].append(_timed(torch_load))
+        times["td_save"].append(_timed(lambda: save_megatron_checkpoint(megatron, 1, trainer)))
+        megatron_info = any_checkpoint_to_load(megatron_run)  # checks the file lengths
+        times["td_load"].append(_timed(lambda: (any_checkpoint_to_load(megatron_run),
+                                                any_load_checkpoint(megatron_info, trainer, megatron_run.checkpoint))))
     dist.barrier()
     return {"times": {key: min(values) for key, values in times.items()},
-            "bytes": _bytes(ours), "torch_bytes": _bytes(baseline)}
+            "bytes": _bytes(ours), "torch_bytes": _bytes(baseline), "td_bytes": _bytes(megatron)}
+
+
+def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
+    """megatron-core's save and load of the same model on `world` ranks (None: it cannot be installed)."""
+    import pytest
+
+    from tests.mcore_oracle.oracle import run_oracle
+
+    config = parse_run_config(FLAGS, LLAMA_DEFAULTS, 1).model
+    directory = Path(root) / f"mcore_{world}"
+    directory.mkdir()
+    torch.save({"tokens": torch.randint(0, config.vocab_size, (1, config.seq_length)),
+                "labels": torch.randint(0, config.vocab_size, (1, config.seq_length))}, directory / "batch.pt")
+    job = {"tp": world, "model": model_record(config),
+           "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+           "seed": 1, "batch": str(directory / "batch.pt"), "global_batch_size": 1, "optimizer": {},
+           "ops": [{"op": "train", "iters": 1, "out": str(directory / "train.json")},
+                   {"op": "time_checkpoint", "root": str(directory / "ckpt"), "repeat": repeat,
+                    "out": str(directory / "times.json")}]}
+    try:
+        run_oracle([job], directory, world=world)
+    except pytest.skip.Exception as reason:
+        print(f"megatron-core rows skipped: {reason}")
+        return None
+    return json.loads((directory / "times.json").read_text())
 
 
 def measure_loop(rank: int, root: str, iterations: int, interval: int, repeat: int) -> dict:
@@ -143,6 +190,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--loop-only", action="store_true", help="only the training loop's blocked time")
+    parser.add_argument("--no-megatron-core", action="store_true", help="leave out megatron-core's rows")
     parser.add_argument("--loop-ranks", type=int, default=2)
     parser.add_argument("--loop-iterations", type=int, default=8)
     parser.add_argument("--loop-interval", type=int, default=4)
@@ -150,13 +198,15 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     try:
-        rows = []
+        rows, peers = [], []
         for world in () if args.loop_only else (1, 2, 4):
             r = run_distributed(world, measure, root, args.repeat)[0]
             t = r["times"]
             rows.append((world, r["bytes"] / 1e6, r["torch_bytes"] / 1e6, t["save"], t["torch_save"],
                          t["save"] / t["torch_save"], t["load"], t["verify"], t["torch_load"],
                          t["load"] / t["torch_load"]))
+            mcore = None if args.no_megatron_core else measure_megatron_core(world, root, args.repeat)
+            peers.append((world, t, r["td_bytes"], mcore))
         loop = run_distributed(args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval,
                                args.repeat)[0]
     finally:
@@ -169,6 +219,19 @@ def main() -> int:
         for world, mb, tmb, save, tsave, sratio, load, verify, tload, lratio in rows:
             print(f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
                   f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}")
+        print("side by side with megatron-core (dist_checkpointing, torch_dist) and ours in Megatron-LM's format; "
+              "ratios: time / megatron-core's")
+        print(f"{'ranks':>5} {'MB mcore':>8} {'save s':>7} {'load s':>7} | {'ours save':>9} {'ratio':>6} "
+              f"{'ours load':>9} {'ratio':>6} | {'td save':>7} {'ratio':>6} {'td load':>7} {'ratio':>6}")
+        for world, t, td_bytes, mcore in peers:
+            if mcore is None:
+                print(f"{world:>5} {'-':>8} (megatron-core not installed)  ours torch_dist save {t['td_save']:.2f} s, "
+                      f"load {t['td_load']:.2f} s, {td_bytes / 1e6:.1f} MB")
+                continue
+            ms, ml = mcore["save"], mcore["load"]
+            print(f"{world:>5} {mcore['bytes'] / 1e6:>8.1f} {ms:>7.2f} {ml:>7.2f} | {t['save']:>9.2f} "
+                  f"{t['save'] / ms:>6.2f} {t['load']:>9.2f} {t['load'] / ml:>6.2f} | {t['td_save']:>7.2f} "
+                  f"{t['td_save'] / ms:>6.2f} {t['td_load']:>7.2f} {t['td_load'] / ml:>6.2f}")
     saves = args.loop_iterations // args.loop_interval
     print(f"training loop, {args.loop_iterations} iterations on {args.loop_ranks} ranks (tensor parallel), "
           f"{saves} saves; slowest rank, best of {args.repeat}")

@@ -1,16 +1,24 @@
 #!/usr/bin/env python
-"""Convert between Hugging Face models and our checkpoints.
+"""Convert models between Hugging Face, our checkpoints and Megatron-LM's.
 
-    python tools/checkpoint/convert.py --loader hf --saver mcore --load-dir HF_DIR --save-dir OUT \\
+    python tools/checkpoint/convert.py --loader hf --saver canonical --load-dir HF_DIR --save-dir OUT \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
-    python tools/checkpoint/convert.py --loader mcore --saver hf --load-dir OUT --save-dir HF_DIR
+    python tools/checkpoint/convert.py --loader canonical --saver hf --load-dir OUT --save-dir HF_DIR
+    python tools/checkpoint/convert.py --loader torch_dist --saver canonical --load-dir MEGATRON_LM_SAVE --save-dir OUT
+    python tools/checkpoint/convert.py --loader canonical --saver torch_dist --load-dir OUT --save-dir MEGATRON_DIR \\
+        --target-tensor-parallel-size 2
 
-Hugging Face Llama (Mistral-style GQA included) and GPT-2, safetensors + config.json.
-Our checkpoint is layout-independent, so the target sizes are only validated against
-the model and appear in the printed command line; any layout loads it. One process,
-about one layer in memory at a time (tensors are read lazily and written as they are
-converted). The saved HF directory loads with `AutoModelForCausalLM.from_pretrained`.
-Exit status 2 with one error line on bad input.
+Formats: `hf` (Hugging Face Llama, Mistral-style GQA included, and GPT-2: safetensors +
+config.json), `canonical` (ours: what --save writes by default), `torch_dist` (Megatron-LM's
+sharded checkpoint, as Megatron-LM and `--ckpt-format torch_dist` write it). `mcore`, this
+tool's old name for `canonical`, still works (it never meant Megatron-LM's format).
+Canonical checkpoints are layout-independent, so the target sizes are only validated against
+the model and appear in the printed command line; a torch_dist save pads the vocabulary as
+Megatron-LM does at the target tensor-parallel size. The model only (no optimizer state),
+in one process: from HF about one layer in memory at a time (tensors are read lazily and
+written as they are converted), from and to torch_dist the whole model. The saved HF
+directory loads with `AutoModelForCausalLM.from_pretrained`. Exit status 2 with one error
+line on bad input.
 """
 from __future__ import annotations
 
@@ -20,7 +28,9 @@ import os
 import re
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -34,11 +44,20 @@ from megatron.core.checkpointing import (  # noqa: E402
     saved_tensors,
     verify_files,
 )
+from megatron.core.checkpointing.megatron_lm import our_tensors, to_megatron  # noqa: E402
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
+from megatron.training.checkpoint_formats import (  # noqa: E402
+    CHECKPOINT_VERSION,
+    MEGATRON,
+    detect_checkpoint_format,
+    megatron_checkpoint_info,
+    publish_megatron_checkpoint,
+)
 from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
+from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402
 
@@ -87,7 +106,7 @@ def _lazy_piece(rule, reader: SafetensorsReader, progress) -> TensorPiece:
     return TensorPiece(rule.ours, shape, (0,) * len(shape), shape, inputs[0].dtype, produce)
 
 
-def hf_to_mcore(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
+def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
     """Convert; returns the pretrain command line for the result."""
     cfg = json.load(open(os.path.join(load_dir, "config.json")))
     family = family_of(cfg)
@@ -103,7 +122,7 @@ def hf_to_mcore(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
     unmapped = [n for n in reader.names() if n not in used and not IGNORED.search(n) and n != "lm_head.weight"]
     if unmapped:
         raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
-    with tqdm(total=len(rules), desc="hf -> mcore", unit="tensor") as progress:
+    with tqdm(total=len(rules), desc="hf -> canonical", unit="tensor") as progress:
         pieces = [_lazy_piece(rule, reader, progress) for rule in rules]
         commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_record(config),
                                                 "layout": None, "contents": ["model"], "source": load_dir})
@@ -118,48 +137,137 @@ def _layer_of(name: str) -> int:
     return int(match.group(1)) if match else 1 << 30
 
 
-def mcore_to_hf(load_dir: str, save_dir: str) -> None:
+@dataclass
+class Source:
+    """A checkpoint's model: our model args, our canonical tensors' (shape, dtype), and a reader of
+    some of them (name -> tensor)."""
+    args: dict
+    saved: dict
+    read: Callable[[list[str]], dict]
+
+
+def canonical_source(load_dir: str) -> Source:
     info = find_checkpoint(load_dir)
     if info is None:
         raise CheckpointError(f"{load_dir}: no checkpoint (no latest_checkpointed_iteration.txt)")
     verify_files(info.directory, info.metadata["files"])
-    args = info.metadata["model"]
-    family = family_of_args(args)
     saved = saved_tensors(info.directory)
-    hf_config = family.hf_config(args, str(saved["embedding.word_embeddings.weight"][1]).removeprefix("torch."))
+
+    def read(names):
+        tensors = {name: torch.empty(saved[name][0], dtype=saved[name][1]) for name in names}
+        read_pieces([TensorPiece.whole(name, t) for name, t in tensors.items()], info.directory)
+        return tensors
+
+    return Source(info.metadata["model"], saved, read)
+
+
+def torch_dist_source(load_dir: str) -> Source:
+    """A Megatron-LM torch_dist checkpoint's model, under our canonical names."""
+    if detect_checkpoint_format(load_dir) != MEGATRON:
+        raise CheckpointError(f"{load_dir}: no Megatron-LM torch_dist checkpoint (its tracker and metadata.json)")
+    info = megatron_checkpoint_info(load_dir)
+    config = TransformerConfig(**config_fields(info.metadata["megatron_args"]))
+    saved = {ours: (shape, dtype) for name, (shape, dtype) in saved_tensors(info.directory).items()
+             if not name.startswith("optimizer.") for ours, shape in our_tensors(name, shape, config.vocab_size)}
+
+    def read(names):
+        tensors = {name: torch.empty(saved[name][0], dtype=saved[name][1]) for name in names}
+        read_pieces([to_megatron(TensorPiece.whole(name, t), config.num_layers, info.metadata["vocab_rows"])
+                     for name, t in tensors.items()], info.directory)
+        return tensors
+
+    dropout = {"attention_dropout": config.attention_dropout, "hidden_dropout": config.hidden_dropout}
+    return Source(model_record(config) | dropout, saved, read)
+
+
+def hf_source(load_dir: str) -> Source:
+    """A Hugging Face model under our canonical names (each tensor converted when read)."""
+    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    family = family_of(cfg)
+    args = family.model_args(cfg)
+    reader = SafetensorsReader(load_dir)
+    rules = {rule.ours: rule for rule in family.rules(args, _hf_prefix(family, reader))}
+
+    def shape(rule):
+        return tuple(rule.to_ours(*(torch.empty(reader.shape(n), device="meta") for n in rule.hf)).shape)
+
+    saved = {name: (shape(rule), reader.dtype(rule.hf[0])) for name, rule in rules.items()}
+    def read(names):
+        return {n: rules[n].to_ours(*(reader.get(h) for h in rules[n].hf)) for n in names}
+
+    return Source(args, saved, read)
+
+
+SOURCES = {"canonical": canonical_source, "torch_dist": torch_dist_source, "hf": hf_source}
+
+
+def to_hf(source: Source, save_dir: str) -> None:
+    args = source.args
+    family = family_of_args(args)
+    saved_dtype = source.saved["embedding.word_embeddings.weight"][1]
+    hf_config = family.hf_config(args, str(saved_dtype).removeprefix("torch."))
     rules = family.rules(args)
-    missing = [rule.ours for rule in rules if rule.ours not in saved]
+    missing = [rule.ours for rule in rules if rule.ours not in source.saved]
     if missing:
-        raise CheckpointError(f"{info.directory}: no tensor {missing[0]} (the checkpoint's model args need it)")
+        raise CheckpointError(f"no tensor {missing[0]} in the checkpoint (its model args need it)")
     exported = {rule.ours for rule in rules}
-    unused = sorted(n for n in saved if not n.startswith(("optimizer.", "rng.")) and n not in exported)
+    unused = sorted(n for n in source.saved if not n.startswith(("optimizer.", "rng.")) and n not in exported)
     if unused:
-        raise CheckpointError(f"{info.directory}: {len(unused)} saved model tensors have no place in the "
-                              f"{family.name} export, e.g. {unused[0]} (the checkpoint's record lacks a model flag)")
+        raise CheckpointError(f"{len(unused)} saved model tensors have no place in the {family.name} export, "
+                              f"e.g. {unused[0]} (the checkpoint's record lacks a model flag)")
     groups = {}
     for rule in rules:
         groups.setdefault(_layer_of(rule.ours), []).append(rule)
 
     def reader(group_rules):
         def read() -> dict:
-            tensors = {r.ours: torch.empty(saved[r.ours][0], dtype=saved[r.ours][1]) for r in group_rules}
-            read_pieces([TensorPiece.whole(name, t) for name, t in tensors.items()], info.directory)
+            tensors = source.read([r.ours for r in group_rules])
             return {n: t for r in group_rules for n, t in zip(r.hf, r.to_hf(tensors[r.ours]))}
         return read
 
-    with tqdm(total=len(groups), desc="mcore -> hf", unit="file") as progress:
+    with tqdm(total=len(groups), desc="-> hf", unit="file") as progress:
         write_hf_files(save_dir, [reader(groups[key]) for key in sorted(groups)], hf_config, progress)
+
+
+def to_canonical(source: Source, save_dir: str, tp: int, pp: int) -> str:
+    """Write the source's model as our checkpoint; returns the pretrain command line for it."""
+    config = model_config(source.args, tp)
+    layers_per_rank(config.num_layers, pp)
+    tensors = source.read(sorted(source.saved))
+    pieces = [TensorPiece.whole(name, t) for name, t in tensors.items()]
+    commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_record(config), "layout": None,
+                                            "contents": ["model"]})
+    return command_line(source.args, tp, pp, save_dir)
+
+
+def to_torch_dist(source: Source, save_dir: str, tp: int, pp: int) -> None:
+    """Write the source's model as Megatron-LM's torch_dist checkpoint (iteration 0, no optimizer
+    state: Megatron-LM continues from it with --finetune or --no-load-optim --no-load-rng)."""
+    config = model_config(source.args, tp)
+    layers_per_rank(config.num_layers, pp)
+    tensors = source.read(sorted(source.saved))
+    common = {"args": megatron_args(config, iteration=0, consumed_samples=0, tp=tp, pp=pp, extra={}),
+              "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    publish_megatron_checkpoint(save_dir, 0, [TensorPiece.whole(n, t) for n, t in tensors.items()], config, common)
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--loader", choices=["hf", "mcore"], required=True)
-    parser.add_argument("--saver", choices=["hf", "mcore"], required=True)
+    formats = ["hf", "canonical", "torch_dist", "mcore"]
+    parser.add_argument("--loader", choices=formats, required=True,
+                        help="hf: Hugging Face; canonical: ours; torch_dist: Megatron-LM's; "
+                             "mcore: canonical's old name")
+    parser.add_argument("--saver", choices=formats, required=True, help="as --loader")
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
+    for flag in ("loader", "saver"):
+        if getattr(args, flag) == "mcore":
+            print(f"note: --{flag} mcore is the old name of canonical (our format, not Megatron-LM's torch_dist)",
+                  file=sys.stderr)
+            setattr(args, flag, "canonical")
     if args.loader == args.saver:
         parser.error(f"--loader and --saver are both {args.loader}: nothing to convert")
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
@@ -172,13 +280,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
     try:
-        if args.loader == "hf":
-            line = hf_to_mcore(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
-                               args.target_pipeline_parallel_size)
+        tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        if args.loader == "hf" and args.saver == "canonical":  # lazily, a layer at a time
+            line = hf_to_canonical(args.load_dir, args.save_dir, tp, pp)
+            print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
+            return 0
+        source = SOURCES[args.loader](args.load_dir)
+        if args.saver == "hf":
+            to_hf(source, args.save_dir)
+            print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
+        elif args.saver == "canonical":
+            line = to_canonical(source, args.save_dir, tp, pp)
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
         else:
-            mcore_to_hf(args.load_dir, args.save_dir)
-            print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
+            to_torch_dist(source, args.save_dir, tp, pp)
+            print(f"saved {args.save_dir} (Megatron-LM loads it with --ckpt-format torch_dist --finetune, at "
+                  f"--tensor-model-parallel-size {tp})")
     except EXPECTED_ERRORS as error:
         return report_error(error)
     return 0

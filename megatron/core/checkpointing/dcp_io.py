@@ -1,6 +1,6 @@
 """Write and read `TensorPiece`s with torch.distributed.checkpoint (DCP).
 
-Every rank writes its own pieces in parallel (one file per rank); DCP's global
+Every rank writes its own pieces in parallel (two files per rank, by two threads); DCP's global
 plan drops replicas (equal name and offsets) and records each tensor's chunks in
 `.metadata`. Reading asks DCP for this rank's boxes of the global tensors, so a
 checkpoint written by any layout loads into any other (DCP reshards). The
@@ -31,6 +31,7 @@ from megatron.core.checkpointing.pieces import TensorPiece
 from megatron.core.errors import AgreedError
 
 DCP_METADATA = ".metadata"
+WRITER_THREADS = 2  # files per rank written in parallel (megatron-core's default too)
 
 
 class CheckpointError(AgreedError):
@@ -47,9 +48,10 @@ def _key(index: MetadataIndex) -> tuple:
 
 
 class _PieceSavePlanner(DefaultSavePlanner):
-    def __init__(self, pieces: list[TensorPiece]):
+    def __init__(self, pieces: list[TensorPiece], objects: dict[str, object]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {_key(_index(p)): p for p in pieces}
+        self.objects = objects
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -59,10 +61,13 @@ class _PieceSavePlanner(DefaultSavePlanner):
             chunk=ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
             properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.global_shape)))
             for p in self.pieces.values()]
+        items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO) for name in self.objects]
         self.plan = SavePlan(items)
         return self.plan
 
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.objects:
+            return self.objects[index.fqn]  # DCP pickles it (torch.save)
         return self.pieces[_key(index)].tensor()
 
 
@@ -112,11 +117,14 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
         raise CheckpointError(problems[0])
 
 
-def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -> list[str]:
-    """Write this rank's pieces (a collective over `process_group`, or one process without
-    torch.distributed). Returns every file of the checkpoint, relative to `directory`."""
-    metadata = dcp.save({}, storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
-                        planner=_PieceSavePlanner(pieces), process_group=process_group)
+def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None,
+                 objects: dict[str, object] | None = None) -> list[str]:
+    """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
+    `process_group` (or one process without torch.distributed). Returns every file of the
+    checkpoint, relative to `directory`."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=WRITER_THREADS)
+    metadata = dcp.save({}, storage_writer=writer,
+                        planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group)
     return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
 
 

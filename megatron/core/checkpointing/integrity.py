@@ -1,13 +1,19 @@
-"""Size and SHA-256 of each checkpoint file: recorded at save, verified before a load.
+"""Size and CRC-32 of each checkpoint file: recorded at save, verified before a load.
 
 DCP itself notices a missing file only when a rank reads from it, mid-load, and
 never notices a truncated or altered file. Ranks hash disjoint subsets of the
 files in parallel (file i on rank i mod world), then share the results.
+
+The digest guards against accidents (a truncated copy, a flipped bit, a file of
+another save), not against tampering, so it is zlib's CRC-32: 5-6x faster than
+SHA-256 here (tools/bench/checkpoint.py measures the whole save and load).
+Checkpoints written with SHA-256 digests still verify.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 
 import torch.distributed as dist
 
@@ -17,13 +23,29 @@ _BLOCK = 1 << 24
 RECORD = "metadata.json"  # the file that holds the digests of all the others
 
 
-def file_digest(path: str) -> dict:
-    """{'size': bytes, 'sha256': hex digest} of one file, read in 16 MiB blocks."""
+def _crc32(path: str) -> str:
+    crc, buffer = 0, bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while n := handle.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(_BLOCK):
             digest.update(block)
-    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+DIGESTS = {"crc32": _crc32, "sha256": _sha256}  # the first is written; any is verified
+
+
+def file_digest(path: str) -> dict:
+    """{'size': bytes, 'crc32': hex digest} of one file, read in 16 MiB blocks."""
+    return {"size": os.path.getsize(path), "crc32": _crc32(path)}
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -58,8 +80,9 @@ def _problem(directory: str, name: str, expected: dict) -> str | None:
     size = os.path.getsize(path)
     if size != expected["size"]:
         return f"{path}: {size} bytes, the checkpoint metadata records {expected['size']} (truncated or altered)"
-    if file_digest(path)["sha256"] != expected["sha256"]:
-        return f"{path}: SHA-256 differs from the checkpoint metadata (corrupt)"
+    kind = next(k for k in DIGESTS if k in expected)
+    if DIGESTS[kind](path) != expected[kind]:
+        return f"{path}: {kind.upper()} differs from the checkpoint metadata (corrupt)"
     return None
 
 

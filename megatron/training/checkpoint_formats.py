@@ -1,0 +1,313 @@
+"""Our checkpoints and Megatron-LM's `torch_dist` ones: which a directory holds, and the latter in and out.
+
+A Megatron-LM checkpoint (`--load` of a directory that Megatron-LM or `--ckpt-format torch_dist`
+wrote) is read with plain torch.distributed.checkpoint, in any of our layouts:
+- model weights, mapped piece by piece (megatron.core.checkpointing.megatron_lm);
+- the optimizer state in its model-space form (`optimizer.state.exp_avg.<name>`, ...: Megatron's
+  non-distributed optimizer, or the fully reshardable form of its distributed one), the step
+  count (`common_step`, or the param groups' `step` of fused Adam), the iteration, consumed
+  samples (`args.consumed_train_samples`) and the scheduler's position (`num_steps`, in samples
+  as ours);
+- `common.pt` is unpickled with stand-ins for megatron classes (it is never imported). Its
+  `args` are compared with our flags (megatron_lm_args), and every `.distcp` file must be as
+  long as `.metadata` says (Megatron-LM records no digests), before anything is read.
+Not read: RNG states (Megatron's generators are not ours) and the distributed optimizer's
+bucket-layout form (`optimizer.distributed.*`, refused by name: pass --no-load-optim).
+
+A save with `--ckpt-format torch_dist` writes what megatron-core's `dist_checkpointing.load`
+reads for a GPTModel and its optimizer: the stacked tensors at Megatron's padded vocabulary
+(`make_vocab_size_divisible_by` x our tp), Adam moments (and fp32 master weights for bf16/fp16),
+`common.pt` with `args`, `iteration`, `checkpoint_version`, the optimizer's param groups and
+step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it with --no-load-rng).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
+from megatron.core.checkpointing.megatron_lm import VOCABULARY, extra_state_objects, to_megatron, vocabulary_padding
+from megatron.training import checkpointing as ours
+from megatron.training.megatron_lm_args import args_mismatch, megatron_args
+
+OURS, MEGATRON = "ours", "torch_dist"
+COMMON = "common.pt"
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                     "common_backend_version": 1}
+CHECKPOINT_VERSION = 3.0
+
+
+def detect_checkpoint_format(root: str) -> str | None:
+    """OURS, MEGATRON (Megatron-LM's torch_dist), or None: no tracker, or no readable metadata.json
+    in the checkpoint it names (the caller reports what is wrong)."""
+    tracker = os.path.join(root, ours.TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        return None
+    try:
+        record = json.load(open(os.path.join(ours.iteration_dir(root, int(text)), ours.METADATA)))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("sharded_backend") == "torch_dist":
+        return MEGATRON
+    return OURS if "format" in record else None
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+
+class _Opaque:
+    """Stands in for a class of megatron's in common.pt (enums, configs): holds what was pickled."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] == "megatron":
+            return type(name, (_Opaque,), {"__module__": module})
+        return super().find_class(module, name)
+
+
+class _PickleModule:
+    Unpickler = _Unpickler
+    load = pickle.load
+
+
+def read_common(directory: str) -> dict:
+    """common.pt of a Megatron-LM checkpoint (a trusted file: it is unpickled, as Megatron-LM does)."""
+    path = os.path.join(directory, COMMON)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (a Megatron-LM torch_dist checkpoint holds one)")
+    try:
+        return torch.load(path, map_location="cpu", pickle_module=_PickleModule, weights_only=False)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure is one line
+        raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
+
+
+def check_file_lengths(directory: str) -> None:
+    """Refuse (one line) a missing `.distcp` file or one shorter than `.metadata` says."""
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except (OSError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable ({error})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: shard file missing")
+        if os.path.getsize(path) < size:
+            raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, the checkpoint's .metadata needs "
+                                  f"{size} (truncated)")
+
+
+def _torch_optimizer(optimizer_state) -> dict:
+    """The torch optimizer's part of Megatron's optimizer common state: the state itself (fp32
+    optimizer), or under `optimizer` (the bf16/fp16 one, beside `grad_scaler`)."""
+    if not isinstance(optimizer_state, dict):
+        return {}
+    return optimizer_state["optimizer"] if isinstance(optimizer_state.get("optimizer"), dict) else optimizer_state
+
+
+def _loss_scaler(optimizer_state) -> dict | None:
+    """Megatron's dynamic loss scaler state (the same names as ours), None without one."""
+    scaler = optimizer_state.get("grad_scaler") if isinstance(optimizer_state, dict) else None
+    if not scaler or "growth_tracker" not in scaler:  # none, or a constant scale (nothing to restore)
+        return None
+    return {"scale": float(scaler["scale"]), "growth_tracker": int(scaler["growth_tracker"]),
+            "hysteresis_tracker": int(scaler["hysteresis_tracker"])}
+
+
+def _step(optimizer_state) -> int | None:
+    """Adam's step count in Megatron's optimizer common state (torch AdamW: `state.common_step`;
+    fused Adam: the param groups' `step`)."""
+    optimizer_state = _torch_optimizer(optimizer_state)
+    if not optimizer_state:
+        return None
+    step = optimizer_state.get("state", {}).get("common_step")
+    if step is None:
+        steps = [g.get("step") for g in optimizer_state.get("param_groups", []) if g.get("step") is not None]
+        step = steps[0] if steps else None
+    return None if step is None else int(step)
+
+
+def megatron_metadata(directory: str) -> dict:
+    """Our checkpoint metadata (see checkpointing.py) for a Megatron-LM checkpoint, plus its `args`
+    (`megatron_args`) and the rows of its vocabulary tensors (`vocab_rows`)."""
+    common = read_common(directory)
+    args = common.get("args")
+    if args is None:
+        raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
+    tensors = saved_tensors(directory)
+    objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
+    rows = [tensors[name][0][0] for name in VOCABULARY if name in tensors]
+    step = _step(common.get("optimizer"))
+    moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
+    consumed = getattr(args, "consumed_train_samples", 0) or 0
+    scheduler = common.get("opt_param_scheduler") or {}
+    return {"consumed_samples": consumed, "update_samples": scheduler.get("num_steps", consumed), "layout": None,
+            "optimizer": {"step": step or 0, "loss_scaler": _loss_scaler(common.get("optimizer")),
+                          "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors)},
+            "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
+            "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
+            "megatron_args": args, "vocab_rows": rows[0] if rows else None, "scheduler": scheduler}
+
+
+def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -> ours.CheckpointInfo:
+    """Refuse (one line) a Megatron-LM checkpoint of another model, or without the optimizer state the
+    flags ask for; returns `info` with a note when vocabulary padding rows are left out."""
+    metadata = info.metadata
+    why = args_mismatch(metadata["megatron_args"], model_config)
+    if why:
+        raise CheckpointError(f"{info.directory}: {why}")
+    rows = metadata["vocab_rows"]
+    if rows is not None and rows < model_config.vocab_size:
+        raise CheckpointError(f"{info.directory}: vocabulary tensors have {rows} rows, --vocab-size "
+                              f"{model_config.vocab_size} needs at least that many")
+    if not (config.no_load_optim or config.finetune) and "optimizer" not in metadata["contents"]:
+        form = (" only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
+                if metadata["distributed_optimizer"] else " no optimizer state")
+        raise CheckpointError(f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start "
+                              "the optimizer fresh")
+    notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
+    if rows is not None and rows > model_config.vocab_size:
+        notes += (f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
+                  "not loaded",)
+    return ours.CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
+
+
+def megatron_checkpoint_info(root: str) -> ours.CheckpointInfo:
+    """The Megatron-LM checkpoint `root`'s tracker names, its files checked against `.metadata`."""
+    iteration = int(open(os.path.join(root, ours.TRACKER)).read().strip())
+    directory = ours.iteration_dir(root, iteration)
+    check_file_lengths(directory)
+    return ours.CheckpointInfo(directory, iteration, megatron_metadata(directory), (), MEGATRON)
+
+
+# Megatron's scheduler state -> our LRSchedule field
+SCHEDULE_FIELDS = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_decay_style": "style", "lr_warmup_steps": "warmup_steps",
+                   "lr_decay_steps": "decay_steps"}
+
+
+def schedule_note(saved: dict, schedule) -> str | None:
+    """A log line when the checkpoint's LR schedule differs from the flags' (ours is used; Megatron-LM
+    would refuse without --override-opt_param-scheduler)."""
+    if not saved or schedule is None:
+        return None
+    differ = [f"{name} {saved[name]} (flags: {getattr(schedule, ours_name)})" for name, ours_name in
+              SCHEDULE_FIELDS.items() if name in saved and saved[name] != getattr(schedule, ours_name)]
+    if not differ:
+        return None
+    return f"> the checkpoint's LR schedule differs from the flags', which are used: {', '.join(differ)}"
+
+
+def checkpoint_to_load(run) -> ours.CheckpointInfo | None:
+    """As checkpointing.checkpoint_to_load, for either format."""
+    if run.checkpoint.load is None or detect_checkpoint_format(run.checkpoint.load) != MEGATRON:
+        return ours.checkpoint_to_load(run)
+    info = check_megatron_compatible(megatron_checkpoint_info(run.checkpoint.load), run.model, run.checkpoint)
+    if run.checkpoint.finetune:
+        return info
+    note = None if run.checkpoint.no_load_optim else schedule_note(info.metadata["scheduler"], run.lr_schedule)
+    info = dataclasses.replace(info, notes=info.notes + (note,)) if note else info
+    return ours.continue_data_position(info, run)
+
+
+def stored_as_megatron(num_layers: int, vocab_rows: int | None):
+    """Our pieces -> the same data as pieces of Megatron-LM's tensors."""
+    return lambda pieces: [to_megatron(p, num_layers, vocab_rows) for p in pieces]
+
+
+def load_checkpoint(info: ours.CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
+    """As checkpointing.load_checkpoint, for either format."""
+    if info.format != MEGATRON:
+        return ours.load_checkpoint(info, trainer, config)
+    stored = stored_as_megatron(trainer.run.model.num_layers, info.metadata["vocab_rows"])
+    return ours.load_checkpoint(info, trainer, config, stored=stored)
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+
+def _param_groups(trainer, lr: float) -> list[dict]:
+    """Megatron's two param groups (weight decay on, off) as its torch AdamW records them."""
+    o = trainer.run.optimizer
+    groups = []
+    for wd_mult in (1.0, 0.0):
+        groups.append({"lr": lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+                       "weight_decay": o.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None,
+                       "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+                       "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                       "max_lr": o.lr, "min_lr": o.min_lr, "default_config": True})
+    return groups
+
+
+def _scheduler_state(trainer, update_samples: int) -> dict | None:
+    schedule = trainer.run.lr_schedule
+    if schedule is None:
+        return None
+    o = trainer.run.optimizer
+    return {"max_lr": schedule.max_lr, "lr_warmup_steps": schedule.warmup_steps, "num_steps": update_samples,
+            "lr_decay_style": schedule.style, "lr_decay_steps": schedule.decay_steps, "min_lr": schedule.min_lr,
+            "start_wd": o.weight_decay, "end_wd": o.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": schedule.decay_steps}
+
+
+def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
+    """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata)."""
+    dims = trainer.mesh.dims
+    args = megatron_args(trainer.run.model, iteration=iteration, consumed_samples=metadata["consumed_samples"],
+                         tp=dims.tp, pp=dims.pp, extra={"lr": trainer.run.optimizer.lr,
+                                                        "min_lr": trainer.run.optimizer.min_lr})
+    step = trainer.optimizer.adam.step_count
+    optimizer = {"param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
+                 "state": {"common_step": torch.tensor(float(step))}}
+    if trainer.run.model.params_dtype != torch.float32:  # Megatron's bf16/fp16 optimizer nests it, beside its scaler
+        optimizer = {"optimizer": optimizer}
+        scaler = trainer.optimizer.grad_scaler
+        if scaler is not None:
+            state = scaler.state_dict()
+            optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
+    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "optimizer": optimizer,
+            "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
+            "num_floating_point_operations_so_far": 0}
+
+
+def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
+    """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
+    checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors padded as
+    Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt.
+    Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
+    padded = config.padded_vocab_size
+    megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
+    staging = ours.prepare_staging(root, iteration)
+    write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
+    final = ours.iteration_dir(root, iteration)
+    if ours.global_rank() == 0:
+        torch.save(common, os.path.join(staging, COMMON))
+        ours.write_text(os.path.join(staging, ours.METADATA), json.dumps(MEGATRON_METADATA))
+        ours.replace_checkpoint(staging, final, root, iteration)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
+    """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
+    `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
+    pieces, metadata = ours.checkpoint_contents(trainer, iteration, rng=False)
+    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model,
+                                       megatron_common(trainer, iteration, metadata))

@@ -1,0 +1,221 @@
+"""megatron-core as an oracle: its GPTModel, optimizer and `dist_checkpointing` on CPU over gloo.
+
+Runs only in the megatron-core virtual environment, where our package is not importable:
+    .venv-mcore/bin/python -I tests/mcore_oracle/driver.py SPEC.json
+SPEC (JSON): {"world": ranks, "port": a free port, "jobs": [job, ...]}, the jobs run one after the
+other in the same processes. A job: {"tp": tensor-parallel size (the rest of the ranks are data
+parallel), "model": our model args (TransformerConfig field names, as our checkpoints record them),
+"make_vocab_size_divisible_by": n, "seed": s, "batch": file holding {"tokens": [b, s], "labels":
+[b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
+"ops": [...]}. The ops run in order on every rank:
+- {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
+- {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
+- {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
+- {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
+  optimizer and scheduler) as Megatron-LM's --load does;
+- {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
+  and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_patches  # noqa: E402,F401  (before any other megatron.core import)
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def padded_vocab(spec: dict) -> int:
+    multiple = spec["make_vocab_size_divisible_by"] * spec["tp"]
+    return -(-spec["model"]["vocab_size"] // multiple) * multiple
+
+
+def build_model(spec: dict) -> GPTModel:
+    m = spec["model"]
+    config = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        kv_channels=m["kv_channels"], normalization=m["normalization"], layernorm_epsilon=m["norm_epsilon"],
+        gated_linear_unit=m["swiglu"], activation_func=torch.nn.functional.silu if m["swiglu"] else
+        torch.nn.functional.gelu, add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=m["init_method_std"], tensor_model_parallel_size=spec["tp"], use_cpu_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False)
+    layer_spec = get_gpt_layer_local_spec(normalization=m["normalization"])
+    return GPTModel(config, layer_spec, vocab_size=padded_vocab(spec),
+                    max_sequence_length=m["max_position_embeddings"], parallel_output=True,
+                    share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
+                    position_embedding_type=m["position_embedding_type"], rotary_base=int(m["rotary_base"]))
+
+
+def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Namespace:
+    """The model and run arguments a Megatron-LM training checkpoint records (its argparse names)."""
+    m, o = spec["model"], spec.get("optimizer", {})
+    return argparse.Namespace(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], group_query_attention=m["num_query_groups"] !=
+        m["num_attention_heads"], num_query_groups=m["num_query_groups"], kv_channels=m["kv_channels"],
+        padded_vocab_size=padded_vocab(spec), vocab_size=m["vocab_size"],
+        make_vocab_size_divisible_by=spec["make_vocab_size_divisible_by"],
+        max_position_embeddings=m["max_position_embeddings"], seq_length=m["seq_length"],
+        position_embedding_type=m["position_embedding_type"], rotary_base=int(m["rotary_base"]),
+        rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"], swiglu=m["swiglu"],
+        add_bias_linear=m["add_bias_linear"], add_qkv_bias=m["add_bias_linear"],
+        untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"], qk_layernorm=False,
+        num_experts=None, multi_latent_attention=False, squared_relu=False, apply_layernorm_1p=False,
+        tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=1, params_dtype=torch.float32,
+        bf16=False, fp16=False, use_distributed_optimizer=False, iteration=iteration,
+        consumed_train_samples=consumed, consumed_valid_samples=0, train_iters=o.get("train_iters"),
+        lr=o.get("lr"), min_lr=o.get("min_lr"), global_batch_size=spec.get("global_batch_size"),
+        ckpt_format="torch_dist")
+
+
+class Oracle:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        torch.manual_seed(spec["seed"])
+        model_parallel_cuda_manual_seed(spec["seed"])
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+        model = build_model(spec)
+        self.model = DistributedDataParallel(model.config, ddp, model)
+        o = spec.get("optimizer", {})
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.get("lr", 1e-3), min_lr=o.get("min_lr", 0.0),
+            weight_decay=o.get("weight_decay", 0.0), adam_beta1=o.get("beta1", 0.9),
+            adam_beta2=o.get("beta2", 0.999), adam_eps=o.get("eps", 1e-8), clip_grad=o.get("clip_grad", 1.0),
+            params_dtype=torch.float32), [self.model])
+        gbs = spec.get("global_batch_size", 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=o.get("lr", 1e-3), min_lr=o.get("min_lr", 0.0),
+            lr_warmup_steps=o.get("warmup_iters", 0) * gbs, lr_decay_steps=o.get("decay_iters", 1) * gbs,
+            lr_decay_style=o.get("decay_style", "cosine"), start_wd=o.get("weight_decay", 0.0),
+            end_wd=o.get("weight_decay", 0.0), wd_incr_steps=o.get("decay_iters", 1) * gbs, wd_incr_style="constant")
+        self.iteration, self.consumed = 0, 0
+        batch = torch.load(spec["batch"])
+        self.tokens, self.labels = batch["tokens"], batch["labels"]
+        self.positions = torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+
+    def loss(self) -> torch.Tensor:
+        return self.model(self.tokens, self.positions, None, labels=self.labels)
+
+    def forward(self, out: str) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            local = self.model(self.tokens, self.positions, None)
+            loss = self.loss()
+        parts = [torch.empty_like(local) for _ in range(self.spec["tp"])]
+        dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)[..., : self.spec["model"]["vocab_size"]]
+        if dist.get_rank() == 0:
+            torch.save({"logits": logits, "loss": loss}, out)
+        dist.barrier()
+        self.model.train()
+
+    def train(self, iters: int, out: str) -> None:
+        record = {"loss": [], "grad_norm": [], "lr": []}
+        for _ in range(iters):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss = self.loss().float().mean()
+            loss.backward()
+            self.model.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+            assert ok
+            record["lr"].append(self.optimizer.param_groups[0]["lr"])
+            self.scheduler.step(increment=self.tokens.shape[0])
+            self.iteration += 1
+            self.consumed += self.tokens.shape[0]
+            record["loss"].append(loss.item())
+            record["grad_norm"].append(float(grad_norm))
+        if dist.get_rank() == 0:
+            json.dump(record, open(out, "w"))
+
+    def sharded_state(self, optimizer: bool) -> dict:
+        model = self.model.module.sharded_state_dict()
+        state = {"model": model}
+        if optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model)
+        return state
+
+    def save(self, root: str, iteration: int) -> None:
+        directory = os.path.join(root, f"iter_{iteration:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        dist.barrier()
+        state = self.sharded_state(optimizer=True)
+        state.update(args=megatron_lm_args(self.spec, iteration, self.consumed), checkpoint_version=3.0,
+                     iteration=iteration, opt_param_scheduler=self.scheduler.state_dict(),
+                     num_floating_point_operations_so_far=0)
+        dist_checkpointing.save(state, directory)
+        if dist.get_rank() == 0:
+            open(os.path.join(root, TRACKER), "w").write(str(iteration))
+        dist.barrier()
+
+    def load(self, root: str, optimizer: bool) -> None:
+        iteration = int(open(os.path.join(root, TRACKER)).read().strip())
+        directory = os.path.join(root, f"iter_{iteration:07d}")
+        state = dist_checkpointing.load(self.sharded_state(optimizer), directory)
+        self.model.module.load_state_dict(state["model"])
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            self.iteration = state["iteration"]
+            self.consumed = state["args"].consumed_train_samples
+
+
+    def time_checkpoint(self, root: str, repeat: int, out: str) -> None:
+        def timed(fn) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            seconds = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            return seconds.item()
+
+        times = {"save": [], "load": []}
+        for _ in range(repeat):
+            if dist.get_rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
+            times["save"].append(timed(lambda: self.save(root, 1)))
+            times["load"].append(timed(lambda: self.load(root, optimizer=True)))
+        if dist.get_rank() == 0:
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+            json.dump({key: min(values) for key, values in times.items()} | {"bytes": size}, open(out, "w"))
+        dist.barrier()
+
+
+def run(rank: int, spec: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
+    for job in spec["jobs"]:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
+        oracle = Oracle(job)
+        for op in job["ops"]:
+            op = dict(op)
+            getattr(oracle, op.pop("op"))(**op)
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    torch.set_num_threads(1)
+    mp.spawn(run, args=(spec,), nprocs=spec["world"], join=True)
