@@ -41,14 +41,14 @@ def build_trainer(model: str, extra: list[str]) -> Trainer:
 def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
     """Train on this rank; return losses and grad norms per iteration, initial weights, gradients of
     iteration `grads_at` (whole only with the replicated optimizer: the distributed one keeps just
-    this rank's shard of each reduced gradient), the weights after the last step and the bytes of
+    this rank's shard of each reduced gradient; none where gradients are sharded, optim_grads), the weights after the last step and the bytes of
     optimizer state, and how many WEIGHT steps (split backward) this rank's schedule has."""
     trainer = build_trainer(model, extra)
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
-        if iteration == grads_at:
+        if iteration == grads_at and not trainer.chunks[0].buffer.shards_grads:  # else no whole main_grad
             grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
