@@ -310,7 +310,10 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
     from, lines for the log). Files are verified before anything is read."""
     verify_files(info.directory, info.metadata["files"])
+    trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     read_pieces(model_pieces(_named_parameters(trainer), tied_copies=True), info.directory)
+    for chunk in trainer.chunks:
+        chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()

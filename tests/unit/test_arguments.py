@@ -59,6 +59,16 @@ ERRORS = [
     (["--init-method-std", "0"], 1, "--init-method-std must be > 0"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel"),
+    (["--data-parallel-sharding-strategy", "optim_grads"], 2, "--data-parallel-sharding-strategy needs --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"], 2,
+     "use --data-parallel-sharding-strategy optim (or a stronger one), not no_shard"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"], 2,
+     "--overlap-param-gather applies to the optim and optim_grads strategies"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--no-overlap-grad-reduce"], 2,
+     "reduce-scatters each bucket as backward completes it: drop --no-overlap-grad-reduce"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"], 2,
+     "--optimizer-cpu-offload does not compose with --data-parallel-sharding-strategy optim_grads_params yet"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "invalid choice: 'zero3'"),
 ]
 
 
