@@ -32,6 +32,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
     par, training, offload = run.parallel, run.training, run.optimizer.offload
     ddp = par.ddp
     sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    strategy = ("no_shard" if not sharded else
+                ddp.sharding_strategy if ddp.sharding_strategy != "no_shard" else "optim")
     offloaded = offload.enabled and sharded
     auto = offloaded and offload.policy == "auto"
     return MemoryLayout(tp=par.tp, cp=par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
@@ -41,7 +43,7 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         last_stage_layers=par.last_stage_layers,
                         offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
                         grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
-                        split_backward=par.split_backward)
+                        split_backward=par.split_backward, sharding_strategy=strategy)
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.core.distributed.param_and_grad_buffer import STRATEGIES
+from megatron.core.distributed.bucket_layout import STRATEGIES
 from megatron.core.parallel_state import DEFAULT_ORDER, TP_PP_DP_ORDER
 
 

@@ -7,7 +7,8 @@ TP2 x SP x PP2 (v2) x DP2 on 8 ranks, GPT (tied embeddings) and Llama, fp32, sev
 microbatches, clipping active, buckets small enough that parameters straddle shards: the loss
 of 5 iterations, the iteration-1 grad norm and the parameters after 5 steps match the one-process
 run (1e-5). After the last step each rank's buffers hold exactly 1/(dp x cp) of the padded
-gradients in fp32, and of the parameters under optim_grads_params. bf16 and fp16 track the
+gradients in fp32, and of the parameters under optim_grads_params: the memory estimator's
+weights, gradients and optimizer bytes for the rank, exactly. bf16 and fp16 track the
 one-process run of their precision; an inf in one rank's gradient shard skips the fp16 step
 everywhere. The payload of each collective in one step is the analytic volume: per microbatch
 one reduce-scatter of the gradients, and, for optim_grads_params (where a forward holds at
@@ -23,11 +24,16 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from megatron.core.memory.estimator import estimate_memory
+from megatron.training.arguments import parse_run_config
+from megatron.training.memory_check import layout_from_run
 
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
-from tests.parallel.layouts import build_trainer, shard, train
+from tests.parallel.layouts import build_trainer, model_flags, shard, train
 from tests.parallel.test_checkpoint_resume import _run, _steps
 from tests.parallel.test_distributed_optimizer import COMMON, PP2, SP, TP2, VPP, _close, check_fp16_inf_skips_everywhere
 from tools.bench.distributed_optimizer import count_collectives
@@ -81,8 +87,19 @@ def _references(rank: int) -> list:
             [(model, []) for model in BOTH] + [("llama", flags) for flags in PRECISIONS.values()]]
 
 
+def _train_and_estimate(model: str, flags: list[str]) -> dict:
+    """`train`, plus the memory estimator's (weights, gradients, optimizer) bytes for this rank."""
+    out = train(model, flags)
+    defaults, argv = model_flags(model, flags)
+    run = parse_run_config(argv, defaults, dist.get_world_size())
+    pp_rank = run.parallel.dims.coords(dist.get_rank())["pp"]
+    rank = estimate_memory(run.model, layout_from_run(run, "cpu")).ranks[pp_rank]
+    out["estimate"] = (rank.weights_bytes, rank.grads_bytes, rank.optimizer_bytes)
+    return out
+
+
 def world_checks(rank: int, world: int) -> dict:
-    out = {"runs": [train(model, flags) for model, flags in _runs(world)]}
+    out = {"runs": [_train_and_estimate(model, flags) for model, flags in _runs(world)]}
     if world == 2:
         check_fp16_inf_skips_everywhere(rank, PARAMS)
         out["communication"] = {name: _communication(rank, flags) for name, flags in
@@ -123,6 +140,7 @@ def test_strategy_matches_one_process(results, world, layout, model):
         assert grads == 4 * out["padded"] // dp, f"rank {rank}: gradient bytes {grads}"
         assert params == 4 * out["padded"] // (dp if "params" in layout else 1), f"rank {rank}: parameter bytes"
         assert out["optimizer_bytes"] == 8 * out["padded"] // dp
+        assert out["estimate"] == (params, grads, out["optimizer_bytes"]), f"rank {rank}: the estimator's bytes"
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -136,6 +154,7 @@ def test_low_precision_tracks_one_process(results, precision):
         params, grads = out["resident_bytes"]
         assert (params, grads) == (2 * out["padded"] // 2, 4 * out["padded"] // 2)
         assert out["optimizer_bytes"] == 12 * out["padded"] // 2  # fp32 master + moments, over dp = 2
+        assert out["estimate"] == (params, grads, out["optimizer_bytes"]), f"rank {rank}: the estimator's bytes"
 
 
 def test_communication_is_the_analytic_volume(results):

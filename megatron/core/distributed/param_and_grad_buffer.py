@@ -24,10 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
+from megatron.core.distributed.bucket_layout import SHARD_ALIGN, STRATEGIES, BufferLayout
 from megatron.core.distributed.transient import TransientBuffer
-
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class Bucket:
