@@ -29,9 +29,6 @@ def offload_config_from_args(args) -> OffloadConfig:
     if args.optimizer_cpu_offload and strategy == "no_shard":
         raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer (the offloaded state is each "
                          "rank's shard of it)")
-    if args.optimizer_cpu_offload and strategy == "optim_grads_params":
-        raise ValueError("--optimizer-cpu-offload does not compose with --data-parallel-sharding-strategy "
-                         "optim_grads_params yet; use optim or optim_grads")
     given = [flag for flag, value in (("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),
                                       ("--offload-policy", args.offload_policy != "static"),
                                       ("--cpu-optimizer-threads", args.cpu_optimizer_threads is not None)) if value]

@@ -66,8 +66,8 @@ ERRORS = [
      "--overlap-param-gather applies to the optim and optim_grads strategies"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--no-overlap-grad-reduce"], 2,
      "reduce-scatters each bucket as backward completes it: drop --no-overlap-grad-reduce"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"], 2,
-     "--optimizer-cpu-offload does not compose with --data-parallel-sharding-strategy optim_grads_params yet"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--optimizer-cpu-offload"], 2,
+     "--optimizer-cpu-offload needs --use-distributed-optimizer"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "invalid choice: 'zero3'"),
 ]
 

@@ -59,6 +59,7 @@ class Bucket:
         self.ready: set = set()
         self.reducing = False
         self.grad_handle = self.param_handle = None
+        self.before_gather = None  # called once before the next gather (an offloaded shard's CPU step landing)
 
     # ---- gradients ----
 
@@ -114,9 +115,16 @@ class Bucket:
         when the parameters are sharded); nothing to do where they are whole already."""
         if not self.sharded and not self.shards_params:
             return
+        self.wait_for_shard()
         if self.param_handle is None and (not self.shards_params or self.param_full.allocate()):
             self.param_handle = dist.all_gather_single(self.param, self.param_shard, group=self.group,
                                                        async_op=True)
+
+    def wait_for_shard(self) -> None:
+        """Run `before_gather` if one is pending: this rank's shard is final after it."""
+        if self.before_gather is not None:
+            before, self.before_gather = self.before_gather, None
+            before()
 
     def finish_param_gather(self) -> None:
         if self.param_handle is not None:
