@@ -8,7 +8,8 @@ a bucket is released after the last module of the forward that uses it; the firs
 records the order in which modules use buckets (a trace), later forwards release and
 prefetch by it, and a forward that strays from the trace keeps its buckets until it ends.
 Backward: a hook on each module's outputs runs before the module's backward; it gathers the
-module's buckets again (and prefetches those of the module that ran before it) and makes
+module's buckets again (and prefetches those of the module that completed before it in the
+forward, whose backward comes next) and makes
 their unsharded gradient buckets exist, since a linear layer adds its weight gradient into
 `main_grad` itself. A bucket's parameters are released once all its gradients of the
 microbatch are final (`ModelChunkBuffers`), or, without `reshard_after_forward` (pipeline
@@ -107,26 +108,29 @@ class BucketHooks:
 
     def _post_forward(self):
         def hook(_module, _args, output):
-            if self._calls is not None and not _in_backward():
-                buckets = self._stack.pop()
-                index = len(self._completions)
-                self._completions.append(buckets)
-                if self.reshard and self._on_trace:
-                    for bucket in self.trace.release_after[index]:
-                        bucket.release_params()
-            else:
-                buckets = None
+            if self._calls is None or _in_backward():
+                return
+            buckets = self._stack.pop()
+            index = len(self._completions)
+            self._completions.append(buckets)
+            if self.reshard and self._on_trace:
+                for bucket in self.trace.release_after[index]:
+                    bucket.release_params()
             if buckets and torch.is_grad_enabled():
+                # backward runs the modules in reverse: prefetch what completed just before this one
+                following = self.trace.completions[index - 1] if self.reshard and self._on_trace and index else ()
                 for tensor in _output_tensors(output):
-                    tensor.register_hook(self._pre_backward(buckets))
+                    tensor.register_hook(self._pre_backward(buckets, following))
         return hook
 
-    def _pre_backward(self, buckets: tuple):
+    def _pre_backward(self, buckets: tuple, prefetch: tuple):
         def hook(grad):
             for bucket in buckets:
                 self.buffer.prepare_grad(bucket)
                 if self.gathers:
                     bucket.gather_params()
+            for bucket in prefetch:
+                bucket.start_param_gather()
             return grad
         return hook
 
