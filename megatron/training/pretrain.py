@@ -79,9 +79,17 @@ def _optimizer_state_line(trainer: Trainer) -> str:
     shards = mesh.dp_size * mesh.cp_size if ddp.use_distributed_optimizer else 1
     full = 8 + (0 if trainer.run.model.params_dtype == torch.float32 else 4)
     how = f"sharded over dp x cp = {shards}" if ddp.use_distributed_optimizer else "replicated"
-    return (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
+    line = (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
             f"{state[dist.get_rank()] / trainer.parameters_on_rank():.3f} bytes per parameter "
             f"({full}/{shards} = {full / shards:.3f} plus bucket padding)")
+    if ddp.sharding_strategy not in ("no_shard", "optim"):
+        weights, grads = (sum(size) for size in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
+        kept = "weights and gradients" if ddp.sharding_strategy == "optim_grads_params" else "gradients"
+        line += (f"\n> sharding strategy {ddp.sharding_strategy}: {kept} kept as shards over dp x cp = {shards}; "
+                 f"this rank keeps weights {weights} bytes, gradients {grads} bytes between steps"
+                 + ("; parameters stay gathered from a microbatch's forward to its backward (pipeline parallelism)"
+                    if ddp.sharding_strategy == "optim_grads_params" and not ddp.reshard_after_forward else ""))
+    return line
 
 
 def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:

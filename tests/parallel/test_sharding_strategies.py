@@ -16,7 +16,8 @@ most a quarter of the buckets gathered at once), two all-gathers of the
 parameters per microbatch without pipelining (forward, backward) and one per step with it
 (parameters stay gathered from a microbatch's forward to its backward); optim_grads gathers the
 parameters once, after the step. A run saved under optim_grads_params resumes bit for bit under
-it and continues under optim_grads at TP2 as the uninterrupted run does.
+it and continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
+prints the one-rank losses and what the strategy keeps.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from megatron.training.memory_check import layout_from_run
 
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.training import Trainer
+from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import build_trainer, model_flags, shard, train
 from tests.parallel.test_checkpoint_resume import _run, _steps
@@ -197,3 +199,13 @@ def test_checkpoint_resumes_under_another_strategy_and_layout(tmp_path):
         assert out["same"] == out["straight"], f"rank {rank}: not bit for bit"
         for (loss, norm), (expected, expected_norm) in zip(out["tp2-grads"], out["straight"]):
             assert abs(loss - expected) <= 1e-5 * expected and abs(norm - expected_norm) <= 1e-5 * expected_norm
+
+
+def test_cli_torchrun_optim_grads_params_matches_one_rank():
+    one = run_cli("pretrain_llama.py", TINY_LLAMA)
+    two = run_cli("pretrain_llama.py", TINY_LLAMA + PARAMS, nproc=2)
+    assert one.returncode == 0, explain(one)
+    assert two.returncode == 0, explain(two)
+    expected, losses = printed_losses(one.stdout), printed_losses(two.stdout)
+    assert len(expected) == 5 and all(abs(a - b) <= 2e-6 * b for a, b in zip(losses, expected)), f"{losses}"
+    assert "sharding strategy optim_grads_params: weights and gradients kept as shards over dp x cp = 2" in two.stdout

@@ -248,6 +248,14 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             bucket.finish_param_gather()
 
+    def kept_bytes(self) -> tuple[int, int]:
+        """(parameter bytes, gradient bytes) kept between steps: whole buffers, or the shards."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        params = size([self.param_data] if self.param_data is not None else [b.param_shard for b in self.buckets])
+        grads = size([self.grad_data] if self.grad_data is not None else [b.grad_shard for b in self.buckets])
+        return params, grads
+
     def resident_bytes(self) -> tuple[int, int]:
         """(parameter bytes, gradient bytes) this buffer holds now: whole buffers, or shards plus
         the buckets gathered / being filled at the moment."""
