@@ -10,7 +10,9 @@ bytes each rank sends per step in the gradient and parameter collectives, counte
 by wrapping torch.distributed's collectives (ring algorithms: a rank sends (d-1)/d of a
 reduce-scatter's input or an all-gather's output, twice that for an all-reduce). Then the
 overlap achieved: time the end of backward waits on gradient reductions
-(`finish_grad_sync`), with and without --overlap-grad-reduce.
+(`finish_grad_sync`), with and without --overlap-grad-reduce. Also the sharding strategies
+optim_grads and optim_grads_params (bf16): what they keep per rank, and their traffic (one
+reduce-scatter per microbatch; two parameter all-gathers per microbatch for optim_grads_params).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from megatron.training.training import Trainer  # noqa: E402
 FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-size", "688",
          "--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "100", "--mock-data",
          "--vocab-size", "1000", "--ddp-bucket-size", "200000"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 COLLECTIVES = {"all_reduce": 0, "reduce_scatter_single": 1, "all_gather_single": 0}  # -> the full-size argument
 
 
@@ -97,12 +100,13 @@ def measure(rank: int, extra: list[str], iters: int) -> dict:
             with count_collectives() as counts:
                 start = time.perf_counter()
                 trainer.train_step(iteration)
-                trainer.optimizer.finish_param_sync()
+                trainer.optimizer.wait_for_step()  # gathers in flight landed (sharded parameters: none)
                 times.append(_slowest(time.perf_counter() - start))
     finally:
         ModelChunkBuffers.finish_grad_sync = finish
     return {"step": statistics.median(times), "wait": statistics.median(waits), "counts": counts,
-            "state": trainer.optimizer.state_bytes(), "params": trainer.parameters_on_rank()}
+            "state": trainer.optimizer.state_bytes(), "params": trainer.parameters_on_rank(),
+            "kept": sum(sum(chunk.buffer.kept_bytes()) for chunk in trainer.chunks)}
 
 
 def run_all(rank: int, variants: list, iters: int) -> list[dict]:
@@ -121,21 +125,24 @@ def main() -> int:
                 ("distributed bf16", dist_opt + ["--bf16"]),
                 ("distributed fp32, --overlap-param-gather", dist_opt + ["--overlap-param-gather"]),
                 ("distributed fp32, --no-overlap-grad-reduce", dist_opt + ["--no-overlap-grad-reduce"]),
-                ("replicated fp32, --no-overlap-grad-reduce", ["--no-overlap-grad-reduce"])]
+                ("replicated fp32, --no-overlap-grad-reduce", ["--no-overlap-grad-reduce"]),
+                ("optim_grads bf16", FSDP + ["optim_grads", "--bf16"]),
+                ("optim_grads_params bf16", FSDP + ["optim_grads_params", "--bf16"])]
     print("| dp | optimizer | step ms | step / replicated | state bytes per rank | bytes per parameter "
-          "(12/d or 8/d) | sent per rank per step (collectives) | backward wait on reductions ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(12/d or 8/d) | weights + gradients kept per rank | sent per rank per step (collectives) | "
+          "backward wait on reductions ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dp in (2, 4):
         results = run_distributed(dp, run_all, [(n, v + ["--global-batch-size", str(4 * dp)]) for n, v in variants],
                                   args.iters)[0]
         base = {"fp32": results[0]["step"], "bf16": results[2]["step"]}
         for (name, _), r in zip(variants, results):
             full = 12 if "bf16" in name else 8
-            shards = dp if name.startswith("distributed") else 1
+            shards = 1 if name.startswith("replicated") else dp
             kinds = ", ".join(f"{k.split('_')[0]}-{k.split('_')[1]} {v / 2**20:.2f} MiB"
                               for k, v in sorted(r["counts"].items()))
             print(f"| {dp} | {name} | {r['step'] * 1e3:.1f} | {r['step'] / base[name.split(',')[0][-4:]]:.2f} | "
-                  f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | "
+                  f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | {r['kept']:,} | "
                   f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} |")
     return 0
 

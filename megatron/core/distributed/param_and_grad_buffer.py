@@ -141,10 +141,6 @@ class Bucket:
             self.finish_param_gather()
             self.param_full.free()
 
-    @property
-    def params_gathered(self) -> bool:
-        return not self.shards_params or (self.param_full.allocated and self.param_handle is None)
-
 
 class ParamAndGradBuffer:
     """`named_params`: (name, parameter) in the order backward produces their gradients.

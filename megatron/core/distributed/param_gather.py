@@ -133,7 +133,3 @@ class BucketHooks:
                 bucket.start_param_gather()
             return grad
         return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
