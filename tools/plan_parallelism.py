@@ -21,7 +21,10 @@ list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 
-When no layout fits, it proposes the offload optimizer (--use-distributed-optimizer
+When no layout fits, it proposes sharding more than the optimizer state first
+(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads, else optim_grads_params,
+per layout the lighter that fits; dist-opt column: grads / params), and when that fits
+nothing either, the offload optimizer (--use-distributed-optimizer
 --optimizer-cpu-offload): the distributed-optimizer layouts that fit with some of their
 optimizer state in host memory, each at the smallest --optimizer-offload-fraction (0.01
 steps) that fits, least offloaded first, then fastest (the step-time model leaves out the
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD  # noqa: E402
-from megatron.core.memory.planner import RECOMPUTE, Search, plan, plan_offload  # noqa: E402
+from megatron.core.memory.planner import RECOMPUTE, Search, plan, plan_offload, plan_sharded  # noqa: E402
 from megatron.core.memory.step_time import Hardware  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.memory_check import GIB, device_memory_bytes, run_config_for_tool, tool_parser  # noqa: E402
@@ -71,6 +74,7 @@ def _parser():
     return parser
 
 
+SHARDING_CELLS = {"no_shard": "no", "optim": "yes", "optim_grads": "grads", "optim_grads_params": "params"}
 HEADER = "rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble"
 OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
@@ -79,7 +83,7 @@ def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
     row = (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-           f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
+           f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
            f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}%")
     if lay.offload_fraction:
         row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
@@ -95,6 +99,7 @@ def _json(c) -> dict:
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "virtual_stages": lay.virtual_stages, "dp": lay.dp,
             "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
             "recompute": c.recompute, "distributed_optimizer": lay.distributed_optimizer,
+            "sharding_strategy": lay.sharding_strategy,
             "offload_fraction": lay.offload_fraction, "max_host_bytes": _max_host_bytes(c),
             "max_certain_bytes": est.max_certain_bytes, "max_total_bytes": est.max_total_bytes,
             "step_time_s": c.time.total_s, "bubble_fraction": c.time.bubble_fraction}
@@ -127,12 +132,14 @@ def main(argv: list[str]) -> int:
                       hbm_gbps=args.hbm_gbps, gpus_per_node=args.gpus_per_node)
         batch = run.training.global_batch_size
         fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search, hw=hw)
-        offloaded = [] if fitting else plan_offload(run.model, args.num_gpus, batch, device_bytes, search=search,
-                                                    hw=hw, top=args.top)
+        sharded = [] if fitting else plan_sharded(run.model, args.num_gpus, batch, device_bytes, search=search,
+                                                  hw=hw, top=args.top)
+        offloaded = [] if fitting or sharded else plan_offload(run.model, args.num_gpus, batch, device_bytes,
+                                                               search=search, hw=hw, top=args.top)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    shown = (fitting or offloaded)[: args.top]
+    shown = (fitting or sharded or offloaded)[: args.top]
     if args.json:
         print(json.dumps([_json(c) for c in shown], indent=2))
         return 0 if shown else 1
@@ -142,6 +149,10 @@ def main(argv: list[str]) -> int:
     if not shown:
         print("> no layout fits, not even with all optimizer state offloaded to host: add GPUs or lower --seq-length")
         return 1
+    if sharded:
+        print(f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
+              f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
+              f"{sharded[0].layout.sharding_strategy} for the first")
     if offloaded:
         best = offloaded[0].layout.offload_fraction
         print(f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "

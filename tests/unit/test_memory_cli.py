@@ -200,6 +200,20 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     assert data[0]["max_host_bytes"] > 0
 
 
+def test_planner_proposes_sharding_before_offload(capsys):
+    """Llama-2-7B on 8 GPUs at TP1 x PP1, full recomputation: the distributed optimizer's
+    2 + 4 + 12/8 bytes per parameter do not fit 80% of 40 GiB, optim_grads' 2 + 16/8 do; of 24 GiB
+    only optim_grads_params' 18/8 do. The planner says which flags, before any offload."""
+    base = ["--num-gpus", "8", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--micro-batch-size", "1", "--recompute-granularity", "full"] + LLAMA_7B[:-4] + ["--global-batch-size", "64"]
+    for gib, strategy, cell in (("40", "optim_grads", "grads"), ("24", "optim_grads_params", "params")):
+        code, out, err = run_tool(plan_tool, base + ["--device-memory-gb", gib], capsys)
+        assert code == 0, err
+        assert "0 fit" in out and f"--data-parallel-sharding-strategy {strategy} for the first" in out
+        rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+        assert rows and all(row[9] == cell for row in rows) and "offload" not in out
+
+
 def _run(argv, world=1):
     return parse_run_config(argv + ["--train-iters", "1", "--mock-data"], LLAMA_DEFAULTS, world)
 

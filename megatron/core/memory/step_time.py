@@ -119,8 +119,10 @@ def step_time(config, layout, hw: Hardware = Hardware()) -> StepTime:
     bubble = (t_f + t_b) * bubble_units(pp, v, m, layout.microbatch_group_size)
     params_rank = total_parameters(config, tp) / (tp * pp)  # average per rank: enough for communication time
     d = dp * cp
-    if layout.distributed_optimizer:
-        dp_bytes = (d - 1) / d * params_rank * (layout.grad_dtype_bytes + p_bytes)
+    if layout.distributed_optimizer:  # per microbatch with sharded gradients; parameters gathered around use
+        grads = layout.grad_dtype_bytes * (m if layout.shards_grads else 1)
+        gathers = (2 * m if pp == 1 else 1) if layout.shards_params else 1
+        dp_bytes = (d - 1) / d * params_rank * (grads + gathers * p_bytes)
     else:
         dp_bytes = 2 * (d - 1) / d * params_rank * layout.grad_dtype_bytes
     dp_comm = dp_bytes / _bandwidth(hw, tp * cp * dp) if d > 1 else 0.0
