@@ -101,6 +101,7 @@ class TrainingConfig:
     log_interval: int
     tensorboard_dir: str | None
     device_memory_gb: float | None = None
+    host_memory_gb: float | None = None  # per rank; None: available memory / ranks on the node
     skip_memory_check: bool = False
     batch_schedule: BatchSizeSchedule | None = None
     train_samples: int | None = None

@@ -136,7 +136,8 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     backend = choose_backend(run.parallel.backend, device)
     paths = kernel_paths(run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask)
     check_offload_budget(run, device)
-    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
+    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check,
+                                run.training.host_memory_gb)
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 
 

@@ -55,6 +55,7 @@ ERRORS = [
     (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
     (["--normalization", "BatchNorm"], 1, "invalid choice: 'BatchNorm'"),
     (["--device-memory-gb", "0"], 1, "--device-memory-gb must be > 0"),
+    (["--host-memory-gb", "-1"], 1, "--host-memory-gb must be > 0, got -1.0"),
     (["--vocab-size", "1"], 1, "--mock-data needs --vocab-size >= 2, got 1"),
     (["--init-method-std", "0"], 1, "--init-method-std must be > 0"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,

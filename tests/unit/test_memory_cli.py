@@ -218,6 +218,22 @@ def _run(argv, world=1):
     return parse_run_config(argv + ["--train-iters", "1", "--mock-data"], LLAMA_DEFAULTS, world)
 
 
+def test_check_memory_refuses_a_host_part_that_does_not_fit():
+    """Llama-2-7B on 8 ranks with all optimizer state offloaded: 16 bytes per element of each rank's
+    1/8 shard, 12.6 GiB of host per rank, refused under --host-memory-gb 10 in one line."""
+    run = _run(LLAMA_7B[2:-2] + ["--global-batch-size", "8", "--use-distributed-optimizer", "--optimizer-cpu-offload"],
+               world=8)
+    lines = check_memory(run, torch.device("cpu"), 80.0, skip=False, host_memory_gb=20.0)
+    assert not any("host memory" in line for line in lines)
+    with pytest.raises(ValueError) as refused:
+        check_memory(run, torch.device("cpu"), 80.0, skip=False, host_memory_gb=10.0)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("the host part of the memory estimate, 12.")
+    assert "exceeds host memory 10.00 GiB per rank (--host-memory-gb" in message
+    lines = check_memory(run, torch.device("cpu"), 80.0, skip=True, host_memory_gb=10.0)
+    assert lines[-1].startswith("> WARNING (--skip-memory-check): the host part")
+
+
 def test_check_memory_refuses_and_skips():
     """Llama-2-7B on one 80 GiB device: weights, grads and optimizer state alone are 113 GiB."""
     run = _run(LLAMA_7B[2:])
