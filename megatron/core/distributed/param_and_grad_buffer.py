@@ -84,12 +84,10 @@ class Bucket:
             else:
                 self.grad_handle = dist.reduce_scatter_single(self._scattered, self.grad, group=self.group,
                                                               async_op=True)
-        elif self.group_size == 1:
-            pass
-        elif self.sharded:
+        elif self.group_size > 1 and self.sharded:
             self.grad_handle = dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group,
                                                           async_op=True)
-        else:
+        elif self.group_size > 1:
             self.grad_handle = dist.all_reduce(self.grad, group=self.group, async_op=True)
 
     def finish_grad_reduce(self) -> None:

@@ -51,9 +51,11 @@ class ForwardTrace:
 
 
 class BucketHooks:
+    """The hooks of one model chunk's modules over its buffer (see the module docstring)."""
+
     def __init__(self, module: torch.nn.Module, buffer, reshard_after_forward: bool):
         self.buffer = buffer
-        self.gathers = buffer.buckets[0].shards_params if buffer.buckets else False
+        self.gathers = buffer.shards_params
         self.reshard = reshard_after_forward and self.gathers
         self.trace: ForwardTrace | None = None
         self._calls: list | None = None  # buckets per module call of the forward in progress
