@@ -14,7 +14,8 @@ from megatron.core.transformer.config import TransformerConfig
 from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
 from megatron.training.logging_args import LoggingConfig
-from megatron.training.parallel_args import rank_order_from_args, sharding_strategy_from_args
+from megatron.training.parallel_args import (rank_order_from_args, reshard_after_forward_from_args,
+                                             sharding_strategy_from_args)
 
 
 @dataclass
@@ -44,11 +45,9 @@ class ParallelConfig:
         if args.split_backward and dims.pp == 1:
             raise ValueError("--split-backward only changes pipeline schedules: it needs "
                              "--pipeline-model-parallel-size > 1")
-        # optim_grads_params under pipeline parallelism keeps a microbatch's parameters gathered from its
-        # forward to its backward (they are far apart in the schedule); without it, releases after forward
         ddp = DDPConfig(bucket_size=args.ddp_bucket_size, sharding_strategy=sharding_strategy_from_args(args),
                         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-                        reshard_after_forward=dims.pp == 1)
+                        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp))
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,

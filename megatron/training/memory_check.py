@@ -45,7 +45,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         last_stage_layers=par.last_stage_layers,
                         offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
                         grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
-                        split_backward=par.split_backward, sharding_strategy=strategy)
+                        split_backward=par.split_backward, sharding_strategy=strategy,
+                        reshard_after_forward=ddp.reshard_after_forward)
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None) -> int | None:

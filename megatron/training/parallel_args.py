@@ -38,6 +38,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "--use-distributed-optimizer; optim_grads also keeps only a shard of the fp32 gradients "
                         "(each bucket reduce-scattered per microbatch); optim_grads_params also shards the "
                         "parameters (gathered before each use, released after)")
+    g.add_argument("--reshard-params-after-forward", action=argparse.BooleanOptionalAction,
+                   help="optim_grads_params: release a bucket's parameters after the forward's last use and gather "
+                        "them again for backward (default: on without pipeline parallelism; with it, off: a "
+                        "microbatch's parameters stay gathered from its forward to its backward)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="reduce each gradient bucket as soon as backward completes it (default on)")
     g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=False,
@@ -75,3 +79,11 @@ def sharding_strategy_from_args(args) -> str:
         raise ValueError("--use-distributed-optimizer shards the optimizer state: use "
                          "--data-parallel-sharding-strategy optim (or a stronger one), not no_shard")
     return strategy
+
+
+def reshard_after_forward_from_args(args, pp: int) -> bool:
+    """--reshard-params-after-forward, default on without pipeline parallelism (see its help)."""
+    if args.reshard_params_after_forward is not None and sharding_strategy_from_args(args) != "optim_grads_params":
+        raise ValueError("--reshard-params-after-forward applies to --data-parallel-sharding-strategy "
+                         "optim_grads_params only")
+    return pp == 1 if args.reshard_params_after_forward is None else args.reshard_params_after_forward

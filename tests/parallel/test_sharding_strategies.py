@@ -14,7 +14,8 @@ everywhere. The payload of each collective in one step is the analytic volume: p
 one reduce-scatter of the gradients, and, for optim_grads_params (where a forward holds at
 most a quarter of the buckets gathered at once), two all-gathers of the
 parameters per microbatch without pipelining (forward, backward) and one per step with it
-(parameters stay gathered from a microbatch's forward to its backward); optim_grads gathers the
+(parameters stay gathered from a microbatch's forward to its backward; two per microbatch with
+--reshard-params-after-forward, also checked for equivalence); optim_grads gathers the
 parameters once, after the step. A run saved under optim_grads_params resumes bit for bit under
 it and continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
 prints the one-rank losses and what the strategy keeps.
@@ -43,13 +44,15 @@ from tools.bench.distributed_optimizer import count_collectives
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 GRADS, PARAMS = FSDP + ["optim_grads"], FSDP + ["optim_grads_params"]
 CP2 = ["--context-parallel-size", "2"]
+RESHARD = ["--reshard-params-after-forward"]
 OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]  # half the chunks stepped on the CPU
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 BOTH, GPT = ("gpt", "llama"), ("gpt",)
 LAYOUTS = {  # world -> name -> (flags, models)
     2: {"dp2-grads": (GRADS, BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT)},
     4: {"tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
-        "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH)},
+        "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
+        "pp2-vpp2-dp2-params-reshard": (PARAMS + PP2 + VPP + RESHARD, GPT)},
     8: {"tp2-sp-pp2-vpp2-dp2-params": (PARAMS + TP2 + SP + PP2 + VPP, GPT)},
 }
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
@@ -108,7 +111,8 @@ def world_checks(rank: int, world: int) -> dict:
         out["communication"] = {name: _communication(rank, flags) for name, flags in
                                 (("grads", GRADS), ("params", PARAMS))}
     if world == 4:
-        out["communication"] = {"pp-params": _communication(rank, PARAMS + PP2 + VPP)}
+        out["communication"] = {"pp-params": _communication(rank, PARAMS + PP2 + VPP),
+                                "pp-params-reshard": _communication(rank, PARAMS + PP2 + VPP + RESHARD)}
     return out
 
 
@@ -177,6 +181,10 @@ def test_communication_is_the_analytic_volume(results):
         counts, padded, m, _ = out["pp-params"]
         assert counts["reduce_scatter_single"] == m * 4 * padded
         assert counts["all_gather_single"] == 4 * padded, f"rank {rank}: under PP gathered once per step"
+        counts, padded, m, (peak, buckets) = out["pp-params-reshard"]
+        assert counts["reduce_scatter_single"] == m * 4 * padded
+        assert counts["all_gather_single"] == 2 * m * 4 * padded, f"rank {rank}: --reshard-params-after-forward"
+        assert 0 < peak < buckets, f"rank {rank}: {peak} of {buckets} buckets gathered at once in forward"
 
 
 def _save_and_resume(rank: int, root: str) -> dict:

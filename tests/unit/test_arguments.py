@@ -70,6 +70,8 @@ ERRORS = [
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--optimizer-cpu-offload"], 2,
      "--optimizer-cpu-offload needs --use-distributed-optimizer"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "invalid choice: 'zero3'"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--reshard-params-after-forward"], 2,
+     "--reshard-params-after-forward applies to --data-parallel-sharding-strategy optim_grads_params only"),
 ]
 
 

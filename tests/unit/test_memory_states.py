@@ -137,5 +137,7 @@ def test_sharding_strategies_keep_shards_and_gather_whole_buckets(strategy, pp):
     whole_grads = held * 4 * padded if grads_sharded else 0
     whole_params = (2 * padded if pp > 1 else held * 2 * padded) if params_sharded else 0
     assert s.gathered_bytes == whole_grads + whole_params
+    resharded = states(torch.bfloat16, shards=d, dp=d, pp=pp, sharding_strategy=strategy, reshard_after_forward=True)
+    assert resharded.gathered_bytes == whole_grads + (held * 2 * padded if params_sharded else 0)
     assert MemoryLayout(dp=d, sharding_strategy=strategy).distributed_optimizer
     assert MemoryLayout(dp=d, distributed_optimizer=True).sharding_strategy == "optim"

@@ -31,7 +31,9 @@ class MemoryLayout:
     `split_backward`: the pipeline's --split-backward (linear layers queue their output
     gradients until the chunk's weight step). `sharding_strategy`: what is sharded over dp x cp
     (--data-parallel-sharding-strategy); `distributed_optimizer` alone means "optim", and is
-    set whenever the strategy shards anything.
+    set whenever the strategy shards anything. `reshard_after_forward` (optim_grads_params,
+    --reshard-params-after-forward): None means the trainer's default, on without pipeline
+    parallelism.
     """
 
     tp: int = 1
@@ -52,6 +54,7 @@ class MemoryLayout:
     device_type: str = "cuda"
     split_backward: bool = False
     sharding_strategy: str = "no_shard"
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self):
         if self.sharding_strategy not in STRATEGIES:
@@ -87,6 +90,11 @@ class MemoryLayout:
     @property
     def shards_params(self) -> bool:
         return self.sharding_strategy == "optim_grads_params"
+
+    @property
+    def reshards_params(self) -> bool:
+        """Whether sharded parameters are released between a microbatch's forward and its backward."""
+        return self.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
 
     @property
     def stages(self) -> int:

@@ -24,8 +24,9 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
   whole weights exist while gathered. Those whole buckets are `gathered_bytes`, alive during
   forward and backward only: without pipelining at most UNSHARDED_BUCKETS of the largest
   bucket (filled/used, being reduced or prefetched, the next), plus one held through the pass
-  where the tied embedding and output layer share a chunk; under pipeline parallelism every
-  bucket's weights stay gathered from the first forward to the last backward of the step.
+  where the tied embedding and output layer share a chunk; under pipeline parallelism (unless
+  --reshard-params-after-forward) every bucket's weights stay gathered from the first forward
+  to the last backward of the step.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
     grads = (UNSHARDED_BUCKETS + held) * largest * layout.grad_dtype_bytes
     if not layout.shards_params:
         return grads
-    if layout.pp > 1:
+    if not layout.reshards_params:
         return grads + sum(b.numel for b in buffers) * dtype_bytes(config.params_dtype)
     return grads + (UNSHARDED_BUCKETS + held) * largest * dtype_bytes(config.params_dtype)
 

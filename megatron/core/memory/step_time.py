@@ -121,7 +121,7 @@ def step_time(config, layout, hw: Hardware = Hardware()) -> StepTime:
     d = dp * cp
     if layout.distributed_optimizer:  # per microbatch with sharded gradients; parameters gathered around use
         grads = layout.grad_dtype_bytes * (m if layout.shards_grads else 1)
-        gathers = (2 * m if pp == 1 else 1) if layout.shards_params else 1
+        gathers = (2 * m if layout.reshards_params else 1) if layout.shards_params else 1
         dp_bytes = (d - 1) / d * params_rank * (grads + gathers * p_bytes)
     else:
         dp_bytes = 2 * (d - 1) / d * params_rank * layout.grad_dtype_bytes
