@@ -15,7 +15,7 @@ one reduce-scatter of the gradients, and, for optim_grads_params (where a forwar
 most a quarter of the buckets gathered at once), two all-gathers of the
 parameters per microbatch without pipelining (forward, backward) and one per step with it
 (parameters stay gathered from a microbatch's forward to its backward; two per microbatch with
---reshard-params-after-forward, also checked for equivalence); optim_grads gathers the
+--reshard-params-after-forward, also checked for equivalence, with --split-backward); optim_grads gathers the
 parameters once, after the step. A run saved under optim_grads_params resumes bit for bit under
 it and continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
 prints the one-rank losses and what the strategy keeps.
@@ -52,7 +52,7 @@ LAYOUTS = {  # world -> name -> (flags, models)
     2: {"dp2-grads": (GRADS, BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT)},
     4: {"tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
         "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
-        "pp2-vpp2-dp2-params-reshard": (PARAMS + PP2 + VPP + RESHARD, GPT)},
+        "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT)},
     8: {"tp2-sp-pp2-vpp2-dp2-params": (PARAMS + TP2 + SP + PP2 + VPP, GPT)},
 }
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
@@ -143,6 +143,7 @@ def test_strategy_matches_one_process(results, world, layout, model):
         assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm {norm} vs {expected_norm}"
         for name, (weight, spec) in out["final"].items():
             assert _close(weight, shard(reference["final"][name][0], spec), weight.numel()), f"rank {rank} {name}"
+        assert (out["weight_steps"] > 0) == ("split" in layout), f"rank {rank}: split backward's WEIGHT steps"
         params, grads = out["resident_bytes"]
         assert grads == 4 * out["padded"] // dp, f"rank {rank}: gradient bytes {grads}"
         assert params == 4 * out["padded"] // (dp if "params" in layout else 1), f"rank {rank}: parameter bytes"
