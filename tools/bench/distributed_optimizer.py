@@ -12,7 +12,9 @@ reduce-scatter's input or an all-gather's output, twice that for an all-reduce).
 overlap achieved: time the end of backward waits on gradient reductions
 (`finish_grad_sync`), with and without --overlap-grad-reduce. Also the sharding strategies
 optim_grads and optim_grads_params (bf16): what they keep per rank, and their traffic (one
-reduce-scatter per microbatch; two parameter all-gathers per microbatch for optim_grads_params).
+reduce-scatter per microbatch; two parameter all-gathers per microbatch for optim_grads_params),
+and for optim_grads_params the gathers modules waited for: how many per step, the share that
+was ready (whole already, or prefetched by the previous module's hook) and the time spent in them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers  # noqa: E402
+from megatron.core.distributed.param_and_grad_buffer import Bucket  # noqa: E402
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
@@ -92,7 +95,20 @@ def measure(rank: int, extra: list[str], iters: int) -> dict:
         finish(chunk)
         waits[-1] += time.perf_counter() - start
 
+    gather = Bucket.gather_params
+    gathers = {"calls": 0, "ready": 0, "seconds": 0.0}
+
+    def timed_gather(bucket):
+        """A gather a module waits for: ready when already whole or prefetched (started earlier)."""
+        whole = bucket.shards_params and bucket.param_full.allocated and bucket.param_handle is None
+        gathers["calls"] += 1
+        gathers["ready"] += whole or bucket.param_handle is not None
+        start = time.perf_counter()
+        gather(bucket)
+        gathers["seconds"] += time.perf_counter() - start
+
     ModelChunkBuffers.finish_grad_sync = timed_finish
+    Bucket.gather_params = timed_gather
     try:
         for iteration in range(2, iters + 2):
             waits.append(0.0)
@@ -104,9 +120,17 @@ def measure(rank: int, extra: list[str], iters: int) -> dict:
                 times.append(_slowest(time.perf_counter() - start))
     finally:
         ModelChunkBuffers.finish_grad_sync = finish
-    return {"step": statistics.median(times), "wait": statistics.median(waits), "counts": counts,
+        Bucket.gather_params = gather
+    return {"gathers": gathers, "step": statistics.median(times), "wait": statistics.median(waits), "counts": counts,
             "state": trainer.optimizer.state_bytes(), "params": trainer.parameters_on_rank(),
             "kept": sum(sum(chunk.buffer.kept_bytes()) for chunk in trainer.chunks)}
+
+
+def _gathers(result: dict, iters: int) -> str:
+    g = result["gathers"]
+    if not g["calls"]:
+        return "-"
+    return f"{g['calls'] // iters} per step, {100 * g['ready'] / g['calls']:.0f}% ready, {1e3 * g['seconds'] / iters:.1f}"
 
 
 def run_all(rank: int, variants: list, iters: int) -> list[dict]:
@@ -130,8 +154,8 @@ def main() -> int:
                 ("optim_grads_params bf16", FSDP + ["optim_grads_params", "--bf16"])]
     print("| dp | optimizer | step ms | step / replicated | state bytes per rank | bytes per parameter "
           "(12/d or 8/d) | weights + gradients kept per rank | sent per rank per step (collectives) | "
-          "backward wait on reductions ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "backward wait on reductions ms | parameter gathers waited for: ready (whole or prefetched), ms per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dp in (2, 4):
         results = run_distributed(dp, run_all, [(n, v + ["--global-batch-size", str(4 * dp)]) for n, v in variants],
                                   args.iters)[0]
@@ -143,7 +167,7 @@ def main() -> int:
                               for k, v in sorted(r["counts"].items()))
             print(f"| {dp} | {name} | {r['step'] * 1e3:.1f} | {r['step'] / base[name.split(',')[0][-4:]]:.2f} | "
                   f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | {r['kept']:,} | "
-                  f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} |")
+                  f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} | {_gathers(r, args.iters)} |")
     return 0
 
 
