@@ -48,6 +48,11 @@ class ForwardTrace:
             for bucket in buckets:
                 last[bucket] = index
         self.release_after = [[b for b in buckets if last[b] == index] for index, buckets in enumerate(completions)]
+        # what to prefetch: the next call's buckets in forward, the previous completion's in backward,
+        # skipping modules without parameters
+        self.next_call = [next((c for c in calls[i + 1:] if c), ()) for i in range(len(calls))]
+        self.previous_completion = [next((c for c in reversed(completions[:i]) if c), ())
+                                    for i in range(len(completions))]
 
 
 class BucketHooks:
@@ -103,8 +108,8 @@ class BucketHooks:
                 return
             for bucket in buckets:
                 bucket.gather_params()
-            if tracing and self._on_trace and index + 1 < len(self.trace.calls):
-                for bucket in self.trace.calls[index + 1]:
+            if tracing and self._on_trace:
+                for bucket in self.trace.next_call[index]:
                     bucket.start_param_gather()
         return hook
 
@@ -120,7 +125,7 @@ class BucketHooks:
                     bucket.release_params()
             if buckets and torch.is_grad_enabled():
                 # backward runs the modules in reverse: prefetch what completed just before this one
-                following = self.trace.completions[index - 1] if self.reshard and self._on_trace and index else ()
+                following = self.trace.previous_completion[index] if self.reshard and self._on_trace else ()
                 for tensor in _output_tensors(output):
                     tensor.register_hook(self._pre_backward(buckets, following))
         return hook
