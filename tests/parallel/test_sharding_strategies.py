@@ -2,7 +2,8 @@
 
 optim_grads (no whole fp32 gradient buffer: each bucket reduce-scattered per microbatch into
 the rank's shard) and optim_grads_params (parameters sharded too, gathered around each use) at
-DP2 (also with half the optimizer chunks offloaded to the CPU step), TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual stages) x DP2, CP2 x DP2 and
+DP2 (optim_grads with --overlap-param-gather; optim_grads_params also with half the optimizer
+chunks offloaded to the CPU step), TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual stages) x DP2, CP2 x DP2 and
 TP2 x SP x PP2 (v2) x DP2 on 8 ranks, GPT (tied embeddings) and Llama, fp32, several
 microbatches, clipping active, buckets small enough that parameters straddle shards: the loss
 of 5 iterations, the iteration-1 grad norm and the parameters after 5 steps match the one-process
@@ -49,7 +50,7 @@ OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]  # 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 BOTH, GPT = ("gpt", "llama"), ("gpt",)
 LAYOUTS = {  # world -> name -> (flags, models)
-    2: {"dp2-grads": (GRADS, BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT)},
+    2: {"dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT)},
     4: {"tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
         "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
         "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT)},
