@@ -159,8 +159,8 @@ class ModelChunkBuffers(torch.nn.Module):
     def gather_all_params(self) -> None:
         """Sharded parameters: make every bucket whole, to read the parameters outside a forward
         (a checkpoint, a test); the next forward releases them again."""
-        for bucket in self.buffer.buckets:
-            if self.buffer.shards_params:
+        if self.buffer.shards_params:
+            for bucket in self.buffer.buckets:
                 bucket.gather_params()
 
     def params_written(self) -> None:
