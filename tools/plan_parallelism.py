@@ -34,7 +34,10 @@ list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 
-When no layout fits, it proposes the offload optimizer (--use-distributed-optimizer
+When no layout fits, it proposes sharding more than the optimizer state first
+(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads, else optim_grads_params,
+per layout the lighter that fits; dist-opt column: grads / params), and when that fits
+nothing either, the offload optimizer (--use-distributed-optimizer
 --optimizer-cpu-offload): the distributed-optimizer layouts that fit with some of their
 optimizer state in host memory, each at the smallest --optimizer-offload-fraction (0.01
 steps) that fits, least offloaded first, then fastest (the step-time model leaves out the
@@ -63,6 +66,7 @@ from megatron.core.memory.planner import (  # noqa: E402
     evaluate_layout,
     plan,
     plan_offload,
+    plan_sharded,
 )
 from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
@@ -104,6 +108,7 @@ def _parser():
     return parser
 
 
+SHARDING_CELLS = {"no_shard": "no", "optim": "yes", "optim_grads": "grads", "optim_grads_params": "params"}
 HEADER = ("rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble  model TF/s  "
           "stages")
 OFFLOAD_HEADER = HEADER + "  offload  host GiB"
@@ -120,7 +125,7 @@ def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
     row = (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
            f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-           f"{'yes' if lay.distributed_optimizer else 'no':>8} {est.max_total_bytes / GIB:9.2f} "
+           f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
            f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
            f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}")
     if lay.offload_fraction:
@@ -139,6 +144,7 @@ def _json(c, why: str | None = None) -> dict:
             "decoder_first_pipeline_num_layers": lay.first_stage_layers,
             "decoder_last_pipeline_num_layers": lay.last_stage_layers,
             "recompute": c.recompute, "distributed_optimizer": lay.distributed_optimizer,
+            "sharding_strategy": lay.sharding_strategy,
             "offload_fraction": lay.offload_fraction, "max_host_bytes": _max_host_bytes(c),
             "max_certain_bytes": est.max_certain_bytes, "max_total_bytes": est.max_total_bytes,
             "fits": why is None, "why_not": why,
@@ -223,12 +229,14 @@ def main(argv: list[str]) -> int:
             return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
         fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search,
                                             projection=projection)
-        offloaded = [] if fitting else plan_offload(run.model, args.num_gpus, batch, device_bytes, search=search,
-                                                    projection=projection, top=args.top)
+        sharded = [] if fitting else plan_sharded(run.model, args.num_gpus, batch, device_bytes, search=search,
+                                                  projection=projection, top=args.top)
+        offloaded = [] if fitting or sharded else plan_offload(run.model, args.num_gpus, batch, device_bytes,
+                                                               search=search, projection=projection, top=args.top)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    shown = (fitting or offloaded)[: args.top]
+    shown = (fitting or sharded or offloaded)[: args.top]
     if args.json:
         print(json.dumps([_json(c) for c in shown], indent=2))
         return 0 if shown else 1
@@ -238,6 +246,10 @@ def main(argv: list[str]) -> int:
     if not shown:
         print("> no layout fits, not even with all optimizer state offloaded to host: add GPUs or lower --seq-length")
         return 1
+    if sharded:
+        print(f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
+              f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
+              f"{sharded[0].layout.sharding_strategy} for the first")
     if offloaded:
         best = offloaded[0].layout.offload_fraction
         print(f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
@@ -256,7 +268,8 @@ def main(argv: list[str]) -> int:
 def _one_layout(layouts) -> bool:
     """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
     replicated one)."""
-    shapes = {dataclasses.replace(lay, distributed_optimizer=False) for _, lay, _ in layouts}
+    shapes = {dataclasses.replace(lay, distributed_optimizer=False, sharding_strategy="no_shard")
+              for _, lay, _ in layouts}
     return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
 
 

@@ -376,9 +376,12 @@ def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) ->
     the checkpoint stores them (another format's names)."""
     if info.format == "ours":
         verify_files(info.directory, info.metadata["files"])
+    trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     pieces = stored(model_pieces(_named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)
     read_pieces(pieces, info.directory)
+    for chunk in trainer.chunks:
+        chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()

@@ -14,7 +14,8 @@ from megatron.core.transformer.config import TransformerConfig
 from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
 from megatron.training.logging_args import LoggingConfig
-from megatron.training.parallel_args import rank_order_from_args
+from megatron.training.parallel_args import (rank_order_from_args, reshard_after_forward_from_args,
+                                             sharding_strategy_from_args)
 
 
 @dataclass
@@ -44,8 +45,9 @@ class ParallelConfig:
         if args.split_backward and dims.pp == 1:
             raise ValueError("--split-backward only changes pipeline schedules: it needs "
                              "--pipeline-model-parallel-size > 1")
-        ddp = DDPConfig(bucket_size=args.ddp_bucket_size, use_distributed_optimizer=args.use_distributed_optimizer,
-                        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
+        ddp = DDPConfig(bucket_size=args.ddp_bucket_size, sharding_strategy=sharding_strategy_from_args(args),
+                        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+                        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp))
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
@@ -98,6 +100,7 @@ class TrainingConfig:
     log_interval: int
     tensorboard_dir: str | None
     device_memory_gb: float | None = None
+    host_memory_gb: float | None = None  # per rank; None: available memory / ranks on the node
     skip_memory_check: bool = False
     batch_schedule: BatchSizeSchedule | None = None
     train_samples: int | None = None

@@ -33,7 +33,7 @@ from megatron.training.log import (
 def params_norm(optimizer) -> float:
     """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm).
     Offloaded masters are read once their CPU step is done, on the device the norm is reduced on."""
-    optimizer.finish_param_sync()
+    optimizer.wait_for_step()
     return global_grad_norm([v.to(s.grad.device) for s in optimizer.shards for v in s.views(s.main, s.counted)],
                             optimizer.replicas)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+import os
+
 import torch
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
@@ -33,6 +35,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
     par, training, offload = run.parallel, run.training, run.optimizer.offload
     ddp = par.ddp
     sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    strategy = ("no_shard" if not sharded else
+                ddp.sharding_strategy if ddp.sharding_strategy != "no_shard" else "optim")
     offloaded = offload.enabled and sharded
     auto = offloaded and offload.policy == "auto"
     return MemoryLayout(tp=par.tp, cp=par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
@@ -42,7 +46,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         last_stage_layers=par.last_stage_layers,
                         offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
                         grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
-                        split_backward=par.split_backward)
+                        split_backward=par.split_backward, sharding_strategy=strategy,
+                        reshard_after_forward=ddp.reshard_after_forward)
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None, preset: str | None = None) -> int | None:
@@ -122,11 +127,47 @@ def allowance_warning(estimate: MemoryEstimate, device_bytes: int) -> str:
             f"the rest are unmeasured allowances, largest first: {allowances}; starting, it may run out of memory")
 
 
-def check_memory(run, device: torch.device, device_memory_gb: float | None, skip: bool) -> list[str]:
-    """Estimate `run` on `device`; return log lines, raise ValueError when its certain part cannot fit."""
+def host_memory_bytes(device: torch.device, host_memory_gb: float | None) -> int | None:
+    """`--host-memory-gb` (GiB per rank), else on CUDA the machine's available memory (MemAvailable)
+    shared by the ranks on the node (LOCAL_WORLD_SIZE, 1 without a launcher); None on CPU, where
+    the offloaded state shares the memory the device budget already counts."""
+    if host_memory_gb is not None:
+        return int(host_memory_gb * GIB)
+    if device.type != "cuda":
+        return None
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_host(estimate: MemoryEstimate, host_bytes: int | None, skip: bool) -> str | None:
+    """None when every rank's host part (offloaded optimizer state) fits `host_bytes` (or no host
+    budget applies); else the one-line refusal (ValueError) or, with --skip-memory-check, a warning."""
+    rank = max(estimate.ranks, key=lambda r: r.host_bytes)
+    if host_bytes is None or rank.host_bytes <= host_bytes:
+        return None
+    reason = (f"the host part of the memory estimate, {_size(rank.host_bytes)} of offloaded optimizer state on "
+              f"pipeline rank {rank.pp_rank}, exceeds host memory {_size(host_bytes)} per rank (--host-memory-gb, "
+              f"default the available memory / ranks on the node); lower --optimizer-offload-fraction, add ranks, "
+              f"or pass --skip-memory-check")
+    if not skip:
+        raise ValueError(reason)
+    return f"> WARNING (--skip-memory-check): {reason}"
+
+
+def check_memory(run, device: torch.device, device_memory_gb: float | None, skip: bool,
+                 host_memory_gb: float | None = None) -> list[str]:
+    """Estimate `run` on `device`; return log lines, raise ValueError when its certain part cannot fit
+    the device or its host part the host."""
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     device_bytes = device_memory_bytes(device, device_memory_gb)
-    return format_table(estimate, device_bytes) + [check_estimate(estimate, device_bytes, skip)]
+    device_line = check_estimate(estimate, device_bytes, skip)
+    host_line = check_host(estimate, host_memory_bytes(device, host_memory_gb), skip)
+    return format_table(estimate, device_bytes) + [device_line] + ([host_line] if host_line else [])
 
 
 def check_estimate(estimate: MemoryEstimate, device_bytes: int | None, skip: bool) -> str:

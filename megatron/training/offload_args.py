@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.optimizer.config import OFFLOAD_POLICIES, OffloadConfig
+from megatron.training.parallel_args import sharding_strategy_from_args
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,7 +25,8 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def offload_config_from_args(args) -> OffloadConfig:
-    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
+    strategy = sharding_strategy_from_args(args)
+    if args.optimizer_cpu_offload and strategy == "no_shard":
         raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer (the offloaded state is each "
                          "rank's shard of it)")
     given = [flag for flag, value in (("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),

@@ -46,12 +46,11 @@ class AutoOffload:
 
     def after_first_iteration(self) -> None:
         trainer, optimizer = self.trainer, self.trainer.optimizer
-        optimizer.finish_param_sync()
+        optimizer.wait_for_step()
         peak = torch.tensor([float(self._peak_other_bytes())], device=trainer.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         buffers = [chunk.buffer for chunk in trainer.chunks]
-        model_bytes = sum(b.param_data.numel() * b.param_data.element_size() +
-                          b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+        model_bytes = sum(sum(b.resident_bytes()) for b in buffers)
         numels = [shard.main.numel() for shard in optimizer.shards]
         budget = device_memory_bytes(trainer.device, trainer.run.training.device_memory_gb)
         self.decision = auto_keep(forward_order(buffers), numels, state_bytes_per_element(trainer.run.model.params_dtype),

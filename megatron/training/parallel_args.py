@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.core.distributed.bucket_layout import STRATEGIES
 from megatron.core.parallel_state import DEFAULT_ORDER, TP_PP_DP_ORDER
 
 
@@ -30,6 +31,17 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam moments over dp x cp (ZeRO-1/2): gradients are "
                         "reduce-scattered and updated parameters all-gathered, bucket by bucket")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="shard by --data-parallel-sharding-strategy over dp x cp, on the same buckets")
+    g.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES,
+                   help="with --use-megatron-fsdp (default no_shard): no_shard replicates; optim = "
+                        "--use-distributed-optimizer; optim_grads also keeps only a shard of the fp32 gradients "
+                        "(each bucket reduce-scattered per microbatch); optim_grads_params also shards the "
+                        "parameters (gathered before each use, released after)")
+    g.add_argument("--reshard-params-after-forward", action=argparse.BooleanOptionalAction,
+                   help="optim_grads_params: release a bucket's parameters after the forward's last use and gather "
+                        "them again for backward (default: on without pipeline parallelism; with it, off: a "
+                        "microbatch's parameters stay gathered from its forward to its backward)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="reduce each gradient bucket as soon as backward completes it (default on)")
     g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=False,
@@ -53,3 +65,25 @@ def cp_comm_type_from_args(args) -> str:
 def rank_order_from_args(args) -> tuple[str, ...]:
     """Megatron's rank order: tp-cp-dp-pp by default, tp-cp-pp-dp with --use-tp-pp-dp-mapping."""
     return TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER
+
+
+def sharding_strategy_from_args(args) -> str:
+    """The strategy the flags ask for: --data-parallel-sharding-strategy (which needs
+    --use-megatron-fsdp), else optim with --use-distributed-optimizer, else no_shard."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy is not None and not args.use_megatron_fsdp:
+        raise ValueError("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
+    if strategy is None:
+        return "optim" if args.use_distributed_optimizer else "no_shard"
+    if strategy == "no_shard" and args.use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer shards the optimizer state: use "
+                         "--data-parallel-sharding-strategy optim (or a stronger one), not no_shard")
+    return strategy
+
+
+def reshard_after_forward_from_args(args, pp: int) -> bool:
+    """--reshard-params-after-forward, default on without pipeline parallelism (see its help)."""
+    if args.reshard_params_after_forward is not None and sharding_strategy_from_args(args) != "optim_grads_params":
+        raise ValueError("--reshard-params-after-forward applies to --data-parallel-sharding-strategy "
+                         "optim_grads_params only")
+    return pp == 1 if args.reshard_params_after_forward is None else args.reshard_params_after_forward

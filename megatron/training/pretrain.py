@@ -80,9 +80,17 @@ def _optimizer_state_line(trainer: Trainer) -> str:
     shards = mesh.dp_size * mesh.cp_size if ddp.use_distributed_optimizer else 1
     full = 8 + (0 if trainer.run.model.params_dtype == torch.float32 else 4)
     how = f"sharded over dp x cp = {shards}" if ddp.use_distributed_optimizer else "replicated"
-    return (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
+    line = (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
             f"{state[dist.get_rank()] / trainer.parameters_on_rank():.3f} bytes per parameter "
             f"({full}/{shards} = {full / shards:.3f} plus bucket padding)")
+    if ddp.sharding_strategy not in ("no_shard", "optim"):
+        weights, grads = (sum(size) for size in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
+        kept = "weights and gradients" if ddp.sharding_strategy == "optim_grads_params" else "gradients"
+        line += (f"\n> sharding strategy {ddp.sharding_strategy}: {kept} kept as shards over dp x cp = {shards}; "
+                 f"this rank keeps weights {weights} bytes, gradients {grads} bytes between steps"
+                 + ("; parameters stay gathered from a microbatch's forward to its backward (pipeline parallelism)"
+                    if ddp.sharding_strategy == "optim_grads_params" and not ddp.reshard_after_forward else ""))
+    return line
 
 
 def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
@@ -130,7 +138,8 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     backend = choose_backend(run.parallel.backend, device)
     paths = kernel_paths(run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask)
     check_offload_budget(run, device)
-    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check)
+    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check,
+                                run.training.host_memory_gb)
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 
 

@@ -22,6 +22,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="torch.use_deterministic_algorithms(True): refuse nondeterministic kernels")
     g.add_argument("--device-memory-gb", type=float,
                    help="device memory to check the memory estimate against (default: the CUDA device's)")
+    g.add_argument("--host-memory-gb", type=float,
+                   help="host memory per rank for offloaded state, checked at start-up (default on CUDA: the "
+                        "machine's available memory / ranks on the node, LOCAL_WORLD_SIZE; on CPU: not checked)")
     g.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the memory estimate exceeds device memory")
     return parser
@@ -59,12 +62,14 @@ def training_config_from_args(args, dp: int) -> TrainingConfig:
                          train_iters), ("--log-interval", args.log_interval)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.device_memory_gb is not None and args.device_memory_gb <= 0:
-        raise ValueError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
+    for flag, value in (("--device-memory-gb", args.device_memory_gb), ("--host-memory-gb", args.host_memory_gb)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
     gbs = schedule.global_batch_size
     return TrainingConfig(micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
                           num_microbatches=gbs // (args.micro_batch_size * dp), train_iters=train_iters,
                           seed=args.seed, log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-                          device_memory_gb=args.device_memory_gb, skip_memory_check=args.skip_memory_check,
+                          device_memory_gb=args.device_memory_gb, host_memory_gb=args.host_memory_gb,
+                          skip_memory_check=args.skip_memory_check,
                           batch_schedule=schedule, train_samples=args.train_samples,
                           deterministic=args.deterministic_mode)

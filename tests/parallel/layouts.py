@@ -41,21 +41,25 @@ def build_trainer(model: str, extra: list[str]) -> Trainer:
 def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) -> dict:
     """Train on this rank; return losses and grad norms per iteration, initial weights, gradients of
     iteration `grads_at` (whole only with the replicated optimizer: the distributed one keeps just
-    this rank's shard of each reduced gradient), the weights after the last step and the bytes of
-    optimizer state, and how many WEIGHT steps (split backward) this rank's schedule has."""
+    this rank's shard of each reduced gradient; none where gradients are sharded, optim_grads),
+    the weights after the last step, the bytes of optimizer state, the (parameter, gradient)
+    bytes the buffers hold after the last step, and how many WEIGHT steps (split backward)
+    this rank's schedule has."""
     trainer = build_trainer(model, extra)
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
-        if iteration == grads_at:
+        if iteration == grads_at and not trainer.chunks[0].buffer.shards_grads:  # else no whole main_grad
             grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
+    resident = [sum(values) for values in zip(*(chunk.buffer.resident_bytes() for chunk in trainer.chunks))]
     trainer.optimizer.finish_param_sync()
     final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms, "final": final,
-            "optimizer_bytes": trainer.optimizer.state_bytes(),
+            "optimizer_bytes": trainer.optimizer.state_bytes(), "resident_bytes": resident,
+            "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
             "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps)}
 
 

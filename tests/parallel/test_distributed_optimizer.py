@@ -108,14 +108,16 @@ def _moments(trainer) -> list[torch.Tensor]:
     return [t.clone() for t in adam.exp_avg + adam.exp_avg_sq + [s.main for s in adam.shards]]
 
 
-def check_fp16_inf_skips_everywhere(rank: int) -> None:
-    trainer = _trainer("gpt", DIST + ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1"])
+def check_fp16_inf_skips_everywhere(rank: int, flags: list[str] = DIST) -> None:
+    trainer = _trainer("gpt", flags + ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1"])
     assert not trainer.train_step(1).skipped
+    trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params) made whole to be read
     before, moments = {n: p.detach().clone() for n, p in named_params(trainer)}, _moments(trainer)
     trainer.forward_backward(2)
     if rank == 0:  # only this rank's shard sees it
         trainer.optimizer.shards[0].grad[0] = float("inf")
     result = trainer.optimizer.step()
+    trainer.optimizer.finish_param_sync()
     assert result.skipped and trainer.optimizer.loss_scale == 512.0, f"rank {rank} did not skip"
     assert all(torch.equal(before[n], p) for n, p in named_params(trainer)), "a skipped step changed weights"
     assert all(torch.equal(a, b) for a, b in zip(moments, _moments(trainer))), "a skipped step changed state"

@@ -56,10 +56,23 @@ ERRORS = [
     (["--bogus-flag"], 1, "unrecognized arguments: --bogus-flag"),
     (["--normalization", "BatchNorm"], 1, "invalid choice: 'BatchNorm'"),
     (["--device-memory-gb", "0"], 1, "--device-memory-gb must be > 0"),
+    (["--host-memory-gb", "-1"], 1, "--host-memory-gb must be > 0, got -1.0"),
     (["--vocab-size", "1"], 1, "--mock-data needs --vocab-size >= 2, got 1"),
     (["--init-method-std", "0"], 1, "--init-method-std must be > 0"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel"),
+    (["--data-parallel-sharding-strategy", "optim_grads"], 2, "--data-parallel-sharding-strategy needs --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"], 2,
+     "use --data-parallel-sharding-strategy optim (or a stronger one), not no_shard"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"], 2,
+     "--overlap-param-gather applies to the optim and optim_grads strategies"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--no-overlap-grad-reduce"], 2,
+     "reduce-scatters each bucket as backward completes it: drop --no-overlap-grad-reduce"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--optimizer-cpu-offload"], 2,
+     "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "invalid choice: 'zero3'"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--reshard-params-after-forward"], 2,
+     "--reshard-params-after-forward applies to --data-parallel-sharding-strategy optim_grads_params only"),
 ]
 
 

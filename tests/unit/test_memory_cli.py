@@ -200,8 +200,38 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     assert data[0]["max_host_bytes"] > 0
 
 
+def test_planner_proposes_sharding_before_offload(capsys):
+    """Llama-2-7B on 8 GPUs at TP1 x PP1, full recomputation: the distributed optimizer's
+    2 + 4 + 12/8 bytes per parameter do not fit 80% of 40 GiB, optim_grads' 2 + 16/8 do; of 24 GiB
+    only optim_grads_params' 18/8 do. The planner says which flags, before any offload."""
+    base = ["--num-gpus", "8", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--micro-batch-size", "1", "--recompute-granularity", "full"] + LLAMA_7B[:-4] + ["--global-batch-size", "64"]
+    for gib, strategy, cell in (("40", "optim_grads", "grads"), ("24", "optim_grads_params", "params")):
+        code, out, err = run_tool(plan_tool, base + ["--device-memory-gb", gib], capsys)
+        assert code == 0, err
+        assert "0 fit" in out and f"--data-parallel-sharding-strategy {strategy} for the first" in out
+        rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+        assert rows and all(row[9] == cell for row in rows) and "offload" not in out
+
+
 def _run(argv, world=1):
     return parse_run_config(argv + ["--train-iters", "1", "--mock-data"], LLAMA_DEFAULTS, world)
+
+
+def test_check_memory_refuses_a_host_part_that_does_not_fit():
+    """Llama-2-7B on 8 ranks with all optimizer state offloaded: 16 bytes per element of each rank's
+    1/8 shard, 12.6 GiB of host per rank, refused under --host-memory-gb 10 in one line."""
+    run = _run(LLAMA_7B[2:-2] + ["--global-batch-size", "8", "--use-distributed-optimizer", "--optimizer-cpu-offload"],
+               world=8)
+    lines = check_memory(run, torch.device("cpu"), 80.0, skip=False, host_memory_gb=20.0)
+    assert not any("host memory" in line for line in lines)
+    with pytest.raises(ValueError) as refused:
+        check_memory(run, torch.device("cpu"), 80.0, skip=False, host_memory_gb=10.0)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("the host part of the memory estimate, 12.")
+    assert "exceeds host memory 10.00 GiB per rank (--host-memory-gb" in message
+    lines = check_memory(run, torch.device("cpu"), 80.0, skip=True, host_memory_gb=10.0)
+    assert lines[-1].startswith("> WARNING (--skip-memory-check): the host part")
 
 
 def test_check_memory_refuses_and_skips():

@@ -116,3 +116,28 @@ def test_layout_validation():
         MemoryLayout(device_type="tpu")
     with pytest.raises(ValueError, match="bucket_size"):
         MemoryLayout(bucket_size=0)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sharding_strategies_keep_shards_and_gather_whole_buckets(strategy, pp):
+    """bf16 weights, one bucket (d = 4): optim keeps 2 + 4 bytes per padded element whole; optim_grads
+    keeps the fp32 gradient as a 1/d shard and holds whole gradient buckets (3 of the largest, one
+    more where the tied embedding and output layer share the only stage) only during
+    forward/backward; optim_grads_params does so for the weights too, but under pipeline
+    parallelism every bucket's weights stay gathered through the step."""
+    d = 4
+    padded = -(-N // (d * SHARD_ALIGN)) * d * SHARD_ALIGN
+    s = states(torch.bfloat16, shards=d, dp=d, pp=pp, sharding_strategy=strategy)
+    grads_sharded, params_sharded = strategy != "optim", strategy == "optim_grads_params"
+    assert s.weights_bytes == 2 * padded // (d if params_sharded else 1)
+    assert s.grads_bytes == 4 * padded // (d if grads_sharded else 1)
+    assert s.optimizer_bytes == 12 * padded // d
+    held = 3 + (pp == 1)  # CONFIG ties the embedding and the output layer
+    whole_grads = held * 4 * padded if grads_sharded else 0
+    whole_params = (2 * padded if pp > 1 else held * 2 * padded) if params_sharded else 0
+    assert s.gathered_bytes == whole_grads + whole_params
+    resharded = states(torch.bfloat16, shards=d, dp=d, pp=pp, sharding_strategy=strategy, reshard_after_forward=True)
+    assert resharded.gathered_bytes == whole_grads + (held * 2 * padded if params_sharded else 0)
+    assert MemoryLayout(dp=d, sharding_strategy=strategy).distributed_optimizer
+    assert MemoryLayout(dp=d, distributed_optimizer=True).sharding_strategy == "optim"

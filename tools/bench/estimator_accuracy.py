@@ -5,13 +5,14 @@
 
 Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
-tied across stages), the offload optimizer (full and half), fp32 and bf16; GPT with
+tied across stages), the offload optimizer (full and half), sharded gradients (optim_grads),
+fp32 and bf16; GPT with
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
 Triton interpreter is available, our Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters; gradients: the flat
-  `main_grad` buffers (plus any `param.grad` left); optimizer: the optimizer's
+  `main_grad` buffers, or with optim_grads the fp32 gradient shards (plus any `param.grad` left); optimizer: the optimizer's
   state tensors (fp32 master copies that are not the weights, Adam moments) on the
   device; host: the offloaded shards' fp32 masters, moments and gradient copies
   (--optimizer-cpu-offload, full and f = 0.5);
@@ -67,6 +68,9 @@ NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no drop
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
 OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
 HALF = ["--optimizer-offload-fraction", "0.5"]
+# sharded gradients: the fp32 shards are what stays (optim_grads_params, whose gathered weights come and
+# go, is checked against the estimate in tests/parallel/test_sharding_strategies.py)
+OPTIM_GRADS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
     **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
@@ -77,12 +81,14 @@ LAYOUTS = {
         ("dp2-distopt", "gpt", DISTOPT), ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
         ("cp2", "llama", CP2), ("dp2-offload-bf16", "llama", OFFLOAD + BF16),
         ("dp2-offload-half-buckets", "gpt", OFFLOAD + HALF + BUCKETS),
-        ("dp2-offload-half-bf16-buckets", "llama", OFFLOAD + HALF + BF16 + BUCKETS)],
+        ("dp2-offload-half-bf16-buckets", "llama", OFFLOAD + HALF + BF16 + BUCKETS),
+        ("dp2-optim-grads-bf16-buckets", "llama", OPTIM_GRADS + BF16 + BUCKETS)],
     4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
         ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
         ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
         ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),
-        ("dp2-pp2-vpp2-offload-half-bf16-buckets", "gpt", PP2 + VPP2 + OFFLOAD + HALF + BF16 + BUCKETS)],
+        ("dp2-pp2-vpp2-offload-half-bf16-buckets", "gpt", PP2 + VPP2 + OFFLOAD + HALF + BF16 + BUCKETS),
+        ("cp2-dp2-pp2-optim-grads", "gpt", CP2 + PP2 + OPTIM_GRADS + NO_ATTN_DROPOUT)],
 }
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
@@ -149,7 +155,9 @@ def measure(trainer: Trainer) -> dict:
     params = [p for chunk in trainer.chunks for p in chunk.module.parameters()]
     meter = SavedTensorMeter(trainer.executor, params)
     trainer.train_step(1)
-    grads = [c.buffer.grad_data for c in trainer.chunks] + [p.grad for p in params if p.grad is not None]
+    grads = [t for c in trainer.chunks for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else
+                                                  [b.grad_shard for b in c.buffer.buckets])]
+    grads += [p.grad for p in params if p.grad is not None]
     device, host = optimizer_placement(trainer.optimizer.adam)
     return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(params),
             "grads_bytes": _unique_bytes(grads), "optimizer_bytes": device, "host_bytes": host,

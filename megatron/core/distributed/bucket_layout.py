@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SHARD_ALIGN = 64  # elements: 256 bytes of fp32 gradient, 128 of bf16 weight
+# Megatron-FSDP's names for what is sharded over dp x cp (param_and_grad_buffer.py says how)
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def default_bucket_size(shards: int) -> int:

@@ -8,6 +8,10 @@ without it every bucket is reduced when backward has finished). With the distrib
 optimizer and `overlap_param_gather`, the optimizer step only starts the all-gathers of the
 updated parameters and forward pre-hooks wait for a module's buckets just before its first
 use, so the gathers overlap the next iteration's forward instead of blocking the step.
+With sharded gradients (optim_grads, optim_grads_params) every microbatch's buckets are
+reduce-scattered as backward completes them, and module hooks (`param_gather.BucketHooks`)
+make each bucket's unsharded gradient exist before a module's backward and, for
+optim_grads_params, gather and release its parameters around each use.
 
 Usage per iteration: `zero_grad_buffer()`; before each microbatch's backward
 `set_is_last_microbatch(...)`; after the last backward `finish_grad_sync()` (called by
@@ -21,24 +25,43 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.bucket_layout import default_bucket_size
+from megatron.core.distributed.bucket_layout import STRATEGIES, default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.distributed.param_gather import BucketHooks
 from megatron.core.tensor_parallel.weight_grads import WeightGradQueue
 
 
 @dataclass
 class DDPConfig:
-    """`bucket_size` in elements (None: `default_bucket_size` of the dp x cp size)."""
+    """`bucket_size` in elements (None: `default_bucket_size` of the dp x cp size).
+    `sharding_strategy`: one of STRATEGIES; `use_distributed_optimizer` alone means "optim".
+    `reshard_after_forward` (optim_grads_params): release a bucket's parameters after the
+    forward's last use and gather them again for backward; False keeps them gathered from a
+    microbatch's forward to its backward (the trainer's choice under pipeline parallelism)."""
 
     bucket_size: int | None = None
     grad_dtype: torch.dtype = torch.float32
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    sharding_strategy: str = "no_shard"
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
+        if self.sharding_strategy not in STRATEGIES:
+            raise ValueError(f"--data-parallel-sharding-strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"got {self.sharding_strategy!r}")
+        if self.use_distributed_optimizer and self.sharding_strategy == "no_shard":
+            self.sharding_strategy = "optim"
+        self.use_distributed_optimizer = self.sharding_strategy != "no_shard"
+        if self.sharding_strategy == "optim_grads_params" and self.overlap_param_gather:
+            raise ValueError("--overlap-param-gather applies to the optim and optim_grads strategies: "
+                             "optim_grads_params gathers each bucket before its first use anyway")
+        if self.sharding_strategy in ("optim_grads", "optim_grads_params") and not self.overlap_grad_reduce:
+            raise ValueError(f"--data-parallel-sharding-strategy {self.sharding_strategy} reduce-scatters each "
+                             "bucket as backward completes it: drop --no-overlap-grad-reduce")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (replicated parameters "
                              "are never gathered)")
@@ -55,7 +78,9 @@ class ModelChunkBuffers(torch.nn.Module):
         bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
         self.buffer = ParamAndGradBuffer(list(reversed(named)), grad_dtype=config.grad_dtype,
                                          bucket_size=bucket_size, group=dp_cp_group,
-                                         sharded=config.use_distributed_optimizer)
+                                         strategy=config.sharding_strategy)
+        self.bucket_hooks = (BucketHooks(module, self.buffer, config.reshard_after_forward)
+                             if self.buffer.shards_grads else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
         for _, param in named:
             param.weight_grad_queue = self.weight_grads
@@ -67,13 +92,18 @@ class ModelChunkBuffers(torch.nn.Module):
         if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder
             param.grad_added_to_main_grad = False
         else:
+            self.buffer.prepare_grad(self.buffer.bucket_of[param])
             param.main_grad.add_(param.grad)
         param.grad = None
         if param not in self.weight_grads:
             self._gradient_final(param)
 
     def _gradient_final(self, param: torch.Tensor) -> None:
-        if self.sync_now and self.config.overlap_grad_reduce:
+        if self.buffer.shards_grads:  # every microbatch; parameters are no longer needed once all are final
+            bucket = self.buffer.mark_ready(param)
+            if bucket is not None and (self.config.reshard_after_forward or self.sync_now):
+                bucket.release_params()
+        elif self.sync_now and self.config.overlap_grad_reduce:
             self.buffer.mark_ready(param)
 
     def deferring_weight_grads(self):
@@ -94,7 +124,10 @@ class ModelChunkBuffers(torch.nn.Module):
         return hook
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.bucket_hooks is None:
+            return self.module(*args, **kwargs)
+        with self.bucket_hooks.forward_pass():
+            return self.module(*args, **kwargs)
 
     def set_is_last_microbatch(self, last: bool) -> None:
         """Gradients of earlier microbatches only accumulate; the last one's complete each bucket."""
@@ -106,11 +139,31 @@ class ModelChunkBuffers(torch.nn.Module):
     def finish_grad_sync(self) -> None:
         self.buffer.finish_grad_reduce()
         self.sync_now = True
+        for bucket in self.buffer.buckets:  # sharded parameters: none stays gathered into the step
+            bucket.release_params()
 
     def start_param_gather(self) -> None:
+        """After the optimizer step. Sharded parameters are gathered when next used (gathered copies
+        are stale now); others are all-gathered here (and waited for unless overlapped)."""
+        if self.buffer.shards_params:
+            for bucket in self.buffer.buckets:
+                bucket.release_params()
+            return
         self.buffer.start_param_gather()
         if not self.config.overlap_param_gather:
             self.buffer.finish_param_gather()
 
     def finish_param_gather(self) -> None:
         self.buffer.finish_param_gather()
+
+    def gather_all_params(self) -> None:
+        """Sharded parameters: make every bucket whole, to read the parameters outside a forward
+        (a checkpoint, a test); the next forward releases them again."""
+        if self.buffer.shards_params:
+            for bucket in self.buffer.buckets:
+                bucket.gather_params()
+
+    def params_written(self) -> None:
+        """The whole parameters were written outside training (a checkpoint was loaded): take this
+        rank's shard of them."""
+        self.buffer.take_param_shards()

@@ -1,13 +1,21 @@
-"""Flat parameter and gradient buffers of one model chunk, and the collectives of their buckets.
+"""Parameter and gradient buffers of one model chunk, and the collectives of their buckets.
 
-Every parameter's storage becomes a view into one contiguous parameter buffer (model
-dtype) and its `main_grad` a view into one gradient buffer (fp32 by default, whatever the
-weights), laid out by `BufferLayout`. Microbatch gradients accumulate there in fp32, and
-each bucket (memory chunk) is reduced over the dp x cp group with one collective:
-- replicated optimizer: an all-reduce, after which every rank holds the whole averaged bucket;
-- distributed optimizer: a reduce-scatter, after which each rank holds only its shard of the
-  averaged bucket (the rest of the bucket is stale and never read); after the optimizer
-  step each bucket's parameters are all-gathered from the updated shards.
+Every parameter's storage becomes a view into a parameter buffer (model dtype) and its
+`main_grad` a view into a gradient buffer (fp32 by default, whatever the weights), laid out by
+`BufferLayout`. Microbatch gradients accumulate there in fp32 and each bucket (memory chunk) is
+reduced over the dp x cp group with one collective. What a rank keeps depends on the sharding
+strategy (Megatron-FSDP's names):
+- no_shard (replicated optimizer): whole buffers; each bucket is all-reduced once per iteration;
+- optim (distributed optimizer): whole buffers; each bucket is reduce-scattered once per
+  iteration, after which each rank holds only its shard of the averaged bucket (the rest is
+  stale and never read); after the optimizer step each bucket's parameters are all-gathered;
+- optim_grads: no whole gradient buffer. A bucket's unsharded gradient exists only while a
+  microbatch's backward fills it (`TransientBuffer`); once complete it is reduce-scattered and
+  added into the rank's persistent fp32 shard, then freed. That is one reduce-scatter per
+  bucket per microbatch instead of one per iteration;
+- optim_grads_params: as optim_grads, and the parameters too are kept as this rank's shard
+  only; a bucket's whole parameters exist while gathered (`gather_params` / `release_params`,
+  driven by the module hooks of `param_gather.py`).
 "Local shard" below means this rank's shard (the whole bucket when replicated): the part of
 the gradient that is valid after the reduction and that this rank's optimizer steps.
 """
@@ -16,89 +24,185 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
+from megatron.core.distributed.bucket_layout import SHARD_ALIGN, STRATEGIES, BufferLayout
+from megatron.core.distributed.transient import TransientBuffer
 
 
 class Bucket:
     """Views of one bucket in both buffers, the parameters whose gradients fill it, and the
-    handles of its collectives in flight."""
+    handles of its collectives in flight. `param_data`/`grad_data`: the chunk's flat buffers, or
+    None where this bucket has its own transient one (sharded gradients / parameters)."""
 
-    def __init__(self, place, param_data: torch.Tensor, grad_data: torch.Tensor, params: list, group,
-                 shard_rank: int):
-        self.param = param_data[place.start: place.end]
-        self.grad = grad_data[place.start: place.end]
+    def __init__(self, place, param_data, grad_data, params: list, group, shard_rank: int, *,
+                 dtype: torch.dtype, grad_dtype: torch.dtype, device):
+        self.place = place
         start, end = place.shard(shard_rank)
-        self.param_shard, self.grad_shard = param_data[start:end], grad_data[start:end]
+        self.shards_grads, self.shards_params = grad_data is None, param_data is None
+        if self.shards_params:  # gathered on demand; whole at construction (parameters are copied in)
+            self.param_full = TransientBuffer(place.numel, dtype, device)
+            self.param = self.param_full.data
+            self.param_shard = torch.zeros(end - start, dtype=dtype, device=device)
+        else:
+            self.param = param_data[place.start: place.end]
+            self.param_shard = param_data[start:end]
+        if self.shards_grads:
+            self.grad_full = TransientBuffer(place.numel, grad_dtype, device)  # freed once views are taken
+            self.grad = self.grad_full.data
+            self.grad_shard = torch.zeros(end - start, dtype=grad_dtype, device=device)
+            self._scattered = None  # the reduce-scatter's output, added into grad_shard when it lands
+        else:
+            self.grad = grad_data[place.start: place.end]
+            self.grad_shard = grad_data[start:end]
         self.params = set(params)
         self.group, self.group_size = group, dist.get_world_size(group)
         self.sharded = place.shards > 1
         self.ready: set = set()
         self.reducing = False
         self.grad_handle = self.param_handle = None
+        self.before_gather = None  # called once before the next gather (an offloaded shard's CPU step landing)
+
+    # ---- gradients ----
+
+    def prepare_grad(self) -> None:
+        """Sharded gradients: make the unsharded bucket exist (zeroed) before a gradient is added."""
+        if self.shards_grads and not self.grad_full.allocated:
+            self.grad_full.allocate()
+            self.grad.zero_()
 
     def start_grad_reduce(self) -> None:
-        """Average the bucket over the group, asynchronously (once per iteration)."""
-        if self.reducing:
+        """Average the bucket over the group, asynchronously (once per iteration; per microbatch
+        with sharded gradients, where a bucket no gradient reached has nothing to reduce)."""
+        if self.reducing or (self.shards_grads and not self.grad_full.allocated):
             return
         self.reducing = True
-        if self.group_size == 1:
-            return
-        self.grad.div_(self.group_size)  # gloo has no AVG: sum of the pre-divided gradients
-        if self.sharded:
+        if self.group_size > 1:
+            self.grad.div_(self.group_size)  # gloo has no AVG: sum of the pre-divided gradients
+        if self.shards_grads:
+            self._scattered = torch.empty_like(self.grad_shard)
+            if self.group_size == 1:
+                self._scattered.copy_(self.grad)
+            else:
+                self.grad_handle = dist.reduce_scatter_single(self._scattered, self.grad, group=self.group,
+                                                              async_op=True)
+        elif self.group_size > 1 and self.sharded:
             self.grad_handle = dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group,
                                                           async_op=True)
-        else:
+        elif self.group_size > 1:
             self.grad_handle = dist.all_reduce(self.grad, group=self.group, async_op=True)
 
     def finish_grad_reduce(self) -> None:
-        self.start_grad_reduce()
+        """Wait for the reduction; with sharded gradients add it into the shard and free the bucket."""
         if self.grad_handle is not None:
             self.grad_handle.wait()
+        if self.shards_grads and self.reducing:
+            self.grad_shard.add_(self._scattered)
+            self._scattered = None
+            self.grad_full.free()
         self.ready.clear()
         self.reducing, self.grad_handle = False, None
 
+    def zero_grad(self) -> None:
+        if self.shards_grads:
+            self.grad_shard.zero_()
+            self.grad_full.free()
+
+    # ---- parameters ----
+
     def start_param_gather(self) -> None:
-        """Gather every rank's updated shard into the whole bucket of the parameter buffer."""
-        if self.sharded and self.param_handle is None:
+        """Gather every rank's shard into the whole bucket of the parameters (allocating it first
+        when the parameters are sharded); nothing to do where they are whole already."""
+        if not self.sharded and not self.shards_params:
+            return
+        self.wait_for_shard()
+        if self.param_handle is None and (not self.shards_params or self.param_full.allocate()):
             self.param_handle = dist.all_gather_single(self.param, self.param_shard, group=self.group,
                                                        async_op=True)
+
+    def wait_for_shard(self) -> None:
+        """Run `before_gather` if one is pending: this rank's shard is final after it."""
+        if self.before_gather is not None:
+            before, self.before_gather = self.before_gather, None
+            before()
 
     def finish_param_gather(self) -> None:
         if self.param_handle is not None:
             self.param_handle.wait()
             self.param_handle = None
 
+    def gather_params(self) -> None:
+        self.start_param_gather()
+        self.finish_param_gather()
+
+    def release_params(self) -> None:
+        """Sharded parameters: drop the whole bucket (this rank's shard stays)."""
+        if self.shards_params:
+            self.finish_param_gather()
+            self.param_full.free()
+
 
 class ParamAndGradBuffer:
     """`named_params`: (name, parameter) in the order backward produces their gradients.
-    `sharded`: split each bucket over the group (distributed optimizer) instead of replicating it."""
+    `strategy`: one of STRATEGIES (anything but no_shard splits each bucket over the group)."""
 
-    def __init__(self, named_params: list, *, grad_dtype: torch.dtype, bucket_size: int, group, sharded: bool):
+    def __init__(self, named_params: list, *, grad_dtype: torch.dtype, bucket_size: int, group, strategy: str):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) > 1:
             raise ValueError(f"a model chunk's parameters must share one dtype for its flat buffer, got {dtypes}")
+        self.strategy = strategy
+        sharded = strategy != "no_shard"
         shards = dist.get_world_size(group) if sharded else 1
         self.layout = BufferLayout([(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
                                    bucket_size, shards, SHARD_ALIGN)
         self.shard_rank = dist.get_rank(group) if sharded else 0
-        device = named_params[0][1].device if named_params else None
+        self.device = named_params[0][1].device if named_params else torch.device("cpu")
         dtype = dtypes.pop() if dtypes else torch.float32
-        self.param_data = torch.zeros(self.layout.numel, dtype=dtype, device=device)
-        self.grad_data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
+        shard_grads, shard_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
+        self.param_data = None if shard_params else torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
+        self.grad_data = None if shard_grads else torch.zeros(self.layout.numel, dtype=grad_dtype, device=self.device)
         self.params = dict(named_params)
-        for place in self.layout.params:
-            param = self.params[place.name]
-            view = self.param_data[place.start: place.end]
-            view.copy_(param.detach().reshape(-1))
-            param.data = view.view(param.shape)
-            param.main_grad = self.grad_data[place.start: place.end].view(param.shape)
-            param.grad_added_to_main_grad = False
         self.buckets = [Bucket(bucket, self.param_data, self.grad_data,
                                [self.params[p.name] for p in self.layout.params if p.bucket == index], group,
-                               self.shard_rank)
+                               self.shard_rank, dtype=dtype, grad_dtype=grad_dtype, device=self.device)
                         for index, bucket in enumerate(self.layout.buckets)]
+        for place in self.layout.params:
+            param, bucket = self.params[place.name], self.buckets[place.bucket]
+            start, end = place.start - bucket.place.start, place.end - bucket.place.start
+            view = bucket.param[start:end]
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view(param.shape)
+            param.main_grad = bucket.grad[start:end].view(param.shape)
+            param.grad_added_to_main_grad = False
+        self.take_param_shards()
+        for bucket in self.buckets:
+            bucket.zero_grad()
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self.reuse_waits: list = []
+        self._reducing: list = []  # sharded gradients: buckets whose reduce-scatter is in flight
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.grad_data is None
+
+    @property
+    def shards_params(self) -> bool:
+        return self.param_data is None
+
+    def prepare_grad(self, bucket: Bucket) -> None:
+        """Sharded gradients: the bucket's unsharded gradient must exist before a gradient is added
+        to it (a reduction of the previous microbatch still in flight is finished first)."""
+        if bucket.reducing:
+            bucket.finish_grad_reduce()
+            self._reducing.remove(bucket)
+        bucket.prepare_grad()
+
+    def take_param_shards(self) -> None:
+        """Sharded parameters: copy this rank's shard out of the whole (gathered) buckets."""
+        for bucket in self.buckets:
+            if bucket.shards_params:
+                start, end = bucket.place.shard(self.shard_rank)
+                bucket.param_shard.copy_(bucket.param[start - bucket.place.start: end - bucket.place.start])
 
     def zero(self) -> None:
         """Zero the gradients once whatever still reads them is done (`reuse_waits`: callables
@@ -106,14 +210,26 @@ class ParamAndGradBuffer:
         for wait in self.reuse_waits:
             wait()
         self.reuse_waits = []
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.zero_grad()
 
-    def mark_ready(self, param) -> None:
-        """Record that `param`'s gradient is final; start its bucket's reduction once all are."""
+    def mark_ready(self, param):
+        """Record that `param`'s gradient is final; start its bucket's reduction once all are and
+        return the bucket then (else None). With sharded gradients the reductions still in
+        flight finish first (their unsharded buckets are freed), so at most one bucket is
+        reducing while the next one fills."""
         bucket = self.bucket_of[param]
         bucket.ready.add(param)
-        if len(bucket.ready) == len(bucket.params):
-            bucket.start_grad_reduce()
+        if len(bucket.ready) < len(bucket.params) or bucket.reducing:
+            return None
+        if self.shards_grads:
+            while self._reducing:
+                self._reducing.pop().finish_grad_reduce()
+            self._reducing.append(bucket)
+        bucket.start_grad_reduce()
+        return bucket
 
     def finish_grad_reduce(self) -> None:
         """Start buckets not started yet (no overlap, or parameters without gradients), wait for all."""
@@ -121,6 +237,7 @@ class ParamAndGradBuffer:
             bucket.start_grad_reduce()
         for bucket in self.buckets:
             bucket.finish_grad_reduce()
+        self._reducing.clear()
 
     def start_param_gather(self) -> None:
         """All-gather buckets in the order the next forward uses them (the reverse of backward's)."""
@@ -130,6 +247,29 @@ class ParamAndGradBuffer:
     def finish_param_gather(self) -> None:
         for bucket in self.buckets:
             bucket.finish_param_gather()
+
+    def kept_bytes(self) -> tuple[int, int]:
+        """(parameter bytes, gradient bytes) kept between steps: whole buffers, or the shards."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        params = size([self.param_data] if self.param_data is not None else [b.param_shard for b in self.buckets])
+        grads = size([self.grad_data] if self.grad_data is not None else [b.grad_shard for b in self.buckets])
+        return params, grads
+
+    def resident_bytes(self) -> tuple[int, int]:
+        """(parameter bytes, gradient bytes) this buffer holds now: whole buffers, or shards plus
+        the buckets gathered / being filled at the moment."""
+        def size(t):
+            return t.untyped_storage().nbytes()
+        if self.param_data is not None:
+            params = size(self.param_data)
+        else:
+            params = sum(size(b.param) + size(b.param_shard) for b in self.buckets)
+        if self.grad_data is not None:
+            grads = size(self.grad_data)
+        else:
+            grads = sum(size(b.grad) + size(b.grad_shard) for b in self.buckets)
+        return params, grads
 
     def local_grads(self, predicate=None) -> list[torch.Tensor]:
         """Views of the local shard of the gradient of every parameter for which `predicate(param)`

@@ -34,14 +34,16 @@ def p2p_bytes(tokens: int, hidden: int, element_bytes: int, tp: int, sequence_pa
 
 
 def dp_bytes(parameters: float, ranks: int, grad_bytes: int, param_bytes: int,
-             distributed: bool) -> tuple[float, float]:
+             distributed: bool, reductions: int = 1, gathers: int = 1) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) bytes sent per rank per step over dp x cp `ranks`:
-    a reduce-scatter of the gradients and an all-gather of the updated parameters with the
-    distributed optimizer; an all-reduce of the gradients (and nothing to gather) without."""
+    `reductions` reduce-scatters of the gradients and `gathers` all-gathers of the parameters with
+    the distributed optimizer (sharding strategies: step_time.dp_collectives); an all-reduce of
+    the gradients (and nothing to gather) without."""
     if ranks == 1:
         return 0.0, 0.0
     if distributed:
-        return ring_share(ranks) * parameters * grad_bytes, ring_share(ranks) * parameters * param_bytes
+        return (reductions * ring_share(ranks) * parameters * grad_bytes,
+                gathers * ring_share(ranks) * parameters * param_bytes)
     return 2 * ring_share(ranks) * parameters * grad_bytes, 0.0
 
 

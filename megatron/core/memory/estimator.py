@@ -59,6 +59,7 @@ class RankEstimate:
     peak_microbatches: int
     chunk_activation_bytes: tuple[int, ...]  # one microbatch on each local chunk
     transients: Transients
+    gathered_bytes: int = 0  # whole buckets of sharded gradients/parameters during forward/backward
 
     @property
     def states_bytes(self) -> int:
@@ -71,7 +72,7 @@ class RankEstimate:
 
     @property
     def _during_backward(self) -> int:
-        return self.activations_bytes + self.transients_bytes
+        return self.activations_bytes + self.transients_bytes + self.gathered_bytes
 
     @property
     def _after_backward(self) -> int:
@@ -87,14 +88,14 @@ class RankEstimate:
             parts = {"after-backward temporaries": self.after_backward_bytes,
                      "runtime allowance": self.transients.runtime_bytes}
         else:
-            parts = self.transients.components()
+            parts = dict(self.transients.components(), **{"gathered buckets": self.gathered_bytes})
         return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
             "pp_rank", "parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
             "transients_bytes", "host_bytes", "certain_bytes", "total_bytes", "after_backward_bytes",
-            "peak_microbatches")}
+            "peak_microbatches", "gathered_bytes")}
         out["chunk_activation_bytes"] = list(self.chunk_activation_bytes)
         out["transients"] = asdict(self.transients)
         out["allowances"] = self.allowances()
@@ -185,7 +186,8 @@ def estimate_rank(config, layout: MemoryLayout, kernels: KernelChoice, allowance
         grads_bytes=states.grads_bytes, optimizer_bytes=states.optimizer_bytes,
         activations_bytes=inflight.activations_bytes, transients_bytes=transients.total,
         after_backward_bytes=after, host_bytes=states.host_bytes, peak_microbatches=inflight.peak_microbatches,
-        chunk_activation_bytes=tuple(a.bytes + a.shared_bytes for a in activations), transients=transients)
+        chunk_activation_bytes=tuple(a.bytes + a.shared_bytes for a in activations), transients=transients,
+        gathered_bytes=states.gathered_bytes)
 
 
 def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.distributed.bucket_layout import STRATEGIES
+
 DEVICE_TYPES = ("cuda", "cpu")
 
 
@@ -27,7 +29,11 @@ class MemoryLayout:
     rounds it (memory/offload.py). `offload_auto`: --offload-policy auto, which decides the
     split only after measuring iteration 1, so it is estimated as full offload, the best case.
     `split_backward`: the pipeline's --split-backward (linear layers queue their output
-    gradients until the chunk's weight step).
+    gradients until the chunk's weight step). `sharding_strategy`: what is sharded over dp x cp
+    (--data-parallel-sharding-strategy); `distributed_optimizer` alone means "optim", and is
+    set whenever the strategy shards anything. `reshard_after_forward` (optim_grads_params,
+    --reshard-params-after-forward): None means the trainer's default, on without pipeline
+    parallelism.
     """
 
     tp: int = 1
@@ -47,8 +53,15 @@ class MemoryLayout:
     grad_dtype_bytes: int = 4
     device_type: str = "cuda"
     split_backward: bool = False
+    sharding_strategy: str = "no_shard"
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self):
+        if self.sharding_strategy not in STRATEGIES:
+            raise ValueError(f"sharding_strategy must be one of {', '.join(STRATEGIES)}, got {self.sharding_strategy!r}")
+        if self.distributed_optimizer and self.sharding_strategy == "no_shard":
+            object.__setattr__(self, "sharding_strategy", "optim")
+        object.__setattr__(self, "distributed_optimizer", self.sharding_strategy != "no_shard")
         for name in ("tp", "cp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -71,6 +84,19 @@ class MemoryLayout:
         return self.tp * self.cp * self.dp * self.pp
 
     @property
+    def shards_grads(self) -> bool:
+        return self.sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_params(self) -> bool:
+        return self.sharding_strategy == "optim_grads_params"
+
+    @property
+    def reshards_params(self) -> bool:
+        """Whether sharded parameters are released between a microbatch's forward and its backward."""
+        return self.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
+
+    @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
 
@@ -85,8 +111,10 @@ class MemoryLayout:
             text += f" VPP={self.virtual_stages}"
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             text += f" layers first/last={self.first_stage_layers}/{self.last_stage_layers}"
-        if self.distributed_optimizer:
+        if self.sharding_strategy == "optim":
             text += " distributed optimizer"
+        elif self.distributed_optimizer:
+            text += f" sharded {self.sharding_strategy}"
         if self.offload_auto:
             text += " offload auto (estimated as full offload)"
         elif self.offload_fraction:

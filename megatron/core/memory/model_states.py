@@ -17,7 +17,16 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
 - offload (`--optimizer-cpu-offload`, offload.py): the chunks the static policy puts on
   host for `layout.offload_fraction` cost nothing on the device and 16 bytes per element in
   `host_bytes` (fp32 master even of fp32 weights, m, v, the gradient's host copy); they are
-  stepped on the CPU, so the device step's temporaries come from the other shards only.
+  stepped on the CPU, so the device step's temporaries come from the other shards only;
+- sharded gradients (optim_grads) keep only the fp32 shard of each bucket between steps; a
+  bucket's unsharded gradient exists while backward fills it and its reduce-scatter runs.
+  Sharded parameters (optim_grads_params) keep only the shard of the weights too; a bucket's
+  whole weights exist while gathered. Those whole buckets are `gathered_bytes`, alive during
+  forward and backward only: without pipelining at most UNSHARDED_BUCKETS of the largest
+  bucket (filled/used, being reduced or prefetched, the next), plus one held through the pass
+  where the tied embedding and output layer share a chunk; under pipeline parallelism (unless
+  --reshard-params-after-forward) every bucket's weights stay gathered from the first forward
+  to the last backward of the step.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ from megatron.core.memory.parameters import chunk_shapes, numel, shared_embeddin
 ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4        # fp32 master copy of bf16/fp16 weights
 STEP_TEMPORARIES = 2    # fp32 shard-sized tensors alive at once in ShardedAdamW.step
+UNSHARDED_BUCKETS = 3   # whole buckets of one kind alive at once under optim_grads(_params), see above
 
 
 @dataclass(frozen=True)
@@ -41,10 +51,11 @@ class ModelStates:
     grads_bytes: int
     optimizer_bytes: int
     host_bytes: int
+    gathered_bytes: int = 0  # whole buckets alive during forward/backward only (sharded grads/params)
 
     @property
     def device_bytes(self) -> int:
-        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.gathered_bytes
 
 
 def optimizer_bytes_per_parameter(config) -> int:
@@ -77,9 +88,26 @@ def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
     shard_elements = sum(bucket.shard_numel for b in buffers for bucket in b.buckets)
     optimizer = offload_bytes(shard_elements, optimizer_bytes_per_parameter(config),
                               chunk_fraction(buffers, layout.offload_fraction))
-    return ModelStates(parameters=n, weights_bytes=padded * dtype_bytes(config.params_dtype),
-                       grads_bytes=padded * layout.grad_dtype_bytes, optimizer_bytes=optimizer.device_bytes,
-                       host_bytes=optimizer.host_bytes)
+    weight_bytes = dtype_bytes(config.params_dtype)
+    return ModelStates(parameters=n,
+                       weights_bytes=(shard_elements if layout.shards_params else padded) * weight_bytes,
+                       grads_bytes=(shard_elements if layout.shards_grads else padded) * layout.grad_dtype_bytes,
+                       optimizer_bytes=optimizer.device_bytes, host_bytes=optimizer.host_bytes,
+                       gathered_bytes=gathered_bytes(config, layout, buffers))
+
+
+def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
+    """Whole buckets besides the persistent shards, at the peak of forward/backward (see above)."""
+    if not layout.shards_grads:
+        return 0
+    largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
+    held = int(not config.untie_embeddings_and_output_weights and layout.stages == 1)
+    grads = (UNSHARDED_BUCKETS + held) * largest * layout.grad_dtype_bytes
+    if not layout.shards_params:
+        return grads
+    if not layout.reshards_params:
+        return grads + sum(b.numel for b in buffers) * dtype_bytes(config.params_dtype)
+    return grads + (UNSHARDED_BUCKETS + held) * largest * dtype_bytes(config.params_dtype)
 
 
 def optimizer_step_temporary(buffers: list[BufferLayout], offload_fraction: float = 0.0) -> int:

@@ -156,6 +156,30 @@ def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, se
     return fitting, rejected, startable
 
 
+SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")  # lighter first
+
+
+def plan_sharded(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
+                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD,
+                 top: int = 10) -> list[Candidate]:
+    """Up to `top` layouts that fit once the gradients (optim_grads), or the parameters too
+    (optim_grads_params), are sharded over dp x cp; per layout the lighter strategy that fits,
+    fastest first. For when `plan` finds nothing; before offloading."""
+    search = dataclasses.replace(search, distributed_optimizer=(True,))
+    proposals = []
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
+        if layout.dp * layout.cp == 1:
+            continue
+        for strategy in SHARDED_STRATEGIES:
+            sharded = dataclasses.replace(layout, sharding_strategy=strategy)
+            estimate = estimate_memory(cfg, sharded)
+            if estimate.fits(device_bytes, threshold):
+                proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
+                break
+    proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    return proposals[:top]
+
+
 def offload_needed(estimate: MemoryEstimate, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> float | None:
     """The share of optimizer state to offload for every rank's full estimate to fit within
     `threshold` of device memory, before rounding to whole chunks; None when even all of it does not."""

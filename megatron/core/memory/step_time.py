@@ -238,11 +238,21 @@ def rank_parameters(config, layout) -> float:
     return (max(counts) * per_layer + embedding) / layout.tp
 
 
+def dp_collectives(layout) -> tuple[int, int]:
+    """(gradient reduce-scatters, parameter all-gathers) per step: one each, except that sharded
+    gradients (optim_grads, optim_grads_params) are reduce-scattered per microbatch and sharded
+    parameters gathered before a microbatch's forward and again before its backward (once a step
+    when they stay gathered between them under pipeline parallelism)."""
+    m = layout.num_microbatches
+    return (m if layout.shards_grads else 1), (2 * m if layout.shards_params and layout.reshards_params else 1)
+
+
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
     d = layout.dp * layout.cp
     grad, gather = dp_bytes(rank_parameters(config, layout), d, layout.grad_dtype_bytes,
-                            dtype_bytes(config.params_dtype), layout.distributed_optimizer)
+                            dtype_bytes(config.params_dtype), layout.distributed_optimizer,
+                            *dp_collectives(layout))
     bandwidth = group_bandwidth(hw, d, layout.tp) * cal.comm_efficiency
     return grad / bandwidth, gather / bandwidth
 
@@ -262,8 +272,12 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
     # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
     # --overlap-param-gather: the next iteration's first forward waits for each bucket's gather
-    exposed_grad = max(0.0, grad_s - work.backward_s) if overlap.grad_reduce else grad_s
-    exposed_gather = max(0.0, gather_s - work.forward_s) if overlap.param_gather else gather_s
+    # sharded gradients and parameters: each microbatch's reductions and gathers hide behind its passes
+    reductions, gathers = dp_collectives(layout)
+    exposed_grad = (reductions * max(0.0, grad_s / reductions - work.backward_s) if overlap.grad_reduce
+                    or layout.shards_grads else grad_s)
+    exposed_gather = (gathers * max(0.0, gather_s / gathers - work.forward_s) if overlap.param_gather
+                      or layout.shards_params else gather_s)
     shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
     optimizer = shard * OPTIMIZER_BYTES_PER_PARAMETER / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
 

@@ -48,7 +48,7 @@ class MixedPrecisionOptimizer:
         self.config = config
         buffers = [chunk.buffer for chunk in chunks]
         order, offload = forward_order(buffers), config.offload
-        device = buffers[0].param_data.device if buffers else torch.device("cpu")
+        device = buffers[0].device if buffers else torch.device("cpu")
         numels = [bucket.param_shard.numel() for b in buffers for bucket in b.buckets]
         # auto starts with everything on host and brings back what fits after measuring
         fraction = 1.0 if offload.policy == "auto" else offload.fraction
@@ -63,6 +63,7 @@ class MixedPrecisionOptimizer:
         if offload.enabled:
             buffer_of = [b for b in buffers for _ in b.buckets]  # shard index -> its gradient's buffer
             self.adam.offload = OffloadedSteps(self.adam, order, device, offload.cpu_threads, buffer_of)
+        self.chunks = chunks
         self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
 
@@ -134,7 +135,13 @@ class MixedPrecisionOptimizer:
         self.param_sync.start()
         return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
 
-    def finish_param_sync(self) -> None:
-        """Wait for parameter gathers still in flight (`--overlap-param-gather`) before reading
-        the parameters outside a forward pass."""
+    def wait_for_step(self) -> None:
+        """Wait until the last step's state is final everywhere (offloaded CPU steps included)."""
         self.param_sync.finish()
+
+    def finish_param_sync(self) -> None:
+        """Make the parameters whole before reading them outside a forward pass: wait for gathers
+        still in flight (`--overlap-param-gather`) and gather sharded ones (optim_grads_params)."""
+        self.param_sync.finish()
+        for chunk in self.chunks:
+            chunk.gather_all_params()

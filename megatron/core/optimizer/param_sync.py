@@ -9,9 +9,13 @@ model chunks' forward pre-hooks wait for them before first use.
 Offloaded shards arrive later, from the CPU step (offload.OffloadedSteps copies them back
 itself): their buckets' gathers are deferred to a forward pre-hook of the first module that
 uses them, which waits for the chunk's CPU step first. The hooks fire in module order, the
-same on every rank, so the deferred collectives stay in step across ranks.
+same on every rank, so the deferred collectives stay in step across ranks. Sharded parameters
+(optim_grads_params) are gathered only when next used anyway: their buckets wait for the
+CPU step just before that gather (`Bucket.before_gather`).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,6 +31,8 @@ class ParamSync:
     def _register_hooks(self) -> list:
         hooks = []
         for chunk in self.chunks:
+            if chunk.buffer.shards_params:
+                continue
             for module in chunk.module.modules():
                 buckets = {chunk.buffer.bucket_of[p] for p in module.parameters(recurse=False)
                            if p in chunk.buffer.bucket_of}
@@ -57,6 +63,12 @@ class ParamSync:
                 chunk.start_param_gather()
             return
         for chunk in self.chunks:
+            if chunk.buffer.shards_params:  # gathered when next used: after the shard's CPU step
+                chunk.start_param_gather()
+                for bucket in chunk.buffer.buckets:
+                    if self.shards[self.shard_of[bucket]].offloaded:
+                        bucket.before_gather = functools.partial(self.offload.wait, self.shard_of[bucket])
+                continue
             for bucket in reversed(chunk.buffer.buckets):  # the order the next forward uses them
                 if self.shards[self.shard_of[bucket]].offloaded:
                     self.deferred.append(bucket)
@@ -72,3 +84,5 @@ class ParamSync:
             self._release(bucket)
         for chunk in self.chunks:
             chunk.finish_param_gather()
+            for bucket in chunk.buffer.buckets:
+                bucket.wait_for_shard()
