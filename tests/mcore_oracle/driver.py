@@ -147,11 +147,13 @@ class Oracle:
         if dist.get_rank() == 0:
             json.dump(record, open(out, "w"))
 
-    def sharded_state(self, optimizer: bool) -> dict:
+    def sharded_state(self, optimizer: bool, loading: bool = False) -> dict:
+        """Model and optimizer as dist_checkpointing sees them; `loading` creates the optimizer's
+        state first (a fresh optimizer has none to fill), as Megatron-LM's load does."""
         model = self.model.module.sharded_state_dict()
         state = {"model": model}
         if optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model)
+            state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading)
         return state
 
     def save(self, root: str, iteration: int) -> None:
@@ -171,7 +173,7 @@ class Oracle:
     def load(self, root: str, optimizer: bool) -> None:
         iteration = int(open(os.path.join(root, TRACKER)).read().strip())
         directory = os.path.join(root, f"iter_{iteration:07d}")
-        state = dist_checkpointing.load(self.sharded_state(optimizer), directory)
+        state = dist_checkpointing.load(self.sharded_state(optimizer, loading=True), directory)
         self.model.module.load_state_dict(state["model"])
         if optimizer:
             self.optimizer.load_state_dict(state["optimizer"])

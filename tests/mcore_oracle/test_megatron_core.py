@@ -7,8 +7,9 @@ optimizer (AdamW, clipping, warm-up + cosine), and records its logits and 5 step
 We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss; 5 steps from
 the untrained checkpoint, and steps 3-5 from the one with optimizer state, give megatron-core's
 losses and grad norms. Then ours saves --ckpt-format torch_dist (the Llama from tp 2, the tied GPT
-from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same logits and loss.
-All within 1e-5.
+from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same logits and loss,
+and its next two training steps (the second after an update with the loaded optimizer state) the
+losses and grad norms of ours. All within 1e-5.
 
 Both vocabularies (128) need no padding. A third Llama with 120 tokens, padded to 128 rows in
 the checkpoint, is saved at tp 2 and loaded at tp 1: its logits over the real vocabulary are
@@ -154,6 +155,7 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
                 if (model, tp, layout) in SAVED_BY_US:  # our torch_dist save, for megatron-core to load
                     save_megatron_checkpoint(os.path.join(directory, f"ours_{model}_{layout}"), 5, trainer)
                     results[("saved", model, layout)] = _logits_and_loss(trainer, batch)
+                    results[("steps 6-7", model, layout)] = _train(trainer, 6, 7)
     return results
 
 
@@ -186,7 +188,8 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
     loads = [("llama", "tp2", 1), ("llama", "tp2", 2), ("gpt", "pp2", 1)]
     jobs = [_job(model, tp, batch_file, [
         {"op": "load", "root": str(directory / f"ours_{model}_{layout}"), "optimizer": True},
-        {"op": "forward", "out": str(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")}])
+        {"op": "forward", "out": str(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")},
+        {"op": "train", "iters": 2, "out": str(directory / f"ours_{model}_{layout}_steps6_7_tp{tp}.json")}])
         for model, layout, tp in loads]
     run_oracle(jobs, directory)
     for model, layout, tp in loads:
@@ -195,3 +198,6 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
         case = f"our torch_dist save of the {model} at {layout} loaded by megatron-core at tp{tp}"
         _close(logits, theirs["logits"], case + ": logits")
         _close(loss, theirs["loss"], case + ": loss")
+        steps = json.loads((directory / f"ours_{model}_{layout}_steps6_7_tp{tp}.json").read_text())
+        for key in ("loss", "grad_norm"):  # step 7's follow from step 6's update: the loaded optimizer state
+            _close(results[("steps 6-7", model, layout)][key], steps[key], case + f": steps 6-7 {key}")

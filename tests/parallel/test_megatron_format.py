@@ -21,7 +21,7 @@ from megatron.training.checkpoint_formats import (
 )
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.training import Trainer
-from tests.cli import TINY_LLAMA, run_cli
+from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
 from tools.checkpoint.convert import main as convert
@@ -117,7 +117,7 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
     assert shard in message and "truncated" in message and "\n" not in message
 
 
-def test_cli_refuses_a_torch_dist_checkpoint_of_another_model_with_one_line(tmp_path):
+def test_cli_resumes_a_torch_dist_checkpoint_and_refuses_one_of_another_model(tmp_path):
     save = run_cli("pretrain_llama.py", TINY_LLAMA + ["--ckpt-format", "torch_dist", "--save", str(tmp_path),
                                                       "--train-iters", "1"])
     assert save.returncode == 0, save.stderr[-2000:]
@@ -126,6 +126,11 @@ def test_cli_refuses_a_torch_dist_checkpoint_of_another_model_with_one_line(tmp_
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"]
+    resumed = run_cli("pretrain_llama.py", TINY_LLAMA + ["--load", str(tmp_path), "--train-iters", "2"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"> loaded {tmp_path}/iter_0000001 (iteration 1)" in resumed.stdout
+    assert "> Megatron-LM torch_dist checkpoint: RNG states not read" in resumed.stdout
+    assert len(printed_losses(resumed.stdout)) == 1  # iteration 2 only: it continued after iteration 1
 
 
 def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatch):
