@@ -22,6 +22,7 @@ from megatron.training.initialize import (
     select_device,
 )
 from megatron.training.evaluation import Validation
+from megatron.training.heartbeat import Heartbeat
 from megatron.training.iteration_log import IterationLog
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
@@ -143,6 +144,7 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     init_distributed(backend, run.parallel.timeout_minutes, device)
+    heartbeat = Heartbeat.start(run.parallel.heartbeat_timeout, rank, world_size)
     if run.training.deterministic:
         torch.use_deterministic_algorithms(True)
     try:
@@ -170,6 +172,12 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         finally:
             trainer.close()
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    except BaseException as error:
+        if heartbeat is not None:  # the peers exit at once instead of a heartbeat timeout later
+            heartbeat.report_failure(f"failed: {type(error).__name__}: {(str(error) or '-').splitlines()[0][:200]}")
+        raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         dist.destroy_process_group()
     return 0
