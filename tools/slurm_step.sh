@@ -69,6 +69,9 @@ run_torchrun_step() {  # run_torchrun_step SCRIPT FLAGS...: one torchrun per nod
   # starting GPUS_PER_NODE ranks; their c10d rendezvous is on the first node. TORCHRUN_ARGS: more
   # torchrun flags (e.g. --max-restarts 1: a dead rank restarts the workers of every node).
   export GPUS_PER_NODE TORCHRUN_ARGS="${TORCHRUN_ARGS:-}"
+  # A store per rendezvous round: torch (2.13) otherwise hands restarted workers the first round's
+  # store, whose stale gloo/NCCL addresses make their process group fail to connect.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
   export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
   run_step srun --kill-on-bad-exit=1 --ntasks="$SLURM_NNODES" --ntasks-per-node=1 bash -c \

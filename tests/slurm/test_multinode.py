@@ -44,8 +44,9 @@ needs_node_failures = pytest.mark.skipif(cluster.node_failure_problem() is not N
 
 
 @pytest.fixture(scope="module")
-def one_process() -> list[float]:
-    run = run_cli("pretrain_llama.py", MODEL + TRAINING + ["--mock-data", "--heartbeat-timeout-seconds", "0"])
+def one_process(tmp_path_factory) -> list[float]:
+    save = str(tmp_path_factory.mktemp("one_process"))
+    run = run_cli("pretrain_llama.py", MODEL + TRAINING + ["--mock-data", "--save", save])
     assert run.returncode == 0, run.stderr[-3000:]
     return printed_losses(run.stdout)
 
@@ -96,6 +97,7 @@ def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_proce
         victim = max(cluster.rank_pids(str(ckpt)), key=lambda pid: cluster.rank_of(pid) or -1)
         os.kill(victim, signal.SIGKILL)
         cluster.wait_for("the job to complete", lambda: cluster.finished(job, log))
+        assert cluster.job_fields(job)["Restarts"] == "0", "healed by a SLURM requeue, not by torchrun"
     finally:
         cluster.cancel(job)
     text = log.read_text()
