@@ -145,3 +145,37 @@ def release(job: str) -> None:
 
 def cancel(*jobs: str) -> None:
     subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def fail_mid_run(log: Path, ckpt: Path, after: int, kill) -> tuple[float, float, list[int]]:
+    """Once iteration `after` is logged, call kill() (a rank or a node); returns the wall-clock time
+    of the kill, the seconds until every rank still alive right after it had exited, and their pids."""
+    wait_for(f"iteration {after}", lambda: logged(log, rf"iteration\s+{after}/"), poll=0.05)
+    killed_at, killed = time.time(), time.monotonic()
+    kill()
+    survivors = [pid for pid in rank_pids(str(ckpt)) if alive(pid)]
+    wait_for("the surviving ranks to exit", lambda: not any(map(alive, survivors)), timeout=600, poll=0.05)
+    return killed_at, time.monotonic() - killed, survivors
+
+
+def restored_iterations(text: str) -> list[int]:
+    """The iterations the log's runs resumed from, in order."""
+    return [int(k) for k in re.findall(r"> loaded \S+ \(iteration (\d+)\)", text)]
+
+
+def recovery(log: Path, killed_at: float) -> tuple[float, int]:
+    """(seconds from the kill until the resumed run logged its first iteration, iterations lost:
+    those logged before the failure that the resumed run did again)."""
+    text = log.read_text()
+    before, after = text.split("> loaded ", 1)
+    stamp = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration", after)[1]
+    resumed = time.mktime(time.strptime(stamp.split(".")[0], "%Y-%m-%d %H:%M:%S")) + float("0." + stamp.split(".")[1])
+    return resumed - killed_at, max(metrics_of(before)) - restored_iterations(text)[0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -82,8 +81,8 @@ def test_cpu_sbatch_on_two_nodes_prints_the_one_process_losses(uninterrupted, on
     _close_to(_as_losses(uninterrupted), dict(enumerate(one_process, start=1)))
 
 
-def _restored(log_text: str) -> list[int]:
-    return [int(k) for k in re.findall(r"> loaded \S+ \(iteration (\d+)\)", log_text)]
+def _kill_last_rank(ckpt: Path) -> None:
+    os.kill(max(cluster.rank_pids(str(ckpt)), key=lambda pid: cluster.rank_of(pid) or -1), signal.SIGKILL)
 
 
 def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_process):
@@ -93,15 +92,13 @@ def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_proce
            "PARALLEL": " ".join(TP2), "MODEL": " ".join(MODEL), "TORCHRUN_ARGS": "--max-restarts 1"}
     job = cluster.submit("llama_slurm.sbatch", log, ["-N2", "--gpus-per-node=0", "--cpus-per-task=1"], env, TRAINING)
     try:
-        cluster.wait_for(f"iteration {KILL_AFTER}", lambda: cluster.logged(log, rf"iteration\s+{KILL_AFTER}/"))
-        victim = max(cluster.rank_pids(str(ckpt)), key=lambda pid: cluster.rank_of(pid) or -1)
-        os.kill(victim, signal.SIGKILL)
+        cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: _kill_last_rank(ckpt))
         cluster.wait_for("the job to complete", lambda: cluster.finished(job, log))
         assert cluster.job_fields(job)["Restarts"] == "0", "healed by a SLURM requeue, not by torchrun"
     finally:
         cluster.cancel(job)
     text = log.read_text()
-    restored = _restored(text)
+    restored = cluster.restored_iterations(text)
     assert len(restored) == 1 and restored[0] >= SAVE, cluster.log_tail(log)
     reference = {k: (str(loss), "") for k, loss in enumerate(one_process, start=1)}
     resumed = {k: v for k, v in _as_losses(cluster.metrics(log)).items() if k > restored[0]}
@@ -118,20 +115,9 @@ def _kill_node_mid_run(tmp_path, hard: bool) -> tuple[str, Path, float, list[int
     log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
     job = cluster.submit("train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": ckpt},
                          MODEL + TRAINING + TP2)
-    cluster.wait_for(f"iteration {KILL_AFTER}", lambda: cluster.logged(log, rf"iteration\s+{KILL_AFTER}/"))
-    cluster.nodes_tool("kill-node", "node2", *(["--hard"] if hard else []))
-    killed = time.monotonic()
-    survivors = cluster.rank_pids(str(ckpt))
-    cluster.wait_for("the surviving ranks to exit", lambda: not any(map(_alive, survivors)), timeout=120, poll=0.05)
-    return job, log, time.monotonic() - killed, survivors
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    _, seconds, survivors = cluster.fail_mid_run(
+        log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool("kill-node", "node2", *(["--hard"] if hard else [])))
+    return job, log, seconds, survivors
 
 
 def _resume_and_finish(job: str, log, uninterrupted) -> None:
@@ -140,7 +126,7 @@ def _resume_and_finish(job: str, log, uninterrupted) -> None:
     cluster.wait_for("the requeued job to complete", lambda: cluster.finished(job, log))
     text = log.read_text()
     assert "restart 1" in text, cluster.log_tail(log)
-    restored = _restored(text)
+    restored = cluster.restored_iterations(text)
     assert len(restored) == 1 and SAVE <= restored[0] < ITERATIONS, cluster.log_tail(log)
     resumed = {k: v for k, v in _as_losses(cluster.metrics(log)).items() if k > restored[0]}
     expected = cluster.expected_after_resume(uninterrupted, restored[0] + 1)
