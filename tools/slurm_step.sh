@@ -13,7 +13,8 @@
 #   failed before its first save (bad flags, a broken node at start) would most likely fail the
 #   same way again: no requeue (SLURM's own requeue after a node failure still applies).
 #   SLURM holds a requeued job ~2 min (Reason=BeginTime) before it starts it again;
-#   `scontrol update JobId=<id> StartTime=now` skips the wait.
+#   `scontrol update JobId=<id> StartTime=now+2` skips the wait (not `now`: a credential issued in
+#   the second the last one was revoked is refused and the job fails).
 
 _step_tasks_here() {  # how many processes of step 0 of this job run on this node
   scontrol listpids "$SLURM_JOB_ID.0" 2>/dev/null | awk 'NR > 1' | wc -l

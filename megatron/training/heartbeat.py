@@ -80,12 +80,15 @@ class Heartbeat:
 
     def report_failure(self, what: str) -> None:
         """Tell every rank at once that this one is failing (its exception would otherwise be seen
-        only as silence, a timeout later); this rank's watcher stops."""
+        only as silence, a timeout later); this rank's watcher stops. A rank that hosts the store
+        (rank 0 unless the launcher's agent does) stays one period, for the peers to read it."""
         self.stop()
         try:
             self._store.set(FAILED_KEY, f"rank {self.rank} ({self.host}) {what}")
         except Exception:  # the store may be gone too; the peers then see silence
-            pass
+            return
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            time.sleep(self.period)
 
     def _peer(self, rank: int) -> str:
         key = f"host/{rank}"

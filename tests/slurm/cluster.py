@@ -116,7 +116,8 @@ def rank_pids(marker: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        trainer = any(arg.endswith(b"pretrain_llama.py") for arg in argv) and b"torch.distributed.run" not in argv
+        python, script = os.path.basename(argv[0]).startswith(b"python"), argv[1:3]  # [-u] pretrain_llama.py
+        trainer = python and any(arg.endswith(b"pretrain_llama.py") for arg in script)  # not srun, not torchrun
         if trainer and marker.encode() in b" ".join(argv):
             pids.append(int(entry.name))
     return pids
@@ -137,10 +138,18 @@ def nodes_tool(*args: str, timeout: float = 120) -> str:
     return done.stdout
 
 
+def _completing() -> bool:
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=30).stdout
+    return "completing" in nodes
+
+
 def release(job: str) -> None:
-    """Start a requeued job now instead of after SLURM's hold (Reason=BeginTime, ~2 min)."""
+    """Start a requeued job in 2 s instead of after SLURM's hold (Reason=BeginTime, ~2 min). Not
+    at once: slurmd refuses a credential issued in the second its job's last one was revoked
+    ("Job credential revoked": the job fails), and its nodes must have finished the last run."""
     wait_for(f"job {job} to be requeued", lambda: state(job) == "PENDING", timeout=120)
-    scontrol("update", f"JobId={job}", "StartTime=now")
+    wait_for(f"the nodes of job {job} to finish its last run", lambda: not _completing(), timeout=120)
+    scontrol("update", f"JobId={job}", "StartTime=now+2")
 
 
 def cancel(*jobs: str) -> None:
