@@ -10,8 +10,9 @@ iteration 7 is logged:
   soft / hard         `kill-node node2` (processes killed: peers see a reset) / `--hard` (link cut first:
                       peers see nothing) in examples/train_tiny_cpu_slurm.sbatch, healed by the job's requeue
   hard-no-heartbeat   as hard with --heartbeat-timeout-seconds 0: the survivors wait until SLURM ends them
-Printed, from the kill: seconds until every surviving rank had exited, seconds until the resumed
-run logged its first iteration, iterations lost (done before the failure, done again after it).
+Printed, from the kill: seconds until every surviving rank had exited, until the requeued job's
+batch script started (whole seconds), until the resumed run logged its first iteration, and the
+iterations lost (done before the failure, done again after it).
 A requeued job is started at once (`scontrol update StartTime=now`; SLURM would hold it ~2 min)
 and node2 is revived (`start 2`) as soon as the survivors have exited: a real cluster would place
 the job on a spare node instead.
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -53,7 +56,14 @@ def _node(out: Path, hard: bool, heartbeat: bool):
     return job, log, killed_at, exited
 
 
-def run(scenario: str, out: Path) -> tuple[float, float, int]:
+def _job_restarted(log: Path, killed_at: float) -> float | None:
+    """Seconds from the kill until the requeued job's batch script started (its log line has
+    whole seconds); None when the job was not requeued."""
+    start = re.search(r"> job \d+ start (\S+), restart 1", log.read_text())
+    return time.mktime(time.strptime(start[1], "%Y-%m-%dT%H:%M:%S")) - killed_at if start else None
+
+
+def run(scenario: str, out: Path) -> tuple[float, float | None, float, int]:
     if scenario == "torchrun":
         job, log, killed_at, exited = _torchrun(out)
     else:
@@ -66,7 +76,7 @@ def run(scenario: str, out: Path) -> tuple[float, float, int]:
     finally:
         cluster.cancel(job)
         cluster.nodes_tool("start", "2")
-    return exited, resumed, lost
+    return exited, _job_restarted(log, killed_at), resumed, lost
 
 
 def main() -> int:
@@ -84,9 +94,10 @@ def main() -> int:
             out = Path(tmp) / scenario
             out.mkdir()
             results[scenario] = run(scenario, out)
-            exited, resumed, lost = results[scenario]
-            print(f"{scenario:18s}  survivors exited {exited:6.1f} s  training resumed {resumed:6.1f} s  "
-                  f"iterations lost {lost}", flush=True)
+            exited, restarted, resumed, lost = results[scenario]
+            requeued = f"{restarted:5.0f} s" if restarted is not None else "    - "
+            print(f"{scenario:18s}  survivors exited {exited:5.1f} s  requeued job started {requeued}  "
+                  f"training resumed {resumed:5.1f} s  iterations lost {lost}", flush=True)
     if "hard" in results and "hard-no-heartbeat" in results:
         print(f"hard failure, survivors' exit: heartbeat off / on = "
               f"{results['hard-no-heartbeat'][0] / results['hard'][0]:.1f}x")
