@@ -33,6 +33,7 @@ class ParallelConfig:
     last_stage_layers: int | None = None
     rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
     split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
+    heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
 
     @classmethod
     def from_args(cls, args, world_size: int) -> "ParallelConfig":
@@ -42,6 +43,9 @@ class ParallelConfig:
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
             raise ValueError("--distributed-timeout-minutes must be >= 1")
+        if not args.heartbeat_timeout_seconds >= 0:
+            raise ValueError("--heartbeat-timeout-seconds must be >= 0 (0 disables), "
+                             f"got {args.heartbeat_timeout_seconds}")
         if args.split_backward and dims.pp == 1:
             raise ValueError("--split-backward only changes pipeline schedules: it needs "
                              "--pipeline-model-parallel-size > 1")
@@ -53,7 +57,7 @@ class ParallelConfig:
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
                    ddp=ddp, first_stage_layers=args.decoder_first_pipeline_num_layers,
                    last_stage_layers=args.decoder_last_pipeline_num_layers, rank_order=dims.order,
-                   split_backward=args.split_backward)
+                   split_backward=args.split_backward, heartbeat_timeout=args.heartbeat_timeout_seconds)
 
     @staticmethod
     def _virtual_stages(args, pp: int) -> int:

@@ -52,6 +52,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--ddp-bucket-size", type=int,
                    help="elements per bucket (memory chunk) of the parameter and gradient buffers "
                         "(default max(40M, 1M x dp x cp))")
+    f = parser.add_argument_group("failure detection")
+    f.add_argument("--heartbeat-timeout-seconds", type=float, default=30.0,
+                   help="a rank whose peer (or the rendezvous store) has been silent this long exits with an "
+                        "error naming it, instead of waiting in a collective; every surviving rank exits within "
+                        "1.6x this. 0 disables (megatron/training/heartbeat.py)")
     return parser
 
 

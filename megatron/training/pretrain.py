@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
 from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
+from megatron.core.errors import AgreedError
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
 from megatron.training.kernel_paths import kernel_paths
 from megatron.training.memory_check import check_memory
@@ -23,6 +24,7 @@ from megatron.training.initialize import (
     select_device,
 )
 from megatron.training.evaluation import Validation
+from megatron.training.heartbeat import Heartbeat
 from megatron.training.iteration_log import IterationLog
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
@@ -168,6 +170,11 @@ def _train_from(validated: tuple, rank: int, world_size: int, backend: str) -> i
     return 0
 
 
+def _failure(error: BaseException) -> str:
+    """What the heartbeat tells the peers of this rank's failure (one short line)."""
+    return f"failed: {type(error).__name__}: {(str(error) or '-').splitlines()[0][:200]}"
+
+
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Exit status 0, or 2 with one error line for an expected error (megatron.training.cli_errors)."""
     rank, world_size, local_rank = launch_environment()
@@ -178,11 +185,20 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         return report_error(error, rank, on_every_rank=True)
     run, device, backend = validated[:3]
     init_distributed(backend, run.parallel.timeout_minutes, device)
+    heartbeat = Heartbeat.start(run.parallel.heartbeat_timeout, rank, world_size)
     if run.training.deterministic:
         torch.use_deterministic_algorithms(True)
     try:
         return _train_from(validated, rank, world_size, backend)
     except EXPECTED_ERRORS as error:
+        if heartbeat is not None and not isinstance(error, AgreedError):  # the peers would wait for this rank
+            heartbeat.report_failure(_failure(error))
         return report_error(error, rank)
+    except BaseException as error:
+        if heartbeat is not None:  # the peers exit at once instead of a heartbeat timeout later
+            heartbeat.report_failure(_failure(error))
+        raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         dist.destroy_process_group()
