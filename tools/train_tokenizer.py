@@ -16,7 +16,6 @@ import argparse
 import io
 import json
 import os
-import sys
 
 
 def read_texts(path: str, key: str) -> list[str]:

@@ -98,12 +98,9 @@ def metrics_of(text: str) -> dict[int, tuple[str, str]]:
 
 
 def expected_after_resume(reference: dict[int, tuple[str, str]], first: int) -> dict[int, float]:
-    """The losses a run resumed at iteration `first` logs, from an uninterrupted run's: equal, except
-    that (as Megatron's log does) the line after a run's first logged iteration averages the two."""
-    losses = {k: float(loss) for k, (loss, _) in reference.items() if k >= first}
-    if first + 1 in losses:
-        losses[first + 1] = (losses[first] + losses[first + 1]) / 2
-    return losses
+    """The losses a run resumed at iteration `first` logs: the uninterrupted run's, line for line
+    (a resumed run's first line does not average into the next: tests/unit/test_resumed_log_lines.py)."""
+    return {k: float(loss) for k, (loss, _) in reference.items() if k >= first}
 
 
 def rank_pids(marker: str) -> list[int]:
