@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_preparation import global_grad_norm
-from megatron.training.flops import flops_per_iteration
+from megatron.core.transformer.flops import flops_per_iteration
 from megatron.training.offload_run import offload_line
 from megatron.training.log import (
     IntervalTotals,

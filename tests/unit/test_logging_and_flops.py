@@ -5,7 +5,7 @@ import re
 import sys
 
 from megatron.core.transformer.config import TransformerConfig
-from megatron.training.flops import flops_per_iteration
+from megatron.core.transformer.flops import flops_per_iteration
 from megatron.training.log import IntervalTotals, TensorBoardWriter, format_iteration_line
 
 MEGATRON_LINE = re.compile(

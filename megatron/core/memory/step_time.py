@@ -35,7 +35,7 @@ from megatron.core.memory.kernels import dtype_bytes, resolve_kernels
 from megatron.core.memory.parameters import padded_vocab, total_parameters
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.simulate import simulate
-from megatron.training.flops import flops_per_iteration
+from megatron.core.transformer.flops import flops_per_iteration
 
 # Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
 OPTIMIZER_BYTES_PER_PARAMETER = 38
@@ -66,7 +66,7 @@ class StepTime:
     optimizer_s: float
     step_overhead_s: float
     dp_comm_total_s: float  # the data-parallel communication before overlap (not part of the sum)
-    model_flops: float      # per iteration, all GPUs: megatron/training/flops.py (no recomputation)
+    model_flops: float      # per iteration, all GPUs: megatron/core/transformer/flops.py (no recomputation)
     hardware_flops: float   # the same plus the recomputed forward
     tokens: int             # per iteration
     world_size: int
