@@ -13,6 +13,8 @@ import pytest
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.model_fields import MODEL_FIELDS, RUNTIME_FIELDS
 from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
+from megatron.training.megatron_lm_args import args_mismatch, config_fields, megatron_args
+from tests.cli import ROOT
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "100"]
@@ -47,3 +49,28 @@ def test_each_recorded_flag_sets_its_field(field):
     default = parse_run_config(BASE, GPT_DEFAULTS, 1).model
     assert getattr(config, field.name) != getattr(default, field.name), field
     assert field.command_line(getattr(config, field.name))[0] == field.flag
+
+
+MEGATRON_FLAGS = {line.split()[0] for line in (ROOT / "tests" / "data" / "megatron_flags.txt").read_text().splitlines()
+                  if line.startswith("--")}
+
+
+@pytest.mark.parametrize("field", MODEL_FIELDS, ids=[f.flag for f in MODEL_FIELDS])
+def test_each_field_has_megatron_lms_argument(field):
+    """The name a Megatron-LM checkpoint records the field under is one of Megatron-LM's flags
+    (--disable-bias-linear stores add_bias_linear)."""
+    flag = "--disable-bias-linear" if field.megatron_arg == "add_bias_linear" else \
+        "--" + field.megatron_arg.replace("_", "-")
+    assert flag in MEGATRON_FLAGS, (field, flag)
+
+
+def test_megatron_args_round_trip_and_every_checked_field_is_compared():
+    config = parse_run_config(BASE + ["--position-embedding-type", "rope", "--rope-scaling",
+                                      "--rope-scaling-factor", "4"], GPT_DEFAULTS, 1).model
+    args = megatron_args(config, iteration=1, consumed_samples=0, tp=1, pp=1, extra={})
+    assert args_mismatch(args, config) is None
+    assert TransformerConfig(**config_fields(args)).rope_scaling_factor == 4
+    args.rope_scaling_factor = 8.0
+    assert args_mismatch(args, config) == "saved with --rope-scaling-factor 8, the flags give 4"
+    args.rope_scaling_factor, args.add_bias_linear = 4.0, False
+    assert args_mismatch(args, config) == "saved with --disable-bias-linear, the flags leave it out"

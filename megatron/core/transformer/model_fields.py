@@ -33,13 +33,22 @@ def _rope_scaled(args: dict) -> bool:
     return _rope(args) and bool(args.get("rope_scaling"))
 
 
+def _learned_positions(args: dict) -> bool:
+    return args.get("position_embedding_type") == "learned_absolute"
+
+
+# Megatron-LM's argparse destinations that are not the flag's name (--disable-bias-linear stores
+# add_bias_linear; its rope scaling switch is --use-rope-scaling)
+_MEGATRON_ARGS = {"add_bias_linear": "add_bias_linear", "rope_scaling": "use_rope_scaling"}
+
+
 @dataclass(frozen=True)
 class ModelField:
     """`name`: the TransformerConfig attribute; `flag`: the command-line flag (for a boolean, the switch
     that turns it on, or off when `inverted`); `hf_key`: the Hugging Face config key (Llama family)
     holding the same value, None where the exporter represents it otherwise (architecture, tensor
     transform) or refuses; `applies`: whether the field changes anything for a model (rope fields
-    only with rotary positions)."""
+    only with rotary positions, the position table's size only with learned positions)."""
 
     name: str
     kind: str
@@ -47,6 +56,11 @@ class ModelField:
     hf_key: str | None = None
     inverted: bool = False
     applies: Callable[[dict], bool] = _always
+
+    @property
+    def megatron_arg(self) -> str:
+        """The name under which Megatron-LM's `args` (a torch_dist checkpoint's common.pt) hold it."""
+        return _MEGATRON_ARGS.get(self.name, self.flag[2:].replace("-", "_"))
 
     def describe(self, value: Any) -> str:
         """The value as a user passes it: a switch is 'set' or 'not set'."""
@@ -70,7 +84,8 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
     ModelField("kv_channels", TENSORS, "--kv-channels", "head_dim"),
     ModelField("vocab_size", TENSORS, "--vocab-size", "vocab_size"),
     ModelField("position_embedding_type", TENSORS, "--position-embedding-type"),
-    ModelField("max_position_embeddings", TENSORS, "--max-position-embeddings", "max_position_embeddings"),
+    ModelField("max_position_embeddings", TENSORS, "--max-position-embeddings", "max_position_embeddings",
+               applies=_learned_positions),
     ModelField("normalization", TENSORS, "--normalization"),
     ModelField("swiglu", TENSORS, "--swiglu"),
     ModelField("add_bias_linear", TENSORS, "--disable-bias-linear", inverted=True),
