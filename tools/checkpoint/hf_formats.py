@@ -204,14 +204,10 @@ class Llama:
             rope.update(rope_type="llama3", factor=args["rope_scaling_factor"],
                         low_freq_factor=LLAMA3_LOW_FREQ_FACTOR, high_freq_factor=LLAMA3_HIGH_FREQ_FACTOR,
                         original_max_position_embeddings=LLAMA3_ORIGINAL_CONTEXT)
-        config = dict(architectures=[architecture], model_type=model_type, num_hidden_layers=args["num_layers"],
-                      hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
-                      num_attention_heads=args["num_attention_heads"], num_key_value_heads=args["num_query_groups"],
-                      head_dim=args["kv_channels"], vocab_size=args["vocab_size"],
-                      max_position_embeddings=args["max_position_embeddings"], rms_norm_eps=args["norm_epsilon"],
-                      rope_parameters=rope, rope_theta=args["rotary_base"], hidden_act="silu",
-                      tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
-                      initializer_range=args["init_method_std"], dtype=dtype, torch_dtype=dtype)
+        config = {field.hf_key: args[field.name] for field in MODEL_FIELDS if field.hf_key is not None}
+        config.update(architectures=[architecture], model_type=model_type, rope_parameters=rope, hidden_act="silu",
+                      tie_word_embeddings=not args["untie_embeddings_and_output_weights"], dtype=dtype,
+                      torch_dtype=dtype)
         if model_type == "qwen2":
             config.update(use_sliding_window=False, sliding_window=None)
         else:

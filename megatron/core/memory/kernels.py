@@ -31,7 +31,6 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str             # "ring" | "triton" | "flash" | "efficient" | "math"
-    attention_math_bytes: int  # element size the math path computes in
     norm: str                  # "triton" | "torch"
     torch_rms_norm: str        # what F.rms_norm runs: "composite" (CPU) | "fused" (CUDA)
     dropout_mask_bytes: int    # per element of a hidden-dropout mask
@@ -72,7 +71,6 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
                    and norm_unsupported(config.hidden_size, config.params_dtype) is None)
     return KernelChoice(
         attention=_auto_attention(config, device_type) if attention == "auto" else attention,
-        attention_math_bytes=4 if cpu else dtype_bytes(config.params_dtype),
         norm="triton" if triton_norm else "torch",
         torch_rms_norm="composite" if cpu else "fused",
         dropout_mask_bytes=dtype_bytes(config.params_dtype) if cpu else 1,

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
 
 HOST_BYTES_PER_ELEMENT = 16  # fp32 master, exp_avg, exp_avg_sq, gradient copy
-CPU_STEP_BYTES_PER_ELEMENT = 28  # fused AdamW: read param, grad, m, v; write param, m, v
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,3 @@ def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: i
         return None
     return excess / optimizer_bytes
 
-
-def cpu_step_seconds(host_elements: int, host_bandwidth_bytes_per_s: float) -> float:
-    """Time of the CPU step of `host_elements` at a streaming bandwidth (tools/bench/cpu_adam.py
-    measures what the fused kernel reaches: about the machine's copy bandwidth)."""
-    return CPU_STEP_BYTES_PER_ELEMENT * host_elements / host_bandwidth_bytes_per_s

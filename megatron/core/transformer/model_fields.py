@@ -102,7 +102,6 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
     ModelField("seq_length", RECORDED, "--seq-length"),
     ModelField("init_method_std", RECORDED, "--init-method-std", "initializer_range"),
 )
-FIELDS_BY_NAME = {field.name: field for field in MODEL_FIELDS}
 
 # TransformerConfig fields that never change what a saved model computes: the parallel layout,
 # kernels and recomputation (same function, other schedule), dropout and initialisation (training
