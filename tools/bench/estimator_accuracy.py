@@ -5,27 +5,33 @@
 
 Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
-tied across stages), the offload optimizer (full and half), sharded gradients (optim_grads),
-fp32 and bf16; GPT with
+tied across stages), the offload optimizer (full and half), sharded gradients (optim_grads)
+and sharded parameters (optim_grads_params: DP, TP+SP x DP, CP x DP, PP x VPP x DP also
+resharding after forward, and with half the optimizer offloaded), fp32 and bf16; GPT with
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
 Triton interpreter is available, our Triton attention and norm kernels.
 
 Measured on each rank after one training iteration (so Adam state exists):
-- parameters / weights: the model chunks' parameters; gradients: the flat
-  `main_grad` buffers, or with optim_grads the fp32 gradient shards (plus any `param.grad` left); optimizer: the optimizer's
+- parameters / weights: the model chunks' parameters, whose storages are the flat parameter
+  buffers, plus each bucket's persistent shard where the parameters are sharded
+  (optim_grads_params: the whole buckets are released after the step, so a bucket left
+  gathered would count too); gradients: the flat `main_grad` buffers, or with optim_grads(_params)
+  the fp32 gradient shards (plus any `param.grad` left); optimizer: the optimizer's
   state tensors (fp32 master copies that are not the weights, Adam moments) on the
   device; host: the offloaded shards' fp32 masters, moments and gradient copies
   (--optimizer-cpu-offload, full and f = 0.5);
 - activations: unique storages that autograd saves for backward, seen by
   `torch.autograd.graph.saved_tensors_hooks` around each forward of the
-  pipeline executor, parameters excluded, plus the p2p-received input the
+  pipeline executor, parameters excluded (by their storages at the moment of saving: gathered
+  parameters are re-allocated per use), plus the p2p-received input the
   executor holds until that backward; summed over the (microbatch, chunk)
   forwards alive at each point of the schedule, and the peak taken.
 The estimate is `estimate_memory` for the same RunConfig on device type "cpu".
 Host aside (not device memory), these are the certain part of the estimate; tests/parallel/test_memory_measured.py
 requires every component (and the microbatch-chunks in flight) to equal the
 measurement byte for byte. Transients and allowances are not measured (CPU has no
-allocator statistics).
+allocator statistics); nor are the whole buckets that sharded strategies gather or fill
+during forward/backward (the estimate's `gathered_bytes`).
 """
 from __future__ import annotations
 
@@ -68,9 +74,10 @@ NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no drop
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
 OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
 HALF = ["--optimizer-offload-fraction", "0.5"]
-# sharded gradients: the fp32 shards are what stays (optim_grads_params, whose gathered weights come and
-# go, is checked against the estimate in tests/parallel/test_sharding_strategies.py)
+# sharded gradients (and parameters): the shards are what stays; the whole buckets gathered or filled
+# during forward/backward (the estimate's gathered_bytes) are transients, not measured here
 OPTIM_GRADS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+OPTIM_GRADS_PARAMS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
     **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
@@ -82,13 +89,21 @@ LAYOUTS = {
         ("cp2", "llama", CP2), ("dp2-offload-bf16", "llama", OFFLOAD + BF16),
         ("dp2-offload-half-buckets", "gpt", OFFLOAD + HALF + BUCKETS),
         ("dp2-offload-half-bf16-buckets", "llama", OFFLOAD + HALF + BF16 + BUCKETS),
-        ("dp2-optim-grads-bf16-buckets", "llama", OPTIM_GRADS + BF16 + BUCKETS)],
+        ("dp2-optim-grads-bf16-buckets", "llama", OPTIM_GRADS + BF16 + BUCKETS),
+        ("dp2-optim-grads-params-buckets", "gpt", OPTIM_GRADS_PARAMS + BUCKETS),
+        ("dp2-optim-grads-params-offload-half-bf16-buckets", "llama",
+         OPTIM_GRADS_PARAMS + OFFLOAD + HALF + BF16 + BUCKETS)],
     4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
         ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
         ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
         ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),
         ("dp2-pp2-vpp2-offload-half-bf16-buckets", "gpt", PP2 + VPP2 + OFFLOAD + HALF + BF16 + BUCKETS),
-        ("cp2-dp2-pp2-optim-grads", "gpt", CP2 + PP2 + OPTIM_GRADS + NO_ATTN_DROPOUT)],
+        ("cp2-dp2-pp2-optim-grads", "gpt", CP2 + PP2 + OPTIM_GRADS + NO_ATTN_DROPOUT),
+        ("tp2-sp-dp2-optim-grads-params-bf16", "llama", TP2 + SP + OPTIM_GRADS_PARAMS + BF16),
+        ("cp2-dp2-optim-grads-params-bf16-buckets", "llama", CP2 + OPTIM_GRADS_PARAMS + BF16 + BUCKETS),
+        ("dp2-pp2-vpp2-optim-grads-params", "gpt", PP2 + VPP2 + OPTIM_GRADS_PARAMS),
+        ("dp2-pp2-vpp2-optim-grads-params-reshard-bf16", "llama",
+         PP2 + VPP2 + OPTIM_GRADS_PARAMS + ["--reshard-params-after-forward"] + BF16)],
 }
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
@@ -99,14 +114,20 @@ def _storage(t: torch.Tensor):
 
 
 def _unique_bytes(tensors) -> int:
-    return sum(dict(_storage(t) for t in tensors).values())
+    """Bytes of the distinct storages of `tensors`; freed storages hold none."""
+    return sum(dict(ptr_bytes for ptr_bytes in map(_storage, tensors) if ptr_bytes[1]).values())
 
 
 class SavedTensorMeter:
-    """Wraps a PipelineExecutor's forward / backward to track the saved activations alive."""
+    """Wraps a PipelineExecutor's forward / backward to track the saved activations alive.
+
+    A saved tensor is a weight, not an activation, when it shares a storage with a parameter
+    *at the moment it is saved*: under optim_grads_params a bucket's parameters are views of a
+    storage that is freed and allocated again around each use (`TransientBuffer`), so its
+    address moves, and an address once a weight's may later hold an activation."""
 
     def __init__(self, executor, params):
-        self.param_ptrs = {_storage(p)[0] for p in params}
+        self.params = params
         self.live: dict = {}
         self.peak_bytes = self.peak_microbatches = 0
         forward, backward = executor._forward, executor._backward
@@ -117,7 +138,7 @@ class SavedTensorMeter:
 
             def pack(t):
                 ptr, nbytes = _storage(t)
-                if ptr not in self.param_ptrs:
+                if ptr not in self._weight_ptrs():
                     storages[ptr] = nbytes
                 return t
 
@@ -133,6 +154,10 @@ class SavedTensorMeter:
             self.live.pop((action.microbatch, action.chunk))
 
         executor._forward, executor._backward = metered_forward, metered_backward
+
+    def _weight_ptrs(self) -> set:
+        """Addresses of the parameters' storages now (freed ones have none)."""
+        return {ptr for ptr, nbytes in map(_storage, self.params) if nbytes}
 
     def _mark(self) -> None:
         union = {ptr: n for storages in self.live.values() for ptr, n in storages.items()}
@@ -158,8 +183,11 @@ def measure(trainer: Trainer) -> dict:
     grads = [t for c in trainer.chunks for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else
                                                   [b.grad_shard for b in c.buffer.buckets])]
     grads += [p.grad for p in params if p.grad is not None]
+    # the weights' storages, and the persistent shards where a bucket's whole parameters are
+    # transient (optim_grads_params: released after the step, so they count only if still there)
+    weights = params + [b.param_shard for c in trainer.chunks for b in c.buffer.buckets]
     device, host = optimizer_placement(trainer.optimizer.adam)
-    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(params),
+    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(weights),
             "grads_bytes": _unique_bytes(grads), "optimizer_bytes": device, "host_bytes": host,
             "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
 
