@@ -32,10 +32,10 @@ from megatron.training.log import (
 
 def params_norm(optimizer) -> float:
     """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm).
-    Offloaded masters are read once their CPU step is done, on the device the norm is reduced on."""
+    Offloaded masters are read where they are once their CPU step is done."""
     optimizer.wait_for_step()
-    return global_grad_norm([v.to(s.grad.device) for s in optimizer.shards for v in s.views(s.main, s.counted)],
-                            optimizer.replicas)
+    return global_grad_norm([v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas,
+                            optimizer.device)
 
 
 def num_zeros_in_grad(optimizer) -> int:
@@ -105,10 +105,10 @@ class IterationLog:
             self.totals, self.data_wait = IntervalTotals(), 0.0
 
     def _offload_lines(self) -> None:
-        auto = self.trainer.auto_offload
-        if auto is not None and auto.decision is not None and not self._auto_logged:
+        decision = self.trainer.placement_decision
+        if decision is not None and not self._auto_logged:
             self._auto_logged = True
-            self.emit(auto.decision.describe())
+            self.emit(decision.describe() + " (last rank)")
         self.emit(offload_line(self.trainer.optimizer) + " (last rank)")
 
     def _scalars(self, iteration, result, loss, batch, seconds, memory, norm, zeros) -> None:

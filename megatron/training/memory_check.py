@@ -30,8 +30,8 @@ COLUMNS = ("weights", "grads", "optimizer", "activations", "transients", "certai
 def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None = None) -> MemoryLayout:
     """The layout `run` trains with; `distributed_optimizer` overrides its --use-distributed-optimizer
     (None: keep it), to compare the two optimizers on one run (the replicated one without offload).
-    --offload-policy auto is estimated as full offload: the best case, so the start-up check
-    refuses only a run that cannot fit even with all optimizer state on host."""
+    --offload-policy auto is estimated as full offload (every part the strategy can move on host):
+    the best case, so the start-up check refuses only a run that cannot fit even then."""
     par, training, offload = run.parallel, run.training, run.optimizer.offload
     ddp = par.ddp
     sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
@@ -39,12 +39,16 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                 ddp.sharding_strategy if ddp.sharding_strategy != "no_shard" else "optim")
     offloaded = offload.enabled and sharded
     auto = offloaded and offload.policy == "auto"
+    fractions = ((1.0, float(strategy in ("optim_grads", "optim_grads_params")), float(strategy == "optim_grads_params"))
+                 if auto else (offload.fraction, offload.grad_fraction, offload.param_fraction) if offloaded
+                 else (0.0, 0.0, 0.0))
     return MemoryLayout(tp=par.tp, cp=par.cp, pp=par.pp, dp=par.dp, virtual_stages=par.virtual_stages,
                         microbatch_group_size=par.microbatch_group_size, micro_batch_size=training.micro_batch_size,
                         num_microbatches=training.num_microbatches, distributed_optimizer=sharded,
                         bucket_size=ddp.bucket_size, first_stage_layers=par.first_stage_layers,
                         last_stage_layers=par.last_stage_layers,
-                        offload_fraction=(1.0 if auto else offload.fraction) if offloaded else 0.0, offload_auto=auto,
+                        offload_fraction=fractions[0], grad_offload_fraction=fractions[1],
+                        param_offload_fraction=fractions[2], offload_auto=auto,
                         grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
                         split_backward=par.split_backward, sharding_strategy=strategy,
                         reshard_after_forward=ddp.reshard_after_forward)
@@ -76,7 +80,8 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     lines = [f"> memory estimate per rank in {unit} ({layout.describe()}, {estimate.kernels.describe()}, "
              f"{layout.device_type}, {device}; identical on every tp/cp/dp rank of a pipeline stage; certain = "
              f"weights + grads + optimizer + activations, total adds the unmeasured transients; host: the "
-             f"offloaded optimizer state, not on the device):",
+             f"host-resident chunk state (offloaded optimizer state, gradient and parameter shards), not on the "
+             f"device):",
              "  pp rank      parameters " + " ".join(f"{c:>11}" for c in COLUMNS) + "  % device (certain / total)"]
     for r in estimate.ranks:
         values = (r.weights_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.transients_bytes,
@@ -90,8 +95,8 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
                  f"({worst.peak_microbatches} microbatch-chunks in flight, largest temporary "
                  f"{worst.transients.largest_temporary})")
     if layout.offload_auto:
-        lines.append("> offload policy auto: estimated with all optimizer state on host, the best case (the start-up "
-                     "check refuses only what cannot fit even so); iteration 1 decides what moves back to the device")
+        lines.append("> offload policy auto: estimated with every movable part on host, the best case (the start-up "
+                     "check refuses only what cannot fit even so); the placement below keeps on the device what fits")
     return lines
 
 
@@ -145,14 +150,16 @@ def host_memory_bytes(device: torch.device, host_memory_gb: float | None) -> int
 
 
 def check_host(estimate: MemoryEstimate, host_bytes: int | None, skip: bool) -> str | None:
-    """None when every rank's host part (offloaded optimizer state) fits `host_bytes` (or no host
+    """None when every rank's host part (its host slab: offloaded optimizer state, host-resident
+    gradient and parameter shards) fits `host_bytes` (or no host
     budget applies); else the one-line refusal (ValueError) or, with --skip-memory-check, a warning."""
     rank = max(estimate.ranks, key=lambda r: r.host_bytes)
     if host_bytes is None or rank.host_bytes <= host_bytes:
         return None
-    reason = (f"the host part of the memory estimate, {_size(rank.host_bytes)} of offloaded optimizer state on "
-              f"pipeline rank {rank.pp_rank}, exceeds host memory {_size(host_bytes)} per rank (--host-memory-gb, "
-              f"default the available memory / ranks on the node); lower --optimizer-offload-fraction, add ranks, "
+    reason = (f"the host part of the memory estimate, {_size(rank.host_bytes)} of host-resident chunk state "
+              f"on pipeline rank {rank.pp_rank}, exceeds host memory {_size(host_bytes)} per rank (--host-memory-gb, "
+              f"default the available memory / ranks on the node); lower --optimizer-offload-fraction (and "
+              f"--grad-offload-fraction, --param-offload-fraction), use --offload-policy auto, add ranks, "
               f"or pass --skip-memory-check")
     if not skip:
         raise ValueError(reason)

@@ -1,74 +1,64 @@
-"""The offload optimizer in the training loop: the auto policy's measurement and the log line.
+"""Host-resident chunks in the training loop: where this rank's chunks live, and the log line.
 
-`--offload-policy auto` starts with every chunk's optimizer state on host. During the first
-iteration it measures the peak device memory that is not model state — on CUDA the
-allocator's peak above what was allocated before the iteration (weights, gradient buffers,
-device optimizer state); on CPU, which keeps no allocator statistics, the memory estimator's
-activations + transients of this rank, whose saved-activation part equals the measured bytes
-exactly (tests/parallel/test_memory_measured.py). The largest figure over all ranks decides,
-so that every rank of a data-parallel group keeps the same chunks (their deferred parameter
-gathers must be issued in the same order), then `offload_policy.auto_keep` chooses.
+Static policy: the three fractions (`placement.static_placement`). Auto: placed from the traced
+memory estimate of this rank with every movable part on host (the start-up check's estimate):
+its total is what stays on the device whatever the placement (saved activations, transients,
+buffers the strategy does not shard, gathered buckets), and `placement.auto_placement` fills the
+rest of the device budget (--device-memory-gb or the device's capacity, less a 10% margin) with
+chunks' parameters, then gradients, then optimizer state. The decision is made before anything
+is allocated, so nothing moves after iteration 1, and it is the same on every rank of a pipeline
+stage (their deferred gathers must be issued in the same order). On CPU the estimate's certain
+part equals the measured bytes (tests/parallel/test_memory_measured.py); on a GPU the estimate's
+allowances and the margin stand in for what the allocator adds.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megatron.core.distributed.placement import AutoDecision, Placement, auto_placement, forward_order, part_bytes, \
+    static_placement
 from megatron.core.memory.estimator import estimate_memory
-from megatron.core.optimizer.offload_policy import auto_keep, forward_order, placement_bytes, state_bytes_per_element
+from megatron.core.optimizer.offload import placement_bytes
 from megatron.training.memory_check import device_memory_bytes, layout_from_run
 
 MIB = float(1 << 20)
 
 
-class AutoOffload:
-    """Call `before_first_iteration()` and `after_first_iteration()` around iteration 1."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.decision = None
-        self._baseline = 0
-
-    def before_first_iteration(self) -> None:
-        if self.trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._baseline = torch.cuda.memory_allocated()
-
-    def _peak_other_bytes(self) -> int:
-        trainer = self.trainer
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self._baseline
-        estimate = estimate_memory(trainer.run.model, layout_from_run(trainer.run, "cpu"))
-        rank = estimate.ranks[trainer.mesh.pp_rank]
-        return rank.activations_bytes + rank.transients_bytes
-
-    def after_first_iteration(self) -> None:
-        trainer, optimizer = self.trainer, self.trainer.optimizer
-        optimizer.wait_for_step()
-        peak = torch.tensor([float(self._peak_other_bytes())], device=trainer.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        buffers = [chunk.buffer for chunk in trainer.chunks]
-        model_bytes = sum(sum(b.resident_bytes()) for b in buffers)
-        numels = [shard.main.numel() for shard in optimizer.shards]
-        budget = device_memory_bytes(trainer.device, trainer.run.training.device_memory_gb)
-        self.decision = auto_keep(forward_order(buffers), numels, state_bytes_per_element(trainer.run.model.params_dtype),
-                                  budget, model_bytes, int(peak.item()))
-        optimizer.adam.offload.keep_on_device(self.decision.keep)
+def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> tuple[Placement, AutoDecision | None]:
+    """The placement of this rank's chunks (`buffers`: its ParamAndGradBuffers, not yet placed)
+    and, with the auto policy, the decision that chose it."""
+    offload = run.optimizer.offload
+    order = forward_order(buffers)
+    numels = [bucket.param_shard.numel() for buffer in buffers for bucket in buffer.buckets]
+    if offload.policy == "static":
+        return static_placement(order, numels, offload.fraction, offload.grad_fraction, offload.param_fraction), None
+    layout = layout_from_run(run, device.type)
+    fixed = estimate_memory(run.model, layout).ranks[pp_rank].total_bytes
+    weight_bytes = run.model.params_dtype.itemsize
+    costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
+    decision = auto_placement(order, numels, costs, device_memory_bytes(device, run.training.device_memory_gb), fixed,
+                              weight_bytes)
+    return decision.placement, decision
 
 
 def offload_line(optimizer) -> str:
-    """This rank's offload accounting since the previous line (resets the counters)."""
-    offload = optimizer.adam.offload
-    device, host = placement_bytes(optimizer.adam)
-    stats = offload.take_stats()
+    """This rank's offload accounting since the previous line (resets the counters): bytes moved
+    by the optimizer step and by host-resident gradients and parameters during the iterations."""
+    offload, host = optimizer.adam.offload, optimizer.host
+    device, slab = placement_bytes(optimizer.adam)
+    stats, fetches = offload.take_stats(), host.take_stats()
     steps = max(stats.steps, 1)
-    return (f"  offload: optimizer state on device {device / MIB:.2f} MiB | on host {host / MIB:.2f} MiB "
-            f"({len(offload.order)} of {len(optimizer.shards)} chunks) | device->host {stats.d2h_bytes / steps / MIB:.2f} "
-            f"MiB/iter | host->device {stats.h2d_bytes / steps / MIB:.2f} MiB/iter | CPU step "
-            f"{1000 * stats.cpu_seconds / steps:.1f} ms/iter on {offload.threads} threads | hidden behind the next "
-            f"forward {100 * stats.hidden_fraction:.0f}%")
+    counts, chunks = host.placement.counts(), len(optimizer.shards)
+    d2h, h2d = stats.d2h_bytes + fetches.d2h_bytes, stats.h2d_bytes + fetches.h2d_bytes
+    line = (f"  offload: optimizer state on device {device / MIB:.2f} MiB | host slab {slab / MIB:.2f} MiB (optimizer "
+            f"state of {counts['optimizer']}, gradients of {counts['grads']}, parameters of {counts['params']} of "
+            f"{chunks} chunks) | device->host {d2h / steps / MIB:.2f} MiB/iter | host->device {h2d / steps / MIB:.2f} "
+            f"MiB/iter | CPU step {1000 * stats.cpu_seconds / steps:.1f} ms/iter on {offload.threads} threads | "
+            f"hidden behind the next forward {100 * stats.hidden_fraction:.0f}%")
+    if fetches.fetches:
+        line += (f" | parameter gathers from host {fetches.fetches / steps:.1f}/iter, started ahead "
+                 f"{100 * fetches.hit_rate:.0f}%, waited {1000 * fetches.wait_seconds / steps:.1f} ms/iter")
+    return line
 
 
 def check_offload_budget(run, device: torch.device) -> None:

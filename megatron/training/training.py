@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron.core.distributed.finalize import finalize_model_grads
+from megatron.core.distributed.host_chunks import HostChunks
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -17,7 +18,7 @@ from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
-from megatron.training.offload_run import AutoOffload
+from megatron.training.offload_run import chunk_placement
 
 
 @dataclass
@@ -56,9 +57,13 @@ class Trainer:
         for module in modules:
             initialize_parameters(module, training.seed)
         self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group) for m in modules]
-        self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh)
-        offload = run.optimizer.offload
-        self.auto_offload = AutoOffload(self) if offload.enabled and offload.policy == "auto" else None
+        self.placement_decision = None  # --offload-policy auto: what it chose and why
+        host = None
+        if run.optimizer.offload.enabled:
+            buffers = [chunk.buffer for chunk in self.chunks]
+            placement, self.placement_decision = chunk_placement(run, self.mesh.pp_rank, buffers, device)
+            host = HostChunks(buffers, placement, device)
+        self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh, host)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         model_inputs = model_input_fields(run.data)
         self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
@@ -150,13 +155,8 @@ class Trainer:
         as they stand after the update (the values the next iteration uses). The host reads one
         number: the global gradient norm, which the update needs (clipping, skipping a
         non-finite step), as Megatron reads it."""
-        auto = self.auto_offload if self.auto_offload is not None and self.auto_offload.decision is None else None
-        if auto is not None:
-            auto.before_first_iteration()
         loss, _, _, stats = self._forward_backward(iteration)
         result = self.optimizer.step()
-        if auto is not None:
-            auto.after_first_iteration()
         return IterationResult(mean_loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
                                lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, stats=stats,
                                data_wait=self.loaders["train"].take_wait_seconds())

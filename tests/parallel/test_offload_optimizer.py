@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron.core.memory.offload import offload_bytes
-from megatron.core.optimizer.offload_policy import placement_bytes
+from megatron.core.memory.estimator import estimate_memory
+from megatron.core.optimizer.offload import placement_bytes
+from megatron.training.memory_check import layout_from_run
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
 from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
@@ -77,7 +78,7 @@ def test_offload_matches_one_process(results, world, layout):
             assert host == chunks
         else:  # half, or auto under a budget that holds some chunks but not all
             assert 0 < host < chunks, f"rank {rank}: {host} of {chunks} chunks on host"
-        # the host slab holds exactly the chunks still offloaded (auto: resized after measuring)
+        # the host slab holds exactly the chunks offloaded (auto: placed before anything is allocated)
         assert out["slab_bytes"] == 16 * out["host_elements"], (rank, out["slab_bytes"], out["host_elements"])
 
 
@@ -118,9 +119,8 @@ def check_accounting(rank: int, dtype_flags: list[str], device_per_element: int)
     padded = sum(chunk.buffer.layout.numel for chunk in trainer.chunks)
     assert sum(s.main.numel() for s in optimizer.shards) == padded // 2  # dp = 2
     assert all(s.main.device.type == "cpu" and s.host_grad is not None for s in offloaded)
-    elements = sum(s.main.numel() for s in optimizer.shards)  # the estimator's model of the same split
-    estimate = offload_bytes(elements, device_per_element, sum(s.main.numel() for s in offloaded) / elements)
-    assert (estimate.device_bytes, estimate.host_bytes) == (device, host)
+    estimate = estimate_memory(trainer.run.model, layout_from_run(trainer.run, "cpu")).ranks[0]
+    assert (estimate.optimizer_bytes, estimate.host_bytes) == (device, host)
 
 
 def check_thread_budgets(rank: int) -> None:
@@ -180,6 +180,9 @@ def test_fp16_skip_and_byte_accounting():
     (DIST + ["--offload-policy", "auto"], "--offload-policy needs --optimizer-cpu-offload"),
     (FULL + ["--offload-policy", "auto", "--optimizer-offload-fraction", "0.5"], "applies to --offload-policy static"),
     (FULL + ["--cpu-optimizer-threads", "0"], "--cpu-optimizer-threads must be >= 1"),
+    (FULL + ["--offload-policy", "auto", "--grad-offload-fraction", "1"], "applies to --offload-policy static"),
+    (FULL + ["--grad-offload-fraction", "1"], "--grad-offload-fraction needs sharded gradients"),
+    (DIST + ["--param-offload-fraction", "0.5"], "--param-offload-fraction needs --optimizer-cpu-offload"),
 ])
 def test_bad_input_is_one_line(flags, message):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -203,5 +206,5 @@ def test_cli_torchrun_offload_matches_one_rank():
     losses = [printed_losses(o.stdout) for o in (one, four)]
     assert len(losses[0]) == len(losses[1]) == 5
     assert all(abs(a - b) <= 2e-6 * b for a, b in zip(losses[1], losses[0])), f"{losses[1]} vs {losses[0]}"
-    line = re.search(r"offload: optimizer state on device (\S+) MiB \| on host (\S+) MiB", four.stdout)
+    line = re.search(r"offload: optimizer state on device (\S+) MiB \| host slab (\S+) MiB", four.stdout)
     assert line and float(line.group(1)) == 0.0 and float(line.group(2)) > 0, four.stdout[-3000:]

@@ -298,7 +298,7 @@ def test_start_up_check_counts_offloaded_state_on_host():
     auto = _run(base + OFFLOAD + ["--offload-policy", "auto"])
     assert layout_from_run(auto, "cpu").offload_auto
     lines = check_memory(auto, torch.device("cpu"), 48.0, skip=False)
-    assert any(line.startswith("> offload policy auto: estimated with all optimizer state on host") for line in lines)
+    assert any(line.startswith("> offload policy auto: estimated with every movable part on host") for line in lines)
     assert "offload auto (estimated as full offload)" in lines[0]
 
 

@@ -85,6 +85,29 @@ def test_offload_moves_whole_chunks_to_host(dtype, on_device):
     assert (half.weights_bytes, half.grads_bytes) == (plain.weights_bytes, plain.grads_bytes)
 
 
+def test_host_resident_gradients_and_parameters():
+    """optim_grads_params with gradient and parameter shards on host too: the device keeps none
+    of a host chunk's state; the host slab holds 16 bytes per element of optimizer state (the
+    gradient shard is its own host copy), the parameter shard in the model dtype, and two
+    staging slots of the largest host gradient shard (fp32)."""
+    def placed(optimizer, grads, params):
+        return states(torch.bfloat16, shards=2, bucket_size=20_000, dp=2, sharding_strategy="optim_grads_params",
+                      offload_fraction=optimizer, grad_offload_fraction=grads, param_offload_fraction=params)
+
+    first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
+    full = placed(1.0, 1.0, 1.0)
+    assert (full.weights_bytes, full.grads_bytes, full.optimizer_bytes) == (0, 0, 0)
+    assert full.host_bytes == 16 * (first + second) + 2 * (first + second) + 2 * 4 * first
+    half = placed(1.0, 0.5, 0.5)  # the first chunk in backward order is the last the forward uses
+    assert (half.weights_bytes, half.grads_bytes, half.optimizer_bytes) == (2 * second, 4 * second, 0)
+    assert half.host_bytes == 16 * (first + second) + 2 * first + 2 * 4 * first
+    with pytest.raises(ValueError, match="need param_offload_fraction <= grad_offload_fraction"):
+        placed(1.0, 0.5, 1.0)
+    with pytest.raises(ValueError, match="grad_offload_fraction needs a strategy that shards gradients"):
+        states(torch.bfloat16, shards=2, dp=2, distributed_optimizer=True, offload_fraction=1.0,
+               grad_offload_fraction=1.0)
+
+
 def test_offloaded_shards_have_no_device_step_temporaries():
     buffers = [buffer(shards=2, bucket_size=20_000)]
     first, second = (buffers[0].buckets[i].shard_numel for i in (0, 1))

@@ -16,10 +16,16 @@ strategy (Megatron-FSDP's names):
 - optim_grads_params: as optim_grads, and the parameters too are kept as this rank's shard
   only; a bucket's whole parameters exist while gathered (`gather_params` / `release_params`,
   driven by the module hooks of `param_gather.py`).
+Under the last two, a bucket's gradient shard and parameter shard may live in host memory
+(`host_chunks.HostChunks` sets `host_chunks` and re-points the shard): the reduce-scattered
+gradient is then added on host, and the parameter shard is copied into the gathered bucket
+before the all-gather.
 "Local shard" below means this rank's shard (the whole bucket when replicated): the part of
 the gradient that is valid after the reduction and that this rank's optimizer steps.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,7 @@ class Bucket:
                  dtype: torch.dtype, grad_dtype: torch.dtype, device):
         self.place = place
         start, end = place.shard(shard_rank)
+        self.shard_slot = slice(start - place.start, end - place.start)  # this rank's part of the whole bucket
         self.shards_grads, self.shards_params = grad_data is None, param_data is None
         if self.shards_params:  # gathered on demand; whole at construction (parameters are copied in)
             self.param_full = TransientBuffer(place.numel, dtype, device)
@@ -60,6 +67,8 @@ class Bucket:
         self.reducing = False
         self.grad_handle = self.param_handle = None
         self.before_gather = None  # called once before the next gather (an offloaded shard's CPU step landing)
+        self.host_chunks = None  # host_chunks.HostChunks, which sets these when a shard lives in host memory
+        self.grads_on_host = self.params_on_host = False
 
     # ---- gradients ----
 
@@ -95,7 +104,10 @@ class Bucket:
         if self.grad_handle is not None:
             self.grad_handle.wait()
         if self.shards_grads and self.reducing:
-            self.grad_shard.add_(self._scattered)
+            if self.grads_on_host:
+                self.host_chunks.add_into(self.grad_shard, self._scattered)
+            else:
+                self.grad_shard.add_(self._scattered)
             self._scattered = None
             self.grad_full.free()
         self.ready.clear()
@@ -115,8 +127,11 @@ class Bucket:
             return
         self.wait_for_shard()
         if self.param_handle is None and (not self.shards_params or self.param_full.allocate()):
-            self.param_handle = dist.all_gather_single(self.param, self.param_shard, group=self.group,
-                                                       async_op=True)
+            source = self.param_shard
+            if self.params_on_host:  # into this rank's own slot of the bucket, gathered in place
+                source = self.param[self.shard_slot]
+                self.host_chunks.fetch(source, self.param_shard)
+            self.param_handle = dist.all_gather_single(self.param, source, group=self.group, async_op=True)
 
     def wait_for_shard(self) -> None:
         """Run `before_gather` if one is pending: this rank's shard is final after it."""
@@ -126,10 +141,15 @@ class Bucket:
 
     def finish_param_gather(self) -> None:
         if self.param_handle is not None:
+            begin = time.perf_counter()
             self.param_handle.wait()
             self.param_handle = None
+            if self.params_on_host:
+                self.host_chunks.record_wait(time.perf_counter() - begin)
 
     def gather_params(self) -> None:
+        if self.params_on_host and (self.param_handle is not None or not self.param_full.allocated):
+            self.host_chunks.record_use(started_ahead=self.param_handle is not None)
         self.start_param_gather()
         self.finish_param_gather()
 
@@ -201,8 +221,7 @@ class ParamAndGradBuffer:
         """Sharded parameters: copy this rank's shard out of the whole (gathered) buckets."""
         for bucket in self.buckets:
             if bucket.shards_params:
-                start, end = bucket.place.shard(self.shard_rank)
-                bucket.param_shard.copy_(bucket.param[start - bucket.place.start: end - bucket.place.start])
+                bucket.param_shard.copy_(bucket.param[bucket.shard_slot])
 
     def zero(self) -> None:
         """Zero the gradients once whatever still reads them is done (`reuse_waits`: callables
@@ -249,26 +268,29 @@ class ParamAndGradBuffer:
             bucket.finish_param_gather()
 
     def kept_bytes(self) -> tuple[int, int]:
-        """(parameter bytes, gradient bytes) kept between steps: whole buffers, or the shards."""
+        """(parameter bytes, gradient bytes) kept on the device between steps: whole buffers, or
+        the shards that are not host-resident."""
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
-        params = size([self.param_data] if self.param_data is not None else [b.param_shard for b in self.buckets])
-        grads = size([self.grad_data] if self.grad_data is not None else [b.grad_shard for b in self.buckets])
+        params = size([self.param_data] if self.param_data is not None else
+                      [b.param_shard for b in self.buckets if not b.params_on_host])
+        grads = size([self.grad_data] if self.grad_data is not None else
+                     [b.grad_shard for b in self.buckets if not b.grads_on_host])
         return params, grads
 
     def resident_bytes(self) -> tuple[int, int]:
-        """(parameter bytes, gradient bytes) this buffer holds now: whole buffers, or shards plus
-        the buckets gathered / being filled at the moment."""
+        """(parameter bytes, gradient bytes) this buffer holds on the device now: whole buffers, or
+        the device shards plus the buckets gathered / being filled at the moment."""
         def size(t):
             return t.untyped_storage().nbytes()
         if self.param_data is not None:
             params = size(self.param_data)
         else:
-            params = sum(size(b.param) + size(b.param_shard) for b in self.buckets)
+            params = sum(size(b.param) + (0 if b.params_on_host else size(b.param_shard)) for b in self.buckets)
         if self.grad_data is not None:
             grads = size(self.grad_data)
         else:
-            grads = sum(size(b.grad) + size(b.grad_shard) for b in self.buckets)
+            grads = sum(size(b.grad) + (0 if b.grads_on_host else size(b.grad_shard)) for b in self.buckets)
         return params, grads
 
     def local_grads(self, predicate=None) -> list[torch.Tensor]:

@@ -26,8 +26,11 @@ class MemoryLayout:
     `first_stage_layers` / `last_stage_layers`: an uneven pipeline split
     (--decoder-first/last-pipeline-num-layers). `offload_fraction`: the offload optimizer's
     --optimizer-offload-fraction (0: no offload), rounded to whole chunks as the static policy
-    rounds it (memory/offload.py). `offload_auto`: --offload-policy auto, which decides the
-    split only after measuring iteration 1, so it is estimated as full offload, the best case.
+    rounds it (memory/offload.py). `grad_offload_fraction` / `param_offload_fraction`: the share
+    of the elements whose gradient / parameter shard also lives on host (--grad-offload-fraction,
+    --param-offload-fraction; distributed/placement.py). `offload_auto`: --offload-policy auto,
+    which places chunks from this very estimate, so it is estimated with every part the strategy
+    can move on host (full offload): the best case.
     `split_backward`: the pipeline's --split-backward (linear layers queue their output
     gradients until the chunk's weight step). `sharding_strategy`: what is sharded over dp x cp
     (--data-parallel-sharding-strategy); `distributed_optimizer` alone means "optim", and is
@@ -49,6 +52,8 @@ class MemoryLayout:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     offload_fraction: float = 0.0
+    grad_offload_fraction: float = 0.0
+    param_offload_fraction: float = 0.0
     offload_auto: bool = False
     grad_dtype_bytes: int = 4
     device_type: str = "cuda"
@@ -73,9 +78,15 @@ class MemoryLayout:
             raise ValueError(f"offload_fraction must be in [0, 1], got {self.offload_fraction}")
         if (self.offload_fraction or self.offload_auto) and not self.distributed_optimizer:
             raise ValueError("offload needs the distributed optimizer (the offloaded state is each rank's shard of it)")
-        if self.offload_auto and self.offload_fraction != 1.0:
-            raise ValueError(f"offload_auto is estimated as full offload: offload_fraction must be 1, "
-                             f"got {self.offload_fraction}")
+        if not self.param_offload_fraction <= self.grad_offload_fraction <= self.offload_fraction:
+            raise ValueError("need param_offload_fraction <= grad_offload_fraction <= offload_fraction")
+        if self.grad_offload_fraction and not self.shards_grads:
+            raise ValueError("grad_offload_fraction needs a strategy that shards gradients")
+        if self.param_offload_fraction and not self.shards_params:
+            raise ValueError("param_offload_fraction needs a strategy that shards parameters")
+        full = (1.0, float(self.shards_grads), float(self.shards_params))
+        if self.offload_auto and (self.offload_fraction, self.grad_offload_fraction, self.param_offload_fraction) != full:
+            raise ValueError(f"offload_auto is estimated as full offload (every movable part on host): fractions must be {full}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
 
@@ -119,4 +130,8 @@ class MemoryLayout:
             text += " offload auto (estimated as full offload)"
         elif self.offload_fraction:
             text += f" offload {self.offload_fraction:g}"
+            if self.grad_offload_fraction:
+                text += f" grads {self.grad_offload_fraction:g}"
+            if self.param_offload_fraction:
+                text += f" params {self.param_offload_fraction:g}"
         return text + f" micro-batch {self.micro_batch_size} x {self.num_microbatches}"

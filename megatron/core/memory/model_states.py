@@ -14,10 +14,10 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
 - a shard is a whole bucket with the replicated optimizer (no padding), and 1/(dp cp)
   of a bucket padded to a multiple of dp x cp x SHARD_ALIGN elements with the
   distributed optimizer: 6 + 12/d bytes per parameter for bf16 weights, plus padding;
-- offload (`--optimizer-cpu-offload`, offload.py): the chunks the static policy puts on
-  host for `layout.offload_fraction` cost nothing on the device and 16 bytes per element in
-  `host_bytes` (fp32 master even of fp32 weights, m, v, the gradient's host copy); they are
-  stepped on the CPU, so the device step's temporaries come from the other shards only;
+- offload and host-resident chunks (`--optimizer-cpu-offload` and the gradient / parameter
+  fractions, offload.py): the parts the static policy puts on host cost nothing on the device
+  and their bytes in `host_bytes`; offloaded shards are stepped on the CPU, so the device
+  step's temporaries come from the other shards only;
 - sharded gradients (optim_grads) keep only the fp32 shard of each bucket between steps; a
   bucket's unsharded gradient exists while backward fills it and its reduce-scatter runs.
   Sharded parameters (optim_grads_params) keep only the shard of the weights too; a bucket's
@@ -35,11 +35,9 @@ from dataclasses import dataclass
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout, default_bucket_size
 from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.offload import chunk_fraction, offload_bytes, offloaded_chunks
+from megatron.core.memory.offload import chunk_placement, state_bytes
 from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
 
-ADAM_MOMENTS_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4        # fp32 master copy of bf16/fp16 weights
 STEP_TEMPORARIES = 2    # fp32 shard-sized tensors alive at once in ShardedAdamW.step
 UNSHARDED_BUCKETS = 3   # whole buckets of one kind alive at once under optim_grads(_params), see above
 
@@ -56,12 +54,6 @@ class ModelStates:
     @property
     def device_bytes(self) -> int:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.gathered_bytes
-
-
-def optimizer_bytes_per_parameter(config) -> int:
-    """fp32 master (unless the weights are fp32) + Adam m and v."""
-    master = 0 if dtype_bytes(config.params_dtype) == 4 else MASTER_BYTES
-    return master + ADAM_MOMENTS_BYTES
 
 
 def chunk_buffer(config, layout, chunk) -> BufferLayout:
@@ -83,16 +75,9 @@ def _buffer_layout(numels: tuple[int, ...], shared: int | None, bucket_size: int
 
 
 def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
-    n = sum(p.numel for b in buffers for p in b.params)
-    padded = sum(b.numel for b in buffers)
-    shard_elements = sum(bucket.shard_numel for b in buffers for bucket in b.buckets)
-    optimizer = offload_bytes(shard_elements, optimizer_bytes_per_parameter(config),
-                              chunk_fraction(buffers, layout.offload_fraction))
-    weight_bytes = dtype_bytes(config.params_dtype)
-    return ModelStates(parameters=n,
-                       weights_bytes=(shard_elements if layout.shards_params else padded) * weight_bytes,
-                       grads_bytes=(shard_elements if layout.shards_grads else padded) * layout.grad_dtype_bytes,
-                       optimizer_bytes=optimizer.device_bytes, host_bytes=optimizer.host_bytes,
+    states = state_bytes(buffers, layout, dtype_bytes(config.params_dtype))
+    return ModelStates(parameters=sum(p.numel for b in buffers for p in b.params), weights_bytes=states.weights,
+                       grads_bytes=states.grads, optimizer_bytes=states.optimizer, host_bytes=states.host,
                        gathered_bytes=gathered_bytes(config, layout, buffers))
 
 
@@ -119,7 +104,7 @@ def optimizer_step_temporary(buffers: list[BufferLayout], offload_fraction: floa
     largest shard. Gradient preparation (unscale, inf check, norm, clipping) works in
     place or on scalars, and the parameter sync copies in place. Offloaded shards step on the CPU.
     """
-    host = offloaded_chunks(buffers, offload_fraction)
+    host = chunk_placement(buffers, offload_fraction).optimizer
     shards = [bucket.shard_numel for b in buffers for bucket in b.buckets]
     largest = max((n for i, n in enumerate(shards) if i not in host), default=0)
     return STEP_TEMPORARIES * 4 * largest

@@ -1,51 +1,60 @@
-"""The offload optimizer's memory: device and host bytes of a rank, and the fraction that fits.
+"""Host-resident chunks in the estimate: where a rank's weights, gradients and optimizer state live.
 
-Exact to megatron/core/optimizer/offload.py: an element of the distributed optimizer's shard
-kept on the device costs its optimizer state there (Adam's m and v, 8 bytes, plus a 4-byte
-fp32 master unless the weights are fp32); an offloaded element costs nothing on the device
-and 16 bytes on host: fp32 master (a copy even of fp32 weights, which stay on the device as
-the model), m, v and the host copy of its gradient (whose bytes are reused as the staging of
-the updated weights in the model dtype). Weights and gradient buffers never move.
-Which elements go to host is decided per memory chunk (offload_policy.static_offloaded), so a
-split differs from the flag's fraction by up to half a chunk; `offloaded_chunks` makes the
-optimizer's own call on the estimator's BufferLayouts, and `chunk_fraction` is the fraction
-that call realises, which `offload_bytes` then reproduces to the byte.
+Exact to the runtime because it makes the runtime's own calls (megatron/core/distributed/placement.py)
+on the estimator's BufferLayouts: the static placement of each part's fraction, taken in whole
+chunks from the end of the forward order (so a split differs from a flag's fraction by up to
+half a chunk), then each part's bytes where it lives:
+- optimizer state: 8 bytes per element on the device (Adam's moments) plus a 4-byte fp32 master
+  unless the weights are fp32; on host 16 (fp32 master even of fp32 weights, m, v and the
+  gradient's host copy, whose bytes are reused to stage the updated weights);
+- gradient shard (sharded gradients): its fp32 bytes on the device, or on host where it is its
+  own host copy (nothing more), plus two staging slots of the largest host-resident shard for
+  the additions of each microbatch's gradient;
+- parameter shard (sharded parameters): its model-dtype bytes on the device or on host;
+  whole buffers (strategies that do not shard a part) stay on the device.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
+from megatron.core.distributed.placement import Placement, forward_order, host_elements, part_bytes, static_placement
 
-HOST_BYTES_PER_ELEMENT = 16  # fp32 master, exp_avg, exp_avg_sq, gradient copy
+
+def shard_numels(buffers: list) -> list[int]:
+    """This rank's shard of each bucket (build_shards' order)."""
+    return [bucket.shard_numel for b in buffers for bucket in b.buckets]
+
+
+def chunk_placement(buffers: list, optimizer: float, grads: float = 0.0, params: float = 0.0) -> Placement:
+    """What the trainer's static policy places on host for these fractions, on `buffers` (the
+    BufferLayouts of the rank's chunks)."""
+    if not optimizer:
+        return Placement()
+    return static_placement(forward_order(buffers), shard_numels(buffers), optimizer, grads, params)
 
 
 @dataclass(frozen=True)
-class OffloadBytes:
-    device_bytes: int  # optimizer state left on the device
-    host_bytes: int
+class StateBytes:
+    weights: int
+    grads: int
+    optimizer: int
+    host: int
 
 
-def offloaded_chunks(buffers: list, fraction: float) -> frozenset:
-    """Indices of this rank's shards (one per bucket, in build_shards' order) that the static
-    policy puts on host for `fraction`: the call MixedPrecisionOptimizer makes, on `buffers`
-    (the BufferLayouts of the rank's chunks)."""
-    numels = [bucket.shard_numel for b in buffers for bucket in b.buckets]
-    return static_offloaded(forward_order(buffers), numels, fraction)
+def _on_device(numels: list[int], on_host: frozenset) -> int:
+    return sum(n for i, n in enumerate(numels) if i not in on_host)
 
 
-def chunk_fraction(buffers: list, fraction: float) -> float:
-    """The share of the rank's optimizer elements on host once `fraction` is rounded to whole chunks."""
-    numels = [bucket.shard_numel for b in buffers for bucket in b.buckets]
-    total = sum(numels)
-    return sum(numels[i] for i in offloaded_chunks(buffers, fraction)) / total if total else 0.0
-
-
-def offload_bytes(shard_elements: int, device_bytes_per_element: int, fraction: float) -> OffloadBytes:
-    """`shard_elements`: this rank's optimizer elements (its 1/(dp cp) of the padded buffers);
-    `device_bytes_per_element`: 8 (fp32 weights) or 12 (bf16/fp16) when kept on the device."""
-    host = round(fraction * shard_elements)
-    return OffloadBytes((shard_elements - host) * device_bytes_per_element, host * HOST_BYTES_PER_ELEMENT)
+def state_bytes(buffers: list, layout, weight_bytes: int) -> StateBytes:
+    """Device bytes of weights, gradients and optimizer state, and the host slab's bytes."""
+    numels = shard_numels(buffers)
+    placement = chunk_placement(buffers, layout.offload_fraction, layout.grad_offload_fraction,
+                                layout.param_offload_fraction)
+    padded = sum(b.numel for b in buffers)
+    optimizer = _on_device(numels, placement.optimizer) * part_bytes(weight_bytes, False, False).optimizer
+    weights = (_on_device(numels, placement.params) if layout.shards_params else padded) * weight_bytes
+    grads = (_on_device(numels, placement.grads) if layout.shards_grads else padded) * layout.grad_dtype_bytes
+    return StateBytes(weights, grads, optimizer, 4 * host_elements(numels, placement, weight_bytes))
 
 
 def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: int) -> float | None:
@@ -53,11 +62,10 @@ def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: i
     optimizer state, saved activations; optimizer state counted on the device) fits
     `device_bytes`: 0 when it already fits, None when even full offload does not. The planner
     passes the full estimate and its threshold's share of the device instead; either way the
-    fraction is before rounding to whole chunks (`chunk_fraction`)."""
+    fraction is before rounding to whole chunks (`chunk_placement`)."""
     excess = certain_bytes - device_bytes
     if excess <= 0:
         return 0.0
     if optimizer_bytes <= 0 or excess > optimizer_bytes:
         return None
     return excess / optimizer_bytes
-

@@ -25,7 +25,7 @@ class ShardedAdamW:
         self.decoupled_lr = None  # learning rate of each shard's `decoupled` ranges (embedding, output layer)
         self.step_count = 0
         self.offload = None  # offload.OffloadedSteps when some shards are offloaded
-        self.host_memory = host_memory  # offload.HostMemory: the slab offloaded state lives in
+        self.host_memory = host_memory  # distributed.host_memory.HostMemory: the host slab
 
         def zeros(shard):
             return host_memory.zeros(shard.main.numel()) if shard.offloaded else torch.zeros_like(shard.main)

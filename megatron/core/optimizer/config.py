@@ -9,18 +9,30 @@ OFFLOAD_POLICIES = ("static", "auto")
 
 @dataclass
 class OffloadConfig:
-    """The offload optimizer (see offload.py): `fraction` of the shard's elements on host with the
-    static policy; `cpu_threads` None: the default (cpu_adam.default_cpu_threads on CUDA, the
-    process's threads where host = device)."""
+    """The offload optimizer and host-resident chunks (see offload.py and
+    distributed/placement.py). With the static policy, `fraction` of the shard's elements keep
+    their optimizer state on host, `grad_fraction` their gradient shard too and `param_fraction`
+    their parameter shard too (each part needs the one before it on host, so the fractions nest);
+    auto decides all three. `cpu_threads` None: the default (cpu_adam.default_cpu_threads on
+    CUDA, the process's threads where host = device)."""
 
     enabled: bool = False
     fraction: float = 1.0
     policy: str = "static"
     cpu_threads: int | None = None
+    grad_fraction: float = 0.0
+    param_fraction: float = 0.0
 
     def __post_init__(self):
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {self.fraction}")
+        for flag, value in (("--optimizer-offload-fraction", self.fraction),
+                            ("--grad-offload-fraction", self.grad_fraction),
+                            ("--param-offload-fraction", self.param_fraction)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{flag} must be in [0, 1], got {value}")
+        if not self.param_fraction <= self.grad_fraction <= self.fraction:
+            raise ValueError(f"need --param-offload-fraction ({self.param_fraction:g}) <= --grad-offload-fraction "
+                             f"({self.grad_fraction:g}) <= --optimizer-offload-fraction ({self.fraction:g}): a chunk's "
+                             f"parameters live on host only with its gradient, its gradient only with its optimizer state")
         if self.policy not in OFFLOAD_POLICIES:
             raise ValueError(f"--offload-policy must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.policy!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -13,18 +13,27 @@ import torch
 import torch.distributed as dist
 
 
-def unscale_and_check(grads: list, scale: float) -> bool:
+def by_device(tensors: list) -> dict:
+    """The tensors grouped by device (host-resident gradient shards sit beside device ones)."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
+def unscale_and_check(grads: list, scale: float, device: torch.device) -> bool:
     """Divide the gradients by the loss scale; True when any rank saw inf/nan.
-    One fused pass and one synchronisation, whatever the number of shards."""
-    device = grads[0].device if grads else None
+    One fused pass per device and one synchronisation, whatever the number of shards."""
     found_inf = torch.zeros(1, device=device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / scale, device=device))
+    for where, group in by_device(grads).items():
+        found = torch.zeros(1, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.full((1,), 1.0 / scale, device=where))
+        found_inf = torch.maximum(found_inf, found.to(device))
     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
     return bool(found_inf.item())
 
 
-def global_grad_norm(counted: list, replicas: int) -> float:
+def global_grad_norm(counted: list, replicas: int, device: torch.device) -> float:
     """sqrt of the sum of squared gradients of the whole model.
 
     `counted`: this rank's gradient pieces that count (each parameter counted by exactly one
@@ -32,10 +41,9 @@ def global_grad_norm(counted: list, replicas: int) -> float:
     the world; when `replicas` ranks (dp x cp, replicated optimizer) hold the same pieces, the
     world sum is divided by their number.
     """
-    device = counted[0].device if counted else None
     squares = torch.zeros(1, dtype=torch.float64, device=device)
-    if counted:
-        squares += torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
+    for group in by_device(counted).values():
+        squares += torch.stack(torch._foreach_norm(group)).double().pow(2).sum().to(device)
     dist.all_reduce(squares)
     return math.sqrt(squares.item() / replicas)
 
@@ -44,4 +52,5 @@ def clip_grads(grads: list, grad_norm: float, max_norm: float) -> None:
     """Scale all gradients by max_norm / norm when the norm exceeds max_norm."""
     coefficient = max_norm / (grad_norm + 1e-6)
     if coefficient < 1.0:
-        torch._foreach_mul_(grads, coefficient)
+        for group in by_device(grads).values():
+            torch._foreach_mul_(group, coefficient)

@@ -28,6 +28,10 @@ update: different numerics). We defer instead and hide the CPU work behind the *
    that uses chunk i waits for it, then its parameters are all-gathered. Chunks of the first
    layers step first, so the forward starts as soon as they are done while the CPU steps the
    rest.
+Host-resident chunks (distributed/placement.py) change two things: a chunk whose gradient
+shard lives on host has no copy to make in 1. (the step reads the shard in place, and zeroing
+it waits for the step), and one whose parameter shard lives on host gets the updated weights
+written straight into that shard (copied to the device only when its bucket is gathered).
 On a machine without CUDA the same path runs with host = device: the copies are plain copies
 and the worker shares the cores with the training thread.
 """
@@ -35,105 +39,13 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from megatron.core.distributed.host_memory import Transfers
 from megatron.core.optimizer.cpu_adam import CpuAdamW, default_cpu_threads
-
-
-class HostMemoryError(RuntimeError):
-    """Host buffers for offloaded state could not be allocated (one line naming what to change)."""
-
-
-def _pin_in_place(slab: torch.Tensor) -> None:
-    """Page-lock `slab` where it is (cudaHostRegister) and unlock it when its memory is freed."""
-    cudart = torch.cuda.cudart()
-    pointer, nbytes = slab.data_ptr(), slab.numel() * slab.element_size()
-    error = cudart.cudaHostRegister(pointer, nbytes, 0)
-    if int(error) != 0:
-        raise RuntimeError(cudart.cudaGetErrorString(error))
-    weakref.finalize(slab.untyped_storage(), cudart.cudaHostUnregister, pointer)
-
-
-class HostMemory:
-    """One slab of host memory per rank holding every offloaded tensor (all fp32), handed out
-    in slices, so that the host bytes are the slab's: 16 per offloaded element, as the memory
-    estimator counts. With CUDA the slab is allocated as ordinary memory and pinned in place
-    (page-locked memory is what lets copies run asynchronously on a side stream): torch's
-    pinned allocator would round every block up to a power of two, up to twice the bytes."""
-
-    def __init__(self, numel: int, pin: bool):
-        self.pin = pin
-        self.used = 0
-        what = "pin" if pin else "allocate"
-        try:
-            self.slab = torch.empty(numel, dtype=torch.float32)
-            if pin and numel:
-                _pin_in_place(self.slab)
-        except RuntimeError as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise HostMemoryError(
-                f"cannot {what} {numel * 4 / 2**30:.2f} GiB of host memory for the offloaded optimizer "
-                f"({reason}); lower --optimizer-offload-fraction, use --offload-policy auto, or give the process "
-                f"more host memory (and a higher locked-memory limit, ulimit -l, for pinned memory)") from None
-
-    @property
-    def nbytes(self) -> int:
-        return self.slab.numel() * self.slab.element_size()
-
-    def empty(self, numel: int) -> torch.Tensor:
-        if self.used + numel > self.slab.numel():
-            raise RuntimeError(f"host slab of {self.slab.numel()} elements exhausted (asked {numel} more "
-                             f"after {self.used})")
-        view = self.slab[self.used: self.used + numel]
-        self.used += numel
-        return view
-
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = self.empty(tensor.numel())
-        out.copy_(tensor)
-        return out
-
-    def zeros(self, numel: int) -> torch.Tensor:
-        return self.empty(numel).zero_()
-
-
-HOST_TENSORS_PER_ELEMENT = 4  # fp32 master, exp_avg, exp_avg_sq and the gradient's host copy
-
-
-class Transfers:
-    """Device <-> host copies on a side stream with an event each (CUDA); elsewhere immediate
-    copies and no events, so the caller's code path is the same."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if self.stream is None:
-            dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
-
-    def side_waits_for_current(self) -> None:
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-
-    @staticmethod
-    def current_waits(event) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    @staticmethod
-    def synchronize(event) -> None:
-        if event is not None:
-            event.synchronize()
 
 
 @dataclass
@@ -186,6 +98,7 @@ class OffloadedSteps:
         self.cpu = {i: self._cpu_adam(i) for i in self.order}
         self.pool = _worker_with_threads(threads)
         self.pending: dict = {}
+        self.landed: dict = {}  # host-resident gradients: the copy of the weights out of their bytes
         self.stats = OffloadStats()
 
     def _cpu_adam(self, index: int) -> CpuAdamW:
@@ -194,9 +107,12 @@ class OffloadedSteps:
                         shard.decay, shard.decoupled)
 
     def _staging(self, index: int) -> torch.Tensor:
-        """The updated weights in the model dtype, on host: the master itself when that is fp32,
-        else the first half of the gradient copy's bytes (free once the step has read them)."""
+        """The updated weights in the model dtype, on host: the parameter shard itself when it is
+        host-resident, the master when the weights are fp32, else the first half of the gradient
+        copy's bytes (free once the step has read them)."""
         shard = self.adam.shards[index]
+        if shard.model_on_host:
+            return shard.model
         if shard.model.dtype == torch.float32:
             return shard.main
         return shard.host_grad.view(shard.model.dtype)[: shard.model.numel()]
@@ -206,12 +122,16 @@ class OffloadedSteps:
         adam = self.adam
         hyper = _Hyper(adam.step_count, adam.lr, adam.decoupled_lr, adam.betas, adam.eps, adam.weight_decay)
         self.transfers.side_waits_for_current()  # the gradients are final on the training stream
-        arrived = {i: self.transfers.copy(adam.shards[i].host_grad, adam.shards[i].grad) for i in self.order}
+        moving = [i for i in self.order if not adam.shards[i].grad_on_host]  # resident ones are read in place
+        arrived = {i: self.transfers.copy(adam.shards[i].host_grad, adam.shards[i].grad) for i in moving}
         for i in self.order:
-            if arrived[i] is not None and self.buffer_of is not None:  # zeroing the gradient waits for its copy
+            if self.buffer_of is not None and i not in arrived:  # zeroing the gradient waits for the step
+                self.buffer_of[i].reuse_waits.append(functools.partial(self._landed, i))
+            elif arrived[i] is not None and self.buffer_of is not None:  # zeroing the gradient waits for its copy
                 self.buffer_of[i].reuse_waits.append(functools.partial(self.transfers.current_waits, arrived[i]))
-            self.stats.d2h_bytes += adam.shards[i].grad.numel() * adam.shards[i].grad.element_size()
-            self.pending[i] = self.pool.submit(self._step, i, arrived[i], hyper)
+            if i in arrived:
+                self.stats.d2h_bytes += adam.shards[i].grad.numel() * adam.shards[i].grad.element_size()
+            self.pending[i] = self.pool.submit(self._step, i, arrived.get(i), hyper)
         self.stats.steps += 1
 
     def _step(self, index: int, arrived, hyper: _Hyper):
@@ -222,7 +142,9 @@ class OffloadedSteps:
         if staging is not shard.main:
             staging.copy_(shard.main)
         seconds = time.perf_counter() - begin
-        return self.transfers.copy(shard.model, staging), seconds
+        if staging is shard.model:  # host-resident parameters: fetched when their bucket is gathered
+            return None, seconds, 0
+        return self.transfers.copy(shard.model, staging), seconds, staging.numel() * staging.element_size()
 
     def wait(self, index: int) -> None:
         """Block until chunk `index` is stepped; the training stream then waits for its weights."""
@@ -230,12 +152,19 @@ class OffloadedSteps:
         if future is None:
             return
         begin = time.perf_counter()
-        copied, seconds = future.result()
+        copied, seconds, moved = future.result()
         self.stats.exposed_seconds += time.perf_counter() - begin
         self.stats.cpu_seconds += seconds
-        shard = self.adam.shards[index]
-        self.stats.h2d_bytes += shard.model.numel() * shard.model.element_size()
+        self.stats.h2d_bytes += moved
         self.transfers.current_waits(copied)
+        if self.adam.shards[index].grad_on_host:
+            self.landed[index] = copied
+
+    def _landed(self, index: int) -> None:
+        """A host-resident gradient may be zeroed: its step has read it and the weights staged in
+        its bytes have reached the device."""
+        self.wait(index)
+        Transfers.synchronize(self.landed.pop(index, None))
 
     def wait_all(self) -> None:
         for index in list(self.pending):
@@ -245,30 +174,17 @@ class OffloadedSteps:
         stats, self.stats = self.stats, OffloadStats()
         return stats
 
-    def keep_on_device(self, indices) -> None:
-        """Bring the state of shards `indices` back to the device (the auto policy, after
-        measuring) and move the rest into a slab of their own size, so that the host holds
-        only what stays offloaded."""
-        self.wait_all()
-        adam = self.adam
-        for index in indices:
-            shard = adam.shards[index]
-            device = shard.model.device
-            shard.main = shard.model if shard.model.dtype == torch.float32 else shard.main.to(device)
-            adam.exp_avg[index] = adam.exp_avg[index].to(device)
-            adam.exp_avg_sq[index] = adam.exp_avg_sq[index].to(device)
-            shard.host_grad = None
-            self.order.remove(index)
-            del self.cpu[index]
-        host = HostMemory(HOST_TENSORS_PER_ELEMENT * sum(adam.shards[i].main.numel() for i in self.order),
-                          adam.host_memory.pin)
-        for index in self.order:
-            shard = adam.shards[index]
-            shard.main, shard.host_grad = host.copy_of(shard.main), host.copy_of(shard.host_grad)
-            adam.exp_avg[index], adam.exp_avg_sq[index] = host.copy_of(adam.exp_avg[index]), host.copy_of(
-                adam.exp_avg_sq[index])
-            self.cpu[index] = self._cpu_adam(index)
-        adam.host_memory = host
+
+def placement_bytes(adam) -> tuple[int, int]:
+    """(device, host) bytes of optimizer state: on the device counted from the tensors that exist
+    (master copies, not fp32 weights that are their own master, and moments); on host the slab
+    that holds the offloaded masters, moments and gradient copies (what the process holds)."""
+    device = 0
+    for shard, exp_avg, exp_avg_sq in zip(adam.shards, adam.exp_avg, adam.exp_avg_sq):
+        if not shard.offloaded:
+            tensors = [exp_avg, exp_avg_sq] + ([] if shard.aliased else [shard.main])
+            device += sum(t.numel() * t.element_size() for t in tensors)
+    return device, adam.host_memory.nbytes if adam.host_memory is not None else 0
 
 
 def _worker_with_threads(threads: int) -> ThreadPoolExecutor:

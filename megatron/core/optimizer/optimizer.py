@@ -19,8 +19,8 @@ from megatron.core.optimizer.adamw import ShardedAdamW
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.grad_preparation import clip_grads, global_grad_norm, unscale_and_check
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.offload import HOST_TENSORS_PER_ELEMENT, HostMemory, OffloadedSteps
-from megatron.core.optimizer.offload_policy import forward_order, static_offloaded
+from megatron.core.distributed.placement import forward_order
+from megatron.core.optimizer.offload import OffloadedSteps
 from megatron.core.optimizer.param_sync import ParamSync
 from megatron.core.optimizer.shards import build_shards
 
@@ -42,27 +42,28 @@ def build_grad_scaler(config: OptimizerConfig):
 
 
 class MixedPrecisionOptimizer:
-    """`chunks`: this rank's ModelChunkBuffers (their buffers give the shards)."""
+    """`chunks`: this rank's ModelChunkBuffers (their buffers give the shards). `host`: the
+    host-resident chunks (distributed.host_chunks.HostChunks) with the offload optimizer: its
+    placement says whose optimizer state lives in its host slab (and is stepped by the CPU)."""
 
-    def __init__(self, chunks: list, config: OptimizerConfig, mesh):
+    def __init__(self, chunks: list, config: OptimizerConfig, mesh, host=None):
+        if config.offload.enabled != (host is not None):
+            raise ValueError("the offload optimizer and host-resident chunks come together: pass `host` exactly "
+                             "when config.offload is enabled")
         self.config = config
         buffers = [chunk.buffer for chunk in chunks]
-        order, offload = forward_order(buffers), config.offload
-        device = buffers[0].device if buffers else torch.device("cpu")
-        numels = [bucket.param_shard.numel() for b in buffers for bucket in b.buckets]
-        # auto starts with everything on host and brings back what fits after measuring
-        fraction = 1.0 if offload.policy == "auto" else offload.fraction
-        offloaded = static_offloaded(order, numels, fraction) if offload.enabled else frozenset()
-        host = (HostMemory(HOST_TENSORS_PER_ELEMENT * sum(numels[i] for i in offloaded), pin=device.type == "cuda")
-                if offload.enabled else None)
-        self.shards = build_shards(buffers, mesh, host, offloaded)
+        device = self.device = buffers[0].device if buffers else torch.device("cpu")
+        self.host = host
+        memory, offloaded = (host.memory, host.placement.optimizer) if host is not None else (None, frozenset())
+        self.shards = build_shards(buffers, mesh, memory, offloaded)
         sharded = any(b.layout.shards > 1 for b in buffers)
         self.replicas = 1 if sharded else mesh.dp_size * mesh.cp_size
         self.adam = ShardedAdamW(self.shards, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay, host_memory=host)
-        if offload.enabled:
+                                 eps=config.adam_eps, weight_decay=config.weight_decay, host_memory=memory)
+        if host is not None:
             buffer_of = [b for b in buffers for _ in b.buckets]  # shard index -> its gradient's buffer
-            self.adam.offload = OffloadedSteps(self.adam, order, device, offload.cpu_threads, buffer_of)
+            self.adam.offload = OffloadedSteps(self.adam, forward_order(buffers), device, config.offload.cpu_threads,
+                                               buffer_of)
         self.chunks = chunks
         self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
@@ -119,14 +120,17 @@ class MixedPrecisionOptimizer:
     def step(self) -> StepResult:
         """Skipped (no state changed on any rank) when any rank's shard saw inf/nan."""
         self.param_sync.finish()  # the previous step has landed everywhere (offloaded chunks included)
+        if self.host is not None:
+            self.host.settle()  # host-resident gradients: every microbatch's addition has landed
         grads = [shard.grad for shard in self.shards]
         scale = self.loss_scale
         if self.grad_scaler is not None:
-            found_inf = unscale_and_check(grads, scale)
+            found_inf = unscale_and_check(grads, scale, self.device)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(skipped=True, grad_norm=None, loss_scale=scale)
-        grad_norm = global_grad_norm([v for s in self.shards for v in s.views(s.grad, s.counted)], self.replicas)
+        grad_norm = global_grad_norm([v for s in self.shards for v in s.views(s.grad, s.counted)], self.replicas,
+                                     self.device)
         if not math.isfinite(grad_norm):
             return StepResult(skipped=True, grad_norm=grad_norm, loss_scale=scale)
         if self.config.clip_grad > 0:

@@ -47,6 +47,12 @@ class FlatShard:
     counted: list            # (start, end) ranges that count in the global grad norm
     decoupled: list = ()     # (start, end) ranges of the embedding / output layer (--decoupled-lr)
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy (master is on host too)
+    model_on_host: bool = False  # the parameter shard is host-resident (fetched when its bucket is gathered)
+
+    @property
+    def grad_on_host(self) -> bool:
+        """The gradient shard itself lives in host memory (it is its own host copy)."""
+        return self.host_grad is not None and self.host_grad is self.grad
 
     @property
     def offloaded(self) -> bool:
@@ -63,15 +69,16 @@ class FlatShard:
 
 def build_shards(buffers: list, mesh, host_memory=None, offloaded=frozenset()) -> list[FlatShard]:
     """One FlatShard per bucket of each ParamAndGradBuffer, in buffer order. Shards whose index is
-    in `offloaded` get their master weights and gradient copy from `host_memory` (offload.HostMemory),
-    never on the device, not even for a moment."""
+    in `offloaded` get their master weights and gradient copy from `host_memory`
+    (distributed.host_memory.HostMemory), never on the device, not even for a moment; a
+    host-resident gradient shard is its own host copy."""
     shards = []
     for buffer in buffers:
         for index, bucket in enumerate(buffer.buckets):
             pieces = buffer.layout.pieces(index, buffer.shard_rank)
             model = bucket.param_shard
             host = len(shards) in offloaded
-            main = (host_memory.copy_of(model) if host else
+            main = (host_memory.empty(model.numel()).copy_(model) if host else
                     model if model.dtype == torch.float32 else model.detach().float())
             ranges = [(p.shard_start, p.shard_end) for p in pieces]
             shards.append(FlatShard(
@@ -79,5 +86,6 @@ def build_shards(buffers: list, mesh, host_memory=None, offloaded=frozenset()) -
                 decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
                 counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)],
                 decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)],
-                host_grad=host_memory.empty(model.numel()) if host else None))
+                host_grad=(bucket.grad_shard if bucket.grads_on_host else host_memory.empty(model.numel()))
+                if host else None, model_on_host=bucket.params_on_host))
     return shards

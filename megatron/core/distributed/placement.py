@@ -1,0 +1,163 @@
+"""Where each memory chunk's state lives: on the device or in host memory (after PatrickStar).
+
+A memory chunk is one bucket of a model chunk's buffers; this rank holds its shard. Three parts
+of a shard can live in host memory, and each needs the one before it there (the sets nest):
+- optimizer state: fp32 master weights, Adam m and v, and the gradient's host copy, stepped by
+  the CPU (`--optimizer-cpu-offload`, `--optimizer-offload-fraction`);
+- the fp32 gradient shard (sharded gradients, `--grad-offload-fraction`): each microbatch's
+  reduce-scattered gradient is copied to host and added there, and the CPU step reads it in
+  place, so the optimizer's own gradient copy is this shard (no extra bytes, no copy at the step);
+- the parameter shard (sharded parameters, `--param-offload-fraction`): copied to the device
+  into the gathered bucket each time the bucket is gathered; the CPU step writes it in place.
+
+Chunks are ordered by when the next forward needs them (`forward_order`); the host takes chunks
+from the end of that order (the forward reaches them last, so their CPU step hides longest).
+
+What a part costs on host, in bytes moved per step per device byte it frees (m microbatches):
+optimizer state 0.5 (4 down and 2 up per step for 12 bytes, bf16), gradients m (4 down per
+microbatch for 4), parameters m to 2m (2 up per gather, one or two gathers per microbatch, for
+2). So the auto policy (`auto_placement`) keeps parameters on the device first, then gradients,
+then optimizer state, each front of the order first, as far as the device budget allows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARTS = ("optimizer", "grads", "params")
+HOST_OPTIMIZER_TENSORS = 4  # fp32 elements per host element: master, exp_avg, exp_avg_sq, gradient
+ADD_STAGING_SLOTS = 2       # host copies of reduce-scattered gradients waiting to be added (double buffer)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Shard indices (build_shards' order: buffer by buffer, buckets in backward order) whose
+    part lives in host memory."""
+
+    optimizer: frozenset = frozenset()
+    grads: frozenset = frozenset()
+    params: frozenset = frozenset()
+
+    def __post_init__(self):
+        if not self.params <= self.grads <= self.optimizer:
+            raise ValueError("host-resident parts must nest: a chunk's parameters on host need its gradient there, "
+                             "and its gradient needs its optimizer state there")
+
+    @property
+    def any(self) -> bool:
+        return bool(self.optimizer)
+
+    def counts(self) -> dict[str, int]:
+        return {part: len(getattr(self, part)) for part in PARTS}
+
+
+def forward_order(buffers: list) -> list[int]:
+    """Shard indices in the order the next forward uses them (`buffers`: ParamAndGradBuffers or
+    BufferLayouts, each with `.buckets` in backward order)."""
+    order, first = [], 0
+    for buffer in buffers:
+        order += list(reversed(range(first, first + len(buffer.buckets))))
+        first += len(buffer.buckets)
+    return order
+
+
+def chunks_at_end(order: list[int], numels: list[int], fraction: float) -> frozenset:
+    """The chunks at the end of `order` whose elements come nearest to `fraction` of all (a smaller
+    fraction takes a subset, so the parts' sets nest when their fractions do)."""
+    target, taken, out = fraction * sum(numels), 0, set()
+    for index in reversed(order):
+        if taken + numels[index] / 2 >= target:
+            break
+        taken += numels[index]
+        out.add(index)
+    return frozenset(out)
+
+
+def static_placement(order: list[int], numels: list[int], optimizer: float, grads: float = 0.0,
+                     params: float = 0.0) -> Placement:
+    """The static policy: each part's fraction taken from the end of the order."""
+    return Placement(*(chunks_at_end(order, numels, f) for f in (optimizer, grads, params)))
+
+
+@dataclass(frozen=True)
+class PartBytes:
+    """Device bytes per element of each part when it stays on the device; 0 for a part that
+    cannot move under the sharding strategy (whole buffers are not placed per chunk)."""
+
+    optimizer: int
+    grads: int = 0
+    params: int = 0
+
+    def movable(self) -> tuple[str, ...]:
+        return tuple(part for part in PARTS if getattr(self, part))
+
+
+def part_bytes(model_dtype_bytes: int, shards_grads: bool, shards_params: bool, grad_dtype_bytes: int = 4) -> PartBytes:
+    """Optimizer state: Adam's moments plus an fp32 master unless the weights are fp32."""
+    return PartBytes(optimizer=8 + (0 if model_dtype_bytes == 4 else 4),
+                     grads=grad_dtype_bytes if shards_grads else 0,
+                     params=model_dtype_bytes if shards_params else 0)
+
+
+def host_elements(numels: list[int], placement: Placement, model_dtype_bytes: int) -> int:
+    """fp32 elements of the host slab: four per optimizer-state element on host (the resident
+    gradient shard is the fourth), the parameter shards in the model dtype (each rounded up to
+    whole fp32 elements), and the staging slots of the gradient additions."""
+    optimizer = HOST_OPTIMIZER_TENSORS * sum(numels[i] for i in placement.optimizer)
+    params = sum(-(-numels[i] * model_dtype_bytes // 4) for i in placement.params)
+    staging = ADD_STAGING_SLOTS * max((numels[i] for i in placement.grads), default=0)
+    return optimizer + params + staging
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    placement: Placement
+    budget_bytes: int | None
+    fixed_bytes: int      # device bytes nothing moves: activations, transients, whole buffers, gathered buckets
+    margin_bytes: int
+    kept_bytes: int       # movable parts kept on the device
+    host_bytes: int
+    chunks: int
+
+    def describe(self) -> str:
+        counts = {part: self.chunks - n for part, n in self.placement.counts().items()}
+        kept = ", ".join(f"{name} of {counts[part]}/{self.chunks} chunks"
+                         for part, name in (("params", "parameters"), ("grads", "gradients"),
+                                            ("optimizer", "optimizer state")))
+        if self.budget_bytes is None:
+            return f"> offload policy auto: no device memory limit known (CPU without --device-memory-gb): {kept} on the device"
+        return (f"> offload policy auto: budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
+                f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
+                f"device {kept} ({_size(self.kept_bytes)}); on host {_size(self.host_bytes)}")
+
+
+AUTO_MARGIN = 0.10  # of the device budget: allocator fragmentation and what the estimate does not show
+
+
+def auto_placement(order: list[int], numels: list[int], costs: PartBytes, budget_bytes: int | None,
+                   fixed_bytes: int, model_dtype_bytes: int) -> AutoDecision:
+    """Start with every movable part of every chunk on host; bring back to the device, while it
+    fits under budget - fixed - margin, the parameters (front of the order first), then once all
+    are back the gradients, then the optimizer state (see the module docstring for why)."""
+    movable = costs.movable()
+    on_host = {part: set(order) if part in movable else set() for part in PARTS}
+    margin = 0 if budget_bytes is None else int(AUTO_MARGIN * budget_bytes)
+    room = None if budget_bytes is None else budget_bytes - fixed_bytes - margin
+    used = 0
+    for part in reversed(PARTS):
+        if part not in movable:
+            continue
+        for index in order:
+            cost = getattr(costs, part) * numels[index]
+            if room is not None and used + cost > room:
+                break
+            on_host[part].discard(index)
+            used += cost
+        if on_host[part]:
+            break
+    placement = Placement(*(frozenset(on_host[part]) for part in PARTS))
+    return AutoDecision(placement, budget_bytes, fixed_bytes, margin, used,
+                        4 * host_elements(numels, placement, model_dtype_bytes), len(order))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
