@@ -257,6 +257,8 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             bucket.finish_grad_reduce()
         self._reducing.clear()
+        for host in {bucket.host_chunks for bucket in self.buckets if bucket.grads_on_host}:
+            host.settle()  # host-resident gradients are final (read next: tp/pp reductions, norm, step)
 
     def start_param_gather(self) -> None:
         """All-gather buckets in the order the next forward uses them (the reverse of backward's)."""

@@ -120,8 +120,6 @@ class MixedPrecisionOptimizer:
     def step(self) -> StepResult:
         """Skipped (no state changed on any rank) when any rank's shard saw inf/nan."""
         self.param_sync.finish()  # the previous step has landed everywhere (offloaded chunks included)
-        if self.host is not None:
-            self.host.settle()  # host-resident gradients: every microbatch's addition has landed
         grads = [shard.grad for shard in self.shards]
         scale = self.loss_scale
         if self.grad_scaler is not None:

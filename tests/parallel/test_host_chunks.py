@@ -1,0 +1,114 @@
+"""Host-resident chunks (PatrickStar's placement, on our buckets) reproduce the one-process run.
+
+optim_grads_params with the offload optimizer, whose chunks also keep their fp32 gradient shard
+(--grad-offload-fraction) and their parameter shard (--param-offload-fraction) in host memory:
+every part of every chunk on host (static 1/1/1), nested halves (static 1/0.5/0.5), and
+--offload-policy auto under a device budget that keeps some parts of some chunks. At DP2 (GPT
+with tied embeddings, Llama), TP2 x SP x DP2 (Llama) and PP2 (v2) x DP2 (GPT), clipping active,
+4 microbatches, buckets small enough that parameters straddle shards: the losses of 5
+iterations, the iteration-1 grad norm and the parameters after 5 steps match one process (1e-5).
+
+Per rank, after the first step: the device bytes of weights, gradients and optimizer state and
+the host slab equal the memory estimator's for the static layouts; under auto the placement
+is partial and the parts it kept on the device are the bytes it decided. In one step the
+parameter shards fetched from host are 2 per microbatch for each host-resident parameter
+chunk without pipelining (forward and backward gathers) and 1 per step under PP (kept
+gathered from forward to backward), the gradient copies to host one reduce-scattered shard per
+microbatch for each host-resident gradient chunk, and some gathers were started ahead.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron.core.memory.estimator import estimate_memory
+from megatron.core.optimizer.offload import placement_bytes
+from megatron.training.memory_check import layout_from_run
+from tests.distributed import run_distributed
+from tests.parallel.layouts import assert_final_weights_match, build_trainer, train
+from tests.parallel.test_distributed_optimizer import COMMON, LR, PP2, SP, TP2, VPP
+
+HOST = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"]
+FULL = HOST + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]
+HALF = HOST + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
+AUTO = HOST + ["--offload-policy", "auto", "--device-memory-gb"]  # a budget that keeps some parts, not all:
+LAYOUTS = {  # world -> name -> (model, flags)
+    2: {"dp2-full-gpt": ("gpt", FULL), "dp2-half-llama": ("llama", HALF), "dp2-auto-gpt": ("gpt", AUTO + ["0.0007"])},
+    4: {"tp2-sp-dp2-full-llama": ("llama", FULL + TP2 + SP), "pp2-vpp2-dp2-half-gpt": ("gpt", HALF + PP2 + VPP),
+        "pp2-vpp2-dp2-auto-gpt": ("gpt", AUTO + ["0.00062"] + PP2 + VPP)},
+}
+CASES = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+
+
+def _accounting(model: str, flags: list[str]) -> dict:
+    """Bytes where they live after step 1, and the traffic of step 2."""
+    trainer = build_trainer(model, COMMON + flags)
+    optimizer, host = trainer.optimizer, trainer.optimizer.host
+    trainer.train_step(1)
+    host.take_stats()
+    trainer.train_step(2)
+    traffic = host.take_stats()
+    params, grads = (sum(v) for v in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
+    device_optimizer, slab = placement_bytes(optimizer.adam)
+    run = trainer.run
+    rank = estimate_memory(run.model, layout_from_run(run, "cpu")).ranks[trainer.mesh.pp_rank]
+    buckets = [bucket for chunk in trainer.chunks for bucket in chunk.buffer.buckets]
+    decision = trainer.placement_decision
+    return {"bytes": (params, grads, device_optimizer, slab),
+            "estimate": (rank.weights_bytes, rank.grads_bytes, rank.optimizer_bytes, rank.host_bytes),
+            "slab_holds": {b.param_shard.untyped_storage().data_ptr() for b in buckets if b.params_on_host}
+            | {b.grad_shard.untyped_storage().data_ptr() for b in buckets if b.grads_on_host}
+            <= {optimizer.adam.host_memory.slab.untyped_storage().data_ptr()},
+            "traffic": (traffic.fetches, traffic.prefetched, traffic.h2d_bytes, traffic.d2h_bytes),
+            "host_param_bytes": sum(b.param_shard.numel() * b.param_shard.element_size()
+                                    for b in buckets if b.params_on_host),
+            "host_params": sum(b.params_on_host for b in buckets),
+            "host_grad_bytes": sum(4 * b.grad_shard.numel() for b in buckets if b.grads_on_host),
+            "counts": host.placement.counts(), "chunks": len(buckets), "m": run.training.num_microbatches,
+            "kept": None if decision is None else decision.kept_bytes}
+
+
+def world_runs(rank: int, world: int) -> list[dict]:
+    out = []
+    for model, flags in LAYOUTS[world].values():
+        result = train(model, COMMON + flags)
+        result["accounting"] = _accounting(model, flags)
+        out.append(result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    references = run_distributed(1, lambda rank: [train(model, COMMON) for model in ("gpt", "llama")])[0]
+    out = {("reference", "gpt"): references[0], ("reference", "llama"): references[1]}
+    for world, layouts in LAYOUTS.items():
+        per_rank = run_distributed(world, world_runs, world)
+        for index, name in enumerate(layouts):
+            out[name] = [rank_out[index] for rank_out in per_rank]
+    return out
+
+
+@pytest.mark.parametrize("world,layout", CASES, ids=[name for _, name in CASES])
+def test_host_chunks_match_one_process(results, world, layout):
+    model, _ = LAYOUTS[world][layout]
+    reference = results[("reference", model)]
+    assert reference["grad_norms"][0] > 0.3, "clipping must be active"
+    for rank, out in enumerate(results[layout]):
+        assert_final_weights_match(rank, out, reference, LR)
+        acc = out["accounting"]
+        counts, chunks = acc["counts"], acc["chunks"]
+        assert acc["slab_holds"], f"rank {rank}: a host-resident shard outside the host slab"
+        if "full" in layout:
+            assert counts == {"optimizer": chunks, "grads": chunks, "params": chunks}
+            assert acc["bytes"][:3] == (0, 0, 0), f"rank {rank}: device bytes {acc['bytes']}"
+        elif "half" in layout:
+            assert counts["optimizer"] == chunks and 0 < counts["params"] <= counts["grads"] < chunks, counts
+        else:
+            assert 0 < counts["params"] + counts["grads"] + counts["optimizer"] < 3 * chunks, counts
+            assert sum(acc["bytes"][:3]) == acc["kept"], f"rank {rank}: device bytes {acc['bytes']} vs decided"
+        if "auto" not in layout:  # auto is estimated as full residency (its best case)
+            assert acc["bytes"] == acc["estimate"], f"rank {rank}: measured {acc['bytes']} vs {acc['estimate']}"
+        fetches, prefetched, h2d, d2h = acc["traffic"]
+        gathers = 1 if "pp2" in layout else 2 * acc["m"]
+        assert h2d == gathers * acc["host_param_bytes"], f"rank {rank}: {h2d} bytes fetched"
+        assert fetches == gathers * acc["host_params"] and (prefetched > 0 or not fetches), acc["traffic"]
+        assert d2h == acc["m"] * acc["host_grad_bytes"], f"rank {rank}: {d2h} bytes of gradients to host"
