@@ -7,7 +7,9 @@ Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
 tied across stages), the offload optimizer (full and half), sharded gradients (optim_grads)
 and sharded parameters (optim_grads_params: DP, TP+SP x DP, CP x DP, PP x VPP x DP also
-resharding after forward, and with half the optimizer offloaded), fp32 and bf16; GPT with
+resharding after forward, and with half the optimizer offloaded), host-resident chunks (gradient
+and parameter shards on host: all of them, and nested halves; host gradients under optim_grads),
+fp32 and bf16; GPT with
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
 Triton interpreter is available, our Triton attention and norm kernels.
 
@@ -18,8 +20,10 @@ Measured on each rank after one training iteration (so Adam state exists):
   gathered would count too); gradients: the flat `main_grad` buffers, or with optim_grads(_params)
   the fp32 gradient shards (plus any `param.grad` left); optimizer: the optimizer's
   state tensors (fp32 master copies that are not the weights, Adam moments) on the
-  device; host: the offloaded shards' fp32 masters, moments and gradient copies
-  (--optimizer-cpu-offload, full and f = 0.5);
+  device; host: the host slab, which holds the offloaded shards' fp32 masters, moments and
+  gradient copies (--optimizer-cpu-offload, full and f = 0.5) and the host-resident gradient and
+  parameter shards (--grad-offload-fraction, --param-offload-fraction), none of which counts on
+  the device;
 - activations: unique storages that autograd saves for backward, seen by
   `torch.autograd.graph.saved_tensors_hooks` around each forward of the
   pipeline executor, parameters excluded (by their storages at the moment of saving: gathered
@@ -74,6 +78,8 @@ NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no drop
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
 OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
 HALF = ["--optimizer-offload-fraction", "0.5"]
+HOST_FULL = ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]  # host-resident chunks
+HOST_HALF = ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
 # sharded gradients (and parameters): the shards are what stays; the whole buckets gathered or filled
 # during forward/backward (the estimate's gathered_bytes) are transients, not measured here
 OPTIM_GRADS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
@@ -92,7 +98,11 @@ LAYOUTS = {
         ("dp2-optim-grads-bf16-buckets", "llama", OPTIM_GRADS + BF16 + BUCKETS),
         ("dp2-optim-grads-params-buckets", "gpt", OPTIM_GRADS_PARAMS + BUCKETS),
         ("dp2-optim-grads-params-offload-half-bf16-buckets", "llama",
-         OPTIM_GRADS_PARAMS + OFFLOAD + HALF + BF16 + BUCKETS)],
+         OPTIM_GRADS_PARAMS + OFFLOAD + HALF + BF16 + BUCKETS),
+        ("dp2-optim-grads-params-host-full-bf16-buckets", "llama", OPTIM_GRADS_PARAMS + OFFLOAD + HOST_FULL + BF16
+         + BUCKETS),
+        ("dp2-optim-grads-host-grads-half-buckets", "gpt", OPTIM_GRADS + OFFLOAD + ["--grad-offload-fraction", "0.5"]
+         + BUCKETS)],
     4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
         ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
         ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
@@ -103,7 +113,9 @@ LAYOUTS = {
         ("cp2-dp2-optim-grads-params-bf16-buckets", "llama", CP2 + OPTIM_GRADS_PARAMS + BF16 + BUCKETS),
         ("dp2-pp2-vpp2-optim-grads-params", "gpt", PP2 + VPP2 + OPTIM_GRADS_PARAMS),
         ("dp2-pp2-vpp2-optim-grads-params-reshard-bf16", "llama",
-         PP2 + VPP2 + OPTIM_GRADS_PARAMS + ["--reshard-params-after-forward"] + BF16)],
+         PP2 + VPP2 + OPTIM_GRADS_PARAMS + ["--reshard-params-after-forward"] + BF16),
+        ("tp2-sp-dp2-optim-grads-params-host-half-bf16", "llama", TP2 + SP + OPTIM_GRADS_PARAMS + OFFLOAD + HOST_HALF
+         + BF16 + BUCKETS)],
 }
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
@@ -165,30 +177,30 @@ class SavedTensorMeter:
         self.peak_microbatches = max(self.peak_microbatches, len(self.live))
 
 
-def optimizer_placement(adam) -> tuple[int, int]:
-    """(device, host) bytes of optimizer state from the storages: an offloaded shard's master,
-    moments and gradient copy are host memory (on CPU the same memory, allocated apart); every
-    other state tensor is the device's."""
-    host = [t for shard, m, v in zip(adam.shards, adam.exp_avg, adam.exp_avg_sq) if shard.offloaded
-            for t in (shard.main, m, v, shard.host_grad)]
-    host_storages = {_storage(t)[0] for t in host}
-    return (_unique_bytes(t for t in adam.state_tensors() if _storage(t)[0] not in host_storages),
-            _unique_bytes(host))
-
-
 def measure(trainer: Trainer) -> dict:
+    """Host memory is the host slab (offloaded optimizer state, host-resident gradient and
+    parameter shards are all cut from it: on CPU the same memory, allocated apart); every other
+    storage counts as the device's."""
     params = [p for chunk in trainer.chunks for p in chunk.module.parameters()]
     meter = SavedTensorMeter(trainer.executor, params)
     trainer.train_step(1)
+    memory = trainer.optimizer.adam.host_memory
+    slab = _storage(memory.slab)[0] if memory is not None else None
+
+    def on_device(tensors):
+        return [t for t in tensors if _storage(t)[0] != slab]
+
+    buckets = [b for c in trainer.chunks for b in c.buffer.buckets]
     grads = [t for c in trainer.chunks for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else
                                                   [b.grad_shard for b in c.buffer.buckets])]
     grads += [p.grad for p in params if p.grad is not None]
     # the weights' storages, and the persistent shards where a bucket's whole parameters are
     # transient (optim_grads_params: released after the step, so they count only if still there)
-    weights = params + [b.param_shard for c in trainer.chunks for b in c.buffer.buckets]
-    device, host = optimizer_placement(trainer.optimizer.adam)
-    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(weights),
-            "grads_bytes": _unique_bytes(grads), "optimizer_bytes": device, "host_bytes": host,
+    weights = params + [b.param_shard for b in buckets]
+    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(on_device(weights)),
+            "grads_bytes": _unique_bytes(on_device(grads)),
+            "optimizer_bytes": _unique_bytes(on_device(trainer.optimizer.adam.state_tensors())),
+            "host_bytes": memory.nbytes if memory is not None else 0,
             "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
 
 
