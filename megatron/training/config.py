@@ -15,7 +15,7 @@ from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
 from megatron.training.logging_args import LoggingConfig
 from megatron.training.parallel_args import (rank_order_from_args, reshard_after_forward_from_args,
-                                             sharding_strategy_from_args)
+                                             sharding_strategy_from_args, unsharded_grad_accumulation_from_args)
 
 
 @dataclass
@@ -51,7 +51,8 @@ class ParallelConfig:
                              "--pipeline-model-parallel-size > 1")
         ddp = DDPConfig(bucket_size=args.ddp_bucket_size, sharding_strategy=sharding_strategy_from_args(args),
                         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-                        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp))
+                        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp),
+                        unsharded_grad_accumulation=unsharded_grad_accumulation_from_args(args))
         return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
                    microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
                    backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,

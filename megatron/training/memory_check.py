@@ -51,7 +51,8 @@ def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None
                         param_offload_fraction=fractions[2], offload_auto=auto,
                         grad_dtype_bytes=ddp.grad_dtype.itemsize, device_type=device_type,
                         split_backward=par.split_backward, sharding_strategy=strategy,
-                        reshard_after_forward=ddp.reshard_after_forward)
+                        reshard_after_forward=ddp.reshard_after_forward,
+                        unsharded_grad_accumulation=ddp.unsharded_grad_accumulation and strategy != "optim")
 
 
 def device_memory_bytes(device: torch.device, device_memory_gb: float | None, preset: str | None = None) -> int | None:

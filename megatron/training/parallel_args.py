@@ -42,6 +42,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="optim_grads_params: release a bucket's parameters after the forward's last use and gather "
                         "them again for backward (default: on without pipeline parallelism; with it, off: a "
                         "microbatch's parameters stay gathered from its forward to its backward)")
+    g.add_argument("--unsharded-grad-accumulation", action="store_true",
+                   help="optim_grads / optim_grads_params: keep each bucket's whole fp32 gradient across the "
+                        "microbatches of an iteration and reduce-scatter it once, on the last one (one "
+                        "reduce-scatter per step instead of one per microbatch, for every bucket's whole "
+                        "gradient held from the first backward to the last)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="reduce each gradient bucket as soon as backward completes it (default on)")
     g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=False,
@@ -84,6 +89,13 @@ def sharding_strategy_from_args(args) -> str:
         raise ValueError("--use-distributed-optimizer shards the optimizer state: use "
                          "--data-parallel-sharding-strategy optim (or a stronger one), not no_shard")
     return strategy
+
+
+def unsharded_grad_accumulation_from_args(args) -> bool:
+    if args.unsharded_grad_accumulation and sharding_strategy_from_args(args) not in ("optim_grads", "optim_grads_params"):
+        raise ValueError("--unsharded-grad-accumulation applies to --data-parallel-sharding-strategy optim_grads or "
+                         "optim_grads_params (the other strategies keep whole gradient buffers anyway)")
+    return args.unsharded_grad_accumulation
 
 
 def reshard_after_forward_from_args(args, pp: int) -> bool:

@@ -17,7 +17,8 @@ most a quarter of the buckets gathered at once), two all-gathers of the
 parameters per microbatch without pipelining (forward, backward) and one per step with it
 (parameters stay gathered from a microbatch's forward to its backward; two per microbatch with
 --reshard-params-after-forward, also checked for equivalence, with --split-backward); optim_grads gathers the
-parameters once, after the step. A run saved under optim_grads_params resumes bit for bit under
+parameters once, after the step; with --unsharded-grad-accumulation the gradients are
+reduce-scattered once per step (and optim_grads_params with it matches one process). A run saved under optim_grads_params resumes bit for bit under
 it and continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
 prints the one-rank losses and what the strategy keeps.
 """
@@ -46,11 +47,13 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 GRADS, PARAMS = FSDP + ["optim_grads"], FSDP + ["optim_grads_params"]
 CP2 = ["--context-parallel-size", "2"]
 RESHARD = ["--reshard-params-after-forward"]
+UNSHARDED = ["--unsharded-grad-accumulation"]
 OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]  # half the chunks stepped on the CPU
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 BOTH, GPT = ("gpt", "llama"), ("gpt",)
 LAYOUTS = {  # world -> name -> (flags, models)
-    2: {"dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT)},
+    2: {"dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT),
+        "dp2-params-unsharded-accumulation": (PARAMS + UNSHARDED, GPT)},
     4: {"tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
         "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
         "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT)},
@@ -110,7 +113,7 @@ def world_checks(rank: int, world: int) -> dict:
     if world == 2:
         check_fp16_inf_skips_everywhere(rank, PARAMS)
         out["communication"] = {name: _communication(rank, flags) for name, flags in
-                                (("grads", GRADS), ("params", PARAMS))}
+                                (("grads", GRADS), ("params", PARAMS), ("grads-unsharded", GRADS + UNSHARDED))}
     if world == 4:
         out["communication"] = {"pp-params": _communication(rank, PARAMS + PP2 + VPP),
                                 "pp-params-reshard": _communication(rank, PARAMS + PP2 + VPP + RESHARD)}
@@ -174,6 +177,8 @@ def test_communication_is_the_analytic_volume(results):
         assert 0 < peak <= buckets // 4, f"rank {rank}: {peak} of {buckets} buckets gathered at once in forward"
         assert counts["all_gather_single"] == 2 * m * 4 * padded, f"rank {rank}: gathered for forward and backward"
         assert counts["all_reduce"] <= 64
+        counts, padded, m, _ = out["grads-unsharded"]
+        assert counts["reduce_scatter_single"] == 4 * padded, f"rank {rank}: accumulated unsharded, reduced once"
     for rank, out in enumerate(results[("communication", 4)]):
         counts, padded, m, _ = out["pp-params"]
         assert counts["reduce_scatter_single"] == m * 4 * padded

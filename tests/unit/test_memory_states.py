@@ -6,7 +6,8 @@ import torch
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
 from megatron.core.memory import MemoryLayout
-from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
+from megatron.core.memory.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
+from megatron.core.memory.step_time import dp_collectives
 from megatron.core.memory.parameters import ModelChunk, chunk_shapes, numel
 from megatron.core.transformer.config import TransformerConfig
 
@@ -164,3 +165,13 @@ def test_sharding_strategies_keep_shards_and_gather_whole_buckets(strategy, pp):
     assert resharded.gathered_bytes == whole_grads + (held * 2 * padded if params_sharded else 0)
     assert MemoryLayout(dp=d, sharding_strategy=strategy).distributed_optimizer
     assert MemoryLayout(dp=d, distributed_optimizer=True).sharding_strategy == "optim"
+
+
+def test_unsharded_grad_accumulation_holds_every_whole_gradient_and_reduces_once():
+    buffers = [buffer(shards=2, bucket_size=20_000)]
+    layout = MemoryLayout(dp=2, sharding_strategy="optim_grads", num_microbatches=4, unsharded_grad_accumulation=True)
+    assert gathered_bytes(CONFIG, layout, buffers) == 4 * buffers[0].numel
+    assert dp_collectives(layout) == (1, 1)
+    assert dp_collectives(dataclasses.replace(layout, unsharded_grad_accumulation=False)) == (4, 1)
+    with pytest.raises(ValueError, match="unsharded_grad_accumulation needs a strategy that shards gradients"):
+        MemoryLayout(dp=2, distributed_optimizer=True, unsharded_grad_accumulation=True)

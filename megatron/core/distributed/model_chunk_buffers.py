@@ -37,7 +37,9 @@ class DDPConfig:
     `sharding_strategy`: one of STRATEGIES; `use_distributed_optimizer` alone means "optim".
     `reshard_after_forward` (optim_grads_params): release a bucket's parameters after the
     forward's last use and gather them again for backward; False keeps them gathered from a
-    microbatch's forward to its backward (the trainer's choice under pipeline parallelism)."""
+    microbatch's forward to its backward (the trainer's choice under pipeline parallelism).
+    `unsharded_grad_accumulation` (optim_grads, optim_grads_params): a bucket's whole gradient
+    stays from the iteration's first backward to its last and is reduce-scattered once."""
 
     bucket_size: int | None = None
     grad_dtype: torch.dtype = torch.float32
@@ -46,6 +48,7 @@ class DDPConfig:
     overlap_param_gather: bool = False
     sharding_strategy: str = "no_shard"
     reshard_after_forward: bool = True
+    unsharded_grad_accumulation: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -62,6 +65,8 @@ class DDPConfig:
         if self.sharding_strategy in ("optim_grads", "optim_grads_params") and not self.overlap_grad_reduce:
             raise ValueError(f"--data-parallel-sharding-strategy {self.sharding_strategy} reduce-scatters each "
                              "bucket as backward completes it: drop --no-overlap-grad-reduce")
+        if self.unsharded_grad_accumulation and self.sharding_strategy not in ("optim_grads", "optim_grads_params"):
+            raise ValueError("--unsharded-grad-accumulation applies to the optim_grads and optim_grads_params strategies")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (replicated parameters "
                              "are never gathered)")
@@ -100,7 +105,8 @@ class ModelChunkBuffers(torch.nn.Module):
 
     def _gradient_final(self, param: torch.Tensor) -> None:
         if self.buffer.shards_grads:  # every microbatch; parameters are no longer needed once all are final
-            bucket = self.buffer.mark_ready(param)
+            reduce = self.sync_now or not self.config.unsharded_grad_accumulation
+            bucket = self.buffer.mark_ready(param, reduce)
             if bucket is not None and (self.config.reshard_after_forward or self.sync_now):
                 bucket.release_params()
         elif self.sync_now and self.config.overlap_grad_reduce:

@@ -234,15 +234,19 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             bucket.zero_grad()
 
-    def mark_ready(self, param):
+    def mark_ready(self, param, reduce: bool = True):
         """Record that `param`'s gradient is final; start its bucket's reduction once all are and
         return the bucket then (else None). With sharded gradients the reductions still in
         flight finish first (their unsharded buckets are freed), so at most one bucket is
-        reducing while the next one fills."""
+        reducing while the next one fills. `reduce` False (accumulating unsharded): the complete
+        bucket is returned but keeps its whole gradient for the next microbatch."""
         bucket = self.bucket_of[param]
         bucket.ready.add(param)
         if len(bucket.ready) < len(bucket.params) or bucket.reducing:
             return None
+        if not reduce:
+            bucket.ready.clear()
+            return bucket
         if self.shards_grads:
             while self._reducing:
                 self._reducing.pop().finish_grad_reduce()

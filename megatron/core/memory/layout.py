@@ -36,7 +36,8 @@ class MemoryLayout:
     (--data-parallel-sharding-strategy); `distributed_optimizer` alone means "optim", and is
     set whenever the strategy shards anything. `reshard_after_forward` (optim_grads_params,
     --reshard-params-after-forward): None means the trainer's default, on without pipeline
-    parallelism.
+    parallelism. `unsharded_grad_accumulation` (--unsharded-grad-accumulation): sharded
+    gradients kept whole across the microbatches and reduce-scattered once per step.
     """
 
     tp: int = 1
@@ -60,6 +61,7 @@ class MemoryLayout:
     split_backward: bool = False
     sharding_strategy: str = "no_shard"
     reshard_after_forward: bool | None = None
+    unsharded_grad_accumulation: bool = False
 
     def __post_init__(self):
         if self.sharding_strategy not in STRATEGIES:
@@ -80,6 +82,8 @@ class MemoryLayout:
             raise ValueError("offload needs the distributed optimizer (the offloaded state is each rank's shard of it)")
         if not self.param_offload_fraction <= self.grad_offload_fraction <= self.offload_fraction:
             raise ValueError("need param_offload_fraction <= grad_offload_fraction <= offload_fraction")
+        if self.unsharded_grad_accumulation and not self.shards_grads:
+            raise ValueError("unsharded_grad_accumulation needs a strategy that shards gradients")
         if self.grad_offload_fraction and not self.shards_grads:
             raise ValueError("grad_offload_fraction needs a strategy that shards gradients")
         if self.param_offload_fraction and not self.shards_params:

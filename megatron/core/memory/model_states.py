@@ -24,7 +24,8 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
   whole weights exist while gathered. Those whole buckets are `gathered_bytes`, alive during
   forward and backward only: without pipelining at most UNSHARDED_BUCKETS of the largest
   bucket (filled/used, being reduced or prefetched, the next), plus one held through the pass
-  where the tied embedding and output layer share a chunk; under pipeline parallelism (unless
+  where the tied embedding and output layer share a chunk (with --unsharded-grad-accumulation
+  every bucket's whole gradient, from the first backward to the last); under pipeline parallelism (unless
   --reshard-params-after-forward) every bucket's weights stay gathered from the first forward
   to the last backward of the step.
 """
@@ -87,7 +88,8 @@ def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
         return 0
     largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
     held = int(not config.untie_embeddings_and_output_weights and layout.stages == 1)
-    grads = (UNSHARDED_BUCKETS + held) * largest * layout.grad_dtype_bytes
+    grads = ((sum(b.numel for b in buffers) if layout.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest)
+             * layout.grad_dtype_bytes)
     if not layout.shards_params:
         return grads
     if not layout.reshards_params:

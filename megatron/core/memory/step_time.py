@@ -242,9 +242,10 @@ def dp_collectives(layout) -> tuple[int, int]:
     """(gradient reduce-scatters, parameter all-gathers) per step: one each, except that sharded
     gradients (optim_grads, optim_grads_params) are reduce-scattered per microbatch and sharded
     parameters gathered before a microbatch's forward and again before its backward (once a step
-    when they stay gathered between them under pipeline parallelism)."""
+    when they stay gathered between them under pipeline parallelism); gradients accumulated
+    unsharded are reduce-scattered once per step."""
     m = layout.num_microbatches
-    return (m if layout.shards_grads else 1), (2 * m if layout.shards_params and layout.reshards_params else 1)
+    return (m if layout.shards_grads and not layout.unsharded_grad_accumulation else 1), (2 * m if layout.shards_params and layout.reshards_params else 1)
 
 
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
