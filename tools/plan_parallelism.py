@@ -14,7 +14,7 @@ start), ranks the rest by a projected step time (megatron/core/memory/step_time.
 calibrated on published runs: docs/planner.md) and prints the top ones with their model
 TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
---peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps and --gpus-per-node
+--peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and --gpus-per-node
 override its figures. --explain prints the step-time breakdown of the first layout;
 --json gives per layout predicted_step_time_s, predicted_tokens_per_s,
 predicted_model_tflops_per_gpu, predicted_hardware_tflops_per_gpu and the breakdown.
@@ -65,6 +65,7 @@ from megatron.core.memory.planner import (  # noqa: E402
     enumerate_layouts,
     evaluate_layout,
     plan,
+    plan_host_resident,
     plan_offload,
     plan_sharded,
 )
@@ -102,7 +103,8 @@ def _parser():
                         help="layers of the last pipeline stage (default: try even and uneven splits)")
     for name, help_text in (("peak-tflops", "dense fp16/bf16 peak TFLOP/s per GPU"),
                             ("hbm-gbps", "GB/s of device memory"), ("intra-node-gbps", "NVLink GB/s per GPU"),
-                            ("inter-node-gbps", "network GB/s per GPU across nodes")):
+                            ("inter-node-gbps", "network GB/s per GPU across nodes"),
+                            ("host-link-gbps", "host link (PCIe) GB/s per GPU and direction")):
         parser.add_argument(f"--{name}", type=float, help=f"{help_text} (default: the --device preset's)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --device preset's)")
     return parser
@@ -166,7 +168,8 @@ def explain(c, hw: Hardware) -> list[str]:
             "cp_comm_s": "context-parallel ring (not hidden by attention)", "pp_comm_s":
             "pipeline transfers not hidden", "bubble_s": "pipeline bubble", "dp_comm_s":
             f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
-            "optimizer_s": "optimizer step", "step_overhead_s": "per-iteration host work (fitted)"}
+            "host_s": "host-resident chunks' copies not hidden (PCIe)",
+            "optimizer_s": "optimizer step on the device", "step_overhead_s": "per-iteration host work (fitted)"}
     for name in t.PARTS:
         seconds = getattr(t, name)
         lines.append(f"  {what[name]:<52} {1e3 * seconds:12.2f} ms {100 * seconds / t.total_s:6.1f}%")
@@ -179,7 +182,7 @@ def explain(c, hw: Hardware) -> list[str]:
 def _hardware(args) -> Hardware:
     base = DEVICES[args.device or DEFAULT_DEVICE]
     given = {name: getattr(args, name) for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps",
-                                                    "gpus_per_node") if getattr(args, name) is not None}
+                                                    "host_link_gbps", "gpus_per_node") if getattr(args, name) is not None}
     return dataclasses.replace(base, **given)
 
 
@@ -233,10 +236,12 @@ def main(argv: list[str]) -> int:
                                                   projection=projection, top=args.top)
         offloaded = [] if fitting or sharded else plan_offload(run.model, args.num_gpus, batch, device_bytes,
                                                                search=search, projection=projection, top=args.top)
+        resident = [] if fitting or sharded or offloaded else plan_host_resident(
+            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    shown = (fitting or sharded or offloaded)[: args.top]
+    shown = (fitting or sharded or offloaded or resident)[: args.top]
     if args.json:
         print(json.dumps([_json(c) for c in shown], indent=2))
         return 0 if shown else 1
@@ -244,7 +249,8 @@ def main(argv: list[str]) -> int:
           f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
           f"start: their certain part fits); {len(fitting)} fit")
     if not shown:
-        print("> no layout fits, not even with all optimizer state offloaded to host: add GPUs or lower --seq-length")
+        print("> no layout fits, not even with every parameter, gradient and optimizer shard on host: add GPUs or "
+              "lower --seq-length")
         return 1
     if sharded:
         print(f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
@@ -255,13 +261,17 @@ def main(argv: list[str]) -> int:
         print(f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
               f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
               f"--optimizer-offload-fraction {best:.2f} for the first")
-    print(OFFLOAD_HEADER if offloaded else HEADER)
+    if resident:
+        print("> no layout fits with the offload optimizer alone; with host-resident chunks these do (estimated with "
+              "every shard on host; the run keeps on the device what fits): --use-megatron-fsdp "
+              "--data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload --offload-policy auto")
+    print(OFFLOAD_HEADER if offloaded or resident else HEADER)
     for rank, candidate in enumerate(shown, start=1):
         print(_row(rank, candidate, device_bytes))
     if args.explain:
         print("\n".join(explain(shown[0], hw)))
     print("> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what it "
-          "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded else ""))
+          "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded or resident else ""))
     return 0
 
 

@@ -173,12 +173,25 @@ def test_planner_prints_ranked_layouts(capsys):
 
 
 def test_planner_exit_codes(capsys):
-    """Llama-2-7B on one 16 GiB device: its bf16 weights and fp32 gradients alone are 37.6 GiB."""
-    argv = ["--num-gpus", "1", "--device-memory-gb", "16"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
+    """Llama-2-7B on one 2 GiB device: not even with every shard on host (a layer's gathered
+    weights and the activations of seq 4096 stay on the device)."""
+    argv = ["--num-gpus", "1", "--device-memory-gb", "2"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
     code, out, _ = run_tool(plan_tool, argv, capsys)
-    assert code == 1 and "no layout fits, not even with all optimizer state offloaded" in out
+    assert code == 1 and "no layout fits, not even with every parameter, gradient and optimizer shard on host" in out
     code, _, err = run_tool(plan_tool, ["--num-gpus", "8", "--device-memory-gb", "80"] + TINY[:-2], capsys)
     assert code == 2 and "--global-batch-size is required" in err
+
+
+def test_planner_proposes_host_resident_chunks_when_offload_is_not_enough(capsys):
+    """Llama-2-7B on one 16 GiB device: its bf16 weights and fp32 gradients alone are 37.6 GiB, so
+    not even the offload optimizer fits; with every shard on host (114 GiB of it) it does."""
+    argv = ["--num-gpus", "1", "--device-memory-gb", "16"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 0, err
+    assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload "
+            "--offload-policy auto") in out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert rows and all(row[9] == "params" and float(row[17]) > 100 for row in rows), rows
 
 
 def test_planner_proposes_offload_when_nothing_fits(capsys):

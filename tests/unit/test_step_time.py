@@ -27,6 +27,7 @@ from megatron.core.memory.step_time import (
     Overlap,
     Projection,
     data_parallel_seconds,
+    host_traffic_bytes,
     pipeline_seconds,
     rank_parameters,
     recompute_forward_flops,
@@ -218,3 +219,18 @@ def test_calibration_against_published_runs():
     assert all(abs(o.error) < 0.15 for o in outcomes), [(o.run.name, round(o.error, 3)) for o in outcomes]
     assert mean < 0.08
     assert all(o.fits and o.certain_fits for o in outcomes), [o.run.name for o in outcomes if not o.fits]
+
+
+def test_host_traffic_of_host_resident_chunks():
+    """Offloaded optimizer state moves its gradient down and its weights up once a step; a host
+    gradient shard receives every microbatch's reduce-scattered gradient; a host parameter shard
+    goes up at every gather (2 per microbatch without PP)."""
+    config = dataclasses.replace(GPT_1_7B, params_dtype=torch.bfloat16)
+    layout = MemoryLayout(dp=2, sharding_strategy="optim_grads_params", num_microbatches=4, offload_fraction=1.0)
+    shard = rank_parameters(config, layout) / 2
+    assert host_traffic_bytes(config, layout) == (4 * shard, 2 * shard)
+    resident = dataclasses.replace(layout, grad_offload_fraction=1.0, param_offload_fraction=1.0)
+    assert host_traffic_bytes(config, resident) == (4 * 4 * shard, 2 * 8 * shard)
+    assert host_traffic_bytes(config, dataclasses.replace(layout, offload_fraction=0.0)) == (0.0, 0.0)
+    slow = Hardware(host_link_gbps=1.0)
+    assert step_time(config, resident, slow).host_s > 0 == step_time(config, layout).host_s

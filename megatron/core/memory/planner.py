@@ -6,8 +6,11 @@ is on whenever tp > 1 (same communication volume, less activation memory). Layou
 code would refuse (sizes that do not divide, a sequence that does not split into 2 x cp
 chunks, cp with attention dropout, interleaving without enough microbatches) are
 skipped, using the same validation as training (TransformerConfig, build_schedule).
-When none fits, `plan_offload` proposes the offload optimizer: the distributed-optimizer
-layouts that fit with the smallest share of their optimizer state on host.
+When none fits, `plan_sharded` proposes sharding gradients or parameters too, then
+`plan_offload` the offload optimizer (the distributed-optimizer layouts that fit with the
+smallest share of their optimizer state on host), then `plan_host_resident` optim_grads_params
+with host-resident chunks placed by --offload-policy auto (estimated with every part on host,
+its best case; the run keeps on the device what fits).
 """
 from __future__ import annotations
 
@@ -233,3 +236,28 @@ def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: in
             break
     proposals.sort(key=lambda c: (c.layout.offload_fraction, c.time.total_s))
     return proposals
+
+
+def host_resident(layout: MemoryLayout) -> MemoryLayout:
+    """`layout` under optim_grads_params with --offload-policy auto: estimated with every
+    parameter, gradient and optimizer shard on host."""
+    return dataclasses.replace(layout, sharding_strategy="optim_grads_params", offload_fraction=1.0,
+                               grad_offload_fraction=1.0, param_offload_fraction=1.0, offload_auto=True)
+
+
+def plan_host_resident(config, num_gpus: int, global_batch_size: int, device_bytes: int, *,
+                       search: Search = Search(), projection: Projection = Projection(),
+                       threshold: float = DEFAULT_THRESHOLD, top: int = 10) -> list[Candidate]:
+    """Up to `top` layouts that fit with every chunk's state on host (PatrickStar's placement),
+    fastest first, the projection counting the host-link copies that all-on-host placement makes
+    (the run's auto policy keeps on the device what fits, so it moves less). For when nothing
+    fits with the offload optimizer alone."""
+    search = dataclasses.replace(search, distributed_optimizer=(True,))
+    proposals = []
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
+        placed = host_resident(layout)
+        estimate = estimate_memory(cfg, placed)
+        if estimate.fits(device_bytes, threshold):
+            proposals.append(Candidate(cfg, placed, name, estimate, projection(cfg, placed)))
+    proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    return proposals[:top]

@@ -63,6 +63,7 @@ class StepTime:
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
+    host_s: float            # host-resident chunks' copies over the host link, not hidden by compute
     optimizer_s: float
     step_overhead_s: float
     dp_comm_total_s: float  # the data-parallel communication before overlap (not part of the sum)
@@ -72,7 +73,7 @@ class StepTime:
     world_size: int
 
     PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s",
-             "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s", "step_overhead_s")
+             "pp_comm_s", "bubble_s", "dp_comm_s", "host_s", "optimizer_s", "step_overhead_s")
 
     @property
     def compute_s(self) -> float:
@@ -248,6 +249,23 @@ def dp_collectives(layout) -> tuple[int, int]:
     return (m if layout.shards_grads and not layout.unsharded_grad_accumulation else 1), (2 * m if layout.shards_params and layout.reshards_params else 1)
 
 
+def host_traffic_bytes(config, layout) -> tuple[float, float]:
+    """(device->host, host->device) bytes per step of one rank's host-resident chunks, from the
+    layout's fractions (distributed/placement.py): offloaded optimizer state sends its fp32
+    gradient down and its updated weights up once a step (neither when that part is itself on
+    host); host gradient shards receive each reduce-scattered gradient (once a step when
+    accumulated unsharded); host parameter shards are copied up at every gather."""
+    if not layout.offload_fraction:
+        return 0.0, 0.0
+    shard = rank_parameters(config, layout) / (layout.dp * layout.cp)
+    weight, grad = dtype_bytes(config.params_dtype), layout.grad_dtype_bytes
+    reductions, gathers = dp_collectives(layout)
+    opt, grads, params = layout.offload_fraction, layout.grad_offload_fraction, layout.param_offload_fraction
+    down = shard * ((opt - grads) * grad + grads * grad * reductions)
+    up = shard * ((opt - params) * weight + params * weight * gathers)
+    return down, up
+
+
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
     d = layout.dp * layout.cp
@@ -280,7 +298,11 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
     exposed_gather = (gathers * max(0.0, gather_s / gathers - work.forward_s) if overlap.param_gather
                       or layout.shards_params else gather_s)
     shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
-    optimizer = shard * OPTIMIZER_BYTES_PER_PARAMETER / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    optimizer = shard * (1.0 - layout.offload_fraction) * OPTIMIZER_BYTES_PER_PARAMETER / (
+        hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    # copies to and from host run beside the passes: only what outlasts them is exposed
+    host = max(0.0, max(host_traffic_bytes(config, layout)) / (hw.host_link_gbps * 1e9)
+               - m * (work.forward_s + work.backward_s))
 
     global_batch = layout.micro_batch_size * layout.dp * m
     model = flops_per_iteration(config, global_batch)
@@ -292,7 +314,7 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
         overhead_s=m * (forward.overhead + backward.overhead),
         recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
         pp_comm_s=idle - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
-        optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
+        host_s=host, optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
         model_flops=model, hardware_flops=model + extra, tokens=global_batch * config.seq_length, world_size=layout.world_size)
 
 
