@@ -15,7 +15,8 @@ parameter shards fetched from host are 2 per microbatch for each host-resident p
 chunk without pipelining (forward and backward gathers) and 1 per step under PP (kept
 gathered from forward to backward), the gradient copies to host one reduce-scattered shard per
 microbatch for each host-resident gradient chunk, and some gathers were started ahead.
-torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
+A run saved with every shard on host resumes bit for bit so, and continues without offload at
+TP2 as the uninterrupted run does. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
 slab is one line.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, train
 from tests.parallel.test_distributed_optimizer import COMMON, LR, PP2, SP, TP2, VPP
+from tests.parallel.test_sharding_strategies import save_and_resume
 
 HOST = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"]
 FULL = HOST + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]
@@ -134,3 +136,12 @@ def test_cli_torchrun_host_resident_matches_one_rank():
     tight = run_cli("pretrain_llama.py", TINY_LLAMA + FULL + ["--host-memory-gb", "0.00001"])
     assert tight.returncode == 2 and tight.stderr.strip().count("\n") == 0, explain(tight)
     assert "of host-resident chunk state" in tight.stderr and "--host-memory-gb" in tight.stderr
+
+
+def test_checkpoint_resumes_with_and_without_host_chunks(tmp_path):
+    resumed = {"same": FULL, "tp2-plain": TP2 + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                                  "optim_grads_params"]}
+    for rank, out in enumerate(run_distributed(2, save_and_resume, str(tmp_path), FULL, resumed)):
+        assert out["same"] == out["straight"], f"rank {rank}: not bit for bit"
+        for (loss, norm), (expected, expected_norm) in zip(out["tp2-plain"], out["straight"]):
+            assert abs(loss - expected) <= 1e-5 * expected and abs(norm - expected_norm) <= 1e-5 * expected_norm

@@ -189,14 +189,15 @@ def test_communication_is_the_analytic_volume(results):
         assert 0 < peak < buckets, f"rank {rank}: {peak} of {buckets} buckets gathered at once in forward"
 
 
-def _save_and_resume(rank: int, root: str) -> dict:
-    flags = PARAMS
+def save_and_resume(rank: int, root: str, flags: list[str], resumed: dict) -> dict:
+    """Losses and grad norms of iterations 4-6: straight under `flags`, and resumed at 3 from a
+    checkpoint saved under `flags` under each of `resumed` (name -> flags)."""
     straight = _steps(Trainer(_run("gpt", flags), torch.device("cpu")), 1, 6)
     stopped = Trainer(_run("gpt", flags), torch.device("cpu"))
     _steps(stopped, 1, 3)
     save_checkpoint(root, 3, stopped)
     out = {"straight": straight[3:]}
-    for name, resumed_flags in (("same", flags), ("tp2-grads", GRADS + TP2)):
+    for name, resumed_flags in resumed.items():
         run = _run("gpt", resumed_flags + ["--load", root])
         trainer = Trainer(run, torch.device("cpu"))
         iteration, _ = load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
@@ -205,7 +206,8 @@ def _save_and_resume(rank: int, root: str) -> dict:
 
 
 def test_checkpoint_resumes_under_another_strategy_and_layout(tmp_path):
-    for rank, out in enumerate(run_distributed(2, _save_and_resume, os.fspath(tmp_path))):
+    resumed = {"same": PARAMS, "tp2-grads": GRADS + TP2}
+    for rank, out in enumerate(run_distributed(2, save_and_resume, os.fspath(tmp_path), PARAMS, resumed)):
         assert out["same"] == out["straight"], f"rank {rank}: not bit for bit"
         for (loss, norm), (expected, expected_norm) in zip(out["tp2-grads"], out["straight"]):
             assert abs(loss - expected) <= 1e-5 * expected and abs(norm - expected_norm) <= 1e-5 * expected_norm
