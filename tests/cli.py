@@ -1,6 +1,8 @@
 """Running the entry points and tools as a user would, shared by the tests."""
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import os
 import re
@@ -40,6 +42,25 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 def printed_losses(stdout: str) -> list[float]:
     """The lm loss of every iteration line."""
     return [float(x) for x in re.findall(r"lm loss: (\S+) \|", stdout)]
+
+
+@functools.lru_cache(maxsize=None)
+def _one_rank(script: str, flags: tuple) -> subprocess.CompletedProcess:
+    return run_cli(script, list(flags))
+
+
+def torchrun_matching_one_rank(script: str, base: list[str], extra: list[str], nproc: int) -> subprocess.CompletedProcess:
+    """Run `script` with `base` on one rank (once per session) and with `base + extra` under
+    torchrun with `nproc` ranks; both succeed and print the same 5 losses (2e-6 relative: data
+    parallelism sums the microbatches' gradients in another order). Returns the torchrun run."""
+    one = _one_rank(script, tuple(base))
+    many = run_cli(script, base + extra, nproc=nproc)
+    assert one.returncode == 0, explain(one)
+    assert many.returncode == 0, explain(many)
+    expected, losses = printed_losses(one.stdout), printed_losses(many.stdout)
+    assert len(expected) == len(losses) == 5, f"{losses} vs {expected}"
+    assert all(abs(a - b) <= 2e-6 * b for a, b in zip(losses, expected)), f"{losses} vs {expected}"
+    return many
 
 
 def load_tool(name: str):

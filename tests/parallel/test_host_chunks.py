@@ -28,7 +28,7 @@ import pytest
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
 from megatron.training.memory_check import layout_from_run
-from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
+from tests.cli import TINY_LLAMA, explain, run_cli, torchrun_matching_one_rank
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, train
 from tests.parallel.test_distributed_optimizer import COMMON, LR, PP2, SP, TP2, VPP
@@ -124,12 +124,7 @@ def test_host_chunks_match_one_process(results, world, layout):
 def test_cli_torchrun_host_resident_matches_one_rank():
     """From the command line: 2 ranks with every shard on host print the one-rank losses and the
     host traffic; a host budget below the slab is refused at start-up in one line."""
-    one = run_cli("pretrain_llama.py", TINY_LLAMA)
-    two = run_cli("pretrain_llama.py", TINY_LLAMA + FULL, nproc=2)
-    assert one.returncode == 0, explain(one)
-    assert two.returncode == 0, explain(two)
-    expected, losses = printed_losses(one.stdout), printed_losses(two.stdout)
-    assert len(expected) == 5 and all(abs(a - b) <= 2e-6 * b for a, b in zip(losses, expected)), f"{losses}"
+    two = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA, FULL, 2)
     line = re.search(r"host slab \S+ MiB \(optimizer state of (\d+), gradients of (\d+), parameters of (\d+) of "
                      r"(\d+) chunks\).*parameter gathers from host (\S+)/iter, started ahead (\d+)%", two.stdout)
     assert line and len(set(line.groups()[:4])) == 1 and float(line.group(5)) > 0, two.stdout[-3000:]

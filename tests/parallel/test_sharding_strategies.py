@@ -36,7 +36,7 @@ from megatron.training.memory_check import layout_from_run
 
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.training import Trainer
-from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
+from tests.cli import TINY_LLAMA, torchrun_matching_one_rank
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, model_flags, train
 from tests.parallel.test_checkpoint_resume import _run, _steps
@@ -214,10 +214,5 @@ def test_checkpoint_resumes_under_another_strategy_and_layout(tmp_path):
 
 
 def test_cli_torchrun_optim_grads_params_matches_one_rank():
-    one = run_cli("pretrain_llama.py", TINY_LLAMA)
-    two = run_cli("pretrain_llama.py", TINY_LLAMA + PARAMS, nproc=2)
-    assert one.returncode == 0, explain(one)
-    assert two.returncode == 0, explain(two)
-    expected, losses = printed_losses(one.stdout), printed_losses(two.stdout)
-    assert len(expected) == 5 and all(abs(a - b) <= 2e-6 * b for a, b in zip(losses, expected)), f"{losses}"
+    two = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA, PARAMS, 2)
     assert "sharding strategy optim_grads_params: weights and gradients kept as shards over dp x cp = 2" in two.stdout

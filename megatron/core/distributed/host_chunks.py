@@ -53,25 +53,27 @@ class HostChunks:
         model_dtype = buckets[0].param_shard.dtype if buckets else torch.float32
         self.memory = HostMemory(host_elements(numels, placement, model_dtype.itemsize), pin=device.type == "cuda")
         self.transfers = Transfers(device)
+        if any(not buckets[i].shards_grads for i in placement.grads) or any(
+                not buckets[i].shards_params for i in placement.params):
+            raise ValueError("host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
+                             "optim_grads or optim_grads_params), host-resident parameters optim_grads_params")
         for index, bucket in enumerate(buckets):
             if index in placement.grads:
-                if not bucket.shards_grads:
-                    raise ValueError("host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
-                                     "optim_grads or optim_grads_params)")
-                bucket.grad_shard = self.memory.copy_of(bucket.grad_shard)
-                bucket.host_chunks, bucket.grads_on_host = self, True
+                self._take(bucket, "grad_shard", "grads_on_host")
             if index in placement.params:
-                if not bucket.shards_params:
-                    raise ValueError("host-resident parameters need sharded parameters "
-                                     "(--data-parallel-sharding-strategy optim_grads_params)")
-                bucket.param_shard = self.memory.copy_of(bucket.param_shard)
-                bucket.host_chunks, bucket.params_on_host = self, True
+                self._take(bucket, "param_shard", "params_on_host")
         largest = max((numels[i] for i in placement.grads), default=0)
         self._staging = [self.memory.empty(largest) for _ in range(ADD_STAGING_SLOTS if placement.grads else 0)]
         self._adds: list = [None] * len(self._staging)
         self._next_slot = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-grad-add") if placement.grads else None
         self.stats = FetchStats()
+
+    def _take(self, bucket, shard: str, flag: str) -> None:
+        """Move the bucket's shard `shard` into the slab and mark it host-resident (`flag`)."""
+        setattr(bucket, shard, self.memory.copy_of(getattr(bucket, shard)))
+        setattr(bucket, flag, True)
+        bucket.host_chunks = self
 
     # ---- gradients ----
 
