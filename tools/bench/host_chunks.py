@@ -13,11 +13,12 @@ of about half of them (its decision line is printed). The four trainers are buil
 and, after a warm-up step each, run in turn: --rounds rounds of --iters steps each, the order
 rotated every round. Per layout, rank 0's counts per step: bytes moved device->host and
 host->device (the optimizer step's copies plus the host-resident gradients' additions and
-parameter fetches), the gathers of host-resident parameters, the share of them started ahead
-by the previous module's hook (prefetch hit rate), the time the training thread waited for
-them and for every parameter all-gather (host-resident or not: the reference has these too),
-the CPU step, and the step time (the slowest rank's mean over a round's steps, the last
-step's CPU work included; median over rounds) with its ratio to the reference.
+parameter fetches) next to the bytes the placement implies (`analytic_bytes`), the gathers of
+host-resident parameters, the share of them started ahead by the previous module's hook
+(prefetch hit rate), the time the training thread waited for them and for every parameter
+all-gather (host-resident or not: the reference has these too), the CPU step, and the step
+time (the slowest rank's mean over a round's steps, the last step's CPU work included; median
+over rounds) with its ratio to the reference.
 
 On CPU host = device: the copies are memcpy within one memory, the CPU Adam step shares the
 cores with the training thread, and the gathers are gloo's. So the bytes and the hit rate are
@@ -97,6 +98,21 @@ def gather_waits(seconds: list[float], current: list[int]):
         Bucket.finish_param_gather = finish
 
 
+def analytic_bytes(trainer) -> tuple[int, int]:
+    """(device->host, host->device) bytes per step that the placement implies, m microbatches:
+    a host-resident gradient shard receives each microbatch's reduce-scattered gradient; a chunk
+    with only its optimizer state on host sends its gradient shard at the step and gets its
+    updated weights back; a host-resident parameter shard is fetched for each of its bucket's
+    two gathers per microbatch (forward, and backward after the release)."""
+    placement, m = trainer.optimizer.host.placement, trainer.run.training.num_microbatches
+    buckets = [bucket for chunk in trainer.chunks for bucket in chunk.buffer.buckets]
+    grad = [b.grad_shard.numel() * b.grad_shard.element_size() for b in buckets]
+    param = [b.param_shard.numel() * b.param_shard.element_size() for b in buckets]
+    d2h = sum(m * grad[i] if i in placement.grads else grad[i] for i in placement.optimizer)
+    h2d = sum(2 * m * param[i] if i in placement.params else param[i] for i in placement.optimizer)
+    return d2h, h2d
+
+
 def _counts(trainer, steps: int) -> dict:
     """Rank 0's offload and fetch counters since the warm-up, per step."""
     optimizer = trainer.optimizer
@@ -107,7 +123,7 @@ def _counts(trainer, steps: int) -> dict:
     out = dict(d2h=(stats.d2h_bytes + fetches.d2h_bytes) / steps, h2d=(stats.h2d_bytes + fetches.h2d_bytes) / steps,
                step_d2h=stats.d2h_bytes / steps, step_h2d=stats.h2d_bytes / steps, fetches=fetches.fetches / steps,
                hit_rate=fetches.hit_rate, wait=fetches.wait_seconds / steps, cpu=stats.cpu_seconds / steps,
-               counts=optimizer.host.placement.counts(), chunks=len(optimizer.shards))
+               counts=optimizer.host.placement.counts(), chunks=len(optimizer.shards), analytic=analytic_bytes(trainer))
     if trainer.placement_decision is not None:
         out["decision"] = trainer.placement_decision.describe()
     return out
@@ -150,12 +166,13 @@ def _row(name: str, r: dict, reference: float) -> str:
     cpu = f"{1e3 * r['cpu']:.1f}" if "cpu" in r else "-"
     times = f"{1e3 * r['all_wait']:.1f} | {cpu} | {1e3 * r['step']:.1f} | {r['step'] / reference:.2f} |"
     if "d2h" not in r:
-        return f"| {name} | - | 0 | 0 | - | - | - | {times}"
+        return f"| {name} | - | 0 | 0 | 0 / 0 | - | - | - | {times}"
     c = r["counts"]
     ahead = f"{100 * r['hit_rate']:.0f}%" if r["fetches"] else "-"
+    d2h, h2d = r["analytic"]
     return (f"| {name} | {c['optimizer']}/{c['grads']}/{c['params']} of {r['chunks']} | {r['d2h'] / MIB:.2f} "
-            f"({r['step_d2h'] / MIB:.2f}) | {r['h2d'] / MIB:.2f} ({r['step_h2d'] / MIB:.2f}) | {r['fetches']:.1f} | "
-            f"{ahead} | {1e3 * r['wait']:.1f} | {times}")
+            f"({r['step_d2h'] / MIB:.2f}) | {r['h2d'] / MIB:.2f} ({r['step_h2d'] / MIB:.2f}) | {d2h / MIB:.2f} / "
+            f"{h2d / MIB:.2f} | {r['fetches']:.1f} | {ahead} | {1e3 * r['wait']:.1f} | {times}")
 
 
 def main() -> int:
@@ -176,9 +193,10 @@ def main() -> int:
         if "decision" in r:
             print(f"{name}: {r['decision']}")
     print("| layout | chunks on host: optimizer/grads/params | device->host MiB (of it the optimizer step) | "
-          "host->device MiB (of it the optimizer step) | parameter gathers from host | started ahead | "
+          "host->device MiB (of it the optimizer step) | analytic device->host / host->device MiB | "
+          "parameter gathers from host | started ahead | "
           "waited for them ms | waited for all parameter gathers ms | CPU step ms | step ms | step / no offload |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in zip(names, results):
         print(_row(name, r, results[0]["step"]))
     return 0
