@@ -16,9 +16,9 @@ found along the order of the auto policy (placement.auto_placement: optimizer st
 host first, then gradients, then parameters); when that point overflows the host budget, along
 a second order in which each chunk's gradient goes to host with its optimizer state (free on
 host: the resident gradient is the optimizer's host copy), which with bf16 weights spends the
-least host memory for the device bytes it frees (one host byte per device byte). The fractions chosen are printed. The auto policy of the trainer
-follows only the first order and does not weigh the host budget, and keeps a 10% margin of the
-device that this count does not.
+least host memory for the device bytes it frees (one host byte per device byte). The fractions
+chosen are printed. The auto policy of the trainer follows only the first order, does not weigh
+the host budget, and keeps a 10% margin of the device that this count does not.
 
 A member fits when its per-rank device bytes — the estimator's certain part (weights, gradient
 buffers, optimizer state on the device, saved activations: equal to the measured bytes on CPU,
@@ -83,7 +83,7 @@ COLUMNS = {
     "device+host": Column(OGP, paths=(AUTO_ORDER, WITH_GRADIENTS)),
 }
 FIXED_BUDGETS = (("node 8x80GiB+1TiB host", 8, 80.0, 1024.0 / 8), ("one 80GiB GPU+256GiB host", 1, 80.0, 256.0))
-BISECTIONS = 7  # a step's fraction to within 1/128 (chunks are coarser than that in the members that matter)
+BISECTIONS = 9  # a step's fraction to within 1/512 of its elements (a 90B member has ~300 chunks per rank)
 
 
 @functools.lru_cache(maxsize=None)
