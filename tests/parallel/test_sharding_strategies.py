@@ -3,7 +3,7 @@
 optim_grads (no whole fp32 gradient buffer: each bucket reduce-scattered per microbatch into
 the rank's shard) and optim_grads_params (parameters sharded too, gathered around each use) at
 DP2 (optim_grads with --overlap-param-gather; optim_grads_params also with half the optimizer
-chunks offloaded to the CPU step), TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual stages) x DP2, CP2 x DP2 and
+chunks offloaded to the CPU step), DP4, TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual stages) x DP2, CP2 x DP2 and
 TP2 x SP x PP2 (v2) x DP2 on 8 ranks, GPT (tied embeddings) and Llama, fp32, several
 microbatches, clipping active, buckets small enough that parameters straddle shards: the loss
 of 5 iterations, the iteration-1 grad norm and the parameters after 5 steps match the one-process
@@ -18,8 +18,8 @@ parameters per microbatch without pipelining (forward, backward) and one per ste
 (parameters stay gathered from a microbatch's forward to its backward; two per microbatch with
 --reshard-params-after-forward, also checked for equivalence, with --split-backward); optim_grads gathers the
 parameters once, after the step; with --unsharded-grad-accumulation the gradients are
-reduce-scattered once per step (and optim_grads_params with it matches one process). A run saved under optim_grads_params resumes bit for bit under
-it and continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
+reduce-scattered once per step (and optim_grads_params with it matches one process). A run saved under optim_grads or optim_grads_params resumes bit for bit under
+it, and one saved under optim_grads_params continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
 prints the one-rank losses and what the strategy keeps.
 """
 from __future__ import annotations
@@ -54,7 +54,8 @@ BOTH, GPT = ("gpt", "llama"), ("gpt",)
 LAYOUTS = {  # world -> name -> (flags, models)
     2: {"dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT),
         "dp2-params-unsharded-accumulation": (PARAMS + UNSHARDED, GPT)},
-    4: {"tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
+    4: {"dp4-grads": (GRADS, GPT), "dp4-params": (PARAMS, GPT),
+        "tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
         "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
         "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT)},
     8: {"tp2-sp-pp2-vpp2-dp2-params": (PARAMS + TP2 + SP + PP2 + VPP, GPT)},
@@ -206,8 +207,10 @@ def save_and_resume(rank: int, root: str, flags: list[str], resumed: dict) -> di
 
 
 def test_checkpoint_resumes_under_another_strategy_and_layout(tmp_path):
+    grads = run_distributed(2, save_and_resume, os.fspath(tmp_path / "grads"), GRADS, {"same": GRADS})
+    assert all(out["same"] == out["straight"] for out in grads), "optim_grads: not bit for bit"
     resumed = {"same": PARAMS, "tp2-grads": GRADS + TP2}
-    for rank, out in enumerate(run_distributed(2, save_and_resume, os.fspath(tmp_path), PARAMS, resumed)):
+    for rank, out in enumerate(run_distributed(2, save_and_resume, os.fspath(tmp_path / "params"), PARAMS, resumed)):
         assert out["same"] == out["straight"], f"rank {rank}: not bit for bit"
         for (loss, norm), (expected, expected_norm) in zip(out["tp2-grads"], out["straight"]):
             assert abs(loss - expected) <= 1e-5 * expected and abs(norm - expected_norm) <= 1e-5 * expected_norm
