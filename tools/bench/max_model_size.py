@@ -17,8 +17,10 @@ host first, then gradients, then parameters); when that point overflows the host
 a second order in which each chunk's gradient goes to host with its optimizer state (free on
 host: the resident gradient is the optimizer's host copy), which with bf16 weights spends the
 least host memory for the device bytes it frees (one host byte per device byte). The fractions
-chosen are printed. The auto policy of the trainer follows only the first order, does not weigh
-the host budget, and keeps a 10% margin of the device that this count does not.
+chosen are printed. The trainer's auto policy places chunk by chunk rather than by fractions;
+under a host budget it also brings parameters back first, then whole chunks (keeping each
+gradient on host with its optimizer state), and it keeps a 10% margin of the device that this
+count does not.
 
 A member fits when its per-rank device bytes — the estimator's certain part (weights, gradient
 buffers, optimizer state on the device, saved activations: equal to the measured bytes on CPU,
