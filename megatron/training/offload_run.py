@@ -5,7 +5,8 @@ memory estimate of this rank with every movable part on host (the start-up check
 its total is what stays on the device whatever the placement (saved activations, transients,
 buffers the strategy does not shard, gathered buckets), and `placement.auto_placement` fills the
 rest of the device budget (--device-memory-gb or the device's capacity, less a 10% margin) with
-chunks' parameters, then gradients, then optimizer state. The decision is made before anything
+chunks' parameters, then gradients, then optimizer state, once the host part fits the host budget
+(--host-memory-gb, default on CUDA the available memory / ranks on the node). The decision is made before anything
 is allocated, so nothing moves after iteration 1, and it is the same on every rank of a pipeline
 stage (their deferred gathers must be issued in the same order). On CPU the estimate's certain
 part equals the measured bytes (tests/parallel/test_memory_measured.py); on a GPU the estimate's
@@ -19,7 +20,7 @@ from megatron.core.distributed.placement import AutoDecision, Placement, auto_pl
     static_placement
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
-from megatron.training.memory_check import device_memory_bytes, layout_from_run
+from megatron.training.memory_check import device_memory_bytes, host_memory_bytes, layout_from_run
 
 MIB = float(1 << 20)
 
@@ -37,7 +38,7 @@ def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> t
     weight_bytes = run.model.params_dtype.itemsize
     costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
     decision = auto_placement(order, numels, costs, device_memory_bytes(device, run.training.device_memory_gb), fixed,
-                              weight_bytes)
+                              weight_bytes, host_memory_bytes(device, run.training.host_memory_gb))
     return decision.placement, decision
 
 

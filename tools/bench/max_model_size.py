@@ -17,8 +17,10 @@ host first, then gradients, then parameters); when that point overflows the host
 a second order in which each chunk's gradient goes to host with its optimizer state (free on
 host: the resident gradient is the optimizer's host copy), which with bf16 weights spends the
 least host memory for the device bytes it frees (one host byte per device byte). The fractions
-chosen are printed. The auto policy of the trainer follows only the first order, does not weigh
-the host budget, and keeps a 10% margin of the device that this count does not.
+chosen are printed. The trainer's auto policy places chunk by chunk rather than by fractions;
+under a host budget it also brings parameters back first, then whole chunks (keeping each
+gradient on host with its optimizer state), and it keeps a 10% margin of the device that this
+count does not.
 
 A member fits when its per-rank device bytes — the estimator's certain part (weights, gradient
 buffers, optimizer state on the device, saved activations: equal to the measured bytes on CPU,
@@ -45,7 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.core.distributed.placement import auto_placement, forward_order, part_bytes  # noqa: E402
 from megatron.core.memory.estimator import estimate_memory  # noqa: E402
+from megatron.core.memory.model_states import chunk_buffer  # noqa: E402
+from megatron.core.memory.offload import shard_numels  # noqa: E402
+from megatron.core.memory.parameters import rank_chunks  # noqa: E402
 from megatron.training.memory_check import layout_from_run, run_config_for_tool  # noqa: E402
 
 GIB = float(1 << 30)
@@ -87,8 +93,8 @@ BISECTIONS = 9  # a step's fraction to within 1/512 of its elements (a 90B membe
 
 
 @functools.lru_cache(maxsize=None)
-def estimate(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
-    """Pipeline rank 0 of the member, with `fractions` (optimizer, grads, params) on host."""
+def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
+    """(model config, memory layout) of the member, with `fractions` (optimizer, grads, params) on host."""
     argv = ["--num-layers", str(max(2, width // 128)), "--hidden-size", str(width), "--num-attention-heads",
             str(max(2, width // 128)), "--seq-length", "2048", "--max-position-embeddings", "2048",
             "--micro-batch-size", "1", "--global-batch-size", str(dp), "--vocab-size", "32000",
@@ -100,7 +106,24 @@ def estimate(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
     argv += ["--grad-offload-fraction", str(grads)] if grads else []
     argv += ["--param-offload-fraction", str(params)] if params else []
     run = run_config_for_tool(argv, "llama", dp, "max_model_size")
-    return estimate_memory(run.model, layout_from_run(run, "cuda")).ranks[0]
+    return run.model, layout_from_run(run, "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def estimate(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
+    """Pipeline rank 0 of the member, with `fractions` (optimizer, grads, params) on host."""
+    return estimate_memory(*member_run(width, dp, bf16, flags, fractions)).ranks[0]
+
+
+def auto_decision(width: int, dp: int, bf16: bool, budget: float, host_budget: float):
+    """What the trainer's --offload-policy auto decides for the member under optim_grads_params:
+    chunk by chunk, from the estimate with every part on host, with its 10% device margin."""
+    member, full = (width, dp, bf16, OGP), (1.0, 1.0, 1.0)
+    model, layout = member_run(*member, full)
+    buffers = [chunk_buffer(model, layout, chunk) for chunk in rank_chunks(model, layout, 0)]
+    costs = part_bytes(2 if bf16 else 4, shards_grads=True, shards_params=True)
+    return auto_placement(forward_order(buffers), shard_numels(buffers), costs, int(budget),
+                          estimate(*member, full).total_bytes, 2 if bf16 else 4, int(host_budget))
 
 
 def device_bytes(rank) -> int:
@@ -194,6 +217,10 @@ def main(argv=None) -> None:
               "; on host (optimizer/grads/params fractions): " +
               ", ".join(f"{k} {_fractions(f)}" for k, (_, f) in found.items() if COLUMNS[k].on_host))
         best.append(f"{name} {max(v for v, _ in found.values()) / 1e9:.1f}B parameters")
+        auto = max((estimate(w, dp, bf16, OGP, (1.0, 1.0, 1.0)).parameters for w in WIDTHS
+                    if auto_decision(w, dp, bf16, device_gib * GIB, host_gib * GIB).fits), default=0)
+        print(f"  the trainer's --offload-policy auto there (chunk by chunk, 10% of the device kept free, its "
+              f"total estimate rather than the certain part): {auto / 1e9:.1f}B")
     print("largest Llama that fits: " + ", ".join(best))
 
 

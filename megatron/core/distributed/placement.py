@@ -17,7 +17,8 @@ What a part costs on host, in bytes moved per step per device byte it frees (m m
 optimizer state 0.5 (4 down and 2 up per step for 12 bytes, bf16), gradients m (4 down per
 microbatch for 4), parameters m to 2m (2 up per gather, one or two gathers per microbatch, for
 2). So the auto policy (`auto_placement`) keeps parameters on the device first, then gradients,
-then optimizer state, each front of the order first, as far as the device budget allows.
+then optimizer state, each front of the order first, as far as the device budget allows, after
+making the host part fit the host budget.
 """
 from __future__ import annotations
 
@@ -117,46 +118,76 @@ class AutoDecision:
     kept_bytes: int       # movable parts kept on the device
     host_bytes: int
     chunks: int
+    host_budget_bytes: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        device = self.budget_bytes is None or self.kept_bytes <= self.budget_bytes - self.fixed_bytes - self.margin_bytes
+        return device and (self.host_budget_bytes is None or self.host_bytes <= self.host_budget_bytes)
 
     def describe(self) -> str:
         counts = {part: self.chunks - n for part, n in self.placement.counts().items()}
         kept = ", ".join(f"{name} of {counts[part]}/{self.chunks} chunks"
                          for part, name in (("params", "parameters"), ("grads", "gradients"),
                                             ("optimizer", "optimizer state")))
+        host = f"on host {_size(self.host_bytes)}" + (
+            f" of {_size(self.host_budget_bytes)} (--host-memory-gb)" if self.host_budget_bytes is not None else "")
         if self.budget_bytes is None:
-            return f"> offload policy auto: no device memory limit known (CPU without --device-memory-gb): {kept} on the device"
+            return (f"> offload policy auto: no device memory limit known (CPU without --device-memory-gb): {kept} on "
+                    f"the device; {host}")
         return (f"> offload policy auto: budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
                 f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
-                f"device {kept} ({_size(self.kept_bytes)}); on host {_size(self.host_bytes)}")
+                f"device {kept} ({_size(self.kept_bytes)}); {host}" + ("" if self.fits else "; DOES NOT FIT"))
 
 
 AUTO_MARGIN = 0.10  # of the device budget: allocator fragmentation and what the estimate does not show
 
 
 def auto_placement(order: list[int], numels: list[int], costs: PartBytes, budget_bytes: int | None,
-                   fixed_bytes: int, model_dtype_bytes: int) -> AutoDecision:
-    """Start with every movable part of every chunk on host; bring back to the device, while it
-    fits under budget - fixed - margin, the parameters (front of the order first), then once all
-    are back the gradients, then the optimizer state (see the module docstring for why)."""
+                   fixed_bytes: int, model_dtype_bytes: int, host_budget_bytes: int | None = None) -> AutoDecision:
+    """Each chunk gets a level: how many of its parts, in PARTS order, live on host. All start at
+    the highest the strategy allows (the least device memory). Then
+    1. while the host slab exceeds `host_budget_bytes`: parameters come back to the device
+       (front of the order first), then whole chunks: a byte of host memory saved costs a byte
+       of device memory either way, and keeping a gradient on the device saves no host memory
+       (the host gradient is the optimizer's own gradient copy);
+    2. while it fits under budget - fixed - margin: parameters come back, then gradients, then
+       optimizer state (see the module docstring for why), each phase stopping at the first chunk
+       that does not fit."""
     movable = costs.movable()
-    on_host = {part: set(order) if part in movable else set() for part in PARTS}
+    top = len(movable)
+    level = dict.fromkeys(order, top)
+    part_cost = [getattr(costs, part) for part in PARTS]
+
+    def placement() -> Placement:
+        return Placement(*(frozenset(i for i in order if level[i] > k) for k in range(len(PARTS))))
+
+    def kept() -> int:
+        return sum(part_cost[k] * numels[i] for i in order for k in range(level[i], top))
+
+    def host() -> int:
+        return 4 * host_elements(numels, placement(), model_dtype_bytes)
+
     margin = 0 if budget_bytes is None else int(AUTO_MARGIN * budget_bytes)
     room = None if budget_bytes is None else budget_bytes - fixed_bytes - margin
-    used = 0
-    for part in reversed(PARTS):
-        if part not in movable:
-            continue
+    if host_budget_bytes is not None:
+        for target in ([top - 1] if top == len(PARTS) else []) + [0]:
+            for index in order:
+                if host() <= host_budget_bytes:
+                    break
+                level[index] = min(level[index], target)
+    for target in reversed(range(top)):
         for index in order:
-            cost = getattr(costs, part) * numels[index]
-            if room is not None and used + cost > room:
+            if level[index] <= target:
+                continue
+            before = level[index]
+            level[index] = target
+            if room is not None and kept() > room:
+                level[index] = before
                 break
-            on_host[part].discard(index)
-            used += cost
-        if on_host[part]:
+        if any(level[i] > target for i in order):
             break
-    placement = Placement(*(frozenset(on_host[part]) for part in PARTS))
-    return AutoDecision(placement, budget_bytes, fixed_bytes, margin, used,
-                        4 * host_elements(numels, placement, model_dtype_bytes), len(order))
+    return AutoDecision(placement(), budget_bytes, fixed_bytes, margin, kept(), host(), len(order), host_budget_bytes)
 
 
 def _size(nbytes: int) -> str:
