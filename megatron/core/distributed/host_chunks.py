@@ -84,6 +84,7 @@ class HostChunks:
         if self._adds[slot] is not None:
             self._adds[slot].result()  # the slot's previous addition has read it
         staging = self._staging[slot][: gradient.numel()]
+        self.transfers.side_waits_for_current()  # the reduce-scatter has written `gradient` on the current stream
         copied = self.transfers.copy(staging, gradient)
         self.stats.d2h_bytes += gradient.numel() * gradient.element_size()
         # the worker holds `gradient` until its copy has landed, so its memory is not reused before

@@ -95,6 +95,14 @@ class Transfers:
             event.record(self.stream)
         return event
 
+    def mark_current(self):
+        """An event after the work queued so far on the current stream (None without CUDA)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        return event
+
     def side_waits_for_current(self) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))

@@ -124,6 +124,9 @@ class OffloadedSteps:
         self.transfers.side_waits_for_current()  # the gradients are final on the training stream
         moving = [i for i in self.order if not adam.shards[i].grad_on_host]  # resident ones are read in place
         arrived = {i: self.transfers.copy(adam.shards[i].host_grad, adam.shards[i].grad) for i in moving}
+        # a resident chunk's step writes host memory that copies queued so far may still read
+        # (host-resident parameters fetched by the last backward): it waits for them instead
+        queued = self.transfers.mark_current() if len(arrived) < len(self.order) else None
         for i in self.order:
             if self.buffer_of is not None and i not in arrived:  # zeroing the gradient waits for the step
                 self.buffer_of[i].reuse_waits.append(functools.partial(self._landed, i))
@@ -131,7 +134,7 @@ class OffloadedSteps:
                 self.buffer_of[i].reuse_waits.append(functools.partial(self.transfers.current_waits, arrived[i]))
             if i in arrived:
                 self.stats.d2h_bytes += adam.shards[i].grad.numel() * adam.shards[i].grad.element_size()
-            self.pending[i] = self.pool.submit(self._step, i, arrived.get(i), hyper)
+            self.pending[i] = self.pool.submit(self._step, i, arrived.get(i, queued), hyper)
         self.stats.steps += 1
 
     def _step(self, index: int, arrived, hyper: _Hyper):
