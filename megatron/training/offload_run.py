@@ -10,9 +10,12 @@ chunks' parameters, then gradients, then optimizer state, once the host part fit
 is allocated, so nothing moves after iteration 1, and it is the same on every rank of a pipeline
 stage (their deferred gathers must be issued in the same order). On CPU the estimate's certain
 part equals the measured bytes (tests/parallel/test_memory_measured.py); on a GPU the estimate's
-allowances and the margin stand in for what the allocator adds.
+allowances and the margin stand in for what the allocator adds. The room the placement leaves
+over lets each forward keep gathered buckets for its backward (`keep_gathered_buckets`).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -40,6 +43,18 @@ def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> t
     decision = auto_placement(order, numels, costs, device_memory_bytes(device, run.training.device_memory_gb), fixed,
                               weight_bytes, host_memory_bytes(device, run.training.host_memory_gb))
     return decision.placement, decision
+
+
+def keep_gathered_buckets(chunks: list, decision: AutoDecision | None, pp: int) -> None:
+    """The auto placement's spare device room lets each forward keep gathered buckets for its
+    backward (optim_grads_params releasing after forward; not under pipelining, where several
+    forwards run before their backwards)."""
+    if decision is None or pp > 1:
+        return
+    spare = decision.spare_bytes
+    for chunk in chunks:
+        if chunk.bucket_hooks is not None:
+            chunk.bucket_hooks.keep_gathered(sys.maxsize if spare is None else spare // len(chunks))
 
 
 def offload_line(optimizer) -> str:

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
-from megatron.training.offload_run import chunk_placement
+from megatron.training.offload_run import chunk_placement, keep_gathered_buckets
 
 
 @dataclass
@@ -63,6 +63,7 @@ class Trainer:
             buffers = [chunk.buffer for chunk in self.chunks]
             placement, self.placement_decision = chunk_placement(run, self.mesh.pp_rank, buffers, device)
             host = HostChunks(buffers, placement, device)
+            keep_gathered_buckets(self.chunks, self.placement_decision, parallel.pp)
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh, host)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         model_inputs = model_input_fields(run.data)

@@ -16,7 +16,9 @@ chunk without pipelining (forward and backward gathers) and 1 per step under PP 
 gathered from forward to backward), the gradient copies to host one reduce-scattered shard per
 microbatch for each host-resident gradient chunk, and some gathers were started ahead.
 A run saved with every shard on host resumes bit for bit so, and continues without offload at
-TP2 as the uninterrupted run does. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
+TP2 as the uninterrupted run does. Where the auto placement leaves device room over, each forward keeps gathered buckets for its
+backward within it (fewer all-gathers than two per bucket per microbatch) and the run still
+matches one process. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
 slab is one line.
 """
 from __future__ import annotations
@@ -33,13 +35,15 @@ from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, train
 from tests.parallel.test_distributed_optimizer import COMMON, LR, PP2, SP, TP2, VPP
 from tests.parallel.test_sharding_strategies import save_and_resume
+from tools.bench.distributed_optimizer import count_collectives
 
 HOST = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"]
 FULL = HOST + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]
 HALF = HOST + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
 AUTO = HOST + ["--offload-policy", "auto", "--device-memory-gb"]  # a budget that keeps some parts, not all:
 LAYOUTS = {  # world -> name -> (model, flags)
-    2: {"dp2-full-gpt": ("gpt", FULL), "dp2-half-llama": ("llama", HALF), "dp2-auto-gpt": ("gpt", AUTO + ["0.0007"])},
+    2: {"dp2-full-gpt": ("gpt", FULL), "dp2-half-llama": ("llama", HALF), "dp2-auto-gpt": ("gpt", AUTO + ["0.0007"]),
+        "dp2-auto-spare-gpt": ("gpt", AUTO + ["0.00075"])},  # room left over: buckets kept for backward
     4: {"tp2-sp-dp2-full-llama": ("llama", FULL + TP2 + SP), "pp2-vpp2-dp2-half-gpt": ("gpt", HALF + PP2 + VPP),
         "pp2-vpp2-dp2-auto-gpt": ("gpt", AUTO + ["0.00062"] + PP2 + VPP)},
 }
@@ -52,7 +56,8 @@ def _accounting(model: str, flags: list[str]) -> dict:
     optimizer, host = trainer.optimizer, trainer.optimizer.host
     trainer.train_step(1)
     host.take_stats()
-    trainer.train_step(2)
+    with count_collectives() as collectives:
+        trainer.train_step(2)
     traffic = host.take_stats()
     params, grads = (sum(v) for v in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
     device_optimizer, slab = placement_bytes(optimizer.adam)
@@ -71,7 +76,10 @@ def _accounting(model: str, flags: list[str]) -> dict:
             "host_params": sum(b.params_on_host for b in buckets),
             "host_grad_bytes": sum(4 * b.grad_shard.numel() for b in buckets if b.grads_on_host),
             "counts": host.placement.counts(), "chunks": len(buckets), "m": run.training.num_microbatches,
-            "kept": None if decision is None else decision.kept_bytes}
+            "kept": None if decision is None else decision.kept_bytes,
+            "spare": None if decision is None else decision.spare_bytes,
+            "gathered": collectives["all_gather_single"],
+            "bucket_bytes": sum(b.param_full.nbytes for b in buckets)}
 
 
 def world_runs(rank: int, world: int) -> list[dict]:
@@ -119,6 +127,13 @@ def test_host_chunks_match_one_process(results, world, layout):
         assert h2d == gathers * acc["host_param_bytes"], f"rank {rank}: {h2d} bytes fetched"
         assert fetches == gathers * acc["host_params"] and (prefetched > 0 or not fetches), acc["traffic"]
         assert d2h == acc["m"] * acc["host_grad_bytes"], f"rank {rank}: {d2h} bytes of gradients to host"
+        every = gathers * acc["bucket_bytes"]  # each bucket gathered before each use
+        if "tp2" in layout:  # sequence parallelism's all-gathers are counted with them
+            continue
+        if "spare" in layout:  # buckets kept from forward to backward within the spare room
+            assert acc["spare"] > 0 and acc["gathered"] < every, (acc["spare"], acc["gathered"], every)
+        else:
+            assert acc["gathered"] == every, f"rank {rank}: {acc['gathered']} bytes gathered, expected {every}"
 
 
 def test_cli_torchrun_host_resident_matches_one_rank():

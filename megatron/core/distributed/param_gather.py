@@ -17,6 +17,11 @@ parallelism: a microbatch's forward and backward are far apart), after the itera
 microbatch: the parameters then stay gathered between forward and backward.
 A forward rerun inside backward (activation recomputation) gathers what it needs and
 releases nothing: the backward that follows still needs the parameters.
+With a keep budget (`keep_gathered`, given by the auto placement from the device room it left
+over) a bucket whose forward use is over stays gathered for its backward instead, as long as
+the kept buckets fit the budget; past it, the kept bucket whose next use is furthest away is
+released first. Backward runs the forward's modules in reverse, so that is the one kept
+earliest: the buckets the forward used last, which backward needs first, are the ones kept.
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ class BucketHooks:
         self.gathers = buffer.shards_params
         self.reshard = reshard_after_forward and self.gathers
         self.trace: ForwardTrace | None = None
+        self.keep_bytes = 0  # gathered-bucket bytes a forward may leave for its backward
+        self._kept: list = []  # buckets kept by the forward in progress, in the order kept
         self._calls: list | None = None  # buckets per module call of the forward in progress
         self._completions: list = []
         self._stack: list = []
@@ -81,10 +88,17 @@ class BucketHooks:
                   if isinstance(a, torch.nn.Parameter) and a in self.buffer.bucket_of}
         return self._ordered(passed.union(own)) if passed else own
 
+    def keep_gathered(self, nbytes: int) -> None:
+        """Let each forward leave up to `nbytes` of gathered buckets for its backward (only
+        without pipelining: there every forward is followed by its own backward)."""
+        self.keep_bytes = nbytes
+
     @contextlib.contextmanager
     def forward_pass(self):
-        """Around the chunk's forward: trace it (the first time), release what is left after it."""
+        """Around the chunk's forward: trace it (the first time), release what is left after it
+        (but the buckets kept for backward)."""
         self._calls, self._completions, self._stack, self._on_trace = [], [], [], self.trace is not None
+        self._kept = []
         try:
             yield
         finally:
@@ -92,8 +106,20 @@ class BucketHooks:
                 self.trace = ForwardTrace(self._calls, self._completions)
             self._calls = None
             if self.reshard:
+                kept = set(self._kept) if torch.is_grad_enabled() else set()
                 for bucket in self.buffer.buckets:
-                    bucket.release_params()
+                    if bucket not in kept:
+                        bucket.release_params()
+
+    def _release_or_keep(self, bucket) -> None:
+        """After a bucket's last use in this forward (see the module docstring)."""
+        nbytes = bucket.param_full.nbytes
+        if not torch.is_grad_enabled() or nbytes > self.keep_bytes:
+            bucket.release_params()
+            return
+        self._kept.append(bucket)
+        while sum(b.param_full.nbytes for b in self._kept) > self.keep_bytes:
+            self._kept.pop(0).release_params()
 
     def _pre_forward(self, own: tuple):
         def hook(_module, args):
@@ -122,7 +148,7 @@ class BucketHooks:
             self._completions.append(buckets)
             if self.reshard and self._on_trace:
                 for bucket in self.trace.release_after[index]:
-                    bucket.release_params()
+                    self._release_or_keep(bucket)
             if buckets and torch.is_grad_enabled():
                 # backward runs the modules in reverse: prefetch what completed just before this one
                 following = self.trace.previous_completion[index] if self.reshard and self._on_trace else ()

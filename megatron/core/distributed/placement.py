@@ -121,6 +121,14 @@ class AutoDecision:
     host_budget_bytes: int | None = None
 
     @property
+    def spare_bytes(self) -> int | None:
+        """Device room the placement left over (None: no limit known): what a forward may keep of
+        its gathered buckets for its backward (param_gather.BucketHooks.keep_gathered)."""
+        if self.budget_bytes is None:
+            return None
+        return max(0, self.budget_bytes - self.fixed_bytes - self.margin_bytes - self.kept_bytes)
+
+    @property
     def fits(self) -> bool:
         device = self.budget_bytes is None or self.kept_bytes <= self.budget_bytes - self.fixed_bytes - self.margin_bytes
         return device and (self.host_budget_bytes is None or self.host_bytes <= self.host_budget_bytes)
@@ -137,7 +145,8 @@ class AutoDecision:
                     f"the device; {host}")
         return (f"> offload policy auto: budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
                 f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
-                f"device {kept} ({_size(self.kept_bytes)}); {host}" + ("" if self.fits else "; DOES NOT FIT"))
+                f"device {kept} ({_size(self.kept_bytes)}); {host}" + ("" if self.fits else "; DOES NOT FIT") +
+                f"; spare {_size(self.spare_bytes)}")
 
 
 AUTO_MARGIN = 0.10  # of the device budget: allocator fragmentation and what the estimate does not show
