@@ -174,7 +174,10 @@ def check_memory(run, device: torch.device, device_memory_gb: float | None, skip
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     device_bytes = device_memory_bytes(device, device_memory_gb)
     device_line = check_estimate(estimate, device_bytes, skip)
-    host_line = check_host(estimate, host_memory_bytes(device, host_memory_gb), skip)
+    # auto trades host bytes for device bytes itself and refuses when nothing fits both
+    # (offload_run.chunk_placement): its full-offload host figure is no reason to refuse
+    host_line = None if estimate.layout.offload_auto else check_host(estimate, host_memory_bytes(device, host_memory_gb),
+                                                                      skip)
     return format_table(estimate, device_bytes) + [device_line] + ([host_line] if host_line else [])
 
 

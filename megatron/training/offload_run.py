@@ -42,6 +42,10 @@ def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> t
     costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
     decision = auto_placement(order, numels, costs, device_memory_bytes(device, run.training.device_memory_gb), fixed,
                               weight_bytes, host_memory_bytes(device, run.training.host_memory_gb))
+    if not decision.fits and not run.training.skip_memory_check:
+        raise ValueError(f"--offload-policy auto finds no placement of pipeline rank {pp_rank}'s chunks that fits both "
+                         f"budgets: {decision.describe()[len('> offload policy auto: '):]}; raise --device-memory-gb or "
+                         f"--host-memory-gb, add ranks, recompute activations, or pass --skip-memory-check")
     return decision.placement, decision
 
 

@@ -138,7 +138,8 @@ def test_host_chunks_match_one_process(results, world, layout):
 
 def test_cli_torchrun_host_resident_matches_one_rank():
     """From the command line: 2 ranks with every shard on host print the one-rank losses and the
-    host traffic; a host budget below the slab is refused at start-up in one line."""
+    host traffic; a host budget below the slab is refused at start-up in one line, and so is an
+    auto placement that cannot fit both budgets."""
     two = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA, FULL, 2)
     line = re.search(r"host slab \S+ MiB \(optimizer state of (\d+), gradients of (\d+), parameters of (\d+) of "
                      r"(\d+) chunks\).*parameter gathers from host (\S+)/iter, started ahead (\d+)%", two.stdout)
@@ -146,6 +147,10 @@ def test_cli_torchrun_host_resident_matches_one_rank():
     tight = run_cli("pretrain_llama.py", TINY_LLAMA + FULL + ["--host-memory-gb", "0.00001"])
     assert tight.returncode == 2 and tight.stderr.strip().count("\n") == 0, explain(tight)
     assert "of host-resident chunk state" in tight.stderr and "--host-memory-gb" in tight.stderr
+    auto = run_cli("pretrain_llama.py", TINY_LLAMA + HOST + ["--offload-policy", "auto", "--device-memory-gb", "0.0012",
+                                                             "--host-memory-gb", "0.00001"])
+    assert auto.returncode == 2 and auto.stderr.strip().count("\n") == 0, explain(auto)
+    assert "--offload-policy auto finds no placement" in auto.stderr and "DOES NOT FIT" in auto.stderr
 
 
 def test_checkpoint_resumes_with_and_without_host_chunks(tmp_path):
