@@ -32,8 +32,6 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 class KernelChoice:
     attention: str             # "ring" | "triton" | "flash" | "efficient" | "math"
     norm: str                  # "triton" | "torch"
-    torch_rms_norm: str        # what F.rms_norm runs: "composite" (CPU) | "fused" (CUDA)
-    dropout_mask_bytes: int    # per element of a hidden-dropout mask
 
     def describe(self) -> str:
         return f"attention {self.attention}, norms {self.norm}"
@@ -66,12 +64,9 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
     """The kernels our code runs for `config` on `device_type` during training."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation must be one of {', '.join(ATTENTION_IMPLS)}, got {attention!r}")
-    cpu = device_type == "cpu"
     triton_norm = (_triton_runs(config.normalization_impl, device_type)
                    and norm_unsupported(config.hidden_size, config.params_dtype) is None)
     return KernelChoice(
         attention=_auto_attention(config, device_type) if attention == "auto" else attention,
         norm="triton" if triton_norm else "torch",
-        torch_rms_norm="composite" if cpu else "fused",
-        dropout_mask_bytes=dtype_bytes(config.params_dtype) if cpu else 1,
     )
