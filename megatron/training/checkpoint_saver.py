@@ -56,19 +56,23 @@ class _Pending:
 class CheckpointSaver:
     """Saves into `root`; every method is a collective (all ranks call them at the same points)."""
 
-    def __init__(self, root: str, trainer, emit, asynchronous: bool):
+    def __init__(self, root: str, trainer, emit, asynchronous: bool, log_window=None):
+        """`log_window()`: the log's open averaging window, stored with each save (a collective)."""
         self.root, self.trainer, self.emit = root, trainer, emit
+        self.log_window = log_window
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: _Pending | None = None
 
     def save(self, iteration: int) -> None:
+        window = self.log_window() if self.log_window is not None else None
         if self.group is None:
-            save = save_megatron_checkpoint if self.trainer.run.checkpoint.ckpt_format == "torch_dist" else \
-                save_checkpoint
-            self.emit(f"> saved {save(self.root, iteration, self.trainer)}")
+            if self.trainer.run.checkpoint.ckpt_format == "torch_dist":  # Megatron-LM's format has no place for it
+                self.emit(f"> saved {save_megatron_checkpoint(self.root, iteration, self.trainer)}")
+            else:
+                self.emit(f"> saved {save_checkpoint(self.root, iteration, self.trainer, window)}")
             return
         self.finish()  # one save in flight at a time
-        pieces, metadata = checkpoint_contents(self.trainer, iteration)
+        pieces, metadata = checkpoint_contents(self.trainer, iteration, log_window=window)
         staging = prepare_staging(self.root, iteration)
         snapshot = [piece.snapshot() for piece in pieces]
         self.pending = _Pending(iteration, staging, metadata,

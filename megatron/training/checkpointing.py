@@ -180,9 +180,11 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
 
 
-def checkpoint_contents(trainer, iteration: int, rng: bool = True) -> tuple[list[TensorPiece], dict]:
+def checkpoint_contents(trainer, iteration: int, rng: bool = True,
+                        log_window: dict | None = None) -> tuple[list[TensorPiece], dict]:
     """(this rank's pieces: model, optimizer state and, with `rng`, RNG states; the metadata) of a
-    save after `iteration`. The pieces are views of the live tensors."""
+    save after `iteration`, with the log's open averaging window when given. The pieces are views
+    of the live tensors."""
     trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
     master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
     pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
@@ -193,13 +195,16 @@ def checkpoint_contents(trainer, iteration: int, rng: bool = True) -> tuple[list
                 "model": model_record(trainer.run.model), "layout": layout_of(trainer),
                 "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
                 "contents": ["model", "optimizer"] + (["rng"] if rng else [])}
+    if log_window is not None:
+        metadata["log_window"] = log_window
     return pieces, metadata
 
 
-def save_checkpoint(root: str, iteration: int, trainer) -> str:
-    """Save model, optimizer state, RNG states and the data position after `iteration` as
-    `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces). Returns the directory."""
-    return commit_checkpoint(root, iteration, *checkpoint_contents(trainer, iteration))
+def save_checkpoint(root: str, iteration: int, trainer, log_window: dict | None = None) -> str:
+    """Save model, optimizer state, RNG states and the data position after `iteration` (and the
+    log's open window) as `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces).
+    Returns the directory."""
+    return commit_checkpoint(root, iteration, *checkpoint_contents(trainer, iteration, log_window=log_window))
 
 
 def consumed_samples(run, iteration: int) -> int:

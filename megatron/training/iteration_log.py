@@ -1,10 +1,11 @@
 """What the training loop reports after each iteration, with Megatron's timing.
 
-- a line every --log-interval iterations, after each checkpoint save and the last iteration,
-  and always after the first iteration of a run. A line closes the averaging window unless it
-  is only there for being the first (the next line then covers that iteration too). Windows
-  end at every save, so a run resumed from any checkpoint prints the very lines (loss, grad
-  norm, learning rate, skipped counts) the uninterrupted run prints;
+- a line every --log-interval iterations and after the last iteration, and always after the
+  first iteration of a run. A line closes the averaging window unless it is only there for
+  being the first (the next line then covers that iteration too). A checkpoint stores the
+  window still open (`window_state`), so a run resumed from it prints the very lines (loss,
+  grad norm, learning rate, skipped counts) the uninterrupted run prints, at Megatron's
+  intervals (Megatron itself starts a resumed run with an empty window);
 - Megatron's memory line once, after the first iteration;
 - TensorBoard / W&B scalars with every line (iteration time, memory and world size when asked);
 - --log-params-norm and --log-num-zeros-in-grad figures (collectives: every rank calls `report`).
@@ -50,7 +51,8 @@ def num_zeros_in_grad(optimizer) -> int:
 
 
 class IterationLog:
-    def __init__(self, trainer, emit, first_iteration: int):
+    def __init__(self, trainer, emit, first_iteration: int, window: dict | None = None):
+        """`window`: the open averaging window a checkpoint stored (None: an empty one)."""
         run = trainer.run
         self.trainer, self.emit, self.first_iteration = trainer, emit, first_iteration
         self.config, self.training = run.logging, run.training
@@ -60,14 +62,20 @@ class IterationLog:
         wandb_dir = self.config.wandb_save_dir or os.path.join(self.config.tensorboard_dir or ".", "wandb")
         self.wandb = WandbWriter(self.config.wandb_project, self.config.wandb_exp_name, wandb_dir,
                                  {"model": vars(run.model).copy(), "training": vars(run.training).copy()}, last)
-        self.totals = IntervalTotals()
-        self.data_wait = 0.0
+        self.totals = IntervalTotals() if window is None else IntervalTotals.from_state(window["totals"])
+        self.data_wait = 0.0 if window is None else window["data_wait"]
         self._auto_logged = False
+
+    def window_state(self) -> dict:
+        """The open averaging window of the rank that prints (a collective: every rank gets it)."""
+        state = [{"totals": self.totals.state(), "data_wait": self.data_wait} if self.rank == self.world - 1 else None]
+        dist.broadcast_object_list(state, src=self.world - 1)
+        return state[0]
 
     def report(self, iteration: int, result, elapsed, force: bool = False) -> None:
         """Account for one iteration; print and write scalars when a line is due. `elapsed`: its
         seconds, or a callable giving them (read only for a line, see training.timed_step);
-        `force`: the window ends here (a save, the last iteration, an early exit)."""
+        `force`: the window ends here (the last iteration, an early exit)."""
         self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration

@@ -40,6 +40,20 @@ class IntervalTotals:
             self._loss_sum = self._loss_sum + loss
             self.loss_count += 1
 
+    def state(self) -> dict:
+        """The open window as plain numbers (read now), for a checkpoint."""
+        return {"iterations": self.iterations, "skipped": self.skipped, "loss_count": self.loss_count,
+                "loss_sum": float(self._loss_sum), "nan": float(self._nan), "elapsed": self.elapsed,
+                "idle": self.idle_sum}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "IntervalTotals":
+        totals = cls()
+        totals.iterations, totals.skipped, totals.loss_count = state["iterations"], state["skipped"], state["loss_count"]
+        totals._loss_sum, totals._nan = state["loss_sum"], state["nan"]
+        totals._elapsed, totals._idle = [state["elapsed"]], [state["idle"]]
+        return totals
+
     @property
     def loss(self) -> float:
         return float(self._loss_sum) / self.loss_count if self.loss_count else math.nan

@@ -95,12 +95,13 @@ def _optimizer_state_line(trainer: Trainer) -> str:
     return line
 
 
-def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
+def train(trainer: Trainer, emit, start_iteration: int = 0, log_window: dict | None = None) -> None:
+    """`log_window`: the open averaging window of the log line, as the loaded checkpoint stored it."""
     run = trainer.run
     training = run.training
-    log = IterationLog(trainer, emit, first_iteration=start_iteration + 1)
+    log = IterationLog(trainer, emit, first_iteration=start_iteration + 1, window=log_window)
     profiler = IterationProfiler(run.logging, dist.get_rank(), trainer.device)
-    saver = (CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save)
+    saver = (CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save, log.window_state)
              if run.checkpoint.save else None)
     control = RunControl(run.checkpoint, saver.save if saver is not None else None, trainer.device)
     validation = Validation(trainer, emit, log)
@@ -114,9 +115,9 @@ def train(trainer: Trainer, emit, start_iteration: int = 0) -> None:
                 print(f"> rank {dist.get_rank()}: profiler trace written to {trace}", flush=True)
             if saver is not None:
                 saver.poll()  # finalizes a background save once every rank has written it
-            stop = control.after_iteration(iteration, training.train_iters)
-            window_ends = iteration == training.train_iters or stop is not None or control.last_save == iteration
-            log.report(iteration, result, elapsed, force=window_ends)
+            stop = control.stop_reason(iteration)
+            log.report(iteration, result, elapsed, force=iteration == training.train_iters or stop is not None)
+            control.save_if_due(iteration, training.train_iters, stop)  # with the log's open window
             if iteration % run.evaluation.interval == 0 and iteration != training.train_iters:
                 validation.run(iteration)
             if stop is not None:
@@ -157,13 +158,14 @@ def _train_from(validated: tuple, rank: int, world_size: int, backend: str) -> i
         print(f"> parameters per rank (rank order): {counts}", flush=True)
         print(state_line, flush=True)
     emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
-    start_iteration = 0
+    start_iteration, log_window = 0, None
     if checkpoint is not None:
         start_iteration, notes = load_checkpoint(checkpoint, trainer, run.checkpoint)
+        log_window = checkpoint.metadata.get("log_window") if start_iteration else None
         for line in notes:
             emit(line)
     try:
-        train(trainer, emit=emit, start_iteration=start_iteration)
+        train(trainer, emit=emit, start_iteration=start_iteration, log_window=log_window)
     finally:
         trainer.close()
     dist.barrier()  # no rank tears gloo down while a peer still talks to it

@@ -24,7 +24,6 @@ class RunControl:
         self.config, self.save, self.device = config, save, device
         self.start_time = time.monotonic() if start_time is None else start_time
         self.signalled = False
-        self.last_save: int | None = None  # the iteration of the latest save
         if config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -46,15 +45,17 @@ class RunControl:
             return f"--exit-duration-in-mins {config.exit_duration_in_mins} reached"
         return None
 
-    def after_iteration(self, iteration: int, last: int) -> str | None:
-        """Save if due; returns why training stops now (None: go on). Same answer on every rank."""
-        config = self.config
+    def stop_reason(self, iteration: int) -> str | None:
+        """Why training stops after this iteration (None: go on). Same answer on every rank."""
         reason = self._shared_exit_reason()
-        if reason is None and config.exit_interval and iteration % config.exit_interval == 0:
-            reason = f"--exit-interval {config.exit_interval} reached"
+        if reason is None and self.config.exit_interval and iteration % self.config.exit_interval == 0:
+            reason = f"--exit-interval {self.config.exit_interval} reached"
+        return reason
+
+    def save_if_due(self, iteration: int, last: int, reason: str | None) -> None:
+        """Save after the last iteration, every --save-interval, and before an early exit (`reason`)."""
+        config = self.config
         interval = config.save_interval and iteration % config.save_interval == 0
         due = iteration == last or reason is not None or interval
         if config.save and due:
             self.save(iteration)
-            self.last_save = iteration
-        return reason

@@ -267,10 +267,15 @@ def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
 def _signal_control(rank: int, root: str) -> tuple:
     saved = []
     control = RunControl(CheckpointConfig(save=root, exit_signal_handler=True), saved.append, torch.device("cpu"))
-    first = control.after_iteration(1, 10)
+    def after(iteration):
+        reason = control.stop_reason(iteration)
+        control.save_if_due(iteration, 10, reason)
+        return reason
+
+    first = after(1)
     if rank == 0:
         os.kill(os.getpid(), signal.SIGTERM)
-    second = control.after_iteration(2, 10)
+    second = after(2)
     return first, second, saved
 
 

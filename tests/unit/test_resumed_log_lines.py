@@ -1,5 +1,7 @@
 """A resumed run prints the uninterrupted run's iteration lines (loss, grad norm, learning rate,
-loss scale, skipped and nan counts) for every iteration both print, at any log interval."""
+loss scale, skipped and nan counts) for every iteration both print, at any log interval, and
+both print at Megatron's intervals only: a save stores the open averaging window instead of
+ending it (at interval 2 the save after iteration 3 falls inside the window 3-4)."""
 from __future__ import annotations
 
 import re
@@ -34,6 +36,7 @@ def test_resumed_run_prints_the_uninterrupted_lines(tmp_path, interval):
     resumed = run_cli("pretrain_llama.py", flags + ["--load", str(tmp_path)])
     assert resumed.returncode == 0, explain(resumed)
     before, after = _lines(straight.stdout), _lines(resumed.stdout)
+    assert sorted(before) == [i for i in range(1, 7) if i % interval == 0 or i in (1, 6)], straight.stdout
     expected = [i for i in range(4, 7) if i % interval == 0 or i == 6]
     assert sorted(after) == expected, resumed.stdout
     for iteration in expected:
