@@ -14,7 +14,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, StepStats, reduced_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
-from megatron.core.tensor_parallel.sharding import initialize_parameters
+from megatron.core.tensor_parallel.sharding import deferred_initialization
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
@@ -52,11 +52,10 @@ class Trainer:
         model_cfg, parallel, training = run.model, run.parallel, run.training
         self.mesh = ParallelMesh(parallel.dims, device.type)
         torch.manual_seed(training.seed)  # dropout uses each model chunk's own streams (RNGTracker)
-        modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device,
-                                     parallel.first_stage_layers, parallel.last_stage_layers)
-        for module in modules:
-            initialize_parameters(module, training.seed)
-        self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group) for m in modules]
+        with deferred_initialization():  # each parameter is initialised in its buffer (a shard at a time)
+            modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device,
+                                         parallel.first_stage_layers, parallel.last_stage_layers)
+        self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed) for m in modules]
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None
         if run.optimizer.offload.enabled:

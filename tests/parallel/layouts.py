@@ -46,6 +46,7 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     bytes the buffers hold after the last step, and how many WEIGHT steps (split backward)
     this rank's schedule has."""
     trainer = build_trainer(model, extra)
+    trainer.optimizer.finish_param_sync()  # sharded parameters are kept as shards until first used
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
     losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.distributed.bucket_layout import STRATEGIES, default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.distributed.param_gather import BucketHooks
+from megatron.core.tensor_parallel.sharding import is_deferred
 from megatron.core.tensor_parallel.weight_grads import WeightGradQueue
 
 
@@ -73,7 +74,9 @@ class DDPConfig:
 
 
 class ModelChunkBuffers(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config: DDPConfig, dp_cp_group):
+    def __init__(self, module: torch.nn.Module, config: DDPConfig, dp_cp_group, init_seed: int | None = None):
+        """`init_seed`: the run's seed, for parameters made under `deferred_initialization`
+        (initialised in the buffer, see ParamAndGradBuffer)."""
         super().__init__()
         self.module = module
         self.config = config
@@ -83,7 +86,11 @@ class ModelChunkBuffers(torch.nn.Module):
         bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
         self.buffer = ParamAndGradBuffer(list(reversed(named)), grad_dtype=config.grad_dtype,
                                          bucket_size=bucket_size, group=dp_cp_group,
-                                         strategy=config.sharding_strategy)
+                                         strategy=config.sharding_strategy, init_seed=init_seed)
+        unplaced = [n for n, p in module.named_parameters() if is_deferred(p)]
+        if unplaced:
+            raise ValueError(f"{unplaced[0]}: a deferred parameter outside the gradient buffers was never "
+                             "initialised (frozen parameters are not built deferred)")
         self.bucket_hooks = (BucketHooks(module, self.buffer, config.reshard_after_forward)
                              if self.buffer.shards_grads else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, STRATEGIES, BufferLayout
 from megatron.core.distributed.transient import TransientBuffer
+from megatron.core.tensor_parallel.sharding import initialize_, is_deferred
 
 
 class Bucket:
@@ -153,6 +154,10 @@ class Bucket:
         self.start_param_gather()
         self.finish_param_gather()
 
+    def take_shard(self) -> None:
+        """Copy this rank's shard out of the whole (gathered) bucket of parameters."""
+        self.param_shard.copy_(self.param[self.shard_slot])
+
     def release_params(self) -> None:
         """Sharded parameters: drop the whole bucket (this rank's shard stays)."""
         if self.shards_params:
@@ -162,9 +167,13 @@ class Bucket:
 
 class ParamAndGradBuffer:
     """`named_params`: (name, parameter) in the order backward produces their gradients.
-    `strategy`: one of STRATEGIES (anything but no_shard splits each bucket over the group)."""
+    `strategy`: one of STRATEGIES (anything but no_shard splits each bucket over the group).
+    Parameters made under `deferred_initialization` are initialised here, in their place in the
+    buffer (`init_seed`: the run's seed), bucket by bucket: with sharded parameters a bucket is
+    whole only while it is filled and its shard taken, so building never holds the whole model."""
 
-    def __init__(self, named_params: list, *, grad_dtype: torch.dtype, bucket_size: int, group, strategy: str):
+    def __init__(self, named_params: list, *, grad_dtype: torch.dtype, bucket_size: int, group, strategy: str,
+                 init_seed: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         dtypes = {p.dtype for _, p in named_params}
@@ -182,24 +191,38 @@ class ParamAndGradBuffer:
         self.param_data = None if shard_params else torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
         self.grad_data = None if shard_grads else torch.zeros(self.layout.numel, dtype=grad_dtype, device=self.device)
         self.params = dict(named_params)
-        self.buckets = [Bucket(bucket, self.param_data, self.grad_data,
-                               [self.params[p.name] for p in self.layout.params if p.bucket == index], group,
-                               self.shard_rank, dtype=dtype, grad_dtype=grad_dtype, device=self.device)
-                        for index, bucket in enumerate(self.layout.buckets)]
-        for place in self.layout.params:
-            param, bucket = self.params[place.name], self.buckets[place.bucket]
-            start, end = place.start - bucket.place.start, place.end - bucket.place.start
-            view = bucket.param[start:end]
-            view.copy_(param.detach().reshape(-1))
-            param.data = view.view(param.shape)
-            param.main_grad = bucket.grad[start:end].view(param.shape)
-            param.grad_added_to_main_grad = False
-        self.take_param_shards()
-        for bucket in self.buckets:
+        self.buckets = []
+        for index, place in enumerate(self.layout.buckets):
+            members = [p for p in self.layout.params if p.bucket == index]
+            bucket = Bucket(place, self.param_data, self.grad_data, [self.params[p.name] for p in members], group,
+                            self.shard_rank, dtype=dtype, grad_dtype=grad_dtype, device=self.device)
+            self.buckets.append(bucket)
+            for member in members:
+                self._place(self.params[member.name], member, bucket, init_seed)
+            if bucket.shards_params:  # keep the shard; the whole bucket is gathered when first used
+                bucket.take_shard()
+                bucket.param_full.free()
             bucket.zero_grad()
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self.reuse_waits: list = []
         self._reducing: list = []  # sharded gradients: buckets whose reduce-scatter is in flight
+
+    @staticmethod
+    def _place(param, member, bucket: Bucket, init_seed: int | None) -> None:
+        """Make `param` a view of its place in the bucket, with its value: initialised there when it
+        was deferred, else copied in; its `main_grad` a view of the gradient bucket."""
+        start, end = member.start - bucket.place.start, member.end - bucket.place.start
+        view = bucket.param[start:end].view(param.shape)
+        if is_deferred(param):
+            if init_seed is None:
+                raise ValueError(f"{member.name}: a deferred parameter needs the run's seed to be initialised")
+            initialize_(view, param.init_spec, init_seed, member.name)
+            param.deferred_init = False
+        else:
+            view.copy_(param.detach())
+        param.data = view
+        param.main_grad = bucket.grad[start:end].view(param.shape)
+        param.grad_added_to_main_grad = False
 
     @property
     def shards_grads(self) -> bool:
@@ -221,7 +244,7 @@ class ParamAndGradBuffer:
         """Sharded parameters: copy this rank's shard out of the whole (gathered) buckets."""
         for bucket in self.buckets:
             if bucket.shards_params:
-                bucket.param_shard.copy_(bucket.param[bucket.shard_slot])
+                bucket.take_shard()
 
     def zero(self) -> None:
         """Zero the gradients once whatever still reads them is done (`reuse_waits`: callables

@@ -20,6 +20,8 @@ full tensor (its real rows), so its shards are layout-independent too.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import math
@@ -189,9 +191,33 @@ def use_init_method(module: torch.nn.Module, method: str) -> None:
             param.init_spec = dataclasses.replace(param.init_spec, kind=method)
 
 
+_DEFERRED = contextvars.ContextVar("deferred_initialization", default=False)
+
+
+@contextlib.contextmanager
+def deferred_initialization():
+    """Parameters made inside hold no memory: shape, dtype, device and InitSpec only, until the
+    storage they are given is filled by `initialize_` (the gradient buffers do it bucket by
+    bucket, so a rank never holds its whole model, only its shards and one bucket at a time)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def is_deferred(param: torch.Tensor) -> bool:
+    """A parameter made under `deferred_initialization` that has not been initialised yet."""
+    return getattr(param, "deferred_init", False)
+
+
 def make_param(shape, spec: InitSpec, dtype, device, **attrs) -> torch.nn.Parameter:
-    """An uninitialised parameter of this rank's `shape` tagged with its InitSpec and attributes."""
+    """An uninitialised parameter of this rank's `shape` tagged with its InitSpec and attributes
+    (holding no memory under `deferred_initialization`)."""
     param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    if _DEFERRED.get():
+        param.untyped_storage().resize_(0)
+        param.deferred_init = True
     param.init_spec = spec
     for key, value in attrs.items():
         setattr(param, key, value)
