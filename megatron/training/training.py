@@ -14,7 +14,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, StepStats, reduced_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
-from megatron.core.tensor_parallel.sharding import deferred_initialization
+from megatron.core.tensor_parallel.sharding import deferred_initialization, is_deferred
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
@@ -55,6 +55,9 @@ class Trainer:
         with deferred_initialization():  # each parameter is initialised in its buffer (a shard at a time)
             modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device,
                                          parallel.first_stage_layers, parallel.last_stage_layers)
+        eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
+        if eager:  # it would keep the value it was built with, not its InitSpec's
+            raise ValueError(f"{eager[0]}: a parameter not made by make_param cannot be initialised in its buffer")
         self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed) for m in modules]
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None

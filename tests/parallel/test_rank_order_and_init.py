@@ -3,13 +3,17 @@
 The alternative rank order only renumbers ranks, so TP=2 x PP=2 x DP=2 on 8 ranks with it gives
 the one-process losses, grad norm, gradients and initial weights (GPT: tied embeddings, whose
 embedding group now joins ranks 2 apart). Xavier-uniform weights are drawn per tile of the full
-tensor, so TP=2 and PP=2 start from exactly the one-process weights and reproduce its run.
+tensor, so TP=2 and PP=2 start from exactly the one-process weights and reproduce its run. The trainer,
+which initialises every parameter in its place in the gradient buffers, starts from the values
+an eagerly built and initialised model holds (GPT with learned positions and Llama, replicated
+and with sharded parameters).
 """
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from megatron.core.tensor_parallel.sharding import xavier_bound
 from tests.distributed import run_distributed
@@ -83,3 +87,30 @@ def test_xavier_uniform_draws_every_weight_matrix(results, model):
             assert spec.kind in ("zeros", "ones"), name
     if model == "gpt":
         assert results["one-process-xavier-gpt"][0]["losses"] != results["one-process"][0]["losses"]
+
+
+def _trainer_and_eager_weights(rank: int) -> list[tuple[str, bool]]:
+    """The trainer initialises each parameter in its buffer (deferred); a model built eagerly and
+    initialised by `initialize_parameters` must hold the very same values, whatever the strategy."""
+    from megatron.core.models.stages import build_model_chunks
+    from megatron.core.tensor_parallel.sharding import initialize_parameters
+    from tests.parallel.layouts import build_trainer
+
+    out = []
+    for model in ("gpt", "llama"):
+        for flags in ([], ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]):
+            trainer = build_trainer(model, flags)  # GPT: learned absolute positions
+            trainer.optimizer.finish_param_sync()
+            run = trainer.run
+            eager = build_model_chunks(run.model, trainer.mesh, run.parallel.virtual_stages, run.training.seed)
+            for module in eager:
+                initialize_parameters(module, run.training.seed)
+            built = dict(p for m in eager for p in m.named_parameters())
+            out += [(name, torch.equal(p, built[name])) for chunk in trainer.chunks
+                    for name, p in chunk.module.named_parameters()]
+    return out
+
+
+def test_trainer_initialises_as_an_eagerly_built_model():
+    for name, equal in run_distributed(1, _trainer_and_eager_weights)[0]:
+        assert equal, f"{name}: initialised in its buffer differs from the eagerly built model"

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.transient import TransientBuffer
 from megatron.core.memory.estimator import estimate_memory
 from megatron.training.arguments import parse_run_config
 from megatron.training.memory_check import layout_from_run
@@ -219,3 +220,30 @@ def test_checkpoint_resumes_under_another_strategy_and_layout(tmp_path):
 def test_cli_torchrun_optim_grads_params_matches_one_rank():
     two = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA, PARAMS, 2)
     assert "sharding strategy optim_grads_params: weights and gradients kept as shards over dp x cp = 2" in two.stdout
+
+
+def _building_peak(rank: int) -> tuple[int, int, int]:
+    """(most bytes of whole buckets alive at once while the trainer is built, the largest bucket's
+    parameter + gradient bytes, the whole model's), under optim_grads_params."""
+    live, peak, original = [], [0], TransientBuffer.__init__
+
+    def counting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        live.append(self)
+        peak[0] = max(peak[0], sum(b.nbytes for b in live if b.allocated))
+
+    TransientBuffer.__init__ = counting
+    try:
+        trainer = build_trainer("gpt", COMMON + PARAMS)
+    finally:
+        TransientBuffer.__init__ = original
+    buckets = [b for chunk in trainer.chunks for b in chunk.buffer.buckets]
+    largest = max(b.param_full.nbytes + b.grad_full.nbytes for b in buckets)
+    return peak[0], largest, sum(b.param_full.nbytes + b.grad_full.nbytes for b in buckets)
+
+
+def test_building_holds_one_whole_bucket_at_a_time():
+    """Parameters are built holding no memory and initialised in their bucket, which keeps only
+    the shard before the next bucket is made: building never holds the whole model."""
+    for rank, (peak, largest, whole) in enumerate(run_distributed(2, _building_peak)):
+        assert peak == largest < whole / 4, f"rank {rank}: {peak} bytes of whole buckets at once ({largest}, {whole})"

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.sharding import InitSpec
+from megatron.core.tensor_parallel.sharding import InitSpec, make_param
 from megatron.core.transformer.attention import document_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.layer import hidden_dropout
@@ -42,9 +42,10 @@ class LanguageModelEmbedding(torch.nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                           dtype=config.params_dtype, device=device)
-            weight = self.position_embeddings.weight
-            weight.init_spec = InitSpec(tuple(weight.shape), std=config.init_method_std)
-            weight.sequence_parallel = config.sequence_parallel
+            shape = (config.max_position_embeddings, config.hidden_size)
+            self.position_embeddings.weight = make_param(shape, InitSpec(shape, std=config.init_method_std),
+                                                         config.params_dtype, device,
+                                                         sequence_parallel=config.sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP).
