@@ -44,7 +44,7 @@ def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> t
                               weight_bytes, host_memory_bytes(device, run.training.host_memory_gb))
     if not decision.fits and not run.training.skip_memory_check:
         raise ValueError(f"--offload-policy auto finds no placement of pipeline rank {pp_rank}'s chunks that fits both "
-                         f"budgets: {decision.describe()[len('> offload policy auto: '):]}; raise --device-memory-gb or "
+                         f"budgets: {decision.summary()}; raise --device-memory-gb or "
                          f"--host-memory-gb, add ranks, recompute activations, or pass --skip-memory-check")
     return decision.placement, decision
 

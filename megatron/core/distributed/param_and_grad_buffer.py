@@ -46,7 +46,7 @@ class Bucket:
         start, end = place.shard(shard_rank)
         self.shard_slot = slice(start - place.start, end - place.start)  # this rank's part of the whole bucket
         self.shards_grads, self.shards_params = grad_data is None, param_data is None
-        if self.shards_params:  # gathered on demand; whole at construction (parameters are copied in)
+        if self.shards_params:  # gathered on demand; whole at construction only while its parameters are placed
             self.param_full = TransientBuffer(place.numel, dtype, device)
             self.param = self.param_full.data
             self.param_shard = torch.zeros(end - start, dtype=dtype, device=device)
@@ -142,10 +142,10 @@ class Bucket:
 
     def finish_param_gather(self) -> None:
         if self.param_handle is not None:
-            begin = time.perf_counter()
+            begin = time.perf_counter() if self.params_on_host else None
             self.param_handle.wait()
             self.param_handle = None
-            if self.params_on_host:
+            if begin is not None:
                 self.host_chunks.record_wait(time.perf_counter() - begin)
 
     def gather_params(self) -> None:
@@ -192,8 +192,11 @@ class ParamAndGradBuffer:
         self.grad_data = None if shard_grads else torch.zeros(self.layout.numel, dtype=grad_dtype, device=self.device)
         self.params = dict(named_params)
         self.buckets = []
+        members_of: dict[int, list] = {}
+        for member in self.layout.params:
+            members_of.setdefault(member.bucket, []).append(member)
         for index, place in enumerate(self.layout.buckets):
-            members = [p for p in self.layout.params if p.bucket == index]
+            members = members_of.get(index, [])
             bucket = Bucket(place, self.param_data, self.grad_data, [self.params[p.name] for p in members], group,
                             self.shard_rank, dtype=dtype, grad_dtype=grad_dtype, device=self.device)
             self.buckets.append(bucket)

@@ -121,19 +121,25 @@ class AutoDecision:
     host_budget_bytes: int | None = None
 
     @property
+    def room_bytes(self) -> int | None:
+        """Device bytes the movable parts may take (None: no limit known)."""
+        return None if self.budget_bytes is None else self.budget_bytes - self.fixed_bytes - self.margin_bytes
+
+    @property
     def spare_bytes(self) -> int | None:
         """Device room the placement left over (None: no limit known): what a forward may keep of
         its gathered buckets for its backward (param_gather.BucketHooks.keep_gathered)."""
-        if self.budget_bytes is None:
-            return None
-        return max(0, self.budget_bytes - self.fixed_bytes - self.margin_bytes - self.kept_bytes)
+        return None if self.room_bytes is None else max(0, self.room_bytes - self.kept_bytes)
 
     @property
     def fits(self) -> bool:
-        device = self.budget_bytes is None or self.kept_bytes <= self.budget_bytes - self.fixed_bytes - self.margin_bytes
+        device = self.room_bytes is None or self.kept_bytes <= self.room_bytes
         return device and (self.host_budget_bytes is None or self.host_bytes <= self.host_budget_bytes)
 
     def describe(self) -> str:
+        return "> offload policy auto: " + self.summary()
+
+    def summary(self) -> str:
         counts = {part: self.chunks - n for part, n in self.placement.counts().items()}
         kept = ", ".join(f"{name} of {counts[part]}/{self.chunks} chunks"
                          for part, name in (("params", "parameters"), ("grads", "gradients"),
@@ -141,9 +147,8 @@ class AutoDecision:
         host = f"on host {_size(self.host_bytes)}" + (
             f" of {_size(self.host_budget_bytes)} (--host-memory-gb)" if self.host_budget_bytes is not None else "")
         if self.budget_bytes is None:
-            return (f"> offload policy auto: no device memory limit known (CPU without --device-memory-gb): {kept} on "
-                    f"the device; {host}")
-        return (f"> offload policy auto: budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
+            return f"no device memory limit known (CPU without --device-memory-gb): {kept} on the device; {host}"
+        return (f"budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
                 f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
                 f"device {kept} ({_size(self.kept_bytes)}); {host}" + ("" if self.fits else "; DOES NOT FIT") +
                 f"; spare {_size(self.spare_bytes)}")
