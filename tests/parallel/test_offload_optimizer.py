@@ -183,6 +183,12 @@ def test_fp16_skip_and_byte_accounting():
     (FULL + ["--offload-policy", "auto", "--grad-offload-fraction", "1"], "applies to --offload-policy static"),
     (FULL + ["--grad-offload-fraction", "1"], "--grad-offload-fraction needs sharded gradients"),
     (DIST + ["--param-offload-fraction", "0.5"], "--param-offload-fraction needs --optimizer-cpu-offload"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--optimizer-cpu-offload",
+      "--grad-offload-fraction", "1.5"], "--grad-offload-fraction must be in [0, 1], got 1.5"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload",
+      "--grad-offload-fraction", "0.5", "--param-offload-fraction", "1"],
+     "need --param-offload-fraction (1) <= --grad-offload-fraction (0.5) <= --optimizer-offload-fraction (1)"),
+    (DIST + ["--unsharded-grad-accumulation"], "--unsharded-grad-accumulation applies to --data-parallel-sharding"),
 ])
 def test_bad_input_is_one_line(flags, message):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

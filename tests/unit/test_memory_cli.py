@@ -152,6 +152,13 @@ def test_invalid_input_exit_2_one_line(argv, message, capsys):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+def test_planner_bad_host_link_is_one_line(capsys):
+    argv = ["--num-gpus", "1", "--device-memory-gb", "16", "--host-link-gbps", "0"] + LLAMA_7B[:-4] + [
+        "--global-batch-size", "8"]
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 2 and not out and err.strip() == "error: --host-link-gbps must be > 0, got 0.0", err
+
+
 def test_real_process_exit_codes():
     """End to end: exit status and a single error line without traceback."""
     cmd = [sys.executable, str(REPO / "tools" / "estimate_memory.py")]
