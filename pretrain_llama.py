@@ -1,7 +1,8 @@
 """Pre-train a Llama model (RMSNorm, rotary positions, SwiGLU, no biases, untied output layer, GQA allowed).
 
-    torchrun --nproc-per-node 4 pretrain_llama.py --num-layers 2 --hidden-size 64 ... --mock-data --vocab-size 256
+torchrun --nproc-per-node 4 pretrain_llama.py --num-layers 2 --hidden-size 64 ... --mock-data --vocab-size 256
 """
+
 import sys
 
 from megatron.training.arguments import LLAMA_DEFAULTS

@@ -3,6 +3,7 @@
 torch is required but never upgraded here: GPU users bring their own build, and a
 CPU-only machine should run `pip install torch==2.13.0` first (see README.md).
 """
+
 from setuptools import find_packages, setup
 
 setup(

@@ -7,6 +7,7 @@
   * 'auto'   runs Triton when it can (triton importable, tensors on CUDA, shape and dtype
     supported by the kernel) and the torch reference otherwise.
 """
+
 import contextlib
 import os
 
@@ -33,6 +34,7 @@ except ImportError:  # Triton is optional: the torch references cover every op.
 
     def jit(fn=None, **_options):
         return fn if fn is not None else (lambda f: f)
+
 
 IMPLS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

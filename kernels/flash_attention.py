@@ -15,6 +15,7 @@ Scores are computed in base 2 (the softmax scale folded with log2(e)) so exp2 ca
 Each loop runs in up to three ranges: blocks that need the causal/bounds mask and the blocks
 between them that do not, so the mask costs nothing away from the diagonal and the ragged end.
 """
+
 import math
 
 import torch
@@ -102,9 +103,26 @@ def _query_ranges(start_n, s_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CA
 
 # ----------------------------------------------------------------------------- forward
 @jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, kv_stride, offs_m, offs_d, s_k, lo, hi, qk_scale,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_inner(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    kv_stride,
+    offs_m,
+    offs_d,
+    s_k,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Online softmax over key blocks [lo, hi); m_i is the running row max in base-2 units."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -123,21 +141,37 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, kv_stride, offs_m, offs_d, s_k,
 
 
 @jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, s_q, s_k, n_heads, n_kv_heads, qk_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
-    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM,
-                                                                     BLOCK_M)
+def _attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    s_q,
+    s_k,
+    n_heads,
+    n_kv_heads,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM, BLOCK_M)
     q = _load_tile(Q + q_base, offs_m, n_heads * HEAD_DIM, offs_d, s_q, True, COMPUTE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     full_hi, hi = _key_ranges(start_m, s_k, BLOCK_M, BLOCK_N, CAUSAL)
     inner_args = (K + kv_base, V + kv_base, n_kv_heads * HEAD_DIM, offs_m, offs_d, s_k)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, *inner_args, 0, full_hi, qk_scale,
-                               BLOCK_N, False, CAUSAL, COMPUTE, PRECISION)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, *inner_args, full_hi, hi, qk_scale,
-                               BLOCK_N, True, CAUSAL, COMPUTE, PRECISION)
+    acc, m_i, l_i = _fwd_inner(
+        acc, m_i, l_i, q, *inner_args, 0, full_hi, qk_scale, BLOCK_N, False, CAUSAL, COMPUTE, PRECISION
+    )
+    acc, m_i, l_i = _fwd_inner(
+        acc, m_i, l_i, q, *inner_args, full_hi, hi, qk_scale, BLOCK_N, True, CAUSAL, COMPUTE, PRECISION
+    )
 
     _store_tile(O + q_base, offs_m, n_heads * HEAD_DIM, offs_d, s_q, acc / l_i[:, None])
     lse_rows = (b.to(tl.int64) * n_heads + head) * s_q + offs_m
@@ -146,8 +180,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, s_q, s_k, n_heads, n_kv_heads, qk_scale,
 
 # ----------------------------------------------------------------------------- backward
 @jit
-def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, s_q, n_heads, HEAD_DIM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+def _bwd_preprocess_kernel(
+    O, DO, DLSE, DELTA, s_q, n_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr
+):
     """delta = rowsum(dO * O) - dlse: with it dS = P * (dP - delta) also carries the lse gradient."""
     b = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -164,9 +199,27 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, s_q, n_heads, HEAD_DIM: tl.conste
 
 
 @jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, stat_base, q_stride, offs_n, offs_d, s_q, lo, hi, qk_scale,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    stat_base,
+    q_stride,
+    offs_n,
+    offs_d,
+    s_q,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
     Works on transposed scores [BLOCK_N, BLOCK_M] so no tile is transposed twice."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -187,9 +240,28 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, stat_base, q_stride, offs_n, offs
 
 
 @jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, n_heads, n_kv_heads, qk_scale, softmax_scale,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+def _attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    s_q,
+    s_k,
+    n_heads,
+    n_kv_heads,
+    qk_scale,
+    softmax_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_n = tl.program_id(0) * BLOCK_N
     b = tl.program_id(1) // n_kv_heads
     kv_head = tl.program_id(1) % n_kv_heads
@@ -208,17 +280,34 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, n_heads, n_
         stat_row = (b.to(tl.int64) * n_heads + head) * s_q
         args = (Q + q_base, DO + q_base, (LSE + stat_row, DELTA + stat_row), n_heads * HEAD_DIM, offs_n, offs_d, s_q)
         dk, dv = _dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, qk_scale, BLOCK_M, True, CAUSAL, COMPUTE, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, qk_scale, BLOCK_M, False, CAUSAL, COMPUTE,
-                             PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, qk_scale, BLOCK_M, False, CAUSAL, COMPUTE, PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, qk_scale, BLOCK_M, True, CAUSAL, COMPUTE, PRECISION)
     _store_tile(DK + kv_base, offs_n, kv_stride, offs_d, s_k, dk * softmax_scale)
     _store_tile(DV + kv_base, offs_n, kv_stride, offs_d, s_k, dv)
 
 
 @jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_d, s_k, lo, hi, qk_scale,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    kv_stride,
+    offs_m,
+    offs_d,
+    s_k,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -234,11 +323,28 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_d,
 
 
 @jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, n_heads, n_kv_heads, qk_scale, softmax_scale,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
-    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM,
-                                                                     BLOCK_M)
+def _attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    s_q,
+    s_k,
+    n_heads,
+    n_kv_heads,
+    qk_scale,
+    softmax_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    start_m, b, head, q_base, kv_base, offs_m, offs_d = _query_block(s_q, s_k, n_heads, n_kv_heads, HEAD_DIM, BLOCK_M)
     q_stride = n_heads * HEAD_DIM
     q = _load_tile(Q + q_base, offs_m, q_stride, offs_d, s_q, True, COMPUTE)
     do = _load_tile(DO + q_base, offs_m, q_stride, offs_d, s_q, True, COMPUTE)
@@ -260,17 +366,27 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, n_heads, n_kv_hea
 # test checks that each fits SM90 shared memory and compiles without register spills (which
 # is why dK/dV at head dim 128 uses BLOCK_M = 16). The interpreter uses the same tiles.
 _CONFIGS = {
-    ("fwd", 64): (128, 64, 4, 3), ("fwd", 128): (128, 64, 8, 3),
-    ("dkdv", 64): (32, 128, 8, 3), ("dkdv", 128): (16, 128, 8, 3),
-    ("dq", 64): (128, 32, 4, 3), ("dq", 128): (128, 32, 8, 3),
+    ("fwd", 64): (128, 64, 4, 3),
+    ("fwd", 128): (128, 64, 8, 3),
+    ("dkdv", 64): (32, 128, 8, 3),
+    ("dkdv", 128): (16, 128, 8, 3),
+    ("dq", 64): (128, 32, 4, 3),
+    ("dq", 128): (128, 32, 8, 3),
 }
 _PREPROCESS_BLOCK_M, _PREPROCESS_WARPS = 64, 4
 
 
 def _launch_options(kernel, head_dim, dtype):
     block_m, block_n, num_warps, num_stages = _CONFIGS[kernel, head_dim]
-    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE=dispatch.compute_dtype(dtype),
-                PRECISION=dispatch.dot_precision(dtype), num_warps=num_warps, num_stages=num_stages)
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        COMPUTE=dispatch.compute_dtype(dtype),
+        PRECISION=dispatch.dot_precision(dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 def _cdiv(a, b):
@@ -287,8 +403,9 @@ def _attn_forward(q, k, v, causal, softmax_scale):
     grid = (_cdiv(s_q, opts["BLOCK_M"]), batch * n_heads)
     if dispatch.shape_only(q):
         return out, lse
-    _attn_fwd_kernel[grid](q, k, v, out, lse, s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e),
-                           CAUSAL=causal, **opts)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e), CAUSAL=causal, **opts
+    )
     return out, lse
 
 
@@ -300,17 +417,28 @@ def _attn_backward(q, k, v, out, lse, dout, dlse, causal, softmax_scale):
     if dispatch.shape_only(q):
         return tuple(dispatch.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     _bwd_preprocess_kernel[(_cdiv(s_q, _PREPROCESS_BLOCK_M), batch * n_heads)](
-        out, dout, dlse, delta, s_q, n_heads, HEAD_DIM=head_dim, BLOCK_M=_PREPROCESS_BLOCK_M,
-        HAS_DLSE=dlse is not None, num_warps=_PREPROCESS_WARPS)
+        out,
+        dout,
+        dlse,
+        delta,
+        s_q,
+        n_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=_PREPROCESS_BLOCK_M,
+        HAS_DLSE=dlse is not None,
+        num_warps=_PREPROCESS_WARPS,
+    )
 
     dq, dk, dv = (dispatch.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     scalars = (s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e), softmax_scale)
     opts = _launch_options("dkdv", head_dim, q.dtype)
     _attn_bwd_dkdv_kernel[(_cdiv(s_k, opts["BLOCK_N"]), batch * n_kv_heads)](
-        q, k, v, dout, lse, delta, dk, dv, *scalars, CAUSAL=causal, **opts)
+        q, k, v, dout, lse, delta, dk, dv, *scalars, CAUSAL=causal, **opts
+    )
     opts = _launch_options("dq", head_dim, q.dtype)
     _attn_bwd_dq_kernel[(_cdiv(s_q, opts["BLOCK_M"]), batch * n_heads)](
-        q, k, v, dout, lse, delta, dq, *scalars, CAUSAL=causal, **opts)
+        q, k, v, dout, lse, delta, dq, *scalars, CAUSAL=causal, **opts
+    )
     return dq, dk, dv
 
 
@@ -337,11 +465,15 @@ class _FlashAttentionFn(torch.autograd.Function):
 
 def _check_inputs(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [b, s, h, d] and k, v [b, s, h_kv, d]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [b, s, h, d] and k, v [b, s, h_kv, d]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} need the same batch and head dim, "
-                         "and query heads a multiple of kv heads")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} need the same batch and head dim, "
+            "and query heads a multiple of kv heads"
+        )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError("q, k and v must share dtype and device")
 
@@ -355,8 +487,10 @@ def unsupported_reason(head_dim, dtype, device):
     if dtype not in dispatch.TRITON_DTYPES or (dtype == torch.float32 and torch.device(device).type == "cuda"):
         return f"flash_attention Triton kernel runs fp16 and bf16 on GPU (fp32 only in the interpreter), got {dtype}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        return (f"flash_attention Triton kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}; "
-                "use impl='torch' (or 'auto', which falls back to it)")
+        return (
+            f"flash_attention Triton kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}; "
+            "use impl='torch' (or 'auto', which falls back to it)"
+        )
     return None
 
 
@@ -372,8 +506,13 @@ def _default_scale(q, softmax_scale):
 def flash_attention_torch(q, k, v, causal=True, softmax_scale=None):
     """Reference: torch's scaled_dot_product_attention on the same layout."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=softmax_scale,
-        enable_gqa=q.shape[2] != k.shape[2])
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 

@@ -10,6 +10,7 @@ program, and one backward kernel in which each program walks a contiguous run of
 writing dX per row and keeping its dW/dB partial sums in registers; the partials
 [programs, hidden] are then summed by torch (the second stage of the weight-grad reduction).
 """
+
 import torch
 
 from . import dispatch
@@ -20,8 +21,22 @@ MAX_HIDDEN = 16384
 
 # ----------------------------------------------------------------------------- Triton kernels
 @jit
-def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n_cols, eps, BLOCK_N: tl.constexpr,
-                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _norm_fwd_kernel(
+    X,
+    RES,
+    W,
+    B,
+    Y,
+    RES_OUT,
+    MEAN,
+    RSTD,
+    n_cols,
+    eps,
+    BLOCK_N: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -46,8 +61,24 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n_cols, eps, BLOCK_N:
 
 
 @jit
-def _norm_bwd_kernel(X, W, DY, DRES, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols, rows_per_program,
-                     BLOCK_N: tl.constexpr, IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _norm_bwd_kernel(
+    X,
+    W,
+    DY,
+    DRES,
+    DX,
+    MEAN,
+    RSTD,
+    DW_PART,
+    DB_PART,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK_N: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """dX for rows [pid * rows_per_program, ...) and this program's partial dW (and dB).
 
     With xhat = (x - mean) * rstd and g = w * dy:
@@ -115,9 +146,23 @@ def _norm_forward(x, residual, weight, bias, eps, is_rms):
     if dispatch.shape_only(x):
         return y, h, mean, rstd
     block_n, num_warps = _launch_config(n_cols)
-    _norm_fwd_kernel[(n_rows,)](x, residual, weight, bias, y, h, mean, rstd, n_cols, eps, BLOCK_N=block_n,
-                                IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                                num_warps=num_warps)
+    _norm_fwd_kernel[(n_rows,)](
+        x,
+        residual,
+        weight,
+        bias,
+        y,
+        h,
+        mean,
+        rstd,
+        n_cols,
+        eps,
+        BLOCK_N=block_n,
+        IS_RMS=is_rms,
+        HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None,
+        num_warps=num_warps,
+    )
     return y, h, mean, rstd
 
 
@@ -131,9 +176,25 @@ def _norm_backward(x, weight, has_bias, dy, dres, mean, rstd, is_rms):
     db_part = dispatch.empty((n_programs, n_cols), torch.float32, x.device) if has_bias else None
     block_n, num_warps = _launch_config(n_cols)
     if not dispatch.shape_only(x):
-            _norm_bwd_kernel[(n_programs,)](x, weight, dy, dres, dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
-                                        rows_per_program, BLOCK_N=block_n, IS_RMS=is_rms,
-                                        HAS_DRES=dres is not None, HAS_BIAS=has_bias, num_warps=num_warps)
+        _norm_bwd_kernel[(n_programs,)](
+            x,
+            weight,
+            dy,
+            dres,
+            dx,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            n_rows,
+            n_cols,
+            rows_per_program,
+            BLOCK_N=block_n,
+            IS_RMS=is_rms,
+            HAS_DRES=dres is not None,
+            HAS_BIAS=has_bias,
+            num_warps=num_warps,
+        )
     return dx, dw_part.sum(0), db_part.sum(0) if has_bias else None
 
 
@@ -200,8 +261,13 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 def layer_norm_torch(x, weight, bias, eps, residual=None):
     """Reference LayerNorm in (at least) fp32."""
-    return _reference(x, residual, lambda h: torch.nn.functional.layer_norm(
-        h, h.shape[-1:], weight.to(h.dtype), None if bias is None else bias.to(h.dtype), eps))
+    return _reference(
+        x,
+        residual,
+        lambda h: torch.nn.functional.layer_norm(
+            h, h.shape[-1:], weight.to(h.dtype), None if bias is None else bias.to(h.dtype), eps
+        ),
+    )
 
 
 def _norm(x, weight, bias, eps, impl, residual, is_rms):

@@ -1,8 +1,8 @@
 """Running the entry points and tools as a user would, shared by the tests."""
+
 from __future__ import annotations
 
 import functools
-
 import importlib.util
 import os
 import re
@@ -14,13 +14,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the shipped GPT-2 byte-level BPE tokenizer, as pretrain/preprocess flags
 BPE = ROOT / "data" / "tokenizers" / "gpt2-bpe"
-GPT2_BPE = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(BPE / "vocab.json"),
-            "--merge-file", str(BPE / "merges.txt")]
+GPT2_BPE = [
+    "--tokenizer-type",
+    "GPT2BPETokenizer",
+    "--vocab-file",
+    str(BPE / "vocab.json"),
+    "--merge-file",
+    str(BPE / "merges.txt"),
+]
 
 # a tiny Llama with grouped-query attention on mock data: 5 iterations, every one logged
-TINY_LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-              "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-              "--train-iters", "5", "--log-interval", "1", "--mock-data", "--vocab-size", "256"]
+TINY_LLAMA = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "5",
+    "--log-interval",
+    "1",
+    "--mock-data",
+    "--vocab-size",
+    "256",
+]
 
 
 def run_cli(script: str, flags: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -28,14 +55,23 @@ def run_cli(script: str, flags: list[str], nproc: int = 1, timeout: float = 300)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
     env["OMP_NUM_THREADS"] = "1"
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return subprocess.run([sys.executable] + launcher + [script] + flags, capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable] + launcher + [script] + flags,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     """A failed run's cause: the ranks' error lines (torchrun's own report buries them), then the tail."""
-    causes = [line for line in proc.stderr.splitlines()
-              if re.search(r"Error|error:|terminate called|Traceback|Signal \d+", line)]
+    causes = [
+        line
+        for line in proc.stderr.splitlines()
+        if re.search(r"Error|error:|terminate called|Traceback|Signal \d+", line)
+    ]
     return "\n".join(causes[:40]) + "\n--- stderr tail ---\n" + proc.stderr[-1500:]
 
 
@@ -44,12 +80,14 @@ def printed_losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: (\S+) \|", stdout)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one_rank(script: str, flags: tuple) -> subprocess.CompletedProcess:
     return run_cli(script, list(flags))
 
 
-def torchrun_matching_one_rank(script: str, base: list[str], extra: list[str], nproc: int) -> subprocess.CompletedProcess:
+def torchrun_matching_one_rank(
+    script: str, base: list[str], extra: list[str], nproc: int
+) -> subprocess.CompletedProcess:
     """Run `script` with `base` on one rank (once per session) and with `base + extra` under
     torchrun with `nproc` ranks; both succeed and print the same 5 losses (2e-6 relative: data
     parallelism sums the microbatches' gradients in another order). Returns the torchrun run."""

@@ -22,6 +22,7 @@ exceeds device memory), 0 otherwise, including when only the unmeasured
 allowances exceed it or the estimate is above 80% (both said in the verdict
 line); 2 on invalid input (one error line).
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,10 @@ def _verdict(estimate, device_bytes: int | None) -> str:
     if estimate.max_total_bytes > device_bytes:
         return f"> may not fit, the start-up check warns: {allowance_warning(estimate, device_bytes)}"
     if not estimate.fits(device_bytes):
-        return (f"> may not fit: {share}, above the {DEFAULT_THRESHOLD:.0%} below which no run of Fujii et al. "
-                f"ran out of memory; the start-up check warns")
+        return (
+            f"> may not fit: {share}, above the {DEFAULT_THRESHOLD:.0%} below which no run of Fujii et al. "
+            f"ran out of memory; the start-up check warns"
+        )
     return f"> fits: {share} (threshold {DEFAULT_THRESHOLD:.0%})"
 
 

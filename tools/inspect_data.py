@@ -8,6 +8,7 @@ Each sample is its seq_length + 1 token ids (inputs plus the final label) and, w
 tokenizer, their decoded text. --json prints one JSON list of lists of ids instead.
 Index caches are read (or built) where the trainer would, so the two agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(**config.tokenizer_args()) if args.tokenizer_type else None
         train, _, _ = build_datasets(config, tokenizer, args.seq_length, args.seed, train_samples(args), 0, 0)
         if train is None or samples.stop > len(train):
-            raise ValueError(f"--samples {args.samples}: the train dataset has {0 if train is None else len(train)} "
-                             f"samples")
+            raise ValueError(
+                f"--samples {args.samples}: the train dataset has {0 if train is None else len(train)} samples"
+            )
     except EXPECTED_ERRORS as error:
         sys.exit(report_error(error))
     rows = [train.sample_tokens(i).tolist() for i in samples]

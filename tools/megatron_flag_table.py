@@ -1,4 +1,5 @@
 """Print the README's Megatron-LM flag compatibility table, generated from the argument parser."""
+
 import os
 import sys
 

@@ -46,6 +46,7 @@ CPU step), with the host bytes per rank.
 Exit status: 0 when some layout fits (with offload or without), 1 when none does (or the given
 one does not), 2 on invalid input.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,34 +86,55 @@ PROG = "tools/plan_parallelism.py"
 def _parser():
     parser = tool_parser(PROG, "Rank the parallel layouts that fit in memory by their projected step time")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to print")
-    parser.add_argument("--explain", action="store_true",
-                        help="print the step-time breakdown of the first layout printed")
+    parser.add_argument(
+        "--explain", action="store_true", help="print the step-time breakdown of the first layout printed"
+    )
     parser.add_argument("--tensor-model-parallel-size", type=int, nargs="+", dest="tps")
     parser.add_argument("--context-parallel-size", type=int, nargs="+", dest="cps")
-    parser.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="plan only the distributed optimizer (default: replicated and distributed)")
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="plan only the distributed optimizer (default: replicated and distributed)",
+    )
     parser.add_argument("--pipeline-model-parallel-size", type=int, nargs="+", dest="pps")
     parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, nargs="+", dest="vpps")
     parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
-    parser.add_argument("--recompute-granularity", nargs="+", choices=sorted(RECOMPUTE), dest="recompute",
-                        default=["none", "selective", "full"])
+    parser.add_argument(
+        "--recompute-granularity",
+        nargs="+",
+        choices=sorted(RECOMPUTE),
+        dest="recompute",
+        default=["none", "selective", "full"],
+    )
     parser.add_argument("--sequence-parallel", action="store_true", help="accepted; always on with tp > 1")
-    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, dest="first_layers",
-                        help="layers of the first pipeline stage (default: try even and uneven splits)")
-    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, dest="last_layers",
-                        help="layers of the last pipeline stage (default: try even and uneven splits)")
-    for name, help_text in (("peak-tflops", "dense fp16/bf16 peak TFLOP/s per GPU"),
-                            ("hbm-gbps", "GB/s of device memory"), ("intra-node-gbps", "NVLink GB/s per GPU"),
-                            ("inter-node-gbps", "network GB/s per GPU across nodes"),
-                            ("host-link-gbps", "host link (PCIe) GB/s per GPU and direction")):
+    parser.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        dest="first_layers",
+        help="layers of the first pipeline stage (default: try even and uneven splits)",
+    )
+    parser.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        dest="last_layers",
+        help="layers of the last pipeline stage (default: try even and uneven splits)",
+    )
+    for name, help_text in (
+        ("peak-tflops", "dense fp16/bf16 peak TFLOP/s per GPU"),
+        ("hbm-gbps", "GB/s of device memory"),
+        ("intra-node-gbps", "NVLink GB/s per GPU"),
+        ("inter-node-gbps", "network GB/s per GPU across nodes"),
+        ("host-link-gbps", "host link (PCIe) GB/s per GPU and direction"),
+    ):
         parser.add_argument(f"--{name}", type=float, help=f"{help_text} (default: the --device preset's)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --device preset's)")
     return parser
 
 
 SHARDING_CELLS = {"no_shard": "no", "optim": "yes", "optim_grads": "grads", "optim_grads_params": "params"}
-HEADER = ("rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble  model TF/s  "
-          "stages")
+HEADER = (
+    "rank  tp  cp  pp vpp   dp  mbs     m  recompute  dist-opt  peak GiB  %dev    step ms  bubble  model TF/s  stages"
+)
 OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
 
@@ -125,11 +147,13 @@ def _stages(lay) -> str:
 
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
-    row = (f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
-           f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-           f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
-           f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
-           f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}")
+    row = (
+        f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
+        f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
+        f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
+        f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
+        f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}"
+    )
     if lay.offload_fraction:
         row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
     return row
@@ -141,54 +165,84 @@ def _max_host_bytes(c) -> int:
 
 def _json(c, why: str | None = None) -> dict:
     lay, est, t = c.layout, c.estimate, c.time
-    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "virtual_stages": lay.virtual_stages, "dp": lay.dp,
-            "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
-            "decoder_first_pipeline_num_layers": lay.first_stage_layers,
-            "decoder_last_pipeline_num_layers": lay.last_stage_layers,
-            "recompute": c.recompute, "distributed_optimizer": lay.distributed_optimizer,
-            "sharding_strategy": lay.sharding_strategy,
-            "offload_fraction": lay.offload_fraction, "max_host_bytes": _max_host_bytes(c),
-            "max_certain_bytes": est.max_certain_bytes, "max_total_bytes": est.max_total_bytes,
-            "fits": why is None, "why_not": why,
-            "predicted_step_time_s": t.total_s, "predicted_tokens_per_s": t.tokens_per_s,
-            "predicted_model_tflops_per_gpu": t.model_tflops_per_gpu,
-            "predicted_hardware_tflops_per_gpu": t.hardware_tflops_per_gpu,
-            "breakdown": t.breakdown(), "step_time_s": t.total_s, "bubble_fraction": t.bubble_fraction}
+    return {
+        "tp": lay.tp,
+        "cp": lay.cp,
+        "pp": lay.pp,
+        "virtual_stages": lay.virtual_stages,
+        "dp": lay.dp,
+        "micro_batch_size": lay.micro_batch_size,
+        "num_microbatches": lay.num_microbatches,
+        "decoder_first_pipeline_num_layers": lay.first_stage_layers,
+        "decoder_last_pipeline_num_layers": lay.last_stage_layers,
+        "recompute": c.recompute,
+        "distributed_optimizer": lay.distributed_optimizer,
+        "sharding_strategy": lay.sharding_strategy,
+        "offload_fraction": lay.offload_fraction,
+        "max_host_bytes": _max_host_bytes(c),
+        "max_certain_bytes": est.max_certain_bytes,
+        "max_total_bytes": est.max_total_bytes,
+        "fits": why is None,
+        "why_not": why,
+        "predicted_step_time_s": t.total_s,
+        "predicted_tokens_per_s": t.tokens_per_s,
+        "predicted_model_tflops_per_gpu": t.model_tflops_per_gpu,
+        "predicted_hardware_tflops_per_gpu": t.hardware_tflops_per_gpu,
+        "breakdown": t.breakdown(),
+        "step_time_s": t.total_s,
+        "bubble_fraction": t.bubble_fraction,
+    }
 
 
 def explain(c, hw: Hardware) -> list[str]:
     """The step-time breakdown of one layout, one line per part."""
     t = c.time
-    lines = [f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
-             f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
-             f"per GPU, {hw.gpus_per_node} GPUs per node (slowest pipeline rank):"]
-    what = {"gemm_s": "GEMMs (forward + backward)", "attention_s": "attention core", "elementwise_s":
-            "norms, activations, dropout, loss (HBM bytes)", "overhead_s": "host launch overhead of the layers",
-            "recompute_s": "recomputed forward", "tp_comm_s": "tensor-parallel collectives",
-            "cp_comm_s": "context-parallel ring (not hidden by attention)", "pp_comm_s":
-            "pipeline transfers not hidden", "bubble_s": "pipeline bubble", "dp_comm_s":
-            f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
-            "host_s": "host-resident chunks' copies not hidden (PCIe)",
-            "optimizer_s": "optimizer step on the device", "step_overhead_s": "per-iteration host work (fitted)"}
+    lines = [
+        f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
+        f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
+        f"per GPU, {hw.gpus_per_node} GPUs per node (slowest pipeline rank):"
+    ]
+    what = {
+        "gemm_s": "GEMMs (forward + backward)",
+        "attention_s": "attention core",
+        "elementwise_s": "norms, activations, dropout, loss (HBM bytes)",
+        "overhead_s": "host launch overhead of the layers",
+        "recompute_s": "recomputed forward",
+        "tp_comm_s": "tensor-parallel collectives",
+        "cp_comm_s": "context-parallel ring (not hidden by attention)",
+        "pp_comm_s": "pipeline transfers not hidden",
+        "bubble_s": "pipeline bubble",
+        "dp_comm_s": f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
+        "host_s": "host-resident chunks' copies not hidden (PCIe)",
+        "optimizer_s": "optimizer step on the device",
+        "step_overhead_s": "per-iteration host work (fitted)",
+    }
     for name in t.PARTS:
         seconds = getattr(t, name)
         lines.append(f"  {what[name]:<52} {1e3 * seconds:12.2f} ms {100 * seconds / t.total_s:6.1f}%")
-    lines.append(f"  {'total':<52} {1e3 * t.total_s:12.2f} ms: {t.tokens_per_s:,.0f} tokens/s, "
-                 f"{t.model_tflops_per_gpu:.1f} model TFLOP/s per GPU ({t.hardware_tflops_per_gpu:.1f} with "
-                 f"recomputation), MFU {t.model_tflops_per_gpu / hw.peak_tflops:.1%}")
+    lines.append(
+        f"  {'total':<52} {1e3 * t.total_s:12.2f} ms: {t.tokens_per_s:,.0f} tokens/s, "
+        f"{t.model_tflops_per_gpu:.1f} model TFLOP/s per GPU ({t.hardware_tflops_per_gpu:.1f} with "
+        f"recomputation), MFU {t.model_tflops_per_gpu / hw.peak_tflops:.1%}"
+    )
     return lines
 
 
 def _hardware(args) -> Hardware:
     base = DEVICES[args.device or DEFAULT_DEVICE]
-    given = {name: getattr(args, name) for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps",
-                                                    "host_link_gbps", "gpus_per_node") if getattr(args, name) is not None}
+    given = {
+        name: getattr(args, name)
+        for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "gpus_per_node")
+        if getattr(args, name) is not None
+    }
     return dataclasses.replace(base, **given)
 
 
 def _why_not(estimate, device_bytes: int) -> str:
-    text = (f"worst rank {estimate.max_total_bytes / GIB:.2f} GiB is {estimate.max_total_bytes / device_bytes:.1%} of "
-            f"{device_bytes / GIB:.2f} GiB, above the planner's {DEFAULT_THRESHOLD:.0%}")
+    text = (
+        f"worst rank {estimate.max_total_bytes / GIB:.2f} GiB is {estimate.max_total_bytes / device_bytes:.1%} of "
+        f"{device_bytes / GIB:.2f} GiB, above the planner's {DEFAULT_THRESHOLD:.0%}"
+    )
     if estimate.would_refuse(device_bytes):
         return text + f"; the start-up check refuses it: {refusal(estimate, device_bytes)}"
     return text + "; the start-up check would still start it (its certain part fits)"
@@ -217,27 +271,49 @@ def main(argv: list[str]) -> int:
         if device_bytes is None:
             raise ArgumentError("no device memory known: pass --device or --device-memory-gb")
         uneven = args.first_layers is not None or args.last_layers is not None
-        search = Search(tps=tuple(args.tps) if args.tps else None, cps=tuple(args.cps) if args.cps else None,
-                        pps=tuple(args.pps) if args.pps else None, micro_batch_sizes=tuple(args.mbs),
-                        recompute=tuple(args.recompute),
-                        distributed_optimizer=(True,) if args.use_distributed_optimizer else (False, True),
-                        device_type=args.device_type, virtual_stages=tuple(args.vpps) if args.vpps else None,
-                        stage_splits=((args.first_layers, args.last_layers),) if uneven else None)
+        search = Search(
+            tps=tuple(args.tps) if args.tps else None,
+            cps=tuple(args.cps) if args.cps else None,
+            pps=tuple(args.pps) if args.pps else None,
+            micro_batch_sizes=tuple(args.mbs),
+            recompute=tuple(args.recompute),
+            distributed_optimizer=(True,) if args.use_distributed_optimizer else (False, True),
+            device_type=args.device_type,
+            virtual_stages=tuple(args.vpps) if args.vpps else None,
+            stage_splits=((args.first_layers, args.last_layers),) if uneven else None,
+        )
         ddp = run.parallel.ddp
-        projection = Projection(hw=hw, overlap=Overlap(grad_reduce=ddp.overlap_grad_reduce,
-                                                       param_gather=ddp.overlap_param_gather))
+        projection = Projection(
+            hw=hw, overlap=Overlap(grad_reduce=ddp.overlap_grad_reduce, param_gather=ddp.overlap_param_gather)
+        )
         batch = run.training.global_batch_size
         layouts = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
         if _one_layout(layouts):  # every layout flag restricted to one value: evaluate it (with either optimizer)
             return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
-        fitting, rejected, startable = plan(run.model, args.num_gpus, batch, device_bytes, search=search,
-                                            projection=projection)
-        sharded = [] if fitting else plan_sharded(run.model, args.num_gpus, batch, device_bytes, search=search,
-                                                  projection=projection, top=args.top)
-        offloaded = [] if fitting or sharded else plan_offload(run.model, args.num_gpus, batch, device_bytes,
-                                                               search=search, projection=projection, top=args.top)
-        resident = [] if fitting or sharded or offloaded else plan_host_resident(
-            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top)
+        fitting, rejected, startable = plan(
+            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection
+        )
+        sharded = (
+            []
+            if fitting
+            else plan_sharded(
+                run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top
+            )
+        )
+        offloaded = (
+            []
+            if fitting or sharded
+            else plan_offload(
+                run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top
+            )
+        )
+        resident = (
+            []
+            if fitting or sharded or offloaded
+            else plan_host_resident(
+                run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top
+            )
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -245,41 +321,54 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([_json(c) for c in shown], indent=2))
         return 0 if shown else 1
-    print(f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
-          f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
-          f"start: their certain part fits); {len(fitting)} fit")
+    print(
+        f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
+        f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
+        f"start: their certain part fits); {len(fitting)} fit"
+    )
     if not shown:
-        print("> no layout fits, not even with every parameter, gradient and optimizer shard on host: add GPUs or "
-              "lower --seq-length")
+        print(
+            "> no layout fits, not even with every parameter, gradient and optimizer shard on host: add GPUs or "
+            "lower --seq-length"
+        )
         return 1
     if sharded:
-        print(f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
-              f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
-              f"{sharded[0].layout.sharding_strategy} for the first")
+        print(
+            f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
+            f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
+            f"{sharded[0].layout.sharding_strategy} for the first"
+        )
     if offloaded:
         best = offloaded[0].layout.offload_fraction
-        print(f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
-              f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
-              f"--optimizer-offload-fraction {best:.2f} for the first")
+        print(
+            f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
+            f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
+            f"--optimizer-offload-fraction {best:.2f} for the first"
+        )
     if resident:
-        print("> no layout fits with the offload optimizer alone; with host-resident chunks these do (estimated with "
-              "every shard on host; the run keeps on the device what fits): --use-megatron-fsdp "
-              "--data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload --offload-policy auto")
+        print(
+            "> no layout fits with the offload optimizer alone; with host-resident chunks these do (estimated with "
+            "every shard on host; the run keeps on the device what fits): --use-megatron-fsdp "
+            "--data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload --offload-policy auto"
+        )
     print(OFFLOAD_HEADER if offloaded or resident else HEADER)
     for rank, candidate in enumerate(shown, start=1):
         print(_row(rank, candidate, device_bytes))
     if args.explain:
         print("\n".join(explain(shown[0], hw)))
-    print("> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what it "
-          "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded or resident else ""))
+    print(
+        "> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what it "
+        "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded or resident else "")
+    )
     return 0
 
 
 def _one_layout(layouts) -> bool:
     """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
     replicated one)."""
-    shapes = {dataclasses.replace(lay, distributed_optimizer=False, sharding_strategy="no_shard")
-              for _, lay, _ in layouts}
+    shapes = {
+        dataclasses.replace(lay, distributed_optimizer=False, sharding_strategy="no_shard") for _, lay, _ in layouts
+    }
     return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
 
 

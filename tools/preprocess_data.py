@@ -13,6 +13,7 @@ in partition order, as Megatron-LM does. Outputs appear only when complete (temp
 names, renamed at the end). A malformed line stops the run with `file:line: what is
 wrong`, or is counted and skipped with --skip-bad-lines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,13 @@ class Encoder:
 
 
 def tokenizer_kwargs(args) -> dict:
-    return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+    return dict(
+        tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -131,8 +137,9 @@ def chunks(path: str, workers: int) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def process(args, prefix: str, partition: int = 0, partitions: int = 1, workers: int | None = None,
-            position: int = 0) -> dict:
+def process(
+    args, prefix: str, partition: int = 0, partitions: int = 1, workers: int | None = None, position: int = 0
+) -> dict:
     """Tokenize this partition's lines into `<prefix>_<key>_document`; returns counts."""
     workers = workers or args.workers
     encoder = Encoder(args, partition, partitions)
@@ -141,9 +148,16 @@ def process(args, prefix: str, partition: int = 0, partitions: int = 1, workers:
     stats = {"documents": 0, "bytes": 0, "skipped": 0, "seconds": 0.0}
     start = time.perf_counter()
     try:
-        with multiprocessing.Pool(workers, initializer=encoder.initializer) as pool, \
-                tqdm(unit=" docs", position=position, mininterval=1.0, disable=args.log_interval <= 0,
-                     desc=f"partition {partition}" if partitions > 1 else None) as bar:
+        with (
+            multiprocessing.Pool(workers, initializer=encoder.initializer) as pool,
+            tqdm(
+                unit=" docs",
+                position=position,
+                mininterval=1.0,
+                disable=args.log_interval <= 0,
+                desc=f"partition {partition}" if partitions > 1 else None,
+            ) as bar,
+        ):
             for result in pool.imap(encoder.encode_chunk, chunks(args.input, workers)):
                 if result["bad"] and not args.skip_bad_lines:
                     number, reason = result["bad"][0]
@@ -169,8 +183,14 @@ def process(args, prefix: str, partition: int = 0, partitions: int = 1, workers:
 
 def _partition_main(args, partition: int, queue) -> None:
     try:
-        stats = process(args, f"{args.output_prefix}_{partition}", partition, args.partitions,
-                        args.workers // args.partitions, position=partition)
+        stats = process(
+            args,
+            f"{args.output_prefix}_{partition}",
+            partition,
+            args.partitions,
+            args.workers // args.partitions,
+            position=partition,
+        )
         queue.put((partition, stats, None))
     except BaseException as error:  # reported by the parent as one line
         queue.put((partition, None, str(error)))
@@ -215,8 +235,11 @@ def get_args(argv: list[str] | None = None):
     g.add_argument("--input", required=True, help="jsonl file, one document per line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize; one output per key")
     g.add_argument("--split-sentences", action="store_true", help="not supported (needs nltk)")
-    g.add_argument("--keep-newlines", action="store_true",
-                   help="only affects --split-sentences in Megatron-LM; accepted so scripts carry over")
+    g.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="only affects --split-sentences in Megatron-LM; accepted so scripts carry over",
+    )
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file")
@@ -256,9 +279,11 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = max(stats["seconds"], 1e-9)
     outputs = ", ".join(output_prefix(args.output_prefix, key) + ".{bin,idx}" for key in args.json_keys)
     skipped = f", skipped {stats['skipped']} bad lines" if stats["skipped"] else ""
-    print(f"processed {stats['documents']} documents ({stats['bytes'] / 2**20:.2f} MB) in {seconds:.2f} s: "
-          f"{stats['documents'] / seconds:.1f} docs/s, {stats['bytes'] / seconds / 2**20:.3f} MB/s{skipped}; "
-          f"wrote {outputs}")
+    print(
+        f"processed {stats['documents']} documents ({stats['bytes'] / 2**20:.2f} MB) in {seconds:.2f} s: "
+        f"{stats['documents'] / seconds:.1f} docs/s, {stats['bytes'] / seconds / 2**20:.3f} MB/s{skipped}; "
+        f"wrote {outputs}"
+    )
     return stats
 
 

@@ -10,6 +10,7 @@ writes
                                                    (unk 0, <s> 1, </s> 2, byte fallback, split digits)
 Both trainers run single-threaded so the same corpus gives the same files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def train_gpt2_bpe(texts: list[str], vocab_size: int, out_dir: str) -> None:
     from tokenizers import ByteLevelBPETokenizer
 
     tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tokenizer.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_model(out_dir)
 
@@ -39,9 +41,22 @@ def train_sentencepiece(texts: list[str], vocab_size: int, out_dir: str) -> None
     lines = [line for text in texts for line in text.split("\n") if line.strip()]
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-        character_coverage=1.0, byte_fallback=True, split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        character_coverage=1.0,
+        byte_fallback=True,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        num_threads=1,
+        minloglevel=2,
+    )
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
         f.write(model.getvalue())
@@ -61,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     texts = read_texts(args.input, args.json_key)
     train_gpt2_bpe(texts, args.bpe_vocab_size, os.path.join(args.output_dir, "gpt2-bpe"))
     train_sentencepiece(texts, args.spm_vocab_size, os.path.join(args.output_dir, "spm"))
-    print(f"wrote {args.output_dir}/gpt2-bpe/{{vocab.json,merges.txt}} and {args.output_dir}/spm/tokenizer.model "
-          f"from {len(texts)} documents")
+    print(
+        f"wrote {args.output_dir}/gpt2-bpe/{{vocab.json,merges.txt}} and {args.output_dir}/spm/tokenizer.model "
+        f"from {len(texts)} documents"
+    )
 
 
 if __name__ == "__main__":

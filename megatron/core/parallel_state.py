@@ -10,6 +10,7 @@ that numbering (coords, rank_of); `ParallelMesh` builds a
 Everything that communicates receives this object, or one of its groups,
 explicitly; there are no module-level process groups.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DEFAULT_ORDER = ("tp", "cp", "dp", "pp")     # Megatron's "tp-cp-ep-dp-pp" (ep is 1 here)
-TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")    # --use-tp-pp-dp-mapping: Megatron's "tp-cp-ep-pp-dp"
+DEFAULT_ORDER = ("tp", "cp", "dp", "pp")  # Megatron's "tp-cp-ep-dp-pp" (ep is 1 here)
+TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")  # --use-tp-pp-dp-mapping: Megatron's "tp-cp-ep-pp-dp"
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,15 @@ class ParallelDims:
             raise ValueError(f"rank order must name tp, cp, dp and pp once each, got {'-'.join(self.order)}")
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
-                   order: tuple[str, ...] = DEFAULT_ORDER) -> "ParallelDims":
+    def from_world(
+        cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, order: tuple[str, ...] = DEFAULT_ORDER
+    ) -> ParallelDims:
         """Infer dp from the world size, as Megatron does; refuse sizes that do not divide."""
-        for name, size in (("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
-                           ("--pipeline-model-parallel-size", pp)):
+        for name, size in (
+            ("--tensor-model-parallel-size", tp),
+            ("--context-parallel-size", cp),
+            ("--pipeline-model-parallel-size", pp),
+        ):
             if size < 1:
                 raise ValueError(f"{name} must be >= 1, got {size}")
         model_parallel = tp * cp * pp
@@ -80,8 +85,10 @@ class ParallelDims:
         return rank
 
     def describe(self) -> str:
-        return (f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} (world size {self.world_size}, "
-                f"rank order {'-'.join(self.order)})")
+        return (
+            f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} (world size {self.world_size}, "
+            f"rank order {'-'.join(self.order)})"
+        )
 
 
 class ParallelMesh:

@@ -5,6 +5,7 @@ iteration i with a constant global batch size G; the batch-size schedule says ot
 Its microbatch k covers the next micro x dp samples, of which dp rank d takes the
 d-th slice of `micro` consecutive samples.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ import torch
 from megatron.core.pipeline_parallel.microbatch import Microbatch
 
 
-def microbatch_indices(consumed_samples: int, microbatch: int, *, micro_batch_size: int, dp_size: int,
-                       dp_rank: int) -> range:
+def microbatch_indices(
+    consumed_samples: int, microbatch: int, *, micro_batch_size: int, dp_size: int, dp_rank: int
+) -> range:
     """Sample indices of one microbatch on one dp rank; `consumed_samples`: before this iteration."""
     start = consumed_samples + (microbatch * dp_size + dp_rank) * micro_batch_size
     return range(start, start + micro_batch_size)
@@ -33,8 +35,9 @@ def collate(samples: list[dict], device, model_inputs: tuple[str, ...] = ()) -> 
     labels and loss mask. On CUDA the batch goes through pinned host memory with a
     non-blocking copy, so it never stalls the host."""
     device = torch.device(device)
-    stacked = {key: torch.stack([s[key] for s in samples])
-               for key in ("tokens", "labels", "loss_mask") + tuple(model_inputs)}
+    stacked = {
+        key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask") + tuple(model_inputs)
+    }
     if device.type != "cuda":
         return Microbatch(**{key: t.to(device) for key, t in stacked.items()})
     return Microbatch(**{key: t.pin_memory().to(device, non_blocking=True) for key, t in stacked.items()})

@@ -9,6 +9,7 @@ are all taken exactly once, in proportion to their counts. The loops below are t
 definition; the same loops compiled (blending_loop.py) build the indices, about two orders
 of magnitude faster (tools/bench/blending.py), and the Python ones run only without a C compiler.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,12 @@ def _compiled_loop() -> bool:
     """True when the compiled loop is available; says once that the Python loop runs otherwise."""
     if blending_loop.native() is not None:
         return True
-    print("warning: no C compiler ($CC or cc) to build the blending loop; building blend indices in Python "
-          "(minutes per 100M samples)", file=sys.stderr, flush=True)
+    print(
+        "warning: no C compiler ($CC or cc) to build the blending loop; building blend indices in Python "
+        "(minutes per 100M samples)",
+        file=sys.stderr,
+        flush=True,
+    )
     return False
 
 
@@ -88,8 +93,16 @@ def python_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np
 class BlendedDataset:
     """Item i is datasets[dataset_index[i]][dataset_sample_index[i]] plus "dataset_id"."""
 
-    def __init__(self, datasets: list, weights: list[float] | None, size: int | None, *, split_name: str,
-                 cache_dir: str | None = None, is_builder: bool = True):
+    def __init__(
+        self,
+        datasets: list,
+        weights: list[float] | None,
+        size: int | None,
+        *,
+        split_name: str,
+        cache_dir: str | None = None,
+        is_builder: bool = True,
+    ):
         """`weights` None with `size` None: exhaustive blend of all samples of all datasets.
         `weights` None with a size: weights proportional to the datasets' lengths."""
         if weights is None:
@@ -97,9 +110,16 @@ class BlendedDataset:
         if size is not None:
             weights = normalize(weights)
         self.datasets, self.weights, self.size, self.split_name = datasets, weights, size, split_name
-        description = json.dumps({
-            "class": "BlendedDataset", "datasets": [json.loads(d.description) for d in datasets],
-            "split": split_name, "weights": weights, "size": size}, indent=4)
+        description = json.dumps(
+            {
+                "class": "BlendedDataset",
+                "datasets": [json.loads(d.description) for d in datasets],
+                "split": split_name,
+                "weights": weights,
+                "size": size,
+            },
+            indent=4,
+        )
         self.description = description
 
         def build():
@@ -110,8 +130,10 @@ class BlendedDataset:
             counts = np.bincount(index, minlength=len(datasets))
             for d, (dataset, count) in enumerate(zip(datasets, counts)):
                 if count > len(dataset):
-                    raise ValueError(f"the {split_name} blend needs {count} samples from dataset {d} "
-                                     f"({dataset.indexed.prefix}) but it has only {len(dataset)}")
+                    raise ValueError(
+                        f"the {split_name} blend needs {count} samples from dataset {d} "
+                        f"({dataset.indexed.prefix}) but it has only {len(dataset)}"
+                    )
             return {"dataset_index": index, "dataset_sample_index": sample}
 
         cache = IndexCache(cache_dir, f"BlendedDataset-{split_name}", description)

@@ -10,6 +10,7 @@ compares them). It is compiled with the system C compiler ($CC, else cc) on firs
 $XDG_CACHE_HOME/megatron-blending (else ~/.cache/...), keyed by the source's hash. Without a
 compiler `native()` returns None and the caller runs the Python loop, saying so.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,8 +56,12 @@ def _compile() -> ctypes.CDLL | None:
                 source, built = os.path.join(tmp, "blend.c"), os.path.join(tmp, "blend.so")
                 with open(source, "w") as f:
                     f.write(SOURCE)
-                subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, source, "-o", built], check=True,
-                               capture_output=True, timeout=120)
+                subprocess.run(
+                    [os.environ.get("CC", "cc"), *_FLAGS, source, "-o", built],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
                 os.replace(built, path)  # atomic: concurrent builders leave one whole library
         library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError):
@@ -82,6 +87,13 @@ def run(weights: list[float], sizes: list[int] | None, size: int) -> tuple[np.nd
     dataset_index = np.zeros(size, dtype=np.int16)
     sample_index = np.zeros(size, dtype=np.int64)
     taken = np.zeros(len(weights_array), dtype=np.int64)
-    native().blend(weights_array.ctypes.data, None if sizes_array is None else sizes_array.ctypes.data,
-                   len(weights_array), size, dataset_index.ctypes.data, sample_index.ctypes.data, taken.ctypes.data)
+    native().blend(
+        weights_array.ctypes.data,
+        None if sizes_array is None else sizes_array.ctypes.data,
+        len(weights_array),
+        size,
+        dataset_index.ctypes.data,
+        sample_index.ctypes.data,
+        taken.ctypes.data,
+    )
     return dataset_index, sample_index

@@ -14,10 +14,11 @@ With --data-path every prefix's documents are divided by --split; with
 The builder process builds and caches every index; the others call `barrier` with it and
 then load the cached files, so expensive work runs once per job.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,9 +28,17 @@ from megatron.data.gpt_dataset import GPTDataset, default_cache_dir
 from megatron.data.indexed_dataset import IndexedDataset
 
 
-def build_datasets(config: DataConfig, tokenizer, seq_length: int, seed: int, train_samples: int | None,
-                   valid_samples: int | None, test_samples: int | None, is_builder: bool = True,
-                   barrier: Callable[[], None] | None = None) -> tuple:
+def build_datasets(
+    config: DataConfig,
+    tokenizer,
+    seq_length: int,
+    seed: int,
+    train_samples: int | None,
+    valid_samples: int | None,
+    test_samples: int | None,
+    is_builder: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> tuple:
     """(train, valid, test) datasets, each None or with __len__ and __getitem__ -> sample dict.
 
     `tokenizer` gives the EOD id and the vocabulary the tokens must fit; None (for tools that
@@ -61,10 +70,16 @@ class _Builder:
     def build(self, sizes: list[int | None], is_builder: bool) -> tuple:
         self.is_builder = is_builder
         if self.config.blend is not None:
-            return tuple(self._split(self.config.blend, i, self.config.split_bounds[i], sizes[i])
-                         if self.config.split_bounds[i] is not None else None for i in range(3))
-        return tuple(self._split(blend, i, (0.0, 1.0), sizes[i]) if blend is not None else None
-                     for i, blend in enumerate(self.config.blend_per_split))
+            return tuple(
+                self._split(self.config.blend, i, self.config.split_bounds[i], sizes[i])
+                if self.config.split_bounds[i] is not None
+                else None
+                for i in range(3)
+            )
+        return tuple(
+            self._split(blend, i, (0.0, 1.0), sizes[i]) if blend is not None else None
+            for i, blend in enumerate(self.config.blend_per_split)
+        )
 
     def _split(self, blend: Blend, split: int, bounds: tuple[float, float], size: int | None):
         if size == 0:
@@ -86,20 +101,29 @@ class _Builder:
         return self._blend(datasets, weights, sum(target), name)
 
     def _blend(self, datasets, weights, size, name):
-        return BlendedDataset(datasets, weights, size, split_name=name, cache_dir=self.config.cache_path,
-                              is_builder=self.is_builder)
+        return BlendedDataset(
+            datasets, weights, size, split_name=name, cache_dir=self.config.cache_path, is_builder=self.is_builder
+        )
 
     def _gpt(self, prefix: str, name: str, bounds: tuple[float, float], num_samples: int | None) -> GPTDataset:
         indexed = self._open(prefix)
         begin, end = (int(round(b * float(len(indexed)))) for b in bounds)
         config = self.config
-        return GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), num_samples, split_name=name,
-                          seq_length=self.seq_length, seed=self.seed,
-                          eod=None if self.tokenizer is None else self.tokenizer.eod,
-                          eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
-                          reset_attention_mask=config.reset_attention_mask,
-                          cache_dir=config.cache_path or default_cache_dir(prefix), is_builder=self.is_builder,
-                          vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size)
+        return GPTDataset(
+            indexed,
+            np.arange(begin, end, dtype=np.int32),
+            num_samples,
+            split_name=name,
+            seq_length=self.seq_length,
+            seed=self.seed,
+            eod=None if self.tokenizer is None else self.tokenizer.eod,
+            eod_mask_loss=config.eod_mask_loss,
+            reset_position_ids=config.reset_position_ids,
+            reset_attention_mask=config.reset_attention_mask,
+            cache_dir=config.cache_path or default_cache_dir(prefix),
+            is_builder=self.is_builder,
+            vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size,
+        )
 
     def _open(self, prefix: str) -> IndexedDataset:
         """Each prefix opened once (its tokens are checked against the vocabulary as samples are read)."""

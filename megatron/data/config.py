@@ -5,6 +5,7 @@ Blends are spelled as in Megatron's --data-path: either weights and prefixes int
 proportion to its weight; a bare list draws each prefix's samples once (weights
 proportional to each dataset's size), as megatron-core does.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ class Blend:
     weights: list[float] | None  # None: a bare list of prefixes
 
     @classmethod
-    def parse(cls, values: list[str], flag: str = "--data-path") -> "Blend":
+    def parse(cls, values: list[str], flag: str = "--data-path") -> Blend:
         """Megatron's reading of a blend list: an even count whose every other item is a
         number is weights and prefixes; anything else is a list of prefixes."""
         if not values:
@@ -73,6 +74,7 @@ class DataConfig:
     `blend_per_split` (one blend or None per split, from --train/valid/test-data-path).
     `cache_path` None puts GPTDataset index caches beside each prefix, as Megatron does.
     """
+
     blend: Blend | None = None
     blend_per_split: list[Blend | None] | None = None
     split: str = "969,30,1"
@@ -103,5 +105,10 @@ class DataConfig:
 
     def tokenizer_args(self) -> dict:
         """Keyword arguments of megatron.data.tokenizers.build_tokenizer."""
-        return dict(tokenizer_type=self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,
-                    tokenizer_model=self.tokenizer_model, vocab_size=self.vocab_size)
+        return dict(
+            tokenizer_type=self.tokenizer_type,
+            vocab_file=self.vocab_file,
+            merge_file=self.merge_file,
+            tokenizer_model=self.tokenizer_model,
+            vocab_size=self.vocab_size,
+        )

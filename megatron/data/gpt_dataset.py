@@ -10,6 +10,7 @@ Item k is a dict of tensors of length seq_length:
                          positions of the same document, which is Megatron's reset mask
                          without materialising s x s
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,23 @@ def default_cache_dir(prefix: str) -> str:
 
 
 class GPTDataset:
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int | None, *,
-                 split_name: str, seq_length: int, seed: int, eod: int | None, eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 cache_dir: str | None = None, is_builder: bool = True, vocab_size: int | None = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        num_samples: int | None,
+        *,
+        split_name: str,
+        seq_length: int,
+        seed: int,
+        eod: int | None,
+        eod_mask_loss: bool = False,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        cache_dir: str | None = None,
+        is_builder: bool = True,
+        vocab_size: int | None = None,
+    ):
         """`documents`: the sequence ids of this split; `num_samples`: at least this many samples
         (None: one epoch). The indices are cached in `cache_dir` (None: kept in memory).
         `vocab_size`: each sample read is checked to hold only ids below it (a sample's worth of
@@ -42,22 +56,34 @@ class GPTDataset:
         if seq_length < 2:
             raise ValueError(f"--seq-length must be >= 2, got {seq_length}")
         if eod is None and (eod_mask_loss or reset_position_ids or reset_attention_mask):
-            raise ValueError("--eod-mask-loss and --reset-position-ids/--reset-attention-mask need a tokenizer's EOD id")
+            raise ValueError(
+                "--eod-mask-loss and --reset-position-ids/--reset-attention-mask need a tokenizer's EOD id"
+            )
         self.indexed, self.split_name, self.seq_length = indexed, split_name, seq_length
         self.eod, self.eod_mask_loss, self.vocab_size = eod, eod_mask_loss, vocab_size
         self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         documents = np.asarray(documents, dtype=np.int32)
-        self.description = json.dumps({
-            "class": "GPTDataset", "dataset_path": os.path.abspath(indexed.prefix),
-            "sequences_in_file": len(indexed), "tokens_in_file": indexed.num_tokens,
-            "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
-            "num_samples": num_samples, "index_split": split_name, "random_seed": seed,
-            "sequence_length": seq_length, "add_extra_token_to_sequence": True,
-        }, indent=4)
+        self.description = json.dumps(
+            {
+                "class": "GPTDataset",
+                "dataset_path": os.path.abspath(indexed.prefix),
+                "sequences_in_file": len(indexed),
+                "tokens_in_file": indexed.num_tokens,
+                "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
+                "num_samples": num_samples,
+                "index_split": split_name,
+                "random_seed": seed,
+                "sequence_length": seq_length,
+                "add_extra_token_to_sequence": True,
+            },
+            indent=4,
+        )
         lengths = indexed.sequence_lengths
         if not len(documents) or not np.any(lengths[documents]):
-            raise ValueError(f"{indexed.prefix}: the {split_name} split holds no tokens "
-                             f"({len(documents)} of {len(indexed)} sequences); change --split or the data")
+            raise ValueError(
+                f"{indexed.prefix}: the {split_name} split holds no tokens "
+                f"({len(documents)} of {len(indexed)} sequences); change --split or the data"
+            )
 
         def build():
             return build_gpt_indices(lengths, documents, seq_length, num_samples, seed)
@@ -86,9 +112,11 @@ class GPTDataset:
             parts.append(self.indexed.get(int(self.document_index[doc_end]), 0, off_end + 1))
         tokens = np.concatenate(parts).astype(np.int64)
         if self.vocab_size is not None and tokens.max() >= self.vocab_size:
-            raise ValueError(f"{data_file_path(self.indexed.prefix)}: token id {tokens.max()} (in {self.split_name} "
-                             f"sample {index}) is outside the tokenizer's vocabulary of {self.vocab_size} ids; was "
-                             f"it preprocessed with another tokenizer?")
+            raise ValueError(
+                f"{data_file_path(self.indexed.prefix)}: token id {tokens.max()} (in {self.split_name} "
+                f"sample {index}) is outside the tokenizer's vocabulary of {self.vocab_size} ids; was "
+                f"it preprocessed with another tokenizer?"
+            )
         return tokens
 
     def __getitem__(self, index: int) -> dict:

@@ -15,6 +15,7 @@ document index, then shuffle index, which fixes sample k for a given seed, split
 sequence length. megatron-core walks the stream in C++; here the same positions are found
 with a cumulative sum and a binary search.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,9 @@ def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None)
     return EpochPlan(num_epochs, separate, before)
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     """`documents` repeated num_epochs times and shuffled (the last epoch on its own when separate)."""
     if separate_final_epoch and num_epochs > 1:
         first = build_document_index(documents, num_epochs - 1, rng, False)
@@ -61,8 +63,9 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return index
 
 
-def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
+def build_sample_index(
+    sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, num_epochs: int, tokens_per_epoch: int
+) -> np.ndarray:
     """[num_samples + 1, 2]: row k is (position in document_index, token offset) of stream
     position k * seq_length; sample k spans rows k and k + 1 (plus the shared token).
     Partial last samples are dropped, as megatron-core does by default."""
@@ -91,15 +94,15 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int,
-                      num_samples: int | None, seed: int) -> dict[str, np.ndarray]:
+def build_gpt_indices(
+    sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None, seed: int
+) -> dict[str, np.ndarray]:
     """document_index, sample_index and shuffle_index of one GPTDataset."""
     tokens_per_epoch = int(np.sum(np.asarray(sequence_lengths)[documents], dtype=np.int64))
     plan = plan_epochs(tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed)
     document_index = build_document_index(documents, plan.num_epochs, rng, plan.separate_final_epoch)
-    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, plan.num_epochs,
-                                      tokens_per_epoch)
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, plan.num_epochs, tokens_per_epoch)
     total = len(sample_index) - 1
     first = plan.samples_before_final_epoch if plan.separate_final_epoch else total
     shuffle_index = build_shuffle_index(first, total, rng)

@@ -6,11 +6,12 @@ One process (the builder, rank 0 in training) builds and writes them; the others
 a barrier and then memory-map them. Each file is written under a temporary name and
 renamed, and the description is renamed last, so its presence marks a complete cache.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,8 +34,9 @@ class IndexCache:
         for name in names:
             path = self.path(f"{name}.npy")
             if not os.path.isfile(path):
-                raise ValueError(f"{path}: index cache file missing although "
-                                 f"{self.path('description.txt')} marks the cache complete")
+                raise ValueError(
+                    f"{path}: index cache file missing although {self.path('description.txt')} marks the cache complete"
+                )
             arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         return arrays
 
@@ -50,11 +52,14 @@ class IndexCache:
                 f.write(self.description)
             os.replace(self.path("description.txt") + suffix, self.path("description.txt"))
         except OSError as error:
-            raise ValueError(f"cannot write the dataset index cache in {self.directory} ({error.strerror}); "
-                             f"point --data-cache-path at a writable directory") from None
+            raise ValueError(
+                f"cannot write the dataset index cache in {self.directory} ({error.strerror}); "
+                f"point --data-cache-path at a writable directory"
+            ) from None
 
-    def get_or_build(self, names: list[str], build: Callable[[], dict[str, np.ndarray]],
-                     is_builder: bool) -> dict[str, np.ndarray]:
+    def get_or_build(
+        self, names: list[str], build: Callable[[], dict[str, np.ndarray]], is_builder: bool
+    ) -> dict[str, np.ndarray]:
         """Load the cached arrays; the builder builds and saves them when the cache is incomplete.
         A non-builder finding no cache means the builder did not share its files (or failed)."""
         if self.directory is None:
@@ -62,8 +67,10 @@ class IndexCache:
         if self.complete():
             return self.load(names)
         if not is_builder:
-            raise ValueError(f"{self.path('description.txt')}: the dataset index cache is missing after the "
-                             f"builder rank ran; --data-cache-path must be a directory all ranks share")
+            raise ValueError(
+                f"{self.path('description.txt')}: the dataset index cache is missing after the "
+                f"builder rank ran; --data-cache-path must be a directory all ranks share"
+            )
         arrays = build()
         self.save(arrays)
         return arrays

@@ -18,6 +18,7 @@ line naming the file rather than with garbage tokens later. The writer writes un
 temporary names and renames at the end, .idx last: an interrupted run never leaves an
 .idx that looks valid.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-          8: np.uint16}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 
 
@@ -123,7 +123,7 @@ class IndexedDatasetWriter:
             if os.path.exists(path):
                 os.remove(path)
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -148,11 +148,15 @@ class IndexedDataset:
         size = os.path.getsize(idx_path)
         # megatron-core's multimodal datasets append one int8 mode per sequence
         if size < expected:
-            raise ValueError(f"{idx_path}: truncated: {size} bytes, its header promises {expected} "
-                             f"({count} sequences, {doc_count - 1} documents)")
+            raise ValueError(
+                f"{idx_path}: truncated: {size} bytes, its header promises {expected} "
+                f"({count} sequences, {doc_count - 1} documents)"
+            )
         if size not in (expected, expected + count):
-            raise ValueError(f"{idx_path}: {size} bytes, but its header describes {expected} "
-                             f"({count} sequences, {doc_count - 1} documents)")
+            raise ValueError(
+                f"{idx_path}: {size} bytes, but its header describes {expected} "
+                f"({count} sequences, {doc_count - 1} documents)"
+            )
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(index, np.int32, count, HEADER_SIZE)
         self.sequence_pointers = np.frombuffer(index, np.int64, count, HEADER_SIZE + 4 * count)
@@ -164,20 +168,23 @@ class IndexedDataset:
         if bin_size < data_bytes:
             raise ValueError(f"{bin_path}: truncated: {bin_size} bytes, {idx_path} describes {data_bytes}")
         if bin_size != data_bytes:
-            raise ValueError(f"{bin_path}: {bin_size} bytes, but {idx_path} describes {data_bytes}: "
-                             f"the two files do not belong together")
+            raise ValueError(
+                f"{bin_path}: {bin_size} bytes, but {idx_path} describes {data_bytes}: "
+                f"the two files do not belong together"
+            )
         self._data = np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
 
     @staticmethod
     def _read_header(idx_path: str):
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
-        if header[:len(MAGIC)] != MAGIC:
-            raise ValueError(f"{idx_path}: not a Megatron index file (starts with {header[:len(MAGIC)]!r}, "
-                             f"expected {MAGIC!r})")
+        if header[: len(MAGIC)] != MAGIC:
+            raise ValueError(
+                f"{idx_path}: not a Megatron index file (starts with {header[: len(MAGIC)]!r}, expected {MAGIC!r})"
+            )
         if len(header) < HEADER_SIZE:
             raise ValueError(f"{idx_path}: truncated: {len(header)} bytes, shorter than the {HEADER_SIZE}-byte header")
-        version, code, count, doc_count = struct.unpack("<QBQQ", header[len(MAGIC):])
+        version, code, count, doc_count = struct.unpack("<QBQQ", header[len(MAGIC) :])
         if version != VERSION:
             raise ValueError(f"{idx_path}: index version {version}, only version {VERSION} is known")
         if code not in DTYPES:
@@ -192,7 +199,7 @@ class IndexedDataset:
         if length is None:
             length = int(self.sequence_lengths[index]) - offset
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
-        return self._data[start:start + length]
+        return self._data[start : start + length]
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)

@@ -6,6 +6,7 @@ predictable from the two before it, so the loss visibly falls. Because each
 sample depends only on (seed, index), a global batch holds the same samples
 whatever the parallel layout.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -3,6 +3,7 @@
 Forking (not spawning) keeps start-up under a second for 8 ranks; every rank uses
 one intra-op thread. A failing rank's traceback is raised in the test.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -18,8 +19,9 @@ from megatron.training.initialize import free_port
 
 
 def _child(rank: int, world_size: int, port: int, fn, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -40,8 +42,10 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_child, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        context.Process(target=_child, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     collected, failures = {}, []

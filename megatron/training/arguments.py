@@ -3,6 +3,7 @@
 Each flag group lives in its own module (`*_args.py`) with the function that turns it into
 a config; this module composes them, holds the GPT/Llama defaults and validates the whole.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from megatron.training.megatron_compat import (
     strip_fusion_toggles,
 )
 from megatron.training.model_args import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
+from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
 from megatron.training.optimizer_args import (
     DEFAULT_LR,
     add_optimizer_arguments,
@@ -31,16 +33,27 @@ from megatron.training.optimizer_args import (
     lr_schedule_from_args,
     optimizer_config_from_args,
 )
-from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
 from megatron.training.parallel_args import add_parallel_arguments
 from megatron.training.training_args import add_training_arguments, training_config_from_args
 
-GPT_DEFAULTS = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
-                    disable_bias_linear=False, untie_embeddings_and_output_weights=False,
-                    attention_dropout=0.1, hidden_dropout=0.1)
-LLAMA_DEFAULTS = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                      disable_bias_linear=True, untie_embeddings_and_output_weights=True,
-                      attention_dropout=0.0, hidden_dropout=0.0)
+GPT_DEFAULTS = dict(
+    normalization="LayerNorm",
+    position_embedding_type="learned_absolute",
+    swiglu=False,
+    disable_bias_linear=False,
+    untie_embeddings_and_output_weights=False,
+    attention_dropout=0.1,
+    hidden_dropout=0.1,
+)
+LLAMA_DEFAULTS = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 
 class ArgumentError(ValueError):
@@ -54,7 +67,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _data_flags(p):
     p.add_argument_group("mock data").add_argument(
-        "--mock-data", action="store_true", help="synthetic sequences (with --vocab-size) instead of --data-path")
+        "--mock-data", action="store_true", help="synthetic sequences (with --vocab-size) instead of --data-path"
+    )
     add_data_arguments(p)
     add_eval_arguments(p)
 
@@ -78,18 +92,21 @@ def _refuse_unsupported_resets(args) -> None:
     """--reset-position-ids/--reset-attention-mask need documents (real data). The document mask
     is an explicit [b, 1, s, s] mask for torch's SDPA: the Triton flash kernel has no document
     boundaries, and a cp rank's two chunks are not one contiguous sequence."""
-    for flag, value in (("--reset-position-ids", args.reset_position_ids),
-                        ("--reset-attention-mask", args.reset_attention_mask)):
+    for flag, value in (
+        ("--reset-position-ids", args.reset_position_ids),
+        ("--reset-attention-mask", args.reset_attention_mask),
+    ):
         if value and args.mock_data:
             raise ArgumentError(f"{flag} needs --data-path: mock data has no documents")
     if not args.reset_attention_mask:
         return
     if ATTENTION_BACKENDS[args.attention_backend] == "triton":
-        raise ArgumentError("--reset-attention-mask needs --attention-backend auto or torch: "
-                            "the Triton flash kernel has no document boundaries")
+        raise ArgumentError(
+            "--reset-attention-mask needs --attention-backend auto or torch: "
+            "the Triton flash kernel has no document boundaries"
+        )
     if args.context_parallel_size > 1:
-        raise ArgumentError("--reset-attention-mask is not supported with --context-parallel-size > 1; "
-                            "leave one out")
+        raise ArgumentError("--reset-attention-mask is not supported with --context-parallel-size > 1; leave one out")
 
 
 def _data_config(args) -> DataConfig | None:
@@ -125,12 +142,23 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     if args.lr is None:
         notes.insert(0, f"> note: --lr not given: using {DEFAULT_LR} (Megatron has no default learning rate)")
     if model.gradient_accumulation_fusion and dtype != torch.float32:
-        notes.append(f"> note: --gradient-accumulation-fusion applies to fp32 weights: {'--bf16' if args.bf16 else '--fp16'} "
-                     f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
-                     f"built here)")
+        notes.append(
+            f"> note: --gradient-accumulation-fusion applies to fp32 weights: {'--bf16' if args.bf16 else '--fp16'} "
+            f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
+            f"built here)"
+        )
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
-    return RunConfig(model=model, optimizer=optimizer, parallel=parallel, training=training,
-                     sequence_parallel_requested=args.sequence_parallel, checkpoint=checkpoint_config_from_args(args),
-                     lr_schedule=schedule, decoupled_lr_schedule=decoupled_schedule_from_args(args, schedule),
-                     logging=logging_config_from_args(args), notes=notes, data=data,
-                     evaluation=eval_config_from_args(args))
+    return RunConfig(
+        model=model,
+        optimizer=optimizer,
+        parallel=parallel,
+        training=training,
+        sequence_parallel_requested=args.sequence_parallel,
+        checkpoint=checkpoint_config_from_args(args),
+        lr_schedule=schedule,
+        decoupled_lr_schedule=decoupled_schedule_from_args(args, schedule),
+        logging=logging_config_from_args(args),
+        notes=notes,
+        data=data,
+        evaluation=eval_config_from_args(args),
+    )

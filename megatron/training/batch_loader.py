@@ -8,11 +8,12 @@ every stage when the model needs per-sample positions or documents. The
 time a rank waits for a batch that is not ready yet is recorded: the data-loader
 stall the iteration log reports.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 from megatron.core.context_parallel.sharding import shard as cp_shard
 from megatron.core.pipeline_parallel.microbatch import Microbatch
@@ -23,8 +24,16 @@ class BatchLoader:
     """`plan(iteration) -> (samples consumed before it, microbatches in it)`; `model_inputs`:
     the per-sample fields besides tokens, labels and loss mask (`batches.model_input_fields`)."""
 
-    def __init__(self, dataset, device, mesh, micro_batch_size: int, plan: Callable[[int], tuple[int, int]],
-                 workers: int, model_inputs: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        dataset,
+        device,
+        mesh,
+        micro_batch_size: int,
+        plan: Callable[[int], tuple[int, int]],
+        workers: int,
+        model_inputs: tuple[str, ...] = (),
+    ):
         self.dataset, self.device, self.mesh, self.model_inputs = dataset, device, mesh, model_inputs
         self.micro_batch_size, self.plan = micro_batch_size, plan
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="batch-loader")
@@ -33,13 +42,19 @@ class BatchLoader:
         self.wait_seconds = 0.0
 
     def _load(self, consumed: int, microbatch: int) -> Microbatch:
-        indices = microbatch_indices(consumed, microbatch, micro_batch_size=self.micro_batch_size,
-                                     dp_size=self.mesh.dp_size, dp_rank=self.mesh.dp_rank)
+        indices = microbatch_indices(
+            consumed,
+            microbatch,
+            micro_batch_size=self.micro_batch_size,
+            dp_size=self.mesh.dp_size,
+            dp_rank=self.mesh.dp_rank,
+        )
         batch = collate([self.dataset[i] for i in indices], self.device, self.model_inputs)
         if self.mesh.cp_size == 1:
             return batch
-        return Microbatch(*(None if t is None else cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1)
-                            for t in batch))
+        return Microbatch(
+            *(None if t is None else cp_shard(t, self.mesh.cp_rank, self.mesh.cp_size, dim=1) for t in batch)
+        )
 
     def _prefetch(self, iteration: int) -> None:
         if iteration in self.queued:

@@ -9,9 +9,10 @@ The data order stays a pure function of the samples consumed: iteration i reads 
 after those consumed by iterations 1..i-1. A run resumed with other batch sizes than the
 saving run's continues from the saved count (`resume_at`), as Megatron does.
 """
+
 from __future__ import annotations
 
-SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
 def _number(text: str) -> int:
@@ -40,8 +41,13 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ..
 
 
 class BatchSizeSchedule:
-    def __init__(self, global_batch_size: int, *, rampup: tuple[int, int, int] | None = None,
-                 steps: tuple[tuple[int, int], ...] = ()):
+    def __init__(
+        self,
+        global_batch_size: int,
+        *,
+        rampup: tuple[int, int, int] | None = None,
+        steps: tuple[tuple[int, int], ...] = (),
+    ):
         self.global_batch_size, self.rampup, self.steps = global_batch_size, rampup, steps
         self._first = 1  # the first iteration this schedule counts from (> 1 after `resume_at`)
         self._consumed = [0]  # samples consumed before iteration self._first + i, grown on demand
@@ -51,8 +57,10 @@ class BatchSizeSchedule:
             if start < 1 or increment < 1 or samples < 0:
                 raise ValueError("--rampup-batch-size needs START >= 1, INCREMENT >= 1 and SAMPLES >= 0")
             if start > global_batch_size or (global_batch_size - start) % increment:
-                raise ValueError(f"--rampup-batch-size: --global-batch-size ({global_batch_size}) - START ({start}) "
-                                 f"must be a non-negative multiple of INCREMENT ({increment})")
+                raise ValueError(
+                    f"--rampup-batch-size: --global-batch-size ({global_batch_size}) - START ({start}) "
+                    f"must be a non-negative multiple of INCREMENT ({increment})"
+                )
 
     @property
     def constant(self) -> bool:

@@ -1,4 +1,5 @@
 """Megatron's checkpoint and exit flags -> CheckpointConfig. Nothing else reads these flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,30 +28,49 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     g.add_argument("--save-interval", type=int, help="save every N iterations (and always after the last one)")
     g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load random-number generator states")
-    g.add_argument("--finetune", action="store_true",
-                   help="load the model only and start from iteration 0 (no optimizer, RNG or iteration)")
-    g.add_argument("--ckpt-format", choices=["canonical", "torch_dist", "torch"], default="canonical",
-                   help="format of --save: canonical (ours: layout-independent, with file digests, RNG states and "
-                        "the data position) or torch_dist (Megatron-LM's, for Megatron-LM to load); --load reads "
-                        "either")
-    g.add_argument("--async-save", action="store_true",
-                   help="copy the state to host memory and write it in the background; the tracker moves once "
-                        "every rank has written")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: finish the iteration, save (with --save) and exit 0")
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load the model only and start from iteration 0 (no optimizer, RNG or iteration)",
+    )
+    g.add_argument(
+        "--ckpt-format",
+        choices=["canonical", "torch_dist", "torch"],
+        default="canonical",
+        help="format of --save: canonical (ours: layout-independent, with file digests, RNG states and "
+        "the data position) or torch_dist (Megatron-LM's, for Megatron-LM to load); --load reads "
+        "either",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="copy the state to host memory and write it in the background; the tracker moves once "
+        "every rank has written",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM: finish the iteration, save (with --save) and exit 0",
+    )
     g.add_argument("--exit-interval", type=int, help="exit (after saving, with --save) at an iteration divisible by N")
-    g.add_argument("--exit-duration-in-mins", type=float,
-                   help="exit (after saving, with --save) once training has run this long")
+    g.add_argument(
+        "--exit-duration-in-mins", type=float, help="exit (after saving, with --save) once training has run this long"
+    )
     return parser
 
 
 def checkpoint_config_from_args(args) -> CheckpointConfig:
     """Validate the checkpoint flags; every problem is one ValueError line naming the flag."""
     if args.ckpt_format == "torch":
-        raise ValueError("--ckpt-format torch (per-rank files bound to one parallel layout) is not supported; "
-                         "use --ckpt-format canonical or torch_dist (sharded, load into any layout)")
-    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
-                        ("--exit-duration-in-mins", args.exit_duration_in_mins)):
+        raise ValueError(
+            "--ckpt-format torch (per-rank files bound to one parallel layout) is not supported; "
+            "use --ckpt-format canonical or torch_dist (sharded, load into any layout)"
+        )
+    for flag, value in (
+        ("--save-interval", args.save_interval),
+        ("--exit-interval", args.exit_interval),
+        ("--exit-duration-in-mins", args.exit_duration_in_mins),
+    ):
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
     if args.save_interval is not None and not args.save:
@@ -59,8 +79,16 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
         raise ValueError("--async-save needs --save (the directory to save into)")
     if args.async_save and args.ckpt_format == "torch_dist":
         raise ValueError("--async-save writes --ckpt-format canonical only; drop one of them")
-    return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-                            async_save=args.async_save, ckpt_format=args.ckpt_format,
-                            exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
-                            exit_duration_in_mins=args.exit_duration_in_mins)
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng,
+        finetune=args.finetune,
+        async_save=args.async_save,
+        ckpt_format=args.ckpt_format,
+        exit_signal_handler=args.exit_signal_handler,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+    )

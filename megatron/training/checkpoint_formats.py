@@ -20,6 +20,7 @@ reads for a GPTModel and its optimizer: the stacked tensors at Megatron's padded
 `common.pt` with `args`, `iteration`, `checkpoint_version`, the optimizer's param groups and
 step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it with --no-load-rng).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,12 @@ from megatron.training.megatron_lm_args import args_mismatch, megatron_args
 
 OURS, MEGATRON = "ours", "torch_dist"
 COMMON = "common.pt"
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                     "common_backend_version": 1}
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 CHECKPOINT_VERSION = 3.0
 
 
@@ -62,6 +67,7 @@ def detect_checkpoint_format(root: str) -> str | None:
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
+
 
 class _Opaque:
     """Stands in for a class of megatron's in common.pt (enums, configs): holds what was pickled."""
@@ -110,8 +116,9 @@ def check_file_lengths(directory: str) -> None:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: shard file missing")
         if os.path.getsize(path) < size:
-            raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, the checkpoint's .metadata needs "
-                                  f"{size} (truncated)")
+            raise CheckpointError(
+                f"{path}: {os.path.getsize(path)} bytes, the checkpoint's .metadata needs {size} (truncated)"
+            )
 
 
 def _torch_optimizer(optimizer_state) -> dict:
@@ -127,8 +134,11 @@ def _loss_scaler(optimizer_state) -> dict | None:
     scaler = optimizer_state.get("grad_scaler") if isinstance(optimizer_state, dict) else None
     if not scaler or "growth_tracker" not in scaler:  # none, or a constant scale (nothing to restore)
         return None
-    return {"scale": float(scaler["scale"]), "growth_tracker": int(scaler["growth_tracker"]),
-            "hysteresis_tracker": int(scaler["hysteresis_tracker"])}
+    return {
+        "scale": float(scaler["scale"]),
+        "growth_tracker": int(scaler["growth_tracker"]),
+        "hysteresis_tracker": int(scaler["hysteresis_tracker"]),
+    }
 
 
 def _step(optimizer_state) -> int | None:
@@ -158,12 +168,21 @@ def megatron_metadata(directory: str) -> dict:
     moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
     consumed = getattr(args, "consumed_train_samples", 0) or 0
     scheduler = common.get("opt_param_scheduler") or {}
-    return {"consumed_samples": consumed, "update_samples": scheduler.get("num_steps", consumed), "layout": None,
-            "optimizer": {"step": step or 0, "loss_scaler": _loss_scaler(common.get("optimizer")),
-                          "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors)},
-            "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
-            "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
-            "megatron_args": args, "vocab_rows": rows[0] if rows else None, "scheduler": scheduler}
+    return {
+        "consumed_samples": consumed,
+        "update_samples": scheduler.get("num_steps", consumed),
+        "layout": None,
+        "optimizer": {
+            "step": step or 0,
+            "loss_scaler": _loss_scaler(common.get("optimizer")),
+            "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
+        },
+        "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
+        "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
+        "megatron_args": args,
+        "vocab_rows": rows[0] if rows else None,
+        "scheduler": scheduler,
+    }
 
 
 def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -> ours.CheckpointInfo:
@@ -175,17 +194,25 @@ def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -
         raise CheckpointError(f"{info.directory}: {why}")
     rows = metadata["vocab_rows"]
     if rows is not None and rows < model_config.vocab_size:
-        raise CheckpointError(f"{info.directory}: vocabulary tensors have {rows} rows, --vocab-size "
-                              f"{model_config.vocab_size} needs at least that many")
+        raise CheckpointError(
+            f"{info.directory}: vocabulary tensors have {rows} rows, --vocab-size "
+            f"{model_config.vocab_size} needs at least that many"
+        )
     if not (config.no_load_optim or config.finetune) and "optimizer" not in metadata["contents"]:
-        form = (" only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
-                if metadata["distributed_optimizer"] else " no optimizer state")
-        raise CheckpointError(f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start "
-                              "the optimizer fresh")
+        form = (
+            " only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
+            if metadata["distributed_optimizer"]
+            else " no optimizer state"
+        )
+        raise CheckpointError(
+            f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start the optimizer fresh"
+        )
     notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
     if rows is not None and rows > model_config.vocab_size:
-        notes += (f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
-                  "not loaded",)
+        notes += (
+            f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
+            "not loaded",
+        )
     return ours.CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
 
 
@@ -198,8 +225,13 @@ def megatron_checkpoint_info(root: str) -> ours.CheckpointInfo:
 
 
 # Megatron's scheduler state -> our LRSchedule field
-SCHEDULE_FIELDS = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_decay_style": "style", "lr_warmup_steps": "warmup_steps",
-                   "lr_decay_steps": "decay_steps"}
+SCHEDULE_FIELDS = {
+    "max_lr": "max_lr",
+    "min_lr": "min_lr",
+    "lr_decay_style": "style",
+    "lr_warmup_steps": "warmup_steps",
+    "lr_decay_steps": "decay_steps",
+}
 
 
 def schedule_note(saved: dict, schedule) -> str | None:
@@ -207,8 +239,11 @@ def schedule_note(saved: dict, schedule) -> str | None:
     would refuse without --override-opt_param-scheduler)."""
     if not saved or schedule is None:
         return None
-    differ = [f"{name} {saved[name]} (flags: {getattr(schedule, ours_name)})" for name, ours_name in
-              SCHEDULE_FIELDS.items() if name in saved and saved[name] != getattr(schedule, ours_name)]
+    differ = [
+        f"{name} {saved[name]} (flags: {getattr(schedule, ours_name)})"
+        for name, ours_name in SCHEDULE_FIELDS.items()
+        if name in saved and saved[name] != getattr(schedule, ours_name)
+    ]
     if not differ:
         return None
     return f"> the checkpoint's LR schedule differs from the flags', which are used: {', '.join(differ)}"
@@ -241,16 +276,34 @@ def load_checkpoint(info: ours.CheckpointInfo, trainer, config) -> tuple[int, li
 
 # ---- writing ---------------------------------------------------------------------------------------------
 
+
 def _param_groups(trainer, lr: float) -> list[dict]:
     """Megatron's two param groups (weight decay on, off) as its torch AdamW records them."""
     o = trainer.run.optimizer
     groups = []
     for wd_mult in (1.0, 0.0):
-        groups.append({"lr": lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
-                       "weight_decay": o.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None,
-                       "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-                       "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
-                       "max_lr": o.lr, "min_lr": o.min_lr, "default_config": True})
+        groups.append(
+            {
+                "lr": lr,
+                "betas": (o.adam_beta1, o.adam_beta2),
+                "eps": o.adam_eps,
+                "weight_decay": o.weight_decay * wd_mult,
+                "amsgrad": False,
+                "maximize": False,
+                "foreach": None,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "decoupled_weight_decay": True,
+                "wd_mult": wd_mult,
+                "lr_mult": 1.0,
+                "is_expert_parallel": False,
+                "is_decoupled_lr": False,
+                "max_lr": o.lr,
+                "min_lr": o.min_lr,
+                "default_config": True,
+            }
+        )
     return groups
 
 
@@ -259,31 +312,50 @@ def _scheduler_state(trainer, update_samples: int) -> dict | None:
     if schedule is None:
         return None
     o = trainer.run.optimizer
-    return {"max_lr": schedule.max_lr, "lr_warmup_steps": schedule.warmup_steps, "num_steps": update_samples,
-            "lr_decay_style": schedule.style, "lr_decay_steps": schedule.decay_steps, "min_lr": schedule.min_lr,
-            "start_wd": o.weight_decay, "end_wd": o.weight_decay, "wd_incr_style": "constant",
-            "wd_incr_steps": schedule.decay_steps}
+    return {
+        "max_lr": schedule.max_lr,
+        "lr_warmup_steps": schedule.warmup_steps,
+        "num_steps": update_samples,
+        "lr_decay_style": schedule.style,
+        "lr_decay_steps": schedule.decay_steps,
+        "min_lr": schedule.min_lr,
+        "start_wd": o.weight_decay,
+        "end_wd": o.weight_decay,
+        "wd_incr_style": "constant",
+        "wd_incr_steps": schedule.decay_steps,
+    }
 
 
 def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
     """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata)."""
     dims = trainer.mesh.dims
-    args = megatron_args(trainer.run.model, iteration=iteration, consumed_samples=metadata["consumed_samples"],
-                         tp=dims.tp, pp=dims.pp, extra={"lr": trainer.run.optimizer.lr,
-                                                        "min_lr": trainer.run.optimizer.min_lr})
+    args = megatron_args(
+        trainer.run.model,
+        iteration=iteration,
+        consumed_samples=metadata["consumed_samples"],
+        tp=dims.tp,
+        pp=dims.pp,
+        extra={"lr": trainer.run.optimizer.lr, "min_lr": trainer.run.optimizer.min_lr},
+    )
     step = trainer.optimizer.adam.step_count
-    optimizer = {"param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
-                 "state": {"common_step": torch.tensor(float(step))}}
+    optimizer = {
+        "param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
+        "state": {"common_step": torch.tensor(float(step))},
+    }
     if trainer.run.model.params_dtype != torch.float32:  # Megatron's bf16/fp16 optimizer nests it, beside its scaler
         optimizer = {"optimizer": optimizer}
         scaler = trainer.optimizer.grad_scaler
         if scaler is not None:
             state = scaler.state_dict()
             optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
-    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "optimizer": optimizer,
-            "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
-            "num_floating_point_operations_so_far": 0}
+    return {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "optimizer": optimizer,
+        "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
+        "num_floating_point_operations_so_far": 0,
+    }
 
 
 def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
@@ -309,5 +381,6 @@ def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
     `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
     pieces, metadata = ours.checkpoint_contents(trainer, iteration, rng=False)
-    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model,
-                                       megatron_common(trainer, iteration, metadata))
+    return publish_megatron_checkpoint(
+        root, iteration, pieces, trainer.run.model, megatron_common(trainer, iteration, metadata)
+    )

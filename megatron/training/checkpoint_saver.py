@@ -11,6 +11,7 @@ The next save and the end of training (last iteration, --exit-interval,
 --exit-duration-in-mins, SIGTERM) wait for a pending save and finalize it. A crash before
 then leaves the previous checkpoint and the tracker untouched.
 """
+
 from __future__ import annotations
 
 import threading
@@ -75,8 +76,9 @@ class CheckpointSaver:
         pieces, metadata = checkpoint_contents(self.trainer, iteration, log_window=window)
         staging = prepare_staging(self.root, iteration)
         snapshot = [piece.snapshot() for piece in pieces]
-        self.pending = _Pending(iteration, staging, metadata,
-                                _in_background(_write_and_digest, snapshot, staging, self.group))
+        self.pending = _Pending(
+            iteration, staging, metadata, _in_background(_write_and_digest, snapshot, staging, self.group)
+        )
         self.emit(f"> saving {staging} in the background (iteration {iteration})")
 
     def poll(self) -> None:
@@ -103,8 +105,10 @@ class CheckpointSaver:
         failed = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why is not None]
         if failed:
             rank, why = failed[0]
-            raise CheckpointError(f"{pending.staging}: the background write failed on rank {rank} ({why}); "
-                                  "the previous checkpoint stays the latest")
+            raise CheckpointError(
+                f"{pending.staging}: the background write failed on rank {rank} ({why}); "
+                "the previous checkpoint stays the latest"
+            )
         digests = {name: digest for share, _ in outcomes for name, digest in share.items()}
         final = publish_checkpoint(self.root, pending.iteration, digests, pending.metadata)
         self.emit(f"> saved {final} (written in the background)")

@@ -19,6 +19,7 @@ RNG states (torch's generators per rank, each model chunk's dropout streams) are
 bound to the parallel layout: they are loaded only into the layout that saved them.
 Same layout, same flags: the resumed run repeats the uninterrupted one bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,13 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def layout_of(trainer) -> dict:
     dims = trainer.mesh.dims
-    return {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp,
-            "virtual_stages": trainer.run.parallel.virtual_stages}
+    return {
+        "tp": dims.tp,
+        "cp": dims.cp,
+        "dp": dims.dp,
+        "pp": dims.pp,
+        "virtual_stages": trainer.run.parallel.virtual_stages,
+    }
 
 
 SAVED_MASTER = functools.partial(state_name, "master")  # bf16/fp16 weights: their fp32 copies
@@ -74,8 +80,9 @@ def optimizer_pieces(trainer, *, tied_copies: bool, master=None) -> list[TensorP
     sources = {key: functools.partial(state_name, key) for key in MOMENTS}
     if master is not None:
         sources["master"] = master
-    return optimizer_state_pieces(trainer.optimizer.state_dict_by_name(), dict(_named_parameters(trainer)), sources,
-                                  tied_copies=tied_copies)
+    return optimizer_state_pieces(
+        trainer.optimizer.state_dict_by_name(), dict(_named_parameters(trainer)), sources, tied_copies=tied_copies
+    )
 
 
 def _low_precision(trainer) -> bool:
@@ -84,6 +91,7 @@ def _low_precision(trainer) -> bool:
 
 
 # ---- RNG ---------------------------------------------------------------------------------------------
+
 
 def _rng_states(trainer) -> dict[str, torch.Tensor]:
     """Name -> state of torch's generators on this rank and of each model chunk's dropout streams
@@ -108,11 +116,13 @@ def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
     mesh = trainer.mesh
     for c, chunk in enumerate(trainer.chunks):
         prefix = f"rng.dropout.stage_{c * mesh.pp_size + mesh.pp_rank}.cp_{mesh.cp_rank}.tp_{mesh.tp_rank}"
-        chunk.module.decoder.rng_tracker.set_state({False: states[f"{prefix}.replicated"],
-                                                    True: states[f"{prefix}.tensor_parallel"]})
+        chunk.module.decoder.rng_tracker.set_state(
+            {False: states[f"{prefix}.replicated"], True: states[f"{prefix}.tensor_parallel"]}
+        )
 
 
 # ---- save --------------------------------------------------------------------------------------------
+
 
 def _named_parameters(trainer):
     for chunk in trainer.chunks:
@@ -154,8 +164,13 @@ def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict)
     final = iteration_dir(root, iteration)
     if global_rank() == 0:
         staging = final + ".tmp"
-        record = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration, **metadata,
-                  "files": digests}
+        record = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            **metadata,
+            "files": digests,
+        }
         write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
         replace_checkpoint(staging, final, root, iteration)
     _barrier()
@@ -180,21 +195,27 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
 
 
-def checkpoint_contents(trainer, iteration: int, rng: bool = True,
-                        log_window: dict | None = None) -> tuple[list[TensorPiece], dict]:
+def checkpoint_contents(
+    trainer, iteration: int, rng: bool = True, log_window: dict | None = None
+) -> tuple[list[TensorPiece], dict]:
     """(this rank's pieces: model, optimizer state and, with `rng`, RNG states; the metadata) of a
     save after `iteration`, with the log's open averaging window when given. The pieces are views
     of the live tensors."""
     trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
     master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
-    pieces = (model_pieces(_named_parameters(trainer), tied_copies=False)
-              + optimizer_pieces(trainer, tied_copies=False, master=master)
-              + ([TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()] if rng else []))
-    metadata = {"consumed_samples": consumed_samples(trainer.run, iteration),
-                "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
-                "model": model_record(trainer.run.model), "layout": layout_of(trainer),
-                "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
-                "contents": ["model", "optimizer"] + (["rng"] if rng else [])}
+    pieces = (
+        model_pieces(_named_parameters(trainer), tied_copies=False)
+        + optimizer_pieces(trainer, tied_copies=False, master=master)
+        + ([TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()] if rng else [])
+    )
+    metadata = {
+        "consumed_samples": consumed_samples(trainer.run, iteration),
+        "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
+        "model": model_record(trainer.run.model),
+        "layout": layout_of(trainer),
+        "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
+        "contents": ["model", "optimizer"] + (["rng"] if rng else []),
+    }
     if log_window is not None:
         metadata["log_window"] = log_window
     return pieces, metadata
@@ -213,6 +234,7 @@ def consumed_samples(run, iteration: int) -> int:
 
 
 # ---- load --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -262,8 +284,10 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
     if not os.path.isfile(tracker):
         found = _what_checkpoint_is_here(root)
         if found is not None:
-            raise CheckpointError(f"--load {root}: holds {found}, and no {TRACKER}; pass the directory given to "
-                                  "--save (the parent of iter_*), or move these files away to start fresh")
+            raise CheckpointError(
+                f"--load {root}: holds {found}, and no {TRACKER}; pass the directory given to "
+                "--save (the parent of iter_*), or move these files away to start fresh"
+            )
         return None
     text = open(tracker).read().strip()
     if not text.isdigit():
@@ -277,11 +301,15 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if "sharded_backend" in metadata:
-        raise CheckpointError(f"{directory}: a Megatron-LM {metadata['sharded_backend']} checkpoint: pretrain's "
-                              "--load reads it, and tools/checkpoint/convert.py --loader torch_dist")
+        raise CheckpointError(
+            f"{directory}: a Megatron-LM {metadata['sharded_backend']} checkpoint: pretrain's "
+            "--load reads it, and tools/checkpoint/convert.py --loader torch_dist"
+        )
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {metadata.get('format')} version {metadata.get('format_version')}, "
-                              f"this code reads {FORMAT} version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: format {metadata.get('format')} version {metadata.get('format_version')}, "
+            f"this code reads {FORMAT} version {FORMAT_VERSION}"
+        )
     return CheckpointInfo(directory, int(text), metadata)
 
 
@@ -295,14 +323,20 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> CheckpointIn
     for difference in differing:
         if not (config.finetune and difference.field.kind == CONTEXT):
             raise CheckpointError(f"{info.directory}: {difference.sentence()}")
-        notes.append(f"> note: --finetune changes how positions are encoded ({difference.sentence()}); the "
-                     "saved tensors keep their meaning")
+        notes.append(
+            f"> note: --finetune changes how positions are encoded ({difference.sentence()}); the "
+            "saved tensors keep their meaning"
+        )
     if unknown:
-        notes.append(f"> note: {info.directory} predates the record of {', '.join(f.flag for f in unknown)}: "
-                     "not compared with the flags (the tensor set still is)")
+        notes.append(
+            f"> note: {info.directory} predates the record of {', '.join(f.flag for f in unknown)}: "
+            "not compared with the flags (the tensor set still is)"
+        )
     if not (config.no_load_optim or config.finetune) and "optimizer" not in info.metadata["contents"]:
-        raise CheckpointError(f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) "
-                              "to start the optimizer fresh")
+        raise CheckpointError(
+            f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) "
+            "to start the optimizer fresh"
+        )
     return dataclasses.replace(info, notes=info.notes + tuple(notes))
 
 
@@ -318,9 +352,11 @@ def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
     updates = 0 if fresh else info.metadata["optimizer"]["step"]
     clock = 0 if fresh else info.metadata.get("update_samples", saved)  # absent: written before batch changes
     run.training.batch_schedule.resume_at(info.iteration, saved, updates, clock)
-    note = (f"> {info.directory}: {saved} samples consumed by iteration {info.iteration} (the flags' batch sizes "
-            f"would give {expected}); continuing from sample {saved} at global batch size "
-            f"{run.training.batch_schedule.at(saved)}")
+    note = (
+        f"> {info.directory}: {saved} samples consumed by iteration {info.iteration} (the flags' batch sizes "
+        f"would give {expected}); continuing from sample {saved} at global batch size "
+        f"{run.training.batch_schedule.at(saved)}"
+    )
     return dataclasses.replace(info, notes=info.notes + (note,))
 
 
@@ -367,11 +403,16 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, wanted)
         wanted = set().union(*gathered)
-    unused = sorted(name for name in saved_tensors(info.directory)
-                    if not name.startswith(("optimizer.", "rng.")) and name not in wanted)
+    unused = sorted(
+        name
+        for name in saved_tensors(info.directory)
+        if not name.startswith(("optimizer.", "rng.")) and name not in wanted
+    )
     if unused:
-        raise CheckpointError(f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
-                              f"model, e.g. {unused[0]} (a flag that adds tensors is missing)")
+        raise CheckpointError(
+            f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
+            f"model, e.g. {unused[0]} (a flag that adds tensors is missing)"
+        )
 
 
 def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) -> tuple[int, list[str]]:
@@ -400,8 +441,9 @@ def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) ->
     elif "rng" not in info.metadata["contents"]:
         notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
     elif info.metadata["layout"] != layout_of(trainer):
-        notes.append(f"> RNG states not loaded: saved with layout {info.metadata['layout']}, "
-                     f"running {layout_of(trainer)}")
+        notes.append(
+            f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
+        )
     else:
         states = _rng_states(trainer)
         read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)

@@ -7,6 +7,7 @@ its traceback. Under torchrun an error that every rank raises alike (before the 
 exists, or an `AgreedError`) is printed by rank 0 only; one that a single rank found is printed
 by that rank, with its number.
 """
+
 from __future__ import annotations
 
 import sys

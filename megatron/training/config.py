@@ -1,4 +1,5 @@
 """Run-level config dataclasses: parallel layout and the training loop's settings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,15 +8,19 @@ from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.lr_schedule import LRSchedule
 from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
-from megatron.data.config import DataConfig
-from megatron.training.eval_args import EvalConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
+from megatron.data.config import DataConfig
 from megatron.training.batch_schedule import BatchSizeSchedule
 from megatron.training.checkpoint_args import CheckpointConfig
+from megatron.training.eval_args import EvalConfig
 from megatron.training.logging_args import LoggingConfig
-from megatron.training.parallel_args import (rank_order_from_args, reshard_after_forward_from_args,
-                                             sharding_strategy_from_args, unsharded_grad_accumulation_from_args)
+from megatron.training.parallel_args import (
+    rank_order_from_args,
+    reshard_after_forward_from_args,
+    sharding_strategy_from_args,
+    unsharded_grad_accumulation_from_args,
+)
 
 
 @dataclass
@@ -36,36 +41,57 @@ class ParallelConfig:
     heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
 
     @classmethod
-    def from_args(cls, args, world_size: int) -> "ParallelConfig":
-        dims = ParallelDims.from_world(world_size, tp=args.tensor_model_parallel_size,
-                                       cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
-                                       order=rank_order_from_args(args))
+    def from_args(cls, args, world_size: int) -> ParallelConfig:
+        dims = ParallelDims.from_world(
+            world_size,
+            tp=args.tensor_model_parallel_size,
+            cp=args.context_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+            order=rank_order_from_args(args),
+        )
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
             raise ValueError("--distributed-timeout-minutes must be >= 1")
         if not args.heartbeat_timeout_seconds >= 0:
-            raise ValueError("--heartbeat-timeout-seconds must be >= 0 (0 disables), "
-                             f"got {args.heartbeat_timeout_seconds}")
+            raise ValueError(
+                f"--heartbeat-timeout-seconds must be >= 0 (0 disables), got {args.heartbeat_timeout_seconds}"
+            )
         if args.split_backward and dims.pp == 1:
-            raise ValueError("--split-backward only changes pipeline schedules: it needs "
-                             "--pipeline-model-parallel-size > 1")
-        ddp = DDPConfig(bucket_size=args.ddp_bucket_size, sharding_strategy=sharding_strategy_from_args(args),
-                        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-                        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp),
-                        unsharded_grad_accumulation=unsharded_grad_accumulation_from_args(args))
-        return cls(tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, virtual_stages=virtual,
-                   microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
-                   backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
-                   ddp=ddp, first_stage_layers=args.decoder_first_pipeline_num_layers,
-                   last_stage_layers=args.decoder_last_pipeline_num_layers, rank_order=dims.order,
-                   split_backward=args.split_backward, heartbeat_timeout=args.heartbeat_timeout_seconds)
+            raise ValueError(
+                "--split-backward only changes pipeline schedules: it needs --pipeline-model-parallel-size > 1"
+            )
+        ddp = DDPConfig(
+            bucket_size=args.ddp_bucket_size,
+            sharding_strategy=sharding_strategy_from_args(args),
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            reshard_after_forward=reshard_after_forward_from_args(args, dims.pp),
+            unsharded_grad_accumulation=unsharded_grad_accumulation_from_args(args),
+        )
+        return cls(
+            tp=dims.tp,
+            cp=dims.cp,
+            pp=dims.pp,
+            dp=dims.dp,
+            virtual_stages=virtual,
+            microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+            backend=args.distributed_backend,
+            timeout_minutes=args.distributed_timeout_minutes,
+            ddp=ddp,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            rank_order=dims.order,
+            split_backward=args.split_backward,
+            heartbeat_timeout=args.heartbeat_timeout_seconds,
+        )
 
     @staticmethod
     def _virtual_stages(args, pp: int) -> int:
         per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
         if per_stage is not None and per_rank is not None:
-            raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
-                             "--num-virtual-stages-per-pipeline-rank")
+            raise ValueError(
+                "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
+            )
         if per_stage is None and per_rank is None:
             return 1
         if pp == 1:
@@ -76,14 +102,19 @@ class ParallelConfig:
             return per_rank
         if per_stage < 1:
             raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        counts = layers_per_rank(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
-                                 args.decoder_last_pipeline_num_layers)
+        counts = layers_per_rank(
+            args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+        )
         if len(set(counts)) > 1:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage needs equal layers per pipeline rank; with "
-                             "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank")
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage needs equal layers per pipeline rank; with "
+                "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank"
+            )
         if counts[0] % per_stage:
-            raise ValueError(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
-                             f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})")
+            raise ValueError(
+                f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
+                f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})"
+            )
         return counts[0] // per_stage
 
     @property
@@ -98,8 +129,8 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     micro_batch_size: int
-    global_batch_size: int       # the final one when the batch grows (--rampup-batch-size, step schedule)
-    num_microbatches: int        # of global_batch_size
+    global_batch_size: int  # the final one when the batch grows (--rampup-batch-size, step schedule)
+    num_microbatches: int  # of global_batch_size
     train_iters: int
     seed: int
     log_interval: int
@@ -124,9 +155,9 @@ class RunConfig:
     training: TrainingConfig
     sequence_parallel_requested: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    lr_schedule: LRSchedule | None = None           # None: constant at optimizer.lr
+    lr_schedule: LRSchedule | None = None  # None: constant at optimizer.lr
     decoupled_lr_schedule: LRSchedule | None = None  # embedding and output layer (--decoupled-lr)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    notes: list = field(default_factory=list)       # start-up lines about flags accepted without effect
-    data: DataConfig | None = None                  # None: --mock-data
+    notes: list = field(default_factory=list)  # start-up lines about flags accepted without effect
+    data: DataConfig | None = None  # None: --mock-data
     evaluation: EvalConfig = field(default_factory=EvalConfig)

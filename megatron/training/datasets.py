@@ -5,6 +5,7 @@ file, tokens outside the vocabulary, a split too small) is sent to every rank, s
 stop with the same one-line error instead of waiting forever; then the other ranks
 load the cached indices.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -49,8 +50,10 @@ def build_run_datasets(run) -> tuple:
 def _too_short(datasets, counts) -> str | None:
     for name, dataset, needed in zip(("train", "validation", "test"), datasets, counts):
         if dataset is not None and len(dataset) < needed:
-            return (f"the {name} split holds {len(dataset)} samples but the run needs {needed}; give weights in "
-                    "--data-path, fewer iterations or a larger corpus")
+            return (
+                f"the {name} split holds {len(dataset)} samples but the run needs {needed}; give weights in "
+                "--data-path, fewer iterations or a larger corpus"
+            )
     if datasets[0] is None:
         return "the train split is empty: check --split and --data-path / --train-data-path"
     return None

@@ -1,4 +1,5 @@
 """Megatron's evaluation flags -> EvalConfig. Nothing else reads these flags."""
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ Evaluation pass k (0-based) reads global batches [k E, (k + 1) E) of its split, 
 --eval-iters, so the data position is a pure function of the pass; the loss is the mean
 over every unmasked token of those batches, in every layout the same.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,7 @@ def evaluate(trainer, split: str, evaluation_index: int) -> float:
 
 def evaluation_lines(where: str, loss: float) -> list[str]:
     """Megatron's three lines: a rule, `validation loss at <where> | lm loss value: ... | lm loss PPL: ... |`, a rule."""
-    text = (f" validation loss at {where} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {math.exp(min(20.0, loss)):.6E} | ")
+    text = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
     rule = "-" * (len(text) + 1)
     return [rule, text, rule]
 

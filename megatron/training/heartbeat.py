@@ -17,6 +17,7 @@ Python to raise). From a peer's death to every survivor's exit: at most timeout 
 (1.6 x timeout) plus the store's answer time. Cost: three store round trips per rank and period,
 no collective and nothing on the training thread.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,9 @@ def _namespace() -> str:
 def _connect(timeout: float) -> dist.Store:
     """A connection of our own to the launcher's store (the process group's may wait for minutes)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=max(timeout, 30.0)),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=max(timeout, 30.0)), wait_for_workers=False
+    )
     store.set_timeout(datetime.timedelta(seconds=timeout / PERIODS_PER_TIMEOUT))  # a silent store: one period
     return dist.PrefixStore(_namespace(), store)
 
@@ -67,7 +69,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._watch, name="heartbeat", daemon=True)
 
     @classmethod
-    def start(cls, timeout: float, rank: int, world_size: int) -> "Heartbeat | None":
+    def start(cls, timeout: float, rank: int, world_size: int) -> Heartbeat | None:
         """None when disabled (timeout 0) or alone (nobody to wait for)."""
         if timeout <= 0 or world_size == 1:
             return None
@@ -110,8 +112,11 @@ class Heartbeat:
             except Exception as error:  # no answer within a period: silent unless it lasts
                 if not self._stopped.is_set() and time.monotonic() - last_answer > self.timeout:
                     host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-                    self._end(f"the rendezvous store at {host}:{port} has not answered for "
-                              f"{time.monotonic() - last_answer:.1f} s ({type(error).__name__})", report=False)
+                    self._end(
+                        f"the rendezvous store at {host}:{port} has not answered for "
+                        f"{time.monotonic() - last_answer:.1f} s ({type(error).__name__})",
+                        report=False,
+                    )
                 continue
             now = time.monotonic()
             last_answer = now
@@ -120,8 +125,9 @@ class Heartbeat:
             if count != seen:
                 seen, last_move = count, now
             elif now - last_move > self.timeout:
-                silence = (f"sent no heartbeat for {now - last_move:.1f} s "
-                           f"(--heartbeat-timeout-seconds {self.timeout:g})")
+                silence = (
+                    f"sent no heartbeat for {now - last_move:.1f} s (--heartbeat-timeout-seconds {self.timeout:g})"
+                )
                 self._end(f"rank {self.successor} ({self._peer(self.successor)}) {silence}", report=True)
 
     def _end(self, reason: str, report: bool) -> None:

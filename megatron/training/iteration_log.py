@@ -10,6 +10,7 @@
 - TensorBoard / W&B scalars with every line (iteration time, memory and world size when asked);
 - --log-params-norm and --log-num-zeros-in-grad figures (collectives: every rank calls `report`).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,6 @@ import torch.distributed as dist
 
 from megatron.core.optimizer.grad_preparation import global_grad_norm
 from megatron.core.transformer.flops import flops_per_iteration
-from megatron.training.offload_run import offload_line
 from megatron.training.log import (
     IntervalTotals,
     TensorBoardWriter,
@@ -29,14 +29,16 @@ from megatron.training.log import (
     memory_figures,
     memory_line,
 )
+from megatron.training.offload_run import offload_line
 
 
 def params_norm(optimizer) -> float:
     """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm).
     Offloaded masters are read where they are once their CPU step is done."""
     optimizer.wait_for_step()
-    return global_grad_norm([v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas,
-                            optimizer.device)
+    return global_grad_norm(
+        [v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas, optimizer.device
+    )
 
 
 def num_zeros_in_grad(optimizer) -> int:
@@ -60,8 +62,13 @@ class IterationLog:
         last = self.rank == self.world - 1
         self.tensorboard = TensorBoardWriter(self.config.tensorboard_dir, enabled=last)
         wandb_dir = self.config.wandb_save_dir or os.path.join(self.config.tensorboard_dir or ".", "wandb")
-        self.wandb = WandbWriter(self.config.wandb_project, self.config.wandb_exp_name, wandb_dir,
-                                 {"model": vars(run.model).copy(), "training": vars(run.training).copy()}, last)
+        self.wandb = WandbWriter(
+            self.config.wandb_project,
+            self.config.wandb_exp_name,
+            wandb_dir,
+            {"model": vars(run.model).copy(), "training": vars(run.training).copy()},
+            last,
+        )
         self.totals = IntervalTotals() if window is None else IntervalTotals.from_state(window["totals"])
         self.data_wait = 0.0 if window is None else window["data_wait"]
         self._auto_logged = False
@@ -90,12 +97,24 @@ class IterationLog:
         batch = trainer.global_batch_size(iteration)
         seconds = totals.elapsed / totals.iterations
         tflops = flops_per_iteration(trainer.run.model, batch) / seconds / self.world / 1e12
-        self.emit(format_iteration_line(
-            iteration=iteration, train_iters=self.training.train_iters,
-            consumed_samples=schedule.consumed_before(iteration + 1), elapsed_ms=seconds * 1000.0,
-            tflops_per_gpu=tflops, lr=result.lr, global_batch_size=batch, lm_loss=totals.loss,
-            loss_scale=result.loss_scale, grad_norm=result.grad_norm, skipped=totals.skipped, nan=totals.nan,
-            num_zeros=zeros, params_norm=norm))
+        self.emit(
+            format_iteration_line(
+                iteration=iteration,
+                train_iters=self.training.train_iters,
+                consumed_samples=schedule.consumed_before(iteration + 1),
+                elapsed_ms=seconds * 1000.0,
+                tflops_per_gpu=tflops,
+                lr=result.lr,
+                global_batch_size=batch,
+                lm_loss=totals.loss,
+                loss_scale=result.loss_scale,
+                grad_norm=result.grad_norm,
+                skipped=totals.skipped,
+                nan=totals.nan,
+                num_zeros=zeros,
+                params_norm=norm,
+            )
+        )
         if trainer.mesh.pp_size > 1:
             idle = [None] * self.world
             dist.all_gather_object(idle, round(totals.idle_sum / totals.iterations, 3))
@@ -103,8 +122,9 @@ class IterationLog:
         if optimizer.adam.offload is not None:
             self._offload_lines()
         wait = self.data_wait / totals.iterations
-        self.emit(f"  data loader wait (last rank): {wait * 1000.0:.1f} ms per iteration, "
-                  f"{wait / seconds:.1%} of the step")
+        self.emit(
+            f"  data loader wait (last rank): {wait * 1000.0:.1f} ms per iteration, {wait / seconds:.1%} of the step"
+        )
         memory = memory_figures(trainer.device)
         if first:
             self.emit(memory_line(self.rank, iteration, memory))
@@ -121,8 +141,15 @@ class IterationLog:
 
     def _scalars(self, iteration, result, loss, batch, seconds, memory, norm, zeros) -> None:
         config = self.config
-        values = {"lm loss": loss, "learning-rate": result.lr, "batch-size": batch, "grad-norm": result.grad_norm,
-                  "loss-scale": result.loss_scale, "params-norm": norm, "num-zeros": zeros}
+        values = {
+            "lm loss": loss,
+            "learning-rate": result.lr,
+            "batch-size": batch,
+            "grad-norm": result.grad_norm,
+            "loss-scale": result.loss_scale,
+            "params-norm": norm,
+            "num-zeros": zeros,
+        }
         if config.log_timers_to_tensorboard:
             values["iteration-time"] = seconds
         if config.log_memory_to_tensorboard:

@@ -1,4 +1,5 @@
 """The iteration log line in Megatron-LM's format, its memory line, TensorBoard and W&B scalars."""
+
 from __future__ import annotations
 
 import datetime
@@ -42,14 +43,24 @@ class IntervalTotals:
 
     def state(self) -> dict:
         """The open window as plain numbers (read now), for a checkpoint."""
-        return {"iterations": self.iterations, "skipped": self.skipped, "loss_count": self.loss_count,
-                "loss_sum": float(self._loss_sum), "nan": float(self._nan), "elapsed": self.elapsed,
-                "idle": self.idle_sum}
+        return {
+            "iterations": self.iterations,
+            "skipped": self.skipped,
+            "loss_count": self.loss_count,
+            "loss_sum": float(self._loss_sum),
+            "nan": float(self._nan),
+            "elapsed": self.elapsed,
+            "idle": self.idle_sum,
+        }
 
     @classmethod
-    def from_state(cls, state: dict) -> "IntervalTotals":
+    def from_state(cls, state: dict) -> IntervalTotals:
         totals = cls()
-        totals.iterations, totals.skipped, totals.loss_count = state["iterations"], state["skipped"], state["loss_count"]
+        totals.iterations, totals.skipped, totals.loss_count = (
+            state["iterations"],
+            state["skipped"],
+            state["loss_count"],
+        )
         totals._loss_sum, totals._nan = state["loss_sum"], state["nan"]
         totals._elapsed, totals._idle = [state["elapsed"]], [state["idle"]]
         return totals
@@ -71,10 +82,23 @@ class IntervalTotals:
         return sum(_read(i) for i in self._idle)
 
 
-def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                          tflops_per_gpu: float, lr: float, global_batch_size: int, lm_loss: float,
-                          loss_scale: float, grad_norm, skipped: int, nan: int, num_zeros: int | None = None,
-                          params_norm: float | None = None) -> str:
+def format_iteration_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    tflops_per_gpu: float,
+    lr: float,
+    global_batch_size: int,
+    lm_loss: float,
+    loss_scale: float,
+    grad_norm,
+    skipped: int,
+    nan: int,
+    num_zeros: int | None = None,
+    params_norm: float | None = None,
+) -> str:
     """Megatron's line, timestamp included (leading space, microseconds)."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     parts = [
@@ -87,8 +111,11 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
         f" lm loss: {lm_loss:.6E} |",
         f" loss scale: {loss_scale:.1f} |",
     ]
-    for label, value, spec in (("grad norm", grad_norm, ".3f"), ("num zeros", num_zeros, "d"),
-                               ("params norm", params_norm, ".3f")):
+    for label, value, spec in (
+        ("grad norm", grad_norm, ".3f"),
+        ("num zeros", num_zeros, "d"),
+        ("params norm", params_norm, ".3f"),
+    ):
         if value is not None:
             parts.append(f" {label}: {value:{spec}} |")
     parts += [f" number of skipped iterations: {skipped:3d} |", f" number of nan iterations: {nan:3d} |"]
@@ -99,8 +126,12 @@ def memory_figures(device: torch.device) -> dict[str, float]:
     """MB: on CUDA the allocator's four figures Megatron prints; elsewhere the process's resident memory."""
     mb = 1024.0 * 1024.0
     if device.type == "cuda":
-        return {"allocated": torch.cuda.memory_allocated() / mb, "max allocated": torch.cuda.max_memory_allocated() / mb,
-                "reserved": torch.cuda.memory_reserved() / mb, "max reserved": torch.cuda.max_memory_reserved() / mb}
+        return {
+            "allocated": torch.cuda.memory_allocated() / mb,
+            "max allocated": torch.cuda.max_memory_allocated() / mb,
+            "reserved": torch.cuda.memory_reserved() / mb,
+            "max reserved": torch.cuda.max_memory_reserved() / mb,
+        }
     with open("/proc/self/statm") as statm:
         resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -118,8 +149,11 @@ def _optional_module(module: str, given: str, package: str, consequence: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        print(f"warning: {given} given but {package} is not installed (pip install {package}); {consequence}",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {given} given but {package} is not installed (pip install {package}); {consequence}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
 
 
@@ -128,8 +162,13 @@ class TensorBoardWriter:
 
     def __init__(self, log_dir: str | None, enabled: bool):
         self.writer = None
-        tensorboard = _optional_module("torch.utils.tensorboard", f"--tensorboard-dir {log_dir}", "tensorboard",
-                                       "scalars are not written") if log_dir and enabled else None
+        tensorboard = (
+            _optional_module(
+                "torch.utils.tensorboard", f"--tensorboard-dir {log_dir}", "tensorboard", "scalars are not written"
+            )
+            if log_dir and enabled
+            else None
+        )
         if tensorboard is not None:
             self.writer = tensorboard.SummaryWriter(log_dir=log_dir)
 
@@ -148,8 +187,11 @@ class WandbWriter:
 
     def __init__(self, project: str | None, name: str | None, save_dir: str | None, config: dict, enabled: bool):
         self.run = None
-        wandb = _optional_module("wandb", f"--wandb-project {project}", "wandb",
-                                 "scalars are not sent") if project and enabled else None
+        wandb = (
+            _optional_module("wandb", f"--wandb-project {project}", "wandb", "scalars are not sent")
+            if project and enabled
+            else None
+        )
         if wandb is not None:
             os.makedirs(save_dir, exist_ok=True)
             self.run = wandb.init(project=project, name=name, dir=save_dir, config=config)

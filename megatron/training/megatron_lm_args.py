@@ -6,6 +6,7 @@ refused when a field that changes the stored tensors or their meaning differs fr
 and when it was saved with a feature this framework does not build (`UNSUPPORTED`). Written the
 other way, the same record gives the `args` our Megatron-format checkpoints carry.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,10 +15,14 @@ import torch
 
 from megatron.core.transformer.model_fields import MODEL_FIELDS, ModelField, differences, model_record
 
-
 # Megatron-LM arguments of models this framework does not build, with the value that means "off"
-UNSUPPORTED = {"num_experts": None, "multi_latent_attention": False, "squared_relu": False,
-               "mtp_num_layers": None, "heterogeneous_layers_config_path": None}
+UNSUPPORTED = {
+    "num_experts": None,
+    "multi_latent_attention": False,
+    "squared_relu": False,
+    "mtp_num_layers": None,
+    "heterogeneous_layers_config_path": None,
+}
 
 
 def megatron_value(args, field: ModelField):
@@ -51,22 +56,35 @@ def args_mismatch(args, config) -> str | None:
     return differing[0].sentence() if differing else None
 
 
-def megatron_args(config, *, iteration: int, consumed_samples: int, tp: int, pp: int,
-                  extra: dict) -> argparse.Namespace:
+def megatron_args(
+    config, *, iteration: int, consumed_samples: int, tp: int, pp: int, extra: dict
+) -> argparse.Namespace:
     """The `args` a Megatron-format checkpoint of ours records, under Megatron-LM's names."""
     values = {field.megatron_arg: getattr(config, field.name) for field in MODEL_FIELDS}
     values.update(UNSUPPORTED)
     values.update(
         group_query_attention=config.num_query_groups != config.num_attention_heads,
-        vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size,
+        vocab_size=config.vocab_size,
+        padded_vocab_size=config.padded_vocab_size,
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        max_position_embeddings=config.max_position_embeddings, seq_length=config.seq_length,
-        init_method_std=config.init_method_std, attention_dropout=config.attention_dropout,
-        hidden_dropout=config.hidden_dropout, params_dtype=config.params_dtype,
-        bf16=config.params_dtype == torch.bfloat16, fp16=config.params_dtype == torch.float16,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=iteration,
-        consumed_train_samples=consumed_samples, consumed_valid_samples=0, ckpt_format="torch_dist",
-        use_dist_ckpt=True, use_distributed_optimizer=False, **extra)
+        max_position_embeddings=config.max_position_embeddings,
+        seq_length=config.seq_length,
+        init_method_std=config.init_method_std,
+        attention_dropout=config.attention_dropout,
+        hidden_dropout=config.hidden_dropout,
+        params_dtype=config.params_dtype,
+        bf16=config.params_dtype == torch.bfloat16,
+        fp16=config.params_dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        iteration=iteration,
+        consumed_train_samples=consumed_samples,
+        consumed_valid_samples=0,
+        ckpt_format="torch_dist",
+        use_dist_ckpt=True,
+        use_distributed_optimizer=False,
+        **extra,
+    )
     return argparse.Namespace(**values)
 
 
@@ -83,9 +101,13 @@ def config_fields(args) -> dict:
         fields["add_qkv_bias"] = False  # implied by the biases of every linear layer
     vocab = getattr(args, "vocab_size", None) or args.padded_vocab_size
     seq = getattr(args, "seq_length", None) or args.max_position_embeddings
-    fields.update(vocab_size=vocab, seq_length=seq, max_position_embeddings=args.max_position_embeddings,
-                  make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
-                  init_method_std=getattr(args, "init_method_std", 0.02),
-                  attention_dropout=getattr(args, "attention_dropout", 0.1),
-                  hidden_dropout=getattr(args, "hidden_dropout", 0.1))
+    fields.update(
+        vocab_size=vocab,
+        seq_length=seq,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+        init_method_std=getattr(args, "init_method_std", 0.02),
+        attention_dropout=getattr(args, "attention_dropout", 0.1),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.1),
+    )
     return fields

@@ -13,14 +13,21 @@ part equals the measured bytes (tests/parallel/test_memory_measured.py); on a GP
 allowances and the margin stand in for what the allocator adds. The room the placement leaves
 over lets each forward keep gathered buckets for its backward (`keep_gathered_buckets`).
 """
+
 from __future__ import annotations
 
 import sys
 
 import torch
 
-from megatron.core.distributed.placement import AutoDecision, Placement, auto_placement, forward_order, part_bytes, \
-    static_placement
+from megatron.core.distributed.placement import (
+    AutoDecision,
+    Placement,
+    auto_placement,
+    forward_order,
+    part_bytes,
+    static_placement,
+)
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
 from megatron.training.memory_check import device_memory_bytes, host_memory_bytes, layout_from_run
@@ -40,12 +47,21 @@ def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> t
     fixed = estimate_memory(run.model, layout).ranks[pp_rank].total_bytes
     weight_bytes = run.model.params_dtype.itemsize
     costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
-    decision = auto_placement(order, numels, costs, device_memory_bytes(device, run.training.device_memory_gb), fixed,
-                              weight_bytes, host_memory_bytes(device, run.training.host_memory_gb))
+    decision = auto_placement(
+        order,
+        numels,
+        costs,
+        device_memory_bytes(device, run.training.device_memory_gb),
+        fixed,
+        weight_bytes,
+        host_memory_bytes(device, run.training.host_memory_gb),
+    )
     if not decision.fits and not run.training.skip_memory_check:
-        raise ValueError(f"--offload-policy auto finds no placement of pipeline rank {pp_rank}'s chunks that fits both "
-                         f"budgets: {decision.summary()}; raise --device-memory-gb or "
-                         f"--host-memory-gb, add ranks, recompute activations, or pass --skip-memory-check")
+        raise ValueError(
+            f"--offload-policy auto finds no placement of pipeline rank {pp_rank}'s chunks that fits both "
+            f"budgets: {decision.summary()}; raise --device-memory-gb or "
+            f"--host-memory-gb, add ranks, recompute activations, or pass --skip-memory-check"
+        )
     return decision.placement, decision
 
 
@@ -70,14 +86,18 @@ def offload_line(optimizer) -> str:
     steps = max(stats.steps, 1)
     counts, chunks = host.placement.counts(), len(optimizer.shards)
     d2h, h2d = stats.d2h_bytes + fetches.d2h_bytes, stats.h2d_bytes + fetches.h2d_bytes
-    line = (f"  offload: optimizer state on device {device / MIB:.2f} MiB | host slab {slab / MIB:.2f} MiB (optimizer "
-            f"state of {counts['optimizer']}, gradients of {counts['grads']}, parameters of {counts['params']} of "
-            f"{chunks} chunks) | device->host {d2h / steps / MIB:.2f} MiB/iter | host->device {h2d / steps / MIB:.2f} "
-            f"MiB/iter | CPU step {1000 * stats.cpu_seconds / steps:.1f} ms/iter on {offload.threads} threads | "
-            f"hidden behind the next forward {100 * stats.hidden_fraction:.0f}%")
+    line = (
+        f"  offload: optimizer state on device {device / MIB:.2f} MiB | host slab {slab / MIB:.2f} MiB (optimizer "
+        f"state of {counts['optimizer']}, gradients of {counts['grads']}, parameters of {counts['params']} of "
+        f"{chunks} chunks) | device->host {d2h / steps / MIB:.2f} MiB/iter | host->device {h2d / steps / MIB:.2f} "
+        f"MiB/iter | CPU step {1000 * stats.cpu_seconds / steps:.1f} ms/iter on {offload.threads} threads | "
+        f"hidden behind the next forward {100 * stats.hidden_fraction:.0f}%"
+    )
     if fetches.fetches:
-        line += (f" | parameter gathers from host {fetches.fetches / steps:.1f}/iter, started ahead "
-                 f"{100 * fetches.hit_rate:.0f}%, waited {1000 * fetches.wait_seconds / steps:.1f} ms/iter")
+        line += (
+            f" | parameter gathers from host {fetches.fetches / steps:.1f}/iter, started ahead "
+            f"{100 * fetches.hit_rate:.0f}%, waited {1000 * fetches.wait_seconds / steps:.1f} ms/iter"
+        )
     return line
 
 
@@ -96,4 +116,5 @@ def check_offload_budget(run, device: torch.device) -> None:
             f"{rank.pp_rank} even with all optimizer state on host: weights {rank.weights_bytes / MIB:.1f} + gradients "
             f"{rank.grads_bytes / MIB:.1f} + saved activations {rank.activations_bytes / MIB:.1f} = "
             f"{needed / MIB:.1f} MiB; raise tensor/pipeline parallelism, recompute activations or lower "
-            f"--micro-batch-size")
+            f"--micro-batch-size"
+        )

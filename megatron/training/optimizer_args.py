@@ -5,6 +5,7 @@ Iteration-based and sample-based flags follow Megatron's rules: iteration-based 
 to samples with the global batch size; sample-based training (--train-samples) takes the
 -samples flags. --lr-warmup-fraction is a share of the decay length in either case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     o.add_argument("--bf16", action="store_true")
     o.add_argument("--fp16", action="store_true")
     o.add_argument("--loss-scale", type=float)
-    o.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    o.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     o.add_argument("--min-loss-scale", type=float, default=1.0)
     o.add_argument("--loss-scale-window", type=int, default=1000)
     o.add_argument("--hysteresis", type=int, default=2)
@@ -50,10 +51,19 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 def _refuse_mixed_units(args) -> None:
     """Megatron's rule: the schedule flags use the training length's unit."""
     sample_based = args.train_samples is not None
-    wrong = ([("--lr-decay-iters", args.lr_decay_iters), ("--lr-warmup-iters", args.lr_warmup_iters or None),
-              ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)] if sample_based else
-             [("--lr-decay-samples", args.lr_decay_samples), ("--lr-warmup-samples", args.lr_warmup_samples or None),
-              ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)])
+    wrong = (
+        [
+            ("--lr-decay-iters", args.lr_decay_iters),
+            ("--lr-warmup-iters", args.lr_warmup_iters or None),
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
+        ]
+        if sample_based
+        else [
+            ("--lr-decay-samples", args.lr_decay_samples),
+            ("--lr-warmup-samples", args.lr_warmup_samples or None),
+            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples),
+        ]
+    )
     given = [flag for flag, value in wrong if value is not None]
     if given:
         unit, other = ("--train-samples", "-samples") if sample_based else ("--train-iters", "-iters")
@@ -77,9 +87,16 @@ def lr_schedule_from_args(args, training) -> LRSchedule:
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
         warmup = args.lr_warmup_fraction * decay
-    return LRSchedule(max_lr=DEFAULT_LR if args.lr is None else args.lr, min_lr=args.min_lr,
-                      style=args.lr_decay_style, warmup_steps=warmup, decay_steps=decay, init_lr=args.lr_warmup_init,
-                      wsd_decay_steps=wsd, wsd_style=args.lr_wsd_decay_style)
+    return LRSchedule(
+        max_lr=DEFAULT_LR if args.lr is None else args.lr,
+        min_lr=args.min_lr,
+        style=args.lr_decay_style,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        init_lr=args.lr_warmup_init,
+        wsd_decay_steps=wsd,
+        wsd_style=args.lr_wsd_decay_style,
+    )
 
 
 def decoupled_schedule_from_args(args, schedule: LRSchedule) -> LRSchedule | None:
@@ -96,7 +113,18 @@ def decoupled_schedule_from_args(args, schedule: LRSchedule) -> LRSchedule | Non
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
     return OptimizerConfig(
-        lr=DEFAULT_LR if args.lr is None else args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+        lr=DEFAULT_LR if args.lr is None else args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )

@@ -1,4 +1,5 @@
 """Entry point shared by pretrain_gpt.py and pretrain_llama.py."""
+
 from __future__ import annotations
 
 import os
@@ -7,15 +8,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import parse_run_config
-from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
 from megatron.core.errors import AgreedError
+from megatron.training.arguments import parse_run_config
+from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
+from megatron.training.checkpoint_saver import CheckpointSaver
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
-from megatron.training.kernel_paths import kernel_paths
-from megatron.training.memory_check import check_memory
-from megatron.training.offload_run import check_offload_budget
-from megatron.training.profiling import IterationProfiler
+from megatron.training.evaluation import Validation
+from megatron.training.heartbeat import Heartbeat
 from megatron.training.initialize import (
     check_torch_version,
     choose_backend,
@@ -23,9 +22,11 @@ from megatron.training.initialize import (
     launch_environment,
     select_device,
 )
-from megatron.training.evaluation import Validation
-from megatron.training.heartbeat import Heartbeat
 from megatron.training.iteration_log import IterationLog
+from megatron.training.kernel_paths import kernel_paths
+from megatron.training.memory_check import check_memory
+from megatron.training.offload_run import check_offload_budget
+from megatron.training.profiling import IterationProfiler
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step
 
@@ -34,8 +35,9 @@ def _precision(run) -> str:
     if run.optimizer.bf16:
         return "bf16 weights, fp32 master weights and gradient reduction"
     if run.optimizer.fp16:
-        scaler = (f"constant loss scale {run.optimizer.loss_scale}" if run.optimizer.loss_scale
-                  else "dynamic loss scaling")
+        scaler = (
+            f"constant loss scale {run.optimizer.loss_scale}" if run.optimizer.loss_scale else "dynamic loss scaling"
+        )
         return f"fp16 weights, fp32 master weights and gradient reduction, {scaler}"
     return "fp32"
 
@@ -57,8 +59,10 @@ def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
         "NVIDIA apex not used (optional; nothing here needs it)",
     ]
     if not run.training.batch_schedule.constant:
-        lines.append(f"> batch size grows: {run.training.batch_schedule.sizes()} (--rampup-batch-size / "
-                     f"--step-batch-size-schedule), {run.training.train_iters} iterations")
+        lines.append(
+            f"> batch size grows: {run.training.batch_schedule.sizes()} (--rampup-batch-size / "
+            f"--step-batch-size-schedule), {run.training.train_iters} iterations"
+        )
     if run.training.deterministic:
         lines.append("> --deterministic-mode: torch.use_deterministic_algorithms(True)")
     if run.sequence_parallel_requested and not model.sequence_parallel:
@@ -82,16 +86,23 @@ def _optimizer_state_line(trainer: Trainer) -> str:
     shards = mesh.dp_size * mesh.cp_size if ddp.use_distributed_optimizer else 1
     full = 8 + (0 if trainer.run.model.params_dtype == torch.float32 else 4)
     how = f"sharded over dp x cp = {shards}" if ddp.use_distributed_optimizer else "replicated"
-    line = (f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
-            f"{state[dist.get_rank()] / trainer.parameters_on_rank():.3f} bytes per parameter "
-            f"({full}/{shards} = {full / shards:.3f} plus bucket padding)")
+    line = (
+        f"> optimizer state per rank (rank order, bytes, {how}): {state}; this rank "
+        f"{state[dist.get_rank()] / trainer.parameters_on_rank():.3f} bytes per parameter "
+        f"({full}/{shards} = {full / shards:.3f} plus bucket padding)"
+    )
     if ddp.sharding_strategy not in ("no_shard", "optim"):
         weights, grads = (sum(size) for size in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
         kept = "weights and gradients" if ddp.sharding_strategy == "optim_grads_params" else "gradients"
-        line += (f"\n> sharding strategy {ddp.sharding_strategy}: {kept} kept as shards over dp x cp = {shards}; "
-                 f"this rank keeps weights {weights} bytes, gradients {grads} bytes between steps"
-                 + ("; parameters stay gathered from a microbatch's forward to its backward (pipeline parallelism)"
-                    if ddp.sharding_strategy == "optim_grads_params" and not ddp.reshard_after_forward else ""))
+        line += (
+            f"\n> sharding strategy {ddp.sharding_strategy}: {kept} kept as shards over dp x cp = {shards}; "
+            f"this rank keeps weights {weights} bytes, gradients {grads} bytes between steps"
+            + (
+                "; parameters stay gathered from a microbatch's forward to its backward (pipeline parallelism)"
+                if ddp.sharding_strategy == "optim_grads_params" and not ddp.reshard_after_forward
+                else ""
+            )
+        )
     return line
 
 
@@ -101,8 +112,11 @@ def train(trainer: Trainer, emit, start_iteration: int = 0, log_window: dict | N
     training = run.training
     log = IterationLog(trainer, emit, first_iteration=start_iteration + 1, window=log_window)
     profiler = IterationProfiler(run.logging, dist.get_rank(), trainer.device)
-    saver = (CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save, log.window_state)
-             if run.checkpoint.save else None)
+    saver = (
+        CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save, log.window_state)
+        if run.checkpoint.save
+        else None
+    )
     control = RunControl(run.checkpoint, saver.save if saver is not None else None, trainer.device)
     validation = Validation(trainer, emit, log)
     iteration = start_iteration
@@ -141,8 +155,9 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     backend = choose_backend(run.parallel.backend, device)
     paths = kernel_paths(run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask)
     check_offload_budget(run, device)
-    memory_lines = check_memory(run, device, run.training.device_memory_gb, run.training.skip_memory_check,
-                                run.training.host_memory_gb)
+    memory_lines = check_memory(
+        run, device, run.training.device_memory_gb, run.training.skip_memory_check, run.training.host_memory_gb
+    )
     return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
 
 

@@ -2,6 +2,7 @@
 --profile-step-start completed ones up to --profile-step-end (1-based start+1..end, as Megatron
 counts), written beside the TensorBoard logs (Chrome trace JSON, opens in Perfetto
 or chrome://tracing)."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ class IterationProfiler:
         self.profiler.__exit__(None, None, None)
         directory = os.path.join(self.config.tensorboard_dir or ".", "profile")
         os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, f"trace_rank{self.rank}_iters{self.config.profile_step_start}-"
-                                            f"{self.config.profile_step_end}.json")
+        self.path = os.path.join(
+            directory,
+            f"trace_rank{self.rank}_iters{self.config.profile_step_start}-{self.config.profile_step_end}.json",
+        )
         self.profiler.export_chrome_trace(self.path)
         self.profiler = None
         return self.path

@@ -7,6 +7,7 @@ A signal may reach only some ranks and clocks differ, so the decision to exit is
 taken together: the largest of the ranks' flags (one small all-reduce per iteration,
 only when a signal or duration exit is asked for).
 """
+
 from __future__ import annotations
 
 import signal
@@ -35,9 +36,13 @@ class RunControl:
         if not (config.exit_signal_handler or config.exit_duration_in_mins):
             return None
         minutes = (time.monotonic() - self.start_time) / 60.0
-        flags = torch.tensor([float(self.signalled),
-                              float(bool(config.exit_duration_in_mins) and minutes >= config.exit_duration_in_mins)],
-                             device=self.device)
+        flags = torch.tensor(
+            [
+                float(self.signalled),
+                float(bool(config.exit_duration_in_mins) and minutes >= config.exit_duration_in_mins),
+            ],
+            device=self.device,
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0]:
             return "SIGTERM received (--exit-signal-handler)"

@@ -1,4 +1,5 @@
 """The training loop: build the model chunks of this rank, then step them iteration by iteration."""
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,15 @@ class Trainer:
         self.mesh = ParallelMesh(parallel.dims, device.type)
         torch.manual_seed(training.seed)  # dropout uses each model chunk's own streams (RNGTracker)
         with deferred_initialization():  # each parameter is initialised in its buffer (a shard at a time)
-            modules = build_model_chunks(model_cfg, self.mesh, parallel.virtual_stages, training.seed, device,
-                                         parallel.first_stage_layers, parallel.last_stage_layers)
+            modules = build_model_chunks(
+                model_cfg,
+                self.mesh,
+                parallel.virtual_stages,
+                training.seed,
+                device,
+                parallel.first_stage_layers,
+                parallel.last_stage_layers,
+            )
         eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
         if eager:  # it would keep the value it was built with, not its InitSpec's
             raise ValueError(f"{eager[0]}: a parameter not made by make_param cannot be initialised in its buffer")
@@ -69,23 +77,49 @@ class Trainer:
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh, host)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)
         model_inputs = model_input_fields(run.data)
-        self._spec = PipelineSpec(p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
-                                  p2p_dtype=model_cfg.params_dtype, num_microbatches=training.num_microbatches,
-                                  group_size=parallel.microbatch_group_size, every_stage_reads=bool(model_inputs),
-                                  split_backward=parallel.split_backward)
+        self._spec = PipelineSpec(
+            p2p_shape=(s, training.micro_batch_size, model_cfg.hidden_size),
+            p2p_dtype=model_cfg.params_dtype,
+            num_microbatches=training.num_microbatches,
+            group_size=parallel.microbatch_group_size,
+            every_stage_reads=bool(model_inputs),
+            split_backward=parallel.split_backward,
+        )
         self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
         self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule
-        self.forward_only = ForwardOnlyExecutor(self.chunks, self.mesh, self._spec.p2p_shape, model_cfg.params_dtype,
-                                                training.num_microbatches, bool(model_inputs))
+        self.forward_only = ForwardOnlyExecutor(
+            self.chunks,
+            self.mesh,
+            self._spec.p2p_shape,
+            model_cfg.params_dtype,
+            training.num_microbatches,
+            bool(model_inputs),
+        )
         self.datasets = dict(zip(("train", "valid", "test"), build_run_datasets(run)))
         workers = run.data.num_workers if run.data is not None else 1
         m = training.num_microbatches
-        self.loaders = {"train": BatchLoader(self.datasets["train"], device, self.mesh, training.micro_batch_size,
-                                             self._train_plan, workers, model_inputs)}
+        self.loaders = {
+            "train": BatchLoader(
+                self.datasets["train"],
+                device,
+                self.mesh,
+                training.micro_batch_size,
+                self._train_plan,
+                workers,
+                model_inputs,
+            )
+        }
         for split in ("valid", "test"):
             if self.datasets[split] is not None:
-                self.loaders[split] = BatchLoader(self.datasets[split], device, self.mesh, training.micro_batch_size,
-                                                  lambda k: (k * training.global_batch_size, m), workers, model_inputs)
+                self.loaders[split] = BatchLoader(
+                    self.datasets[split],
+                    device,
+                    self.mesh,
+                    training.micro_batch_size,
+                    lambda k: (k * training.global_batch_size, m),
+                    workers,
+                    model_inputs,
+                )
 
     @property
     def dataset(self):
@@ -160,9 +194,15 @@ class Trainer:
         non-finite step), as Megatron reads it."""
         loss, _, _, stats = self._forward_backward(iteration)
         result = self.optimizer.step()
-        return IterationResult(mean_loss=loss, grad_norm=result.grad_norm, skipped=result.skipped,
-                               lr=self.learning_rates()[0], loss_scale=self.optimizer.loss_scale, stats=stats,
-                               data_wait=self.loaders["train"].take_wait_seconds())
+        return IterationResult(
+            mean_loss=loss,
+            grad_norm=result.grad_norm,
+            skipped=result.skipped,
+            lr=self.learning_rates()[0],
+            loss_scale=self.optimizer.loss_scale,
+            stats=stats,
+            data_wait=self.loaders["train"].take_wait_seconds(),
+        )
 
 
 class _EventSpan:

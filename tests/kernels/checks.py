@@ -1,4 +1,5 @@
 """Tolerances and the closeness check shared by the kernel tests."""
+
 from __future__ import annotations
 
 import torch

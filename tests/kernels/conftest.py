@@ -1,4 +1,5 @@
 """Kernel-test fixtures: outputs poisoned with NaN (unwritten elements fail), a fresh seed per test."""
+
 import pytest
 import torch
 
@@ -7,8 +8,9 @@ from kernels import dispatch
 
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
-    monkeypatch.setattr(dispatch, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"),
-                                                                                   dtype=dtype, device=device))
+    monkeypatch.setattr(
+        dispatch, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ except in the known case of the norm backward at hidden 16384, where the row's w
 fp32 dW/dB accumulators alone exceed what one program's registers hold (reported, not failed).
 Not checked: anything at run time on a GPU (correctness there, speed, occupancy).
 """
+
 import json
 import os
 import subprocess
@@ -72,7 +73,7 @@ def _launch_cases():
             for residual_dtype in (None, dtype, torch.float32):
                 norm_calls(dtype, hidden, residual_dtype)
     # ... and every tile size for the heaviest variant.
-    for hidden in (2 ** i for i in range(4, nm.MAX_HIDDEN.bit_length())):
+    for hidden in (2**i for i in range(4, nm.MAX_HIDDEN.bit_length())):
         norm_calls(torch.bfloat16, hidden, torch.float32)
 
 
@@ -94,7 +95,7 @@ def _signature(kernel, args, kwargs):
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
-            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
@@ -131,8 +132,12 @@ def _compile_all():
     from kernels import normalization as nm
 
     assert not dispatch.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
-    kernels = {name: obj for module in (fa, nm) for name, obj in vars(module).items()
-               if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+    kernels = {
+        name: obj
+        for module in (fa, nm)
+        for name, obj in vars(module).items()
+        if isinstance(obj, JITFunction) and name.endswith("_kernel")
+    }
     launches = []
     for kernel in kernels.values():
         kernel.run = lambda *args, grid, warmup, _k=kernel, **kw: launches.append((_k, args, kw))
@@ -142,15 +147,22 @@ def _compile_all():
     print(json.dumps({"kernels": sorted(kernels)}), flush=True)
     for kernel, args, kwargs in launches:
         signature, constexprs, attrs, options = _signature(kernel, args, kwargs)
-        config = {"kernel": kernel.fn.__name__, "signature": signature, "options": options,
-                  "constexprs": {k: str(v) for k, v in constexprs.items()}}
+        config = {
+            "kernel": kernel.fn.__name__,
+            "signature": signature,
+            "options": options,
+            "constexprs": {k: str(v) for k, v in constexprs.items()},
+        }
         key = json.dumps(config, sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
         try:
-            compiled = triton.compile(triton.compiler.ASTSource(kernel, signature, constexprs, attrs),
-                                      target=GPUTarget("cuda", 90, 32), options=options)
+            compiled = triton.compile(
+                triton.compiler.ASTSource(kernel, signature, constexprs, attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options=options,
+            )
             config["shared"] = compiled.metadata.shared
             config["cubin_bytes"] = len(compiled.asm["cubin"])
             config["usage"] = _resource_usage(compiled.asm["cubin"])
@@ -177,18 +189,24 @@ def test_every_kernel_configuration_compiles_for_sm90():
     assert not errors, "\n\n".join(errors)
     assert set(kernels) == {c["kernel"] for c in configs}, "a kernel has no compiled configuration"
     for c in configs:
-        print(f"{_describe(c):<120} shared={c['shared']:>6} regs={c['usage']['REG']:>3} "
-              f"stack={c['usage'].get('STACK', 0)} local={c['usage'].get('LOCAL', 0)}")
+        print(
+            f"{_describe(c):<120} shared={c['shared']:>6} regs={c['usage']['REG']:>3} "
+            f"stack={c['usage'].get('STACK', 0)} local={c['usage'].get('LOCAL', 0)}"
+        )
     too_big = [f"{_describe(c)}: {c['shared']} bytes" for c in configs if c["shared"] > SM90_MAX_SHARED_BYTES]
     assert not too_big, "shared memory above the SM90 limit:\n" + "\n".join(too_big)
     assert all(c["cubin_bytes"] > 0 for c in configs)
-    spills = [f"{_describe(c)}: {c['usage']}" for c in configs
-              if (c["usage"].get("STACK", 0) or c["usage"].get("LOCAL", 0)) and not _known_spill(c)]
+    spills = [
+        f"{_describe(c)}: {c['usage']}"
+        for c in configs
+        if (c["usage"].get("STACK", 0) or c["usage"].get("LOCAL", 0)) and not _known_spill(c)
+    ]
     assert not spills, "register spills:\n" + "\n".join(spills)
 
 
 def _known_spill(config):
     return config["kernel"] == "_norm_bwd_kernel" and config["constexprs"]["BLOCK_N"] == "16384"
+
 
 if __name__ == "__main__":
     _compile_all()

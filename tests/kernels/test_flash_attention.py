@@ -5,6 +5,7 @@ Inputs are fresh random tensors each run; the seed is in every failure message. 
 output buffer starts as NaN (the allocator is patched), so an element a kernel fails to write
 fails the comparison.
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -120,8 +121,9 @@ def test_auto_on_cpu_runs_the_torch_reference(monkeypatch, seed):
 
     monkeypatch.setattr(fa, "_attn_forward", no_kernel)
     q, k, v = qkv(1, 20, 20, 4, 2, 16, torch.float32)
-    assert_close("auto", fa.flash_attention(q, k, v, impl="auto"), fa.flash_attention_torch(q, k, v).double(),
-                 0.0, seed)
+    assert_close(
+        "auto", fa.flash_attention(q, k, v, impl="auto"), fa.flash_attention_torch(q, k, v).double(), 0.0, seed
+    )
     out, lse = fa.flash_attention_block(q, k, v, causal=True, impl="auto")
     assert lse.shape == (1, 4, 20)
     assert dispatch.kernel_path("auto", "cpu") == "torch (tensors on CPU)"

@@ -1,6 +1,6 @@
 """The transformer layers run the Triton kernels (interpreter on CPU) and reproduce the torch path."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from tests.distributed import run_distributed
 from tests.parallel.layouts import train

@@ -5,6 +5,7 @@ Inputs are fresh random tensors each run; the seed is in every failure message. 
 output buffer, including the per-program weight-gradient partials, starts as NaN (the
 allocator is patched), so an element a kernel fails to write fails the comparison.
 """
+
 import pytest
 import torch
 
@@ -18,11 +19,17 @@ EPS = 1e-5
 def run_norm(kind, impl, x, weight, bias, residual):
     """Call the op (impl given) or its torch reference (impl None); always returns a tuple of outputs."""
     if kind == "rms":
-        out = nm.rms_norm(x, weight, EPS, impl=impl, residual=residual) if impl else \
-            nm.rms_norm_torch(x, weight, EPS, residual=residual)
+        out = (
+            nm.rms_norm(x, weight, EPS, impl=impl, residual=residual)
+            if impl
+            else nm.rms_norm_torch(x, weight, EPS, residual=residual)
+        )
     else:
-        out = nm.layer_norm(x, weight, bias, EPS, impl=impl, residual=residual) if impl else \
-            nm.layer_norm_torch(x, weight, bias, EPS, residual=residual)
+        out = (
+            nm.layer_norm(x, weight, bias, EPS, impl=impl, residual=residual)
+            if impl
+            else nm.layer_norm_torch(x, weight, bias, EPS, residual=residual)
+        )
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -32,9 +39,10 @@ def check_against_float64(kind, shape, dtype, residual_dtype, seed, weight_dtype
         x=torch.randn(shape, dtype=dtype, requires_grad=True),
         weight=(1 + 0.5 * torch.randn(hidden, dtype=weight_dtype or dtype)).requires_grad_(),
         bias=torch.randn(hidden, dtype=weight_dtype or dtype, requires_grad=True) if kind == "layer_bias" else None,
-        residual=None if residual_dtype is None else torch.randn(shape, dtype=residual_dtype, requires_grad=True))
+        residual=None if residual_dtype is None else torch.randn(shape, dtype=residual_dtype, requires_grad=True),
+    )
     ref_inputs = {k: None if t is None else t.detach().double().requires_grad_() for k, t in inputs.items()}
-    names = ["out", "residual_out"][:1 + (residual_dtype is not None)]
+    names = ["out", "residual_out"][: 1 + (residual_dtype is not None)]
     names += ["d" + k for k, t in inputs.items() if t is not None]
 
     outs = run_norm(kind, "triton", **inputs)
@@ -45,7 +53,7 @@ def check_against_float64(kind, shape, dtype, residual_dtype, seed, weight_dtype
     ref_leaves = [t for t in ref_inputs.values() if t is not None]
     ref_grads = torch.autograd.grad(sum((o * g.double()).sum() for o, g in zip(ref_outs, out_grads)), ref_leaves)
 
-    assert [o.dtype for o in outs] == [dtype, residual_dtype][:len(outs)]
+    assert [o.dtype for o in outs] == [dtype, residual_dtype][: len(outs)]
     for name, actual, expected in zip(names, (*outs, *grads), (*ref_outs, *ref_grads)):
         assert actual.shape == expected.shape, name
         assert_close(f"{kind} {name}", actual, expected, TOL[dtype], seed)

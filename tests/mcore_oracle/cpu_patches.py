@@ -10,6 +10,7 @@ Runs only in the megatron-core virtual environment. What is redirected and why:
   torch-function mode, entered for the whole process, keeps those tensors on the CPU and names
   CPU tensor types as their CUDA counterparts.
 """
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -35,8 +36,8 @@ torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
 torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 torch.cuda.manual_seed_all = lambda seed: None
 
-import megatron.core.tensor_parallel.random as mcore_random  # noqa: E402
 import megatron.core.fusions.fused_softmax as mcore_fused_softmax  # noqa: E402
+import megatron.core.tensor_parallel.random as mcore_random  # noqa: E402
 import megatron.core.transformer.utils as mcore_transformer_utils  # noqa: E402
 
 mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()

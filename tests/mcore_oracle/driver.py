@@ -16,6 +16,7 @@ parallel), "model": our model args (TransformerConfig field names, as our checkp
 - {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
   and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
 """
+
 import argparse
 import json
 import os
@@ -29,6 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_patches  # noqa: E402,F401  (before any other megatron.core import)
+
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -49,41 +51,87 @@ def padded_vocab(spec: dict) -> int:
 def build_model(spec: dict) -> GPTModel:
     m = spec["model"]
     config = TransformerConfig(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
-        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
-        kv_channels=m["kv_channels"], normalization=m["normalization"], layernorm_epsilon=m["norm_epsilon"],
-        gated_linear_unit=m["swiglu"], activation_func=torch.nn.functional.silu if m["swiglu"] else
-        torch.nn.functional.gelu, add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=m["init_method_std"], tensor_model_parallel_size=spec["tp"], use_cpu_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False)
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        num_query_groups=m["num_query_groups"],
+        kv_channels=m["kv_channels"],
+        normalization=m["normalization"],
+        layernorm_epsilon=m["norm_epsilon"],
+        gated_linear_unit=m["swiglu"],
+        activation_func=torch.nn.functional.silu if m["swiglu"] else torch.nn.functional.gelu,
+        add_bias_linear=m["add_bias_linear"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m["init_method_std"],
+        tensor_model_parallel_size=spec["tp"],
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+    )
     layer_spec = get_gpt_layer_local_spec(normalization=m["normalization"])
-    return GPTModel(config, layer_spec, vocab_size=padded_vocab(spec),
-                    max_sequence_length=m["max_position_embeddings"], parallel_output=True,
-                    share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
-                    position_embedding_type=m["position_embedding_type"], rotary_base=int(m["rotary_base"]))
+    return GPTModel(
+        config,
+        layer_spec,
+        vocab_size=padded_vocab(spec),
+        max_sequence_length=m["max_position_embeddings"],
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
+        position_embedding_type=m["position_embedding_type"],
+        rotary_base=int(m["rotary_base"]),
+    )
 
 
 def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Namespace:
     """The model and run arguments a Megatron-LM training checkpoint records (its argparse names)."""
     m, o = spec["model"], spec.get("optimizer", {})
     return argparse.Namespace(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
-        num_attention_heads=m["num_attention_heads"], group_query_attention=m["num_query_groups"] !=
-        m["num_attention_heads"], num_query_groups=m["num_query_groups"], kv_channels=m["kv_channels"],
-        padded_vocab_size=padded_vocab(spec), vocab_size=m["vocab_size"],
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        group_query_attention=m["num_query_groups"] != m["num_attention_heads"],
+        num_query_groups=m["num_query_groups"],
+        kv_channels=m["kv_channels"],
+        padded_vocab_size=padded_vocab(spec),
+        vocab_size=m["vocab_size"],
         make_vocab_size_divisible_by=spec["make_vocab_size_divisible_by"],
-        max_position_embeddings=m["max_position_embeddings"], seq_length=m["seq_length"],
-        position_embedding_type=m["position_embedding_type"], rotary_base=int(m["rotary_base"]),
-        rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"], swiglu=m["swiglu"],
-        add_bias_linear=m["add_bias_linear"], add_qkv_bias=m["add_bias_linear"],
-        untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"], qk_layernorm=False,
-        num_experts=None, multi_latent_attention=False, squared_relu=False, apply_layernorm_1p=False,
-        tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=1, params_dtype=torch.float32,
-        bf16=False, fp16=False, use_distributed_optimizer=False, iteration=iteration,
-        consumed_train_samples=consumed, consumed_valid_samples=0, train_iters=o.get("train_iters"),
-        lr=o.get("lr"), min_lr=o.get("min_lr"), global_batch_size=spec.get("global_batch_size"),
-        ckpt_format="torch_dist")
+        max_position_embeddings=m["max_position_embeddings"],
+        seq_length=m["seq_length"],
+        position_embedding_type=m["position_embedding_type"],
+        rotary_base=int(m["rotary_base"]),
+        rotary_percent=1.0,
+        normalization=m["normalization"],
+        norm_epsilon=m["norm_epsilon"],
+        swiglu=m["swiglu"],
+        add_bias_linear=m["add_bias_linear"],
+        add_qkv_bias=m["add_bias_linear"],
+        untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
+        qk_layernorm=False,
+        num_experts=None,
+        multi_latent_attention=False,
+        squared_relu=False,
+        apply_layernorm_1p=False,
+        tensor_model_parallel_size=spec["tp"],
+        pipeline_model_parallel_size=1,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        use_distributed_optimizer=False,
+        iteration=iteration,
+        consumed_train_samples=consumed,
+        consumed_valid_samples=0,
+        train_iters=o.get("train_iters"),
+        lr=o.get("lr"),
+        min_lr=o.get("min_lr"),
+        global_batch_size=spec.get("global_batch_size"),
+        ckpt_format="torch_dist",
+    )
 
 
 class Oracle:
@@ -91,22 +139,40 @@ class Oracle:
         self.spec = spec
         torch.manual_seed(spec["seed"])
         model_parallel_cuda_manual_seed(spec["seed"])
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
         model = build_model(spec)
         self.model = DistributedDataParallel(model.config, ddp, model)
         o = spec.get("optimizer", {})
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=o.get("lr", 1e-3), min_lr=o.get("min_lr", 0.0),
-            weight_decay=o.get("weight_decay", 0.0), adam_beta1=o.get("beta1", 0.9),
-            adam_beta2=o.get("beta2", 0.999), adam_eps=o.get("eps", 1e-8), clip_grad=o.get("clip_grad", 1.0),
-            params_dtype=torch.float32), [self.model])
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.get("lr", 1e-3),
+                min_lr=o.get("min_lr", 0.0),
+                weight_decay=o.get("weight_decay", 0.0),
+                adam_beta1=o.get("beta1", 0.9),
+                adam_beta2=o.get("beta2", 0.999),
+                adam_eps=o.get("eps", 1e-8),
+                clip_grad=o.get("clip_grad", 1.0),
+                params_dtype=torch.float32,
+            ),
+            [self.model],
+        )
         gbs = spec.get("global_batch_size", 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=o.get("lr", 1e-3), min_lr=o.get("min_lr", 0.0),
-            lr_warmup_steps=o.get("warmup_iters", 0) * gbs, lr_decay_steps=o.get("decay_iters", 1) * gbs,
-            lr_decay_style=o.get("decay_style", "cosine"), start_wd=o.get("weight_decay", 0.0),
-            end_wd=o.get("weight_decay", 0.0), wd_incr_steps=o.get("decay_iters", 1) * gbs, wd_incr_style="constant")
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.get("lr", 1e-3),
+            min_lr=o.get("min_lr", 0.0),
+            lr_warmup_steps=o.get("warmup_iters", 0) * gbs,
+            lr_decay_steps=o.get("decay_iters", 1) * gbs,
+            lr_decay_style=o.get("decay_style", "cosine"),
+            start_wd=o.get("weight_decay", 0.0),
+            end_wd=o.get("weight_decay", 0.0),
+            wd_incr_steps=o.get("decay_iters", 1) * gbs,
+            wd_incr_style="constant",
+        )
         self.iteration, self.consumed = 0, 0
         batch = torch.load(spec["batch"])
         self.tokens, self.labels = batch["tokens"], batch["labels"]
@@ -162,9 +228,13 @@ class Oracle:
             os.makedirs(directory, exist_ok=True)
         dist.barrier()
         state = self.sharded_state(optimizer=True)
-        state.update(args=megatron_lm_args(self.spec, iteration, self.consumed), checkpoint_version=3.0,
-                     iteration=iteration, opt_param_scheduler=self.scheduler.state_dict(),
-                     num_floating_point_operations_so_far=0)
+        state.update(
+            args=megatron_lm_args(self.spec, iteration, self.consumed),
+            checkpoint_version=3.0,
+            iteration=iteration,
+            opt_param_scheduler=self.scheduler.state_dict(),
+            num_floating_point_operations_so_far=0,
+        )
         dist_checkpointing.save(state, directory)
         if dist.get_rank() == 0:
             open(os.path.join(root, TRACKER), "w").write(str(iteration))
@@ -180,7 +250,6 @@ class Oracle:
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             self.iteration = state["iteration"]
             self.consumed = state["args"].consumed_train_samples
-
 
     def time_checkpoint(self, root: str, repeat: int, out: str) -> None:
         def timed(fn) -> float:

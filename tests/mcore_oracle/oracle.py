@@ -1,4 +1,5 @@
 """Our side of the megatron-core oracle: its environment, and running driver.py there on files."""
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,13 @@ DRIVER = Path(__file__).with_name("driver.py")
 
 @functools.lru_cache(maxsize=1)
 def _install() -> tuple[str | None, str]:
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "install_megatron_core.sh")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=900)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "install_megatron_core.sh")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         return None, lines[-1] if lines else f"exit status {proc.returncode}"
@@ -42,6 +48,12 @@ def run_oracle(jobs: list[dict], directory: Path, world: int = 2) -> None:
     """Run the jobs (see driver.py) on `world` gloo ranks of megatron-core, isolated from our package."""
     spec = directory / "oracle_spec.json"
     spec.write_text(json.dumps({"world": world, "port": _free_port(), "jobs": jobs}))
-    proc = subprocess.run([megatron_core_python(), "-I", "-W", "ignore", str(DRIVER), str(spec)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [megatron_core_python(), "-I", "-W", "ignore", str(DRIVER), str(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

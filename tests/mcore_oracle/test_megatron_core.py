@@ -15,6 +15,7 @@ Both vocabularies (128) need no padding. A third Llama with 120 tokens, padded t
 the checkpoint, is saved at tp 2 and loaded at tp 1: its logits over the real vocabulary are
 compared, not its loss (Megatron's softmax also spans the padding columns; ours masks them).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,24 +26,68 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.microbatch import Microbatch
+from megatron.core.transformer.model_fields import model_record
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint, save_megatron_checkpoint
-from megatron.core.transformer.model_fields import model_record
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
 
 TOL = 1e-5
 BATCH, SEQ = 2, 16
-COMMON = ["--num-layers", "2", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-          "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "1", "--global-batch-size", str(BATCH),
-          "--train-iters", "10", "--mock-data", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
-          "--lr-decay-iters", "10", "--lr-decay-style", "cosine", "--weight-decay", "0.01", "--clip-grad", "1.0",
-          "--attention-dropout", "0", "--hidden-dropout", "0"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--seq-length",
+    str(SEQ),
+    "--max-position-embeddings",
+    str(SEQ),
+    "--make-vocab-size-divisible-by",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    str(BATCH),
+    "--train-iters",
+    "10",
+    "--mock-data",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-decay-iters",
+    "10",
+    "--lr-decay-style",
+    "cosine",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 MODELS = {
     "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "128"]),
-    "llama": (LLAMA_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-                               "--num-query-groups", "2", "--ffn-hidden-size", "64", "--vocab-size", "128"]),
+    "llama": (
+        LLAMA_DEFAULTS,
+        [
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--ffn-hidden-size",
+            "64",
+            "--vocab-size",
+            "128",
+        ],
+    ),
 }
 PADDED = "llama_vocab_120"
 MODELS[PADDED] = (LLAMA_DEFAULTS, MODELS["llama"][1][:-1] + ["120"])
@@ -51,8 +96,15 @@ LAYOUTS = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
 # (model, saved tp, our layout) whose state after step 5 we save as torch_dist: the tied GPT from two
 # pipeline stages, the Llama from two tp ranks
 SAVED_BY_US = (("gpt", 1, "pp2"), ("llama", 2, "tp2"))
-OPTIMIZER = {"lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 2, "decay_iters": 10, "decay_style": "cosine",
-             "weight_decay": 0.01, "clip_grad": 1.0}
+OPTIMIZER = {
+    "lr": 1e-3,
+    "min_lr": 1e-4,
+    "warmup_iters": 2,
+    "decay_iters": 10,
+    "decay_style": "cosine",
+    "weight_decay": 0.01,
+    "clip_grad": 1.0,
+}
 
 
 def _run(model: str, extra: list[str], world: int):
@@ -61,8 +113,16 @@ def _run(model: str, extra: list[str], world: int):
 
 
 def _job(model: str, tp: int, batch: str, ops: list[dict]) -> dict:
-    return {"tp": tp, "model": model_record(_run(model, [], 1).model), "make_vocab_size_divisible_by": 64,
-            "seed": 1234, "batch": batch, "global_batch_size": BATCH, "optimizer": OPTIMIZER, "ops": ops}
+    return {
+        "tp": tp,
+        "model": model_record(_run(model, [], 1).model),
+        "make_vocab_size_divisible_by": 64,
+        "seed": 1234,
+        "batch": batch,
+        "global_batch_size": BATCH,
+        "optimizer": OPTIMIZER,
+        "ops": ops,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +135,34 @@ def saved_by_megatron_core(tmp_path_factory):
     batch = str(directory / "batch.pt")
     torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
     padded = directory / f"{PADDED}_tp2"
-    jobs = [_job(PADDED, 2, batch, [{"op": "save", "root": str(padded / "initial"), "iteration": 0},
-                                    {"op": "forward", "out": str(padded / "logits.pt")}])]
+    jobs = [
+        _job(
+            PADDED,
+            2,
+            batch,
+            [
+                {"op": "save", "root": str(padded / "initial"), "iteration": 0},
+                {"op": "forward", "out": str(padded / "logits.pt")},
+            ],
+        )
+    ]
     for model in TRAINED:
         for tp in (1, 2):
             out = directory / f"{model}_tp{tp}"
-            jobs.append(_job(model, tp, batch, [
-                {"op": "save", "root": str(out / "initial"), "iteration": 0},
-                {"op": "forward", "out": str(out / "logits.pt")},
-                {"op": "train", "iters": 2, "out": str(out / "steps_1_2.json")},
-                {"op": "save", "root": str(out / "trained"), "iteration": 2},
-                {"op": "train", "iters": 3, "out": str(out / "steps_3_5.json")}]))
+            jobs.append(
+                _job(
+                    model,
+                    tp,
+                    batch,
+                    [
+                        {"op": "save", "root": str(out / "initial"), "iteration": 0},
+                        {"op": "forward", "out": str(out / "logits.pt")},
+                        {"op": "train", "iters": 2, "out": str(out / "steps_1_2.json")},
+                        {"op": "save", "root": str(out / "trained"), "iteration": 2},
+                        {"op": "train", "iters": 3, "out": str(out / "steps_3_5.json")},
+                    ],
+                )
+            )
     run_oracle(jobs, directory)
     return directory, batch
 
@@ -97,8 +174,9 @@ def _feed(trainer, batch: dict) -> None:
     def batch_fn(iteration):
         def microbatch(m):
             sample = mesh.dp_rank * (BATCH // mesh.dp_size) + m
-            tokens, labels = batch["tokens"][sample:sample + 1], batch["labels"][sample:sample + 1]
+            tokens, labels = batch["tokens"][sample : sample + 1], batch["labels"][sample : sample + 1]
             return Microbatch(tokens, labels, torch.ones_like(tokens, dtype=torch.float))
+
         return microbatch
 
     trainer.batch_fn = batch_fn
@@ -165,8 +243,7 @@ def _close(ours, theirs, what: str) -> None:
     assert torch.allclose(ours, theirs, rtol=0, atol=TOL), (what, (ours - theirs).abs().max().item())
 
 
-def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_in_megatron_core(
-        saved_by_megatron_core):
+def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_in_megatron_core(saved_by_megatron_core):
     directory, batch_file = saved_by_megatron_core
     results = run_distributed(2, _ours, str(directory), batch_file)[-1]  # the last rank holds the logits
     reference = torch.load(directory / f"{PADDED}_tp2" / "logits.pt")
@@ -175,8 +252,13 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
         for tp in (1, 2):
             saved = directory / f"{model}_tp{tp}"
             reference = torch.load(saved / "logits.pt")
-            steps = {k: a + b for (k, a), b in zip(json.loads((saved / "steps_1_2.json").read_text()).items(),
-                                                   json.loads((saved / "steps_3_5.json").read_text()).values())}
+            steps = {
+                k: a + b
+                for (k, a), b in zip(
+                    json.loads((saved / "steps_1_2.json").read_text()).items(),
+                    json.loads((saved / "steps_3_5.json").read_text()).values(),
+                )
+            }
             for layout in LAYOUTS:
                 case, ours = f"{model} saved at tp{tp}, loaded at {layout}", results[(model, tp, layout)]
                 _close(ours["logits"], reference["logits"], case + ": logits")
@@ -186,11 +268,19 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
     # megatron-core loads our torch_dist saves (model and optimizer): the Llama at tp 1 and tp 2, the GPT at tp 1
     loads = [("llama", "tp2", 1), ("llama", "tp2", 2), ("gpt", "pp2", 1)]
-    jobs = [_job(model, tp, batch_file, [
-        {"op": "load", "root": str(directory / f"ours_{model}_{layout}"), "optimizer": True},
-        {"op": "forward", "out": str(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")},
-        {"op": "train", "iters": 2, "out": str(directory / f"ours_{model}_{layout}_steps6_7_tp{tp}.json")}])
-        for model, layout, tp in loads]
+    jobs = [
+        _job(
+            model,
+            tp,
+            batch_file,
+            [
+                {"op": "load", "root": str(directory / f"ours_{model}_{layout}"), "optimizer": True},
+                {"op": "forward", "out": str(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")},
+                {"op": "train", "iters": 2, "out": str(directory / f"ours_{model}_{layout}_steps6_7_tp{tp}.json")},
+            ],
+        )
+        for model, layout, tp in loads
+    ]
     run_oracle(jobs, directory)
     for model, layout, tp in loads:
         logits, loss = results[("saved", model, layout)]

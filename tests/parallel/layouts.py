@@ -1,4 +1,5 @@
 """Tiny GPT and Llama runs under any layout, returning what equivalence tests compare."""
+
 from __future__ import annotations
 
 import torch
@@ -8,13 +9,47 @@ from megatron.core.pipeline_parallel.schedules import ActionKind
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.training import Trainer
 
-BASE = ["--num-layers", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "5", "--mock-data", "--vocab-size", "100", "--lr", "3e-3", "--lr-warmup-iters", "1",
-        "--lr-decay-style", "cosine", "--attention-dropout", "0", "--hidden-dropout", "0"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "5",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--lr-decay-style",
+    "cosine",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 MODELS = {
     "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4"]),
-    "llama": (LLAMA_DEFAULTS, ["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
-                               "--num-query-groups", "4", "--ffn-hidden-size", "96"]),
+    "llama": (
+        LLAMA_DEFAULTS,
+        [
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "8",
+            "--group-query-attention",
+            "--num-query-groups",
+            "4",
+            "--ffn-hidden-size",
+            "96",
+        ],
+    ),
 }
 
 
@@ -58,10 +93,17 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     resident = [sum(values) for values in zip(*(chunk.buffer.resident_bytes() for chunk in trainer.chunks))]
     trainer.optimizer.finish_param_sync()
     final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
-    return {"losses": losses, "initial": initial, "grads": grads, "grad_norms": grad_norms, "final": final,
-            "optimizer_bytes": trainer.optimizer.state_bytes(), "resident_bytes": resident,
-            "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
-            "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps)}
+    return {
+        "losses": losses,
+        "initial": initial,
+        "grads": grads,
+        "grad_norms": grad_norms,
+        "final": final,
+        "optimizer_bytes": trainer.optimizer.state_bytes(),
+        "resident_bytes": resident,
+        "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
+        "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps),
+    }
 
 
 def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:

@@ -5,6 +5,7 @@ biases included, drawn like an initialisation with another seed), so the expecte
 weights of any layout are known exactly: a load must reproduce them bit for bit.
 Exact resume and resharding of the optimizer state: test_checkpoint_resume.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,10 +33,18 @@ from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
 
 ROOT = Path(__file__).resolve().parents[2]
-SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                "--num-layers-per-virtual-pipeline-stage", "1"]
-LOAD_LAYOUTS = {1: [[]], 4: [["--tensor-model-parallel-size", "4"], ["--pipeline-model-parallel-size", "2"],
-                             SAVED_LAYOUT]}
+SAVED_LAYOUT = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
+LOAD_LAYOUTS = {
+    1: [[]],
+    4: [["--tensor-model-parallel-size", "4"], ["--pipeline-model-parallel-size", "2"], SAVED_LAYOUT],
+}
 MODELS = ("gpt", "llama")
 
 
@@ -230,21 +239,25 @@ def _fresh_start_note(root: str) -> str:
 def test_first_launch_with_save_and_load_of_one_new_directory_starts_fresh(tmp_path):
     """Megatron-LM's scripts pass one directory to --save and --load from the first launch on."""
     missing = str(tmp_path / "ckpt")
-    assert _fresh_start_note(missing) == (f"> note: --load {missing} does not exist yet: no checkpoint found, "
-                                          "training starts from scratch")
+    assert _fresh_start_note(missing) == (
+        f"> note: --load {missing} does not exist yet: no checkpoint found, training starts from scratch"
+    )
     os.makedirs(missing)
     open(os.path.join(missing, "train.log"), "w").close()  # a log beside nothing that looks like a checkpoint
     assert "holds no latest_checkpointed_iteration.txt" in _fresh_start_note(missing)
 
 
-@pytest.mark.parametrize("files, found", [
-    (["metadata.json", ".metadata", "__0_0.distcp", "common.pt"], "single checkpoint directory (metadata.json)"),
-    (["common.pt", "__0_0.distcp"], "Megatron-LM torch_dist checkpoint directory (common.pt)"),
-    (["__0_0.distcp"], "__0_0.distcp, which looks like saved model weights"),
-    (["config.json", "model.safetensors"], "a Hugging Face model (config.json)"),
-    (["mp_rank_00"], "mp_rank_00, which looks like saved model weights"),
-    (["iter_0000002"], "iter_* directories (iter_0000002) but no latest_checkpointed_iteration.txt"),
-])
+@pytest.mark.parametrize(
+    "files, found",
+    [
+        (["metadata.json", ".metadata", "__0_0.distcp", "common.pt"], "single checkpoint directory (metadata.json)"),
+        (["common.pt", "__0_0.distcp"], "Megatron-LM torch_dist checkpoint directory (common.pt)"),
+        (["__0_0.distcp"], "__0_0.distcp, which looks like saved model weights"),
+        (["config.json", "model.safetensors"], "a Hugging Face model (config.json)"),
+        (["mp_rank_00"], "mp_rank_00, which looks like saved model weights"),
+        (["iter_0000002"], "iter_* directories (iter_0000002) but no latest_checkpointed_iteration.txt"),
+    ],
+)
 def test_load_never_ignores_files_that_look_like_a_checkpoint(tmp_path, files, found):
     for name in files:
         open(tmp_path / name, "w").close()
@@ -259,14 +272,17 @@ def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
     assert _refusal(str(file), []) == f"--load {file}: is a file; pass the directory given to --save"
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     os.makedirs(tmp_path / "iter_0000005")
-    json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1},
-              open(tmp_path / "iter_0000005" / "metadata.json", "w"))
+    json.dump(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
+        open(tmp_path / "iter_0000005" / "metadata.json", "w"),
+    )
     assert "a Megatron-LM torch_dist checkpoint" in _refusal(str(tmp_path), [])
 
 
 def _signal_control(rank: int, root: str) -> tuple:
     saved = []
     control = RunControl(CheckpointConfig(save=root, exit_signal_handler=True), saved.append, torch.device("cpu"))
+
     def after(iteration):
         reason = control.stop_reason(iteration)
         control.save_if_due(iteration, 10, reason)
@@ -285,9 +301,26 @@ def test_sigterm_on_one_rank_stops_all_ranks_after_saving(tmp_path):
 
 
 def _pretrain(*flags) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(ROOT / "pretrain_llama.py"), "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--mock-data",
-            "--vocab-size", "64", "--log-interval", "1", *flags]
+    argv = [
+        sys.executable,
+        str(ROOT / "pretrain_llama.py"),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--mock-data",
+        "--vocab-size",
+        "64",
+        "--log-interval",
+        "1",
+        *flags,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
@@ -307,7 +340,8 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     refused = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--num-layers", "4")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        f"error: {ckpt}/iter_0000004: saved with --num-layers 2, the flags give 4"]
+        f"error: {ckpt}/iter_0000004: saved with --num-layers 2, the flags give 4"
+    ]
     first_launch = str(tmp_path / "new")
     fresh = _pretrain("--train-iters", "1", "--load", first_launch, "--save", first_launch)
     assert fresh.returncode == 0, fresh.stderr
@@ -315,12 +349,15 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert sorted(os.listdir(first_launch)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--ckpt-format", "torch"], "--ckpt-format torch"),
-    (["--async-save"], "--async-save needs --save"),
-    (["--save-interval", "5"], "--save-interval needs --save"),
-    (["--exit-interval", "0"], "--exit-interval must be > 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ckpt-format", "torch"], "--ckpt-format torch"),
+        (["--async-save"], "--async-save needs --save"),
+        (["--save-interval", "5"], "--save-interval needs --save"),
+        (["--exit-interval", "0"], "--exit-interval must be > 0"),
+    ],
+)
 def test_checkpoint_flags_are_validated(flags, message):
     defaults, argv = model_flags("llama", flags)
     with pytest.raises(ValueError, match=message):

@@ -9,6 +9,7 @@ Batch size: saved at global batch 8 after 3 iterations, resumed at 16, the run r
 Async save: written in the background while iteration 4 changes the weights, the checkpoint of
 iteration 3 resumes bit for bit; the tracker moves only when the save is finalized.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import parse_run_config
 from megatron.core.checkpointing import write_pieces
+from megatron.data.batches import microbatch_indices
 from megatron.training import checkpoint_saver
+from megatron.training.arguments import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
 from megatron.training.checkpointing import TRACKER, checkpoint_to_load, load_checkpoint, save_checkpoint
-from megatron.data.batches import microbatch_indices
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags
@@ -32,22 +33,61 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "2"]  # the scale grows while it runs
 DIST_OPT = ["--use-distributed-optimizer"]
 RESUME_CASES = {
-    2: [("llama", ["--bf16"] + DIST_OPT),
+    2: [
+        ("llama", ["--bf16"] + DIST_OPT),
         ("llama", ["--optimizer-cpu-offload"] + DIST_OPT),  # fp32 weights, master weights in host memory
         ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + FP16 + DROPOUT),
-        ("gpt", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"]
-         + DROPOUT)],
-    4: [("llama", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                   "--num-layers-per-virtual-pipeline-stage", "1"] + FP16 + DIST_OPT),
-        ("gpt", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
-                 "--overlap-param-gather"] + DIST_OPT + DROPOUT)],
+        (
+            "gpt",
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"] + DROPOUT,
+        ),
+    ],
+    4: [
+        (
+            "llama",
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ]
+            + FP16
+            + DIST_OPT,
+        ),
+        (
+            "gpt",
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--bf16",
+                "--overlap-param-gather",
+            ]
+            + DIST_OPT
+            + DROPOUT,
+        ),
+    ],
 }
-SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                "--num-layers-per-virtual-pipeline-stage", "1"]
-RESHARDED = {4: [["--pipeline-model-parallel-size", "4"], ["--tensor-model-parallel-size", "4"],
-                 ["--use-distributed-optimizer"]],
-             2: [["--context-parallel-size", "2"]],
-             1: [[]]}
+SAVED_LAYOUT = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
+RESHARDED = {
+    4: [
+        ["--pipeline-model-parallel-size", "4"],
+        ["--tensor-model-parallel-size", "4"],
+        ["--use-distributed-optimizer"],
+    ],
+    2: [["--context-parallel-size", "2"]],
+    1: [[]],
+}
 
 
 def _run(model: str, extra: list[str]):
@@ -107,8 +147,13 @@ def test_optimizer_state_reshards_into_any_layout(tmp_path):
     reference = torch.tensor(resumed[1][0], dtype=torch.float64)
     for world in (4, 2):
         for layout, steps in zip(RESHARDED[world], resumed[world]):
-            torch.testing.assert_close(torch.tensor(steps, dtype=torch.float64), reference, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{layout}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(steps, dtype=torch.float64),
+                reference,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m: f"{layout}: {m}",
+            )
 
 
 class _Recording:
@@ -136,22 +181,35 @@ def _batch_size_changed(rank: int, root: str) -> dict:
     lr_at_resume = trainer.learning_rates()[0]
     trainer.dataset = recording = _Recording(trainer.dataset)
     steps = _steps(trainer, iteration + 1, 6)
-    return {"iteration": iteration, "notes": notes, "plans": [trainer._train_plan(i) for i in range(4, 7)],
-            "read": recording.read, "steps": steps, "lr": (lr_at_resume, run.lr_schedule(24)),
-            "lr_after": (trainer.learning_rates()[0], run.lr_schedule(72)),
-            "saved_after": json.load(open(os.path.join(save_checkpoint(root, 6, trainer), "metadata.json")))}
+    return {
+        "iteration": iteration,
+        "notes": notes,
+        "plans": [trainer._train_plan(i) for i in range(4, 7)],
+        "read": recording.read,
+        "steps": steps,
+        "lr": (lr_at_resume, run.lr_schedule(24)),
+        "lr_after": (trainer.learning_rates()[0], run.lr_schedule(72)),
+        "saved_after": json.load(open(os.path.join(save_checkpoint(root, 6, trainer), "metadata.json"))),
+    }
 
 
 def test_resume_with_another_global_batch_size_continues_from_the_saved_samples(tmp_path):
     results = run_distributed(2, _batch_size_changed, str(tmp_path))  # dp = 2
     first = results[0]
     assert first["iteration"] == 3
-    assert any("24 samples consumed by iteration 3 (the flags' batch sizes would give 48); continuing from sample 24"
-               in line for line in first["notes"]), first["notes"]
+    assert any(
+        "24 samples consumed by iteration 3 (the flags' batch sizes would give 48); continuing from sample 24" in line
+        for line in first["notes"]
+    ), first["notes"]
     # an uninterrupted run at global batch 16 from sample 24: iteration k reads 24 + 16 (k - 1) onwards
     assert first["plans"] == [(24, 4), (40, 4), (56, 4)]
-    expected = {i for k, consumed in enumerate((24, 40, 56)) for rank in range(2) for mb in range(4)
-                for i in microbatch_indices(consumed, mb, micro_batch_size=2, dp_size=2, dp_rank=rank)}
+    expected = {
+        i
+        for k, consumed in enumerate((24, 40, 56))
+        for rank in range(2)
+        for mb in range(4)
+        for i in microbatch_indices(consumed, mb, micro_batch_size=2, dp_size=2, dp_rank=rank)
+    }
     assert expected == set(range(24, 72))
     read = set().union(*(r["read"] for r in results))
     assert expected <= read and read - expected <= set(range(72, 88)), sorted(read)  # plus iteration 7 prefetched
@@ -196,10 +254,20 @@ def _async_saves(rank: int, root: str) -> dict:
     saver.save(5)  # a crash before finalizing: the writer finishes, nothing finalizes the save
     saver.pending.written.result()
     dist.barrier()
-    crashed = {"tracker": _tracker(root), "tmp": os.path.isdir(os.path.join(root, "iter_0000005.tmp")),
-               "loads": checkpoint_to_load(_run(model, flags + ["--load", root])).iteration}
-    return {"straight": straight[3:], "resumed": resumed, "pending": pending, "finalized": finalized,
-            "crashed": crashed, "recorded": recorded, "on_disk": on_disk}
+    crashed = {
+        "tracker": _tracker(root),
+        "tmp": os.path.isdir(os.path.join(root, "iter_0000005.tmp")),
+        "loads": checkpoint_to_load(_run(model, flags + ["--load", root])).iteration,
+    }
+    return {
+        "straight": straight[3:],
+        "resumed": resumed,
+        "pending": pending,
+        "finalized": finalized,
+        "crashed": crashed,
+        "recorded": recorded,
+        "on_disk": on_disk,
+    }
 
 
 def test_async_save_resumes_bit_for_bit_and_moves_the_tracker_only_when_finalized(tmp_path):

@@ -6,6 +6,7 @@ the chunk-pair mask rule, load balance, the block-level backward, and saved-tens
 
 Each world size starts its ranks once (a module fixture) and every check reads its results.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,18 +14,26 @@ import torch
 import torch.distributed as dist
 
 from kernels import flash_attention as fa
-from megatron.core.context_parallel import COMM_STATS, context_parallel_attention, positions, shard, unshard
-from megatron.core.context_parallel import ring_attention
+from megatron.core.context_parallel import (
+    COMM_STATS,
+    context_parallel_attention,
+    positions,
+    ring_attention,
+    shard,
+    unshard,
+)
 from megatron.core.context_parallel.ring_attention import visible_pairs
 from megatron.core.context_parallel.sharding import causal_pairs, chunk_ids
 from tests.distributed import run_distributed
 
 SEQ, HEAD_DIM, TOL = 32, 64, 1e-6
 # (comm type, impl, batch, heads, kv heads); Triton runs in the interpreter, so smaller
-CASES = [(comm, impl, batch, heads, kv_heads)
-         for comm in ("p2p", "all_gather")
-         for impl, batch, heads in (("torch", 2, 4), ("triton", 1, 2))
-         for kv_heads in (heads, heads // 2)]
+CASES = [
+    (comm, impl, batch, heads, kv_heads)
+    for comm in ("p2p", "all_gather")
+    for impl, batch, heads in (("torch", 2, 4), ("triton", 1, 2))
+    for kv_heads in (heads, heads // 2)
+]
 
 
 def _problem(batch, heads, kv_heads, seq=SEQ):
@@ -50,8 +59,9 @@ def _cp_run(q, k, v, dout, group, comm, impl, cp_rank, cp_size):
     """This rank's output and dq, dk, dv (fp32), and the bytes it saved for backward."""
     local = [shard(t, cp_rank, cp_size).float().requires_grad_() for t in (q, k, v)]
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
         out = context_parallel_attention(*local, group, comm_type=comm, impl=impl)
     grads = torch.autograd.grad((out * shard(dout, cp_rank, cp_size).float()).sum(), local)
     return (out.detach(), *grads), sum(saved)
@@ -64,8 +74,10 @@ def _rank_checks(rank, cp):
         q, k, v, dout = _problem(batch, heads, kv_heads)
         with COMM_STATS.counting() as stats:
             actual, saved = _cp_run(q, k, v, dout, dist.group.WORLD, comm, impl, rank, cp)
-        errors = {name: _relative_error(a, shard(e, rank, cp))
-                  for name, a, e in zip(("out", "dq", "dk", "dv"), actual, _one_rank(q, k, v, dout))}
+        errors = {
+            name: _relative_error(a, shard(e, rank, cp))
+            for name, a, e in zip(("out", "dq", "dk", "dv"), actual, _one_rank(q, k, v, dout))
+        }
         results[comm, impl, batch, heads, kv_heads] = dict(errors=errors, sent=dict(stats.bytes), saved=saved)
     return results, _bf16_block_gradients(rank, cp)
 
@@ -132,7 +144,7 @@ def test_bf16_dk_dv_are_summed_in_fp32(cp_worlds, cp):
         for r, rank in enumerate(ranks):
             ids = chunk_ids(r, cp)
             want = torch.cat([exact[c] for c in ids], dim=2)
-            slack = torch.cat([magnitude[c] for c in ids], dim=2) * 2.0 ** -22  # fp32 rounding of the sums
+            slack = torch.cat([magnitude[c] for c in ids], dim=2) * 2.0**-22  # fp32 rounding of the sums
             half_ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 9)
             error = (torch.stack([rank[comm]["dk"], rank[comm]["dv"]]) - want).abs()
             worst = (error / (half_ulp + slack)).max().item()
@@ -155,8 +167,11 @@ def test_bytes_sent_match_the_analytic_volume(cp_results, cp):
     for case, result in cp_results(cp)[0].items():
         comm, _, batch, _, kv_heads = case
         block = 2 * batch * (SEQ // cp) * kv_heads * HEAD_DIM * 4  # this rank's K and V, fp32
-        expected = ({"p2p": 3 * (cp - 1) * block} if comm == "p2p"
-                    else {"all_gather": 2 * cp * block, "reduce_scatter": cp * block})
+        expected = (
+            {"p2p": 3 * (cp - 1) * block}
+            if comm == "p2p"
+            else {"all_gather": 2 * cp * block, "reduce_scatter": cp * block}
+        )
         assert result["sent"] == expected, case
 
 
@@ -201,7 +216,9 @@ def test_chunk_pairs_are_exactly_the_causal_mask(cp):
             computed = torch.zeros(2 * chunk, 2 * chunk, dtype=torch.bool)
             for qi, ki, causal in visible_pairs(q_rank, kv_rank, cp):
                 block = torch.ones(chunk, chunk, dtype=torch.bool)
-                computed[qi * chunk:(qi + 1) * chunk, ki * chunk:(ki + 1) * chunk] = block.tril() if causal else block
+                computed[qi * chunk : (qi + 1) * chunk, ki * chunk : (ki + 1) * chunk] = (
+                    block.tril() if causal else block
+                )
             assert torch.equal(computed, k_pos[None, :] <= q_pos[:, None]), (q_rank, kv_rank)
 
 
@@ -226,11 +243,13 @@ def test_block_backward_from_global_statistics(impl, causal):
     second = fa.flash_attention_block_torch(leaves[0][:, 8:], leaves[1][:, 8:], leaves[2][:, 8:], causal)
     out, lse = fa.merge_attention_blocks(first[0][:, 8:], first[1][..., 8:], *second)
     dq, dk, dv = torch.autograd.grad((out * dout[:, 8:]).sum(), leaves)
-    block = fa.flash_attention_block_backward(*(t.float() for t in (q[:, 8:], k[:, 8:], v[:, 8:], out, lse,
-                                                                    dout[:, 8:])), causal, impl=impl)
+    block = fa.flash_attention_block_backward(
+        *(t.float() for t in (q[:, 8:], k[:, 8:], v[:, 8:], out, lse, dout[:, 8:])), causal, impl=impl
+    )
     # the second block's own share: the first block's keys add their share of dq separately
-    first_share = fa.flash_attention_block_backward_torch(q[:, 8:], k[:, :8], v[:, :8], out.detach(), lse.detach(),
-                                                          dout[:, 8:], False)[0]
+    first_share = fa.flash_attention_block_backward_torch(
+        q[:, 8:], k[:, :8], v[:, :8], out.detach(), lse.detach(), dout[:, 8:], False
+    )[0]
     for name, actual, expected in zip(("dq", "dk", "dv"), block, (dq[:, 8:] - first_share, dk[:, 8:], dv[:, 8:])):
         assert _relative_error(actual, expected) <= TOL, name
 

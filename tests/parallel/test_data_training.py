@@ -1,5 +1,6 @@
 """Training on the shipped corpus (preprocessed with the shipped GPT-2 BPE tokenizer): every
 layout gives the one-rank losses and validation loss; bad data inputs are one clear line."""
+
 from __future__ import annotations
 
 import re
@@ -17,20 +18,56 @@ from tests.cli import BPE, GPT2_BPE, explain, run_cli
 from tests.distributed import run_distributed
 
 TOKENIZER = GPT2_BPE
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--split", "90,10,0", "--eod-mask-loss",
-         "--eval-iters", "2", "--eval-interval", "3"]
-LAYOUTS = {1: [[]], 2: [[], ["--context-parallel-size", "2"]],
-           4: [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-                "--num-layers-per-virtual-pipeline-stage", "1"]]}
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--lr",
+    "3e-3",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--split",
+    "90,10,0",
+    "--eod-mask-loss",
+    "--eval-iters",
+    "2",
+    "--eval-interval",
+    "3",
+]
+LAYOUTS = {
+    1: [[]],
+    2: [[], ["--context-parallel-size", "2"]],
+    4: [
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ]
+    ],
+}
 
 
 def train_on_corpus(rank, prefix, layouts):
     out = []
     for extra in layouts:
-        run = parse_run_config(MODEL + TOKENIZER + ["--data-path", prefix] + extra, GPT_DEFAULTS,
-                               dist.get_world_size())
+        run = parse_run_config(MODEL + TOKENIZER + ["--data-path", prefix] + extra, GPT_DEFAULTS, dist.get_world_size())
         trainer = Trainer(run, torch.device("cpu"))
         losses = [trainer.train_step(i).loss for i in range(1, 4)]
         out.append({"losses": losses, "valid": evaluate(trainer, "valid", 0), "vocab": run.model.vocab_size})
@@ -47,8 +84,9 @@ def test_every_layout_trains_on_the_corpus_like_one_rank(corpus):
         for index in range(len(LAYOUTS[world])):
             for rank, runs in enumerate(per_rank):
                 got = runs[index]
-                np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5,
-                                           err_msg=f"world {world} layout {index} rank {rank}")
+                np.testing.assert_allclose(
+                    got["losses"], reference["losses"], rtol=1e-5, err_msg=f"world {world} layout {index} rank {rank}"
+                )
                 assert abs(got["valid"] - reference["valid"]) <= 1e-5 * reference["valid"], (world, index, rank)
 
 
@@ -59,18 +97,29 @@ def _error(argv) -> str:
 
 
 def test_bad_data_flags_are_one_clear_line(corpus, tmp_path):
-    assert _error(TOKENIZER + ["--data-path", str(tmp_path / "nope")]) == f"--data-path {tmp_path / 'nope'}: " \
+    assert (
+        _error(TOKENIZER + ["--data-path", str(tmp_path / "nope")]) == f"--data-path {tmp_path / 'nope'}: "
         f"{tmp_path / 'nope'}.bin not found"
-    missing = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "v.json"), "--merge-file",
-               str(BPE / "merges.txt")]
+    )
+    missing = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "v.json"),
+        "--merge-file",
+        str(BPE / "merges.txt"),
+    ]
     assert _error(missing + ["--data-path", corpus]) == f"--vocab-file {tmp_path / 'v.json'}: no such file"
     assert "not both" in _error(TOKENIZER + ["--data-path", corpus, "--mock-data", "--vocab-size", "10"])
     assert "no training data" in _error([])
 
 
 def _vocabulary_too_small(rank, prefix):
-    run = parse_run_config(MODEL + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--data-path", prefix],
-                           GPT_DEFAULTS, dist.get_world_size())
+    run = parse_run_config(
+        MODEL + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--data-path", prefix],
+        GPT_DEFAULTS,
+        dist.get_world_size(),
+    )
     trainer = Trainer(run, torch.device("cpu"))  # start-up reads no token of the .bin
     try:
         trainer.train_step(1)
@@ -87,8 +136,11 @@ def test_tokens_outside_the_vocabulary_stop_every_rank_with_one_line(tmp_path):
         for start in range(0, 400, 40):
             writer.add_document(50 + np.arange(start, start + 40) % 100)  # every id outside a vocabulary of 50
     for error in run_distributed(2, _vocabulary_too_small, prefix):
-        assert re.fullmatch(rf"{re.escape(prefix)}\.bin: token id \d+ \(in train sample \d+\) is outside the "
-                            r"tokenizer's vocabulary of 50 ids; was it preprocessed with another tokenizer\?", error), error
+        assert re.fullmatch(
+            rf"{re.escape(prefix)}\.bin: token id \d+ \(in train sample \d+\) is outside the "
+            r"tokenizer's vocabulary of 50 ids; was it preprocessed with another tokenizer\?",
+            error,
+        ), error
 
 
 def test_cli_preprocess_then_torchrun_matches_one_rank(corpus):

@@ -11,8 +11,8 @@ Weight decay spares biases and norm weights (checked against the owning module's
 optimizers. The bytes communicated per step are the reduce-scatter + all-gather volume, with no
 gradient all-reduce. torchrun with 4 ranks prints the one-rank losses and the sharded state bytes.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -23,9 +23,8 @@ from megatron.core.transformer.norm import Norm
 from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, torchrun_matching_one_rank
 from tests.distributed import run_distributed
+from tests.parallel.layouts import assert_final_weights_match, named_params, train
 from tests.parallel.layouts import build_trainer as _trainer
-from tests.parallel.layouts import named_params, train
-from tests.parallel.layouts import assert_final_weights_match
 from tools.bench.distributed_optimizer import count_collectives
 
 DIST = ["--use-distributed-optimizer"]
@@ -33,15 +32,23 @@ LR = 3e-3  # layouts.BASE
 # 8 microbatches in one process, 2-4 per dp rank; the grad norm (~1) is clipped to 0.3; buckets of
 # ~700 elements, so many parameters straddle two ranks' shards
 COMMON = ["--global-batch-size", "16", "--clip-grad", "0.3", "--ddp-bucket-size", "700"]
-TP2, SP, PP2, VPP = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
-                     ["--pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"])
+TP2, SP, PP2, VPP = (
+    ["--tensor-model-parallel-size", "2"],
+    ["--sequence-parallel"],
+    ["--pipeline-model-parallel-size", "2"],
+    ["--num-layers-per-virtual-pipeline-stage", "1"],
+)
 GATHER = ["--overlap-param-gather"]
 LAYOUTS = {
     1: {"dp1": DIST},
     2: {"dp2": DIST + GATHER},
-    4: {"dp4": DIST, "tp2-sp-dp2": DIST + TP2 + SP + GATHER, "pp2-vpp2-dp2": DIST + PP2 + VPP + GATHER,
+    4: {
+        "dp4": DIST,
+        "tp2-sp-dp2": DIST + TP2 + SP + GATHER,
+        "pp2-vpp2-dp2": DIST + PP2 + VPP + GATHER,
         "cp2-dp2": DIST + ["--context-parallel-size", "2"] + GATHER,
-        "pp2-vpp2-dp2-split": DIST + PP2 + VPP + GATHER + ["--split-backward"]},
+        "pp2-vpp2-dp2-split": DIST + PP2 + VPP + GATHER + ["--split-backward"],
+    },
     8: {"tp2-sp-pp2-vpp2-dp2": DIST + TP2 + SP + PP2 + VPP + GATHER},
 }
 MODELS = ("gpt", "llama")
@@ -56,12 +63,16 @@ def train_and_count(rank: int, runs: list) -> list[dict]:
         result = train(model, flags)
         trainer = _trainer(model, flags)
         run = trainer.run
-        estimate = estimate_memory(run.model, layout_from_run(run, "cpu", distributed_optimizer="--use-distributed-"
-                                                              "optimizer" in flags))
+        estimate = estimate_memory(
+            run.model, layout_from_run(run, "cpu", distributed_optimizer="--use-distributed-optimizer" in flags)
+        )
         buffers = [chunk.buffer for chunk in trainer.chunks]
-        result.update(params=trainer.parameters_on_rank(), padded=sum(b.layout.numel for b in buffers),
-                      buckets=sum(len(b.buckets) for b in buffers),
-                      estimate=estimate.ranks[trainer.mesh.pp_rank].optimizer_bytes)
+        result.update(
+            params=trainer.parameters_on_rank(),
+            padded=sum(b.layout.numel for b in buffers),
+            buckets=sum(len(b.buckets) for b in buffers),
+            estimate=estimate.ranks[trainer.mesh.pp_rank].optimizer_bytes,
+        )
         out.append(result)
     return out
 
@@ -88,7 +99,8 @@ def test_distributed_optimizer_matches_one_process(results, world, layout, model
         assert out["optimizer_bytes"] == 8 * out["padded"] // dp, f"rank {rank}"
         assert 0 <= out["padded"] - out["params"] < out["buckets"] * dp * SHARD_ALIGN or dp == 1
         assert out["estimate"] <= out["optimizer_bytes"] <= out["estimate"] + 8 * out["buckets"] * SHARD_ALIGN, (
-            f"rank {rank}: measured {out['optimizer_bytes']} vs estimate {out['estimate']}")
+            f"rank {rank}: measured {out['optimizer_bytes']} vs estimate {out['estimate']}"
+        )
 
 
 def _moments(trainer) -> list[torch.Tensor]:
@@ -114,8 +126,10 @@ def check_fp16_inf_skips_everywhere(rank: int, flags: list[str] = DIST) -> None:
 
 def check_weight_decay_by_kind(flags: list[str]) -> None:
     """Zero gradients: Adam's update is 0, so a step only applies decoupled weight decay."""
-    trainer = _trainer("gpt", flags + ["--lr", "0.1", "--weight-decay", "0.5", "--lr-warmup-iters", "0",
-                                       "--lr-decay-style", "constant"])
+    trainer = _trainer(
+        "gpt",
+        flags + ["--lr", "0.1", "--weight-decay", "0.5", "--lr-warmup-iters", "0", "--lr-decay-style", "constant"],
+    )
     before = {n: p.detach().clone() for n, p in named_params(trainer)}
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
@@ -170,6 +184,7 @@ def test_fp16_skip_weight_decay_state_bytes_and_communication():
 
 
 def test_cli_torchrun_distributed_optimizer_matches_one_rank():
-    four = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA,
-                                      DIST + ["--overlap-grad-reduce", "--overlap-param-gather"], 4)
+    four = torchrun_matching_one_rank(
+        "pretrain_llama.py", TINY_LLAMA, DIST + ["--overlap-grad-reduce", "--overlap-param-gather"], 4
+    )
     assert "optimizer state per rank (rank order, bytes, sharded over dp x cp = 4)" in four.stdout

@@ -1,6 +1,7 @@
 """Every parallel layout reproduces the one-process run: losses of 5 iterations, the grad
 norm and all gradients of iteration 1 (fp32, within 1e-5 relative), and starts from the same
 weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,13 +26,35 @@ SPLIT = ["--split-backward"]  # weight gradients after the input gradient is sen
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 LAYOUTS = {
-    2: {"dp2": [], "tp2": TP2, "tp2-sp": TP2 + SP, "pp2": PP2, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-g4": PP2 + VPP_GROUP4,
-        "pp2-uneven": PP2 + UNEVEN, "pp2-split": PP2 + SPLIT, "pp2-vpp2-split": PP2 + VPP + SPLIT,
-        "pp2-split-recompute": PP2 + SPLIT + RECOMPUTE, "cp2": CP2, "cp2-allgather": CP2 + ["--cp-comm-type", "all_gather"]},
-    4: {"dp4-buckets": SMALL_BUCKETS, "tp4": TP4, "tp4-sp": TP4 + SP, "tp2-dp2": TP2 + SP, "pp4": PP4, "cp4": CP4,
-        "cp2-dp2": CP2, "cp2-pp2-split": CP2 + PP2 + SPLIT},
-    8: {"tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP, "tp2-cp2-pp2-vpp2": TP2 + SP + CP2 + PP2 + VPP,
-        "tp2-pp2-vpp2-dp2-split": TP2 + SP + PP2 + VPP + SPLIT},
+    2: {
+        "dp2": [],
+        "tp2": TP2,
+        "tp2-sp": TP2 + SP,
+        "pp2": PP2,
+        "pp2-vpp2": PP2 + VPP,
+        "pp2-vpp2-g4": PP2 + VPP_GROUP4,
+        "pp2-uneven": PP2 + UNEVEN,
+        "pp2-split": PP2 + SPLIT,
+        "pp2-vpp2-split": PP2 + VPP + SPLIT,
+        "pp2-split-recompute": PP2 + SPLIT + RECOMPUTE,
+        "cp2": CP2,
+        "cp2-allgather": CP2 + ["--cp-comm-type", "all_gather"],
+    },
+    4: {
+        "dp4-buckets": SMALL_BUCKETS,
+        "tp4": TP4,
+        "tp4-sp": TP4 + SP,
+        "tp2-dp2": TP2 + SP,
+        "pp4": PP4,
+        "cp4": CP4,
+        "cp2-dp2": CP2,
+        "cp2-pp2-split": CP2 + PP2 + SPLIT,
+    },
+    8: {
+        "tp2-pp2-vpp2-dp2": TP2 + SP + PP2 + VPP,
+        "tp2-cp2-pp2-vpp2": TP2 + SP + CP2 + PP2 + VPP,
+        "tp2-pp2-vpp2-dp2-split": TP2 + SP + PP2 + VPP + SPLIT,
+    },
 }
 MODELS = ("gpt", "llama")
 CASES = [(world, name, model) for world, layouts in LAYOUTS.items() for name in layouts for model in MODELS]

@@ -5,6 +5,7 @@ frozen with SIGSTOP, so rank 0 blocks in a collective that would wait for the pr
 timeout (10 minutes). Its heartbeat watcher must end it, non-zero, within the documented bound.
 (The multi-node case, a node losing power under SLURM, is tests/slurm/test_multinode.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -25,11 +26,18 @@ TIMEOUT = 3.0
 
 def _start(rank: int, port: int, log) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
-    env.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
+    env.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     flags = TINY_LLAMA + ["--train-iters", "100000", "--heartbeat-timeout-seconds", str(TIMEOUT)]  # until frozen
-    return subprocess.Popen([sys.executable, "pretrain_llama.py", *flags], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "pretrain_llama.py", *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def test_a_frozen_peer_ends_the_waiting_rank_within_the_bound(tmp_path):
@@ -52,8 +60,11 @@ def test_a_frozen_peer_ends_the_waiting_rank_within_the_bound(tmp_path):
             log.close()
     text = (tmp_path / "rank0.log").read_text()
     assert code == 1, text[-2000:]
-    assert re.search(rf"error: heartbeat: rank 0 \(\S+\) exits: rank 1 \(\S+ pid {ranks[1].pid}\) sent no heartbeat "
-                     rf"for [\d.]+ s \(--heartbeat-timeout-seconds 3\)", text), text[-2000:]
+    assert re.search(
+        rf"error: heartbeat: rank 0 \(\S+\) exits: rank 1 \(\S+ pid {ranks[1].pid}\) sent no heartbeat "
+        rf"for [\d.]+ s \(--heartbeat-timeout-seconds 3\)",
+        text,
+    ), text[-2000:]
     assert "Traceback" not in text
     # the bound of heartbeat.py (timeout + 3 periods), plus the time the process takes to end
     assert TIMEOUT <= waited <= 1.6 * TIMEOUT + 2.0, waited

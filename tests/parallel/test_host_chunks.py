@@ -21,6 +21,7 @@ backward within it (fewer all-gathers than two per bucket per microbatch) and th
 matches one process. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
 slab is one line.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,10 +43,17 @@ FULL = HOST + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]
 HALF = HOST + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
 AUTO = HOST + ["--offload-policy", "auto", "--device-memory-gb"]  # a budget that keeps some parts, not all:
 LAYOUTS = {  # world -> name -> (model, flags)
-    2: {"dp2-full-gpt": ("gpt", FULL), "dp2-half-llama": ("llama", HALF), "dp2-auto-gpt": ("gpt", AUTO + ["0.0007"]),
-        "dp2-auto-spare-gpt": ("gpt", AUTO + ["0.00075"])},  # room left over: buckets kept for backward
-    4: {"tp2-sp-dp2-full-llama": ("llama", FULL + TP2 + SP), "pp2-vpp2-dp2-half-gpt": ("gpt", HALF + PP2 + VPP),
-        "pp2-vpp2-dp2-auto-gpt": ("gpt", AUTO + ["0.00062"] + PP2 + VPP)},
+    2: {
+        "dp2-full-gpt": ("gpt", FULL),
+        "dp2-half-llama": ("llama", HALF),
+        "dp2-auto-gpt": ("gpt", AUTO + ["0.0007"]),
+        "dp2-auto-spare-gpt": ("gpt", AUTO + ["0.00075"]),
+    },  # room left over: buckets kept for backward
+    4: {
+        "tp2-sp-dp2-full-llama": ("llama", FULL + TP2 + SP),
+        "pp2-vpp2-dp2-half-gpt": ("gpt", HALF + PP2 + VPP),
+        "pp2-vpp2-dp2-auto-gpt": ("gpt", AUTO + ["0.00062"] + PP2 + VPP),
+    },
 }
 CASES = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
 
@@ -65,21 +73,26 @@ def _accounting(model: str, flags: list[str]) -> dict:
     rank = estimate_memory(run.model, layout_from_run(run, "cpu")).ranks[trainer.mesh.pp_rank]
     buckets = [bucket for chunk in trainer.chunks for bucket in chunk.buffer.buckets]
     decision = trainer.placement_decision
-    return {"bytes": (params, grads, device_optimizer, slab),
-            "estimate": (rank.weights_bytes, rank.grads_bytes, rank.optimizer_bytes, rank.host_bytes),
-            "slab_holds": {b.param_shard.untyped_storage().data_ptr() for b in buckets if b.params_on_host}
-            | {b.grad_shard.untyped_storage().data_ptr() for b in buckets if b.grads_on_host}
-            <= {optimizer.adam.host_memory.slab.untyped_storage().data_ptr()},
-            "traffic": (traffic.fetches, traffic.prefetched, traffic.h2d_bytes, traffic.d2h_bytes),
-            "host_param_bytes": sum(b.param_shard.numel() * b.param_shard.element_size()
-                                    for b in buckets if b.params_on_host),
-            "host_params": sum(b.params_on_host for b in buckets),
-            "host_grad_bytes": sum(4 * b.grad_shard.numel() for b in buckets if b.grads_on_host),
-            "counts": host.placement.counts(), "chunks": len(buckets), "m": run.training.num_microbatches,
-            "kept": None if decision is None else decision.kept_bytes,
-            "spare": None if decision is None else decision.spare_bytes,
-            "gathered": collectives["all_gather_single"],
-            "bucket_bytes": sum(b.param_full.nbytes for b in buckets)}
+    return {
+        "bytes": (params, grads, device_optimizer, slab),
+        "estimate": (rank.weights_bytes, rank.grads_bytes, rank.optimizer_bytes, rank.host_bytes),
+        "slab_holds": {b.param_shard.untyped_storage().data_ptr() for b in buckets if b.params_on_host}
+        | {b.grad_shard.untyped_storage().data_ptr() for b in buckets if b.grads_on_host}
+        <= {optimizer.adam.host_memory.slab.untyped_storage().data_ptr()},
+        "traffic": (traffic.fetches, traffic.prefetched, traffic.h2d_bytes, traffic.d2h_bytes),
+        "host_param_bytes": sum(
+            b.param_shard.numel() * b.param_shard.element_size() for b in buckets if b.params_on_host
+        ),
+        "host_params": sum(b.params_on_host for b in buckets),
+        "host_grad_bytes": sum(4 * b.grad_shard.numel() for b in buckets if b.grads_on_host),
+        "counts": host.placement.counts(),
+        "chunks": len(buckets),
+        "m": run.training.num_microbatches,
+        "kept": None if decision is None else decision.kept_bytes,
+        "spare": None if decision is None else decision.spare_bytes,
+        "gathered": collectives["all_gather_single"],
+        "bucket_bytes": sum(b.param_full.nbytes for b in buckets),
+    }
 
 
 def world_runs(rank: int, world: int) -> list[dict]:
@@ -141,21 +154,28 @@ def test_cli_torchrun_host_resident_matches_one_rank():
     host traffic; a host budget below the slab is refused at start-up in one line, and so is an
     auto placement that cannot fit both budgets."""
     two = torchrun_matching_one_rank("pretrain_llama.py", TINY_LLAMA, FULL, 2)
-    line = re.search(r"host slab \S+ MiB \(optimizer state of (\d+), gradients of (\d+), parameters of (\d+) of "
-                     r"(\d+) chunks\).*parameter gathers from host (\S+)/iter, started ahead (\d+)%", two.stdout)
+    line = re.search(
+        r"host slab \S+ MiB \(optimizer state of (\d+), gradients of (\d+), parameters of (\d+) of "
+        r"(\d+) chunks\).*parameter gathers from host (\S+)/iter, started ahead (\d+)%",
+        two.stdout,
+    )
     assert line and len(set(line.groups()[:4])) == 1 and float(line.group(5)) > 0, two.stdout[-3000:]
     tight = run_cli("pretrain_llama.py", TINY_LLAMA + FULL + ["--host-memory-gb", "0.00001"])
     assert tight.returncode == 2 and tight.stderr.strip().count("\n") == 0, explain(tight)
     assert "of host-resident chunk state" in tight.stderr and "--host-memory-gb" in tight.stderr
-    auto = run_cli("pretrain_llama.py", TINY_LLAMA + HOST + ["--offload-policy", "auto", "--device-memory-gb", "0.0012",
-                                                             "--host-memory-gb", "0.00001"])
+    auto = run_cli(
+        "pretrain_llama.py",
+        TINY_LLAMA + HOST + ["--offload-policy", "auto", "--device-memory-gb", "0.0012", "--host-memory-gb", "0.00001"],
+    )
     assert auto.returncode == 2 and auto.stderr.strip().count("\n") == 0, explain(auto)
     assert "--offload-policy auto finds no placement" in auto.stderr and "DOES NOT FIT" in auto.stderr
 
 
 def test_checkpoint_resumes_with_and_without_host_chunks(tmp_path):
-    resumed = {"same": FULL, "tp2-plain": TP2 + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                                                  "optim_grads_params"]}
+    resumed = {
+        "same": FULL,
+        "tp2-plain": TP2 + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+    }
     for rank, out in enumerate(run_distributed(2, save_and_resume, str(tmp_path), FULL, resumed)):
         assert out["same"] == out["straight"], f"rank {rank}: not bit for bit"
         for (loss, norm), (expected, expected_norm) in zip(out["tp2-plain"], out["straight"]):

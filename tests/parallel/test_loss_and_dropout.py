@@ -1,5 +1,6 @@
 """The loss is the exact global mean over unmasked tokens in every layout (masked tokens and
 fully masked microbatches included), and dropout trains and replays under a composed layout."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,15 @@ from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, seed_key, train
 
-TP2_PP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-           "--num-layers-per-virtual-pipeline-stage", "1"]
+TP2_PP2 = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
 MASKED_LAYOUTS = {1: [[]], 2: [[]], 4: [TP2_PP2, ["--pipeline-model-parallel-size", "2"]]}
 
 
@@ -38,8 +46,7 @@ def masked_run(rank, layouts):
         trainer.dataset = MaskedDataset(trainer.dataset)
         loss, *_ = trainer.forward_backward(1)
         grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
-        out.append({"loss": loss, "grads": grads, "direct": _direct(trainer) if dist.get_world_size() == 1
-                    else None})
+        out.append({"loss": loss, "grads": grads, "direct": _direct(trainer) if dist.get_world_size() == 1 else None})
     return out
 
 
@@ -69,8 +76,14 @@ def test_masked_loss_is_the_global_token_mean_in_every_layout():
                 for name, (grad, spec) in run["grads"].items():
                     expected = reference["grads"][name][0]
                     if tuple(expected.shape) != tuple(spec.full_shape):
-                        expected = torch.cat([expected, expected.new_zeros(
-                            (spec.full_shape[0] - expected.shape[0],) + tuple(expected.shape[1:]))])
+                        expected = torch.cat(
+                            [
+                                expected,
+                                expected.new_zeros(
+                                    (spec.full_shape[0] - expected.shape[0],) + tuple(expected.shape[1:])
+                                ),
+                            ]
+                        )
                     expected = spec.shard.shard(expected) if spec.shard is not None else expected
                     error = (grad - expected).norm() / expected.norm().clamp_min(1e-12)
                     assert error <= 1e-5, (world, index, rank, name)
@@ -80,8 +93,13 @@ def dropout_runs(rank):
     """GPT (attention and hidden dropout 0.1) on TP2+SP x PP2 with two virtual stages."""
     dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--train-iters", "8"]
     plain = train("gpt", TP2_PP2 + dropout, iterations=8)
-    recomputed = train("gpt", TP2_PP2 + dropout + ["--recompute-granularity", "full", "--recompute-method",
-                                                   "uniform", "--recompute-num-layers", "1"], iterations=8)
+    recomputed = train(
+        "gpt",
+        TP2_PP2
+        + dropout
+        + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        iterations=8,
+    )
     no_dropout = train("gpt", TP2_PP2 + ["--train-iters", "8"], iterations=2)
     return plain, recomputed, no_dropout
 

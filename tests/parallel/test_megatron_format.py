@@ -1,6 +1,7 @@
 """--ckpt-format torch_dist (Megatron-LM's format) without megatron-core: a save loads back bit for
 bit, and a truncated shard file or a model flag that differs is refused with one line.
 Agreement with megatron-core itself: tests/mcore_oracle/test_megatron_core.py."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def _state(trainer) -> dict:
     state = {name: p.detach().clone() for name, p in named_params(trainer)}
     for name, ranges in trainer.optimizer.state_dict_by_name().items():
         if name != "step":
-            state.update({f"{key}.{name}.{start}": view.clone() for start, _, views in ranges
-                          for key, view in views.items()})
+            state.update(
+                {f"{key}.{name}.{start}": view.clone() for start, _, views in ranges for key, view in views.items()}
+            )
     state["scalars"] = trainer.optimizer.scalar_state()  # step count, loss scaler
     return state
 
@@ -63,8 +65,11 @@ def _round_trip(rank: int, root: str) -> list[str]:
         loaded = Trainer(run, torch.device("cpu"))
         iteration, _ = load_checkpoint(checkpoint_to_load(run), loaded, run.checkpoint)
         state = _state(loaded)
-        differ += [f"{precision} {k}" for k, v in expected.items()
-                   if not (torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k])]
+        differ += [
+            f"{precision} {k}"
+            for k, v in expected.items()
+            if not (torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k])
+        ]
         differ += [] if iteration == 2 else [f"{precision} iteration {iteration}"]
     return differ
 
@@ -72,8 +77,11 @@ def _round_trip(rank: int, root: str) -> list[str]:
 def _model_tensors(root: str, iteration: int) -> dict:
     """Every model tensor (not optimizer, not RNG) of a checkpoint, whole."""
     directory = os.path.join(root, f"iter_{iteration:07d}")
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved_tensors(directory).items()
-               if not name.startswith(("optimizer.", "rng."))}
+    tensors = {
+        name: torch.empty(shape, dtype=dtype)
+        for name, (shape, dtype) in saved_tensors(directory).items()
+        if not name.startswith(("optimizer.", "rng."))
+    }
     read_pieces([TensorPiece.whole(name, t) for name, t in tensors.items()], directory)
     return tensors
 
@@ -92,11 +100,39 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
     # torch_dist save's
 
     canonical, megatron = os.path.join(root, "converted"), os.path.join(root, "converted_back")
-    assert convert(["--loader", "torch_dist", "--saver", "canonical", "--load-dir", os.path.join(root, "megatron"),
-                    "--save-dir", canonical]) == 0
+    assert (
+        convert(
+            [
+                "--loader",
+                "torch_dist",
+                "--saver",
+                "canonical",
+                "--load-dir",
+                os.path.join(root, "megatron"),
+                "--save-dir",
+                canonical,
+            ]
+        )
+        == 0
+    )
     assert _same(_model_tensors(canonical, 0), _model_tensors(os.path.join(root, "ours"), 2))
-    assert convert(["--loader", "mcore", "--saver", "torch_dist", "--load-dir", canonical, "--save-dir", megatron,
-                    "--target-tensor-parallel-size", "2"]) == 0  # mcore: the old name of canonical
+    assert (
+        convert(
+            [
+                "--loader",
+                "mcore",
+                "--saver",
+                "torch_dist",
+                "--load-dir",
+                canonical,
+                "--save-dir",
+                megatron,
+                "--target-tensor-parallel-size",
+                "2",
+            ]
+        )
+        == 0
+    )  # mcore: the old name of canonical
     assert _same(_model_tensors(megatron, 0), _model_tensors(os.path.join(root, "megatron"), 2))
 
     def refusal(extra: list[str]) -> str:
@@ -118,14 +154,16 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
 
 
 def test_cli_resumes_a_torch_dist_checkpoint_and_refuses_one_of_another_model(tmp_path):
-    save = run_cli("pretrain_llama.py", TINY_LLAMA + ["--ckpt-format", "torch_dist", "--save", str(tmp_path),
-                                                      "--train-iters", "1"])
+    save = run_cli(
+        "pretrain_llama.py", TINY_LLAMA + ["--ckpt-format", "torch_dist", "--save", str(tmp_path), "--train-iters", "1"]
+    )
     assert save.returncode == 0, save.stderr[-2000:]
     assert detect_checkpoint_format(str(tmp_path)) == MEGATRON
     proc = run_cli("pretrain_llama.py", TINY_LLAMA + ["--hidden-size", "64", "--load", str(tmp_path)])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"]
+        f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"
+    ]
     resumed = run_cli("pretrain_llama.py", TINY_LLAMA + ["--load", str(tmp_path), "--train-iters", "2"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"> loaded {tmp_path}/iter_0000001 (iteration 1)" in resumed.stdout

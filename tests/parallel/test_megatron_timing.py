@@ -2,6 +2,7 @@
 the first update uses the schedule's value at step 0, an fp16-skipped iteration does not
 advance the schedule, the result carries the loss scale after the update; and
 --decoupled-lr steps the embedding and output layer with their own learning rate."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,9 +39,15 @@ def timing_checks(rank):
     used_lr = trainer.optimizer.adam.lr
     second_lr = trainer.learning_rates()[0]
     third = trainer.train_step(2)
-    return {"first_lr": used_lr, "skipped": first.skipped, "scale_logged": first.loss_scale,
-            "lr_after_skip": second_lr, "second_skipped": third.skipped, "lr_logged": third.lr,
-            "schedule": [trainer.run.lr_schedule(n) for n in (0, 8, 16)]}
+    return {
+        "first_lr": used_lr,
+        "skipped": first.skipped,
+        "scale_logged": first.loss_scale,
+        "lr_after_skip": second_lr,
+        "second_skipped": third.skipped,
+        "lr_logged": third.lr,
+        "schedule": [trainer.run.lr_schedule(n) for n in (0, 8, 16)],
+    }
 
 
 def decoupled_checks(rank):

@@ -17,6 +17,7 @@ each equal to the estimate exactly; so is the number of microbatch-chunks in fli
 and allowances are not checked (CPU has no allocator statistics). One gloo world per size runs
 all its layouts.
 """
+
 import pytest
 
 from tests.distributed import run_distributed

@@ -1,5 +1,6 @@
 """The mesh numbers ranks by its rank order (default tp fastest, then cp, dp, pp; with
 --use-tp-pp-dp-mapping tp, cp, pp, dp), and its groups hold the right ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ from tests.distributed import run_distributed
 
 def group_ranks(rank, dims=ParallelDims(tp=2, cp=1, dp=2, pp=2)):
     mesh = ParallelMesh(dims, "cpu")
-    ranks = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group"))
-             for name in ("tp", "cp", "dp", "pp", "dp_cp")}
+    ranks = {
+        name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group")) for name in ("tp", "cp", "dp", "pp", "dp_cp")
+    }
     if mesh.embedding_group is not None:
         ranks["embedding"] = dist.get_process_group_ranks(mesh.embedding_group)
     ranks["coords"] = (mesh.tp_rank, mesh.cp_rank, mesh.dp_rank, mesh.pp_rank)

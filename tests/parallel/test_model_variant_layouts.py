@@ -1,23 +1,37 @@
 """The model variants of Megatron's GPT/Llama scripts reproduce the one-process run in every
 kind of layout (tensor + sequence, pipeline, context, distributed optimizer): losses of 5
 iterations and all gradients of iteration 1 within 1e-5, from bit-identical initial weights."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.parallel.layouts import train_many
-from tests.parallel.layouts import shard
+from tests.parallel.layouts import shard, train_many
 
 VARIANTS = {
-    "llama": ["--apply-layernorm-1p", "--qk-layernorm", "--add-qkv-bias", "--rotary-percent", "0.5",
-              "--rotary-interleaved", "--rope-scaling", "--rope-scaling-factor", "4", "--decoupled-lr", "1e-2"],
+    "llama": [
+        "--apply-layernorm-1p",
+        "--qk-layernorm",
+        "--add-qkv-bias",
+        "--rotary-percent",
+        "0.5",
+        "--rotary-interleaved",
+        "--rope-scaling",
+        "--rope-scaling-factor",
+        "4",
+        "--decoupled-lr",
+        "1e-2",
+    ],
     "gpt": ["--apply-layernorm-1p", "--qk-layernorm", "--no-position-embedding"],
 }
-LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-           "pp2": ["--pipeline-model-parallel-size", "2"], "cp2": ["--context-parallel-size", "2"],
-           "dp2-distopt": ["--use-distributed-optimizer"]}
+LAYOUTS = {
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "cp2": ["--context-parallel-size", "2"],
+    "dp2-distopt": ["--use-distributed-optimizer"],
+}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ equal the bytes of the tensors that exist (8 or 12 per element on the device, 16
 moments and the gradient copy). Bad input is one line. torchrun with 4 ranks prints the one-rank
 losses and the offload accounting line.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,8 @@ import torch
 
 from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
-from megatron.training.memory_check import layout_from_run
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, run_cli, torchrun_matching_one_rank
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, named_params, train
@@ -112,9 +113,12 @@ def check_accounting(rank: int, dtype_flags: list[str], device_per_element: int)
     device, host = placement_bytes(optimizer.adam)
     assert host == sum(16 * s.main.numel() for s in offloaded)  # master, m, v and the gradient copy, fp32
     slab = optimizer.adam.host_memory.slab.untyped_storage()  # one allocation holds them all: its bytes count
-    assert slab.nbytes() == host and {t.untyped_storage().data_ptr() for i, s in enumerate(optimizer.shards)
-                                      if s.offloaded for t in (s.main, s.host_grad, optimizer.adam.exp_avg[i],
-                                                               optimizer.adam.exp_avg_sq[i])} <= {slab.data_ptr()}
+    assert slab.nbytes() == host and {
+        t.untyped_storage().data_ptr()
+        for i, s in enumerate(optimizer.shards)
+        if s.offloaded
+        for t in (s.main, s.host_grad, optimizer.adam.exp_avg[i], optimizer.adam.exp_avg_sq[i])
+    } <= {slab.data_ptr()}
     assert device == sum(device_per_element * s.main.numel() for s in on_device)
     padded = sum(chunk.buffer.layout.numel for chunk in trainer.chunks)
     assert sum(s.main.numel() for s in optimizer.shards) == padded // 2  # dp = 2
@@ -148,8 +152,10 @@ def check_gradient_copies_are_waited_for_where_reused(rank: int) -> None:
     for chunk in trainer.chunks:
         zero = chunk.zero_grad_buffer
         chunk.zero_grad_buffer = lambda zero=zero, chunk=chunk: (zero(), zeroed.setdefault(chunk, set(waited)))
-    copies_of = {chunk: {("copy", shards[i].host_grad.data_ptr()) for i in offload.order
-                         if offload.buffer_of[i] is chunk.buffer} for chunk in trainer.chunks}
+    copies_of = {
+        chunk: {("copy", shards[i].host_grad.data_ptr()) for i in offload.order if offload.buffer_of[i] is chunk.buffer}
+        for chunk in trainer.chunks
+    }
     trainer.train_step(1)
     assert not set().union(*copies_of.values()) & set(waited), "the step waited for gradient copies"
     zeroed.clear()
@@ -157,7 +163,7 @@ def check_gradient_copies_are_waited_for_where_reused(rank: int) -> None:
     order = list(zeroed)  # the chunks in the order their first backward zeroed them
     assert len(order) == len(trainer.chunks) == 2
     for position, chunk in enumerate(order):
-        later = set().union(*(copies_of[c] for c in order[position + 1:]))
+        later = set().union(*(copies_of[c] for c in order[position + 1 :]))
         assert copies_of[chunk] and copies_of[chunk] <= zeroed[chunk], "zeroed before its copies were waited for"
         assert not later & zeroed[chunk], "waited for another chunk's copies before that chunk needed them"
 
@@ -166,34 +172,75 @@ def world2_checks(rank: int) -> None:
     check_fp16_inf_skips_everywhere(rank)
     check_thread_budgets(rank)
     check_gradient_copies_are_waited_for_where_reused(rank)
-    check_accounting(rank, [], 8)            # fp32 weights are their own master on the device
-    check_accounting(rank, ["--bf16"], 12)   # bf16: fp32 master + moments
+    check_accounting(rank, [], 8)  # fp32 weights are their own master on the device
+    check_accounting(rank, ["--bf16"], 12)  # bf16: fp32 master + moments
 
 
 def test_fp16_skip_and_byte_accounting():
     run_distributed(2, world2_checks)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (FULL + ["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction must be in [0, 1], got 1.5"),
-    (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer"),
-    (DIST + ["--offload-policy", "auto"], "--offload-policy needs --optimizer-cpu-offload"),
-    (FULL + ["--offload-policy", "auto", "--optimizer-offload-fraction", "0.5"], "applies to --offload-policy static"),
-    (FULL + ["--cpu-optimizer-threads", "0"], "--cpu-optimizer-threads must be >= 1"),
-    (FULL + ["--offload-policy", "auto", "--grad-offload-fraction", "1"], "applies to --offload-policy static"),
-    (FULL + ["--grad-offload-fraction", "1"], "--grad-offload-fraction needs sharded gradients"),
-    (DIST + ["--param-offload-fraction", "0.5"], "--param-offload-fraction needs --optimizer-cpu-offload"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--optimizer-cpu-offload",
-      "--grad-offload-fraction", "1.5"], "--grad-offload-fraction must be in [0, 1], got 1.5"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload",
-      "--grad-offload-fraction", "0.5", "--param-offload-fraction", "1"],
-     "need --param-offload-fraction (1) <= --grad-offload-fraction (0.5) <= --optimizer-offload-fraction (1)"),
-    (DIST + ["--unsharded-grad-accumulation"], "--unsharded-grad-accumulation applies to --data-parallel-sharding"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (FULL + ["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction must be in [0, 1], got 1.5"),
+        (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+        (DIST + ["--offload-policy", "auto"], "--offload-policy needs --optimizer-cpu-offload"),
+        (
+            FULL + ["--offload-policy", "auto", "--optimizer-offload-fraction", "0.5"],
+            "applies to --offload-policy static",
+        ),
+        (FULL + ["--cpu-optimizer-threads", "0"], "--cpu-optimizer-threads must be >= 1"),
+        (FULL + ["--offload-policy", "auto", "--grad-offload-fraction", "1"], "applies to --offload-policy static"),
+        (FULL + ["--grad-offload-fraction", "1"], "--grad-offload-fraction needs sharded gradients"),
+        (DIST + ["--param-offload-fraction", "0.5"], "--param-offload-fraction needs --optimizer-cpu-offload"),
+        (
+            [
+                "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy",
+                "optim_grads",
+                "--optimizer-cpu-offload",
+                "--grad-offload-fraction",
+                "1.5",
+            ],
+            "--grad-offload-fraction must be in [0, 1], got 1.5",
+        ),
+        (
+            [
+                "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy",
+                "optim_grads_params",
+                "--optimizer-cpu-offload",
+                "--grad-offload-fraction",
+                "0.5",
+                "--param-offload-fraction",
+                "1",
+            ],
+            "need --param-offload-fraction (1) <= --grad-offload-fraction (0.5) <= --optimizer-offload-fraction (1)",
+        ),
+        (DIST + ["--unsharded-grad-accumulation"], "--unsharded-grad-accumulation applies to --data-parallel-sharding"),
+    ],
+)
 def test_bad_input_is_one_line(flags, message):
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
-            "--vocab-size", "64"] + flags
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "1",
+        "--mock-data",
+        "--vocab-size",
+        "64",
+    ] + flags
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_run_config(argv, LLAMA_DEFAULTS, 2)
 

@@ -8,6 +8,7 @@ which initialises every parameter in its place in the gradient buffers, starts f
 an eagerly built and initialised model holds (GPT with learned positions and Llama, replicated
 and with sharded parameters).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,10 @@ RUNS = {
     "tp2-pp2-dp2-tp-pp-dp-gpt": (8, "gpt", TP_PP_DP + TP2 + PP2),
 }
 CASES = {  # layout -> its one-process reference
-    "tp2-xavier-gpt": "one-process-xavier-gpt", "tp2-xavier-llama": "one-process-xavier-llama",
-    "pp2-xavier-gpt": "one-process-xavier-gpt", "pp2-xavier-llama": "one-process-xavier-llama",
+    "tp2-xavier-gpt": "one-process-xavier-gpt",
+    "tp2-xavier-llama": "one-process-xavier-llama",
+    "pp2-xavier-gpt": "one-process-xavier-gpt",
+    "pp2-xavier-llama": "one-process-xavier-llama",
     "tp2-pp2-dp2-tp-pp-dp-gpt": "one-process",
 }
 
@@ -106,8 +109,11 @@ def _trainer_and_eager_weights(rank: int) -> list[tuple[str, bool]]:
             for module in eager:
                 initialize_parameters(module, run.training.seed)
             built = dict(p for m in eager for p in m.named_parameters())
-            out += [(name, torch.equal(p, built[name])) for chunk in trainer.chunks
-                    for name, p in chunk.module.named_parameters()]
+            out += [
+                (name, torch.equal(p, built[name]))
+                for chunk in trainer.chunks
+                for name, p in chunk.module.named_parameters()
+            ]
     return out
 
 

@@ -22,6 +22,7 @@ reduce-scattered once per step (and optim_grads_params with it matches one proce
 it, and one saved under optim_grads_params continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
 prints the one-rank losses and what the strategy keeps.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,8 @@ import torch.distributed as dist
 from megatron.core.distributed.transient import TransientBuffer
 from megatron.core.memory.estimator import estimate_memory
 from megatron.training.arguments import parse_run_config
-from megatron.training.memory_check import layout_from_run
-
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.memory_check import layout_from_run
 from megatron.training.training import Trainer
 from tests.cli import TINY_LLAMA, torchrun_matching_one_rank
 from tests.distributed import run_distributed
@@ -53,17 +53,30 @@ OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]  # 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 BOTH, GPT = ("gpt", "llama"), ("gpt",)
 LAYOUTS = {  # world -> name -> (flags, models)
-    2: {"dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH), "dp2-params": (PARAMS, BOTH), "dp2-params-offload": (PARAMS + OFFLOAD, GPT),
-        "dp2-params-unsharded-accumulation": (PARAMS + UNSHARDED, GPT)},
-    4: {"dp4-grads": (GRADS, GPT), "dp4-params": (PARAMS, GPT),
-        "tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH), "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
-        "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH), "cp2-dp2-params": (PARAMS + CP2, BOTH),
-        "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT)},
+    2: {
+        "dp2-grads-overlap-gather": (GRADS + ["--overlap-param-gather"], BOTH),
+        "dp2-params": (PARAMS, BOTH),
+        "dp2-params-offload": (PARAMS + OFFLOAD, GPT),
+        "dp2-params-unsharded-accumulation": (PARAMS + UNSHARDED, GPT),
+    },
+    4: {
+        "dp4-grads": (GRADS, GPT),
+        "dp4-params": (PARAMS, GPT),
+        "tp2-sp-dp2-params-recompute": (PARAMS + TP2 + SP + RECOMPUTE, BOTH),
+        "pp2-vpp2-dp2-grads": (GRADS + PP2 + VPP, BOTH),
+        "pp2-vpp2-dp2-params": (PARAMS + PP2 + VPP, BOTH),
+        "cp2-dp2-params": (PARAMS + CP2, BOTH),
+        "pp2-vpp2-dp2-params-reshard-split": (PARAMS + PP2 + VPP + RESHARD + ["--split-backward"], GPT),
+    },
     8: {"tp2-sp-pp2-vpp2-dp2-params": (PARAMS + TP2 + SP + PP2 + VPP, GPT)},
 }
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
-CASES = [(world, name, model) for world, layouts in LAYOUTS.items() for name, (_, models) in layouts.items()
-         for model in models]
+CASES = [
+    (world, name, model)
+    for world, layouts in LAYOUTS.items()
+    for name, (_, models) in layouts.items()
+    for model in models
+]
 
 
 def _communication(rank: int, flags: list[str]) -> tuple[dict, int, int, tuple[int, int]]:
@@ -83,8 +96,12 @@ def _communication(rank: int, flags: list[str]) -> tuple[dict, int, int, tuple[i
     peak[0] = 0
     with count_collectives() as counts:
         trainer.train_step(2)
-    return (counts, sum(c.buffer.layout.numel for c in trainer.chunks), trainer.run.training.num_microbatches,
-            (peak[0], len(buckets)))
+    return (
+        counts,
+        sum(c.buffer.layout.numel for c in trainer.chunks),
+        trainer.run.training.num_microbatches,
+        (peak[0], len(buckets)),
+    )
 
 
 def _runs(world: int) -> list:
@@ -95,8 +112,10 @@ def _runs(world: int) -> list:
 
 
 def _references(rank: int) -> list:
-    return [train(model, COMMON + flags) for model, flags in
-            [(model, []) for model in BOTH] + [("llama", flags) for flags in PRECISIONS.values()]]
+    return [
+        train(model, COMMON + flags)
+        for model, flags in [(model, []) for model in BOTH] + [("llama", flags) for flags in PRECISIONS.values()]
+    ]
 
 
 def _train_and_estimate(model: str, flags: list[str]) -> dict:
@@ -114,11 +133,15 @@ def world_checks(rank: int, world: int) -> dict:
     out = {"runs": [_train_and_estimate(model, flags) for model, flags in _runs(world)]}
     if world == 2:
         check_fp16_inf_skips_everywhere(rank, PARAMS)
-        out["communication"] = {name: _communication(rank, flags) for name, flags in
-                                (("grads", GRADS), ("params", PARAMS), ("grads-unsharded", GRADS + UNSHARDED))}
+        out["communication"] = {
+            name: _communication(rank, flags)
+            for name, flags in (("grads", GRADS), ("params", PARAMS), ("grads-unsharded", GRADS + UNSHARDED))
+        }
     if world == 4:
-        out["communication"] = {"pp-params": _communication(rank, PARAMS + PP2 + VPP),
-                                "pp-params-reshard": _communication(rank, PARAMS + PP2 + VPP + RESHARD)}
+        out["communication"] = {
+            "pp-params": _communication(rank, PARAMS + PP2 + VPP),
+            "pp-params-reshard": _communication(rank, PARAMS + PP2 + VPP + RESHARD),
+        }
     return out
 
 
@@ -126,7 +149,7 @@ def world_checks(rank: int, world: int) -> dict:
 def results():
     references = run_distributed(1, _references)
     out = {("reference", model): ref for model, ref in zip(BOTH, references[0])}
-    out.update({("reference", p): ref for p, ref in zip(PRECISIONS, references[0][len(BOTH):])})
+    out.update({("reference", p): ref for p, ref in zip(PRECISIONS, references[0][len(BOTH) :])})
     for world in LAYOUTS:
         per_rank = run_distributed(world, world_checks, world)
         keys = [(name, model) for name, (_, models) in LAYOUTS[world].items() for model in models]

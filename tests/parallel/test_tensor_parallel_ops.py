@@ -1,5 +1,6 @@
 """Tensor-parallel collectives, vocab-parallel cross-entropy and the RNG tracker on 2 gloo ranks,
 each against the same computation done in one process."""
+
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
-from megatron.core.memory.transients import Dims
 from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.transients import split_backward_bytes
+from megatron.core.memory.transients import Dims, split_backward_bytes
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
@@ -42,19 +42,43 @@ def check_collectives(rank):
     xs = [_input(r, (4, 2, 6)) for r in range(WORLD)]
     cases = {
         # name: (function, output shape, expected forward, expected input gradient)
-        "copy": (M.copy_to_tensor_parallel_region, (4, 2, 6), xs[rank],
-                 sum(_upstream(r, (4, 2, 6)) for r in range(WORLD))),
+        "copy": (
+            M.copy_to_tensor_parallel_region,
+            (4, 2, 6),
+            xs[rank],
+            sum(_upstream(r, (4, 2, 6)) for r in range(WORLD)),
+        ),
         "reduce": (M.reduce_from_tensor_parallel_region, (4, 2, 6), sum(xs), _upstream(rank, (4, 2, 6))),
-        "scatter_last": (M.scatter_to_tensor_parallel_region, (4, 2, 3), xs[rank].chunk(WORLD, -1)[rank],
-                         torch.cat([_upstream(r, (4, 2, 3)) for r in range(WORLD)], -1)),
-        "gather_last": (M.gather_from_tensor_parallel_region, (4, 2, 12), torch.cat(xs, -1),
-                        _upstream(rank, (4, 2, 12)).chunk(WORLD, -1)[rank]),
-        "scatter_seq": (M.scatter_to_sequence_parallel_region, (2, 2, 6), xs[rank].chunk(WORLD, 0)[rank],
-                        torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0)),
-        "gather_seq": (M.gather_from_sequence_parallel_region, (8, 2, 6), torch.cat(xs, 0),
-                       sum(_upstream(r, (8, 2, 6)) for r in range(WORLD)).chunk(WORLD, 0)[rank]),
-        "reduce_scatter_seq": (M.reduce_scatter_to_sequence_parallel_region, (2, 2, 6), sum(xs).chunk(WORLD, 0)[rank],
-                               torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0)),
+        "scatter_last": (
+            M.scatter_to_tensor_parallel_region,
+            (4, 2, 3),
+            xs[rank].chunk(WORLD, -1)[rank],
+            torch.cat([_upstream(r, (4, 2, 3)) for r in range(WORLD)], -1),
+        ),
+        "gather_last": (
+            M.gather_from_tensor_parallel_region,
+            (4, 2, 12),
+            torch.cat(xs, -1),
+            _upstream(rank, (4, 2, 12)).chunk(WORLD, -1)[rank],
+        ),
+        "scatter_seq": (
+            M.scatter_to_sequence_parallel_region,
+            (2, 2, 6),
+            xs[rank].chunk(WORLD, 0)[rank],
+            torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0),
+        ),
+        "gather_seq": (
+            M.gather_from_sequence_parallel_region,
+            (8, 2, 6),
+            torch.cat(xs, 0),
+            sum(_upstream(r, (8, 2, 6)) for r in range(WORLD)).chunk(WORLD, 0)[rank],
+        ),
+        "reduce_scatter_seq": (
+            M.reduce_scatter_to_sequence_parallel_region,
+            (2, 2, 6),
+            sum(xs).chunk(WORLD, 0)[rank],
+            torch.cat([_upstream(r, (2, 2, 6)) for r in range(WORLD)], 0),
+        ),
     }
     for name, (fn, out_shape, expected_y, expected_grad) in cases.items():
         y, grad = _run(fn, rank, (4, 2, 6), out_shape)
@@ -75,8 +99,9 @@ def check_cross_entropy(rank):
     loss.sum().backward()
     torch.testing.assert_close(loss, expected.detach().float(), rtol=1e-6, atol=1e-6)
     expected_grad = torch.cat([reference_logits.grad, torch.zeros(5, 3, padded - vocab, dtype=torch.float64)], -1)
-    torch.testing.assert_close(local.grad, expected_grad.chunk(WORLD, -1)[rank].to(local.grad.dtype), rtol=1e-6,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        local.grad, expected_grad.chunk(WORLD, -1)[rank].to(local.grad.dtype), rtol=1e-6, atol=1e-6
+    )
 
 
 def check_rng_tracker(rank):
@@ -98,6 +123,7 @@ def check_rng_tracker(rank):
             x = F.dropout(x, 0.5) * x
         with tracker.fork(tensor_parallel=False):
             return F.dropout(x, 0.5)
+
     x = torch.randn(32, requires_grad=True)
     state = tracker.get_state()
     dropped(x).sum().backward()
@@ -114,10 +140,19 @@ def check_layer_communication_volume(rank):
     re-gather the column-parallel inputs in backward (only their sequence shards are saved)."""
     s, b, h = 8, 2, 32
     volume = s * b * h * 4
-    for sp, expected in ((False, {"all_reduce": 4 * volume}),
-                         (True, {"all_gather": 6 * volume, "reduce_scatter": 4 * volume})):
-        config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
-                                   tensor_model_parallel_size=WORLD, sequence_parallel=sp)
+    for sp, expected in (
+        (False, {"all_reduce": 4 * volume}),
+        (True, {"all_gather": 6 * volume, "reduce_scatter": 4 * volume}),
+    ):
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=h,
+            num_attention_heads=4,
+            vocab_size=16,
+            seq_length=s,
+            tensor_model_parallel_size=WORLD,
+            sequence_parallel=sp,
+        )
         layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
         initialize_parameters(layer, seed=0)
         x = torch.randn(s // WORLD if sp else s, b, h, requires_grad=True)
@@ -126,8 +161,12 @@ def check_layer_communication_volume(rank):
         assert stats.bytes == expected, (sp, stats.bytes)
 
 
-LINEAR_WEIGHTS = {"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+LINEAR_WEIGHTS = {
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+}
 
 
 def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tuple[dict, set]:
@@ -138,9 +177,18 @@ def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tu
     or fused with a split backward ("split": weight gradients computed after the backward)."""
     s, b, h = 8, 2, 32
     tp = dist.get_world_size(tp_group)
-    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, vocab_size=16, seq_length=s,
-                               tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=0.0,
-                               attention_dropout=0.0, gradient_accumulation_fusion=mode != "unfused")
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=4,
+        vocab_size=16,
+        seq_length=s,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=mode != "unfused",
+    )
     layer = TransformerLayer(config, tp_group=tp_group, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank % tp))
     initialize_parameters(layer, seed=0)
     by_layers = set()
@@ -149,6 +197,7 @@ def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tu
         def hook(param):
             if param.grad_added_to_main_grad:
                 by_layers.add(name)
+
         return hook
 
     chunk = None
@@ -185,8 +234,11 @@ def check_gradient_accumulation_fusion(rank):
     under TP (with and without SP) and DP (bucket reductions started by the hooks of the last
     microbatch, or by compute_weight_grads after a split backward)."""
     alone = [dist.new_group([r]) for r in range(WORLD)][rank]
-    layouts = {"tp2": (dist.group.WORLD, alone, False), "tp2+sp": (dist.group.WORLD, alone, True),
-               "dp2": (alone, dist.group.WORLD, False)}
+    layouts = {
+        "tp2": (dist.group.WORLD, alone, False),
+        "tp2+sp": (dist.group.WORLD, alone, True),
+        "dp2": (alone, dist.group.WORLD, False),
+    }
     for layout, (tp_group, dp_group, sp) in layouts.items():
         reference, _ = _accumulated_grads("autograd", tp_group, dp_group, sp, rank)
         for mode in ("fused", "unfused", "split"):
@@ -203,18 +255,28 @@ def check_split_backward_queue_bytes(rank):
     for sp in (False, True):
         for llama in (False, True):
             variant = dict(num_query_groups=2, swiglu=True, add_bias_linear=False) if llama else {}
-            config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16,
-                                       seq_length=8, tensor_model_parallel_size=WORLD, sequence_parallel=sp,
-                                       hidden_dropout=0.0, attention_dropout=0.0, **variant)
-            layer = TransformerLayer(config, tp_group=dist.group.WORLD,
-                                     rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
+            config = TransformerConfig(
+                num_layers=1,
+                hidden_size=32,
+                num_attention_heads=4,
+                vocab_size=16,
+                seq_length=8,
+                tensor_model_parallel_size=WORLD,
+                sequence_parallel=sp,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                **variant,
+            )
+            layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
             initialize_parameters(layer, seed=0)
             chunk = ModelChunkBuffers(layer, DDPConfig(), alone)
             chunk.zero_grad_buffer()
             with chunk.deferring_weight_grads():
                 chunk(torch.randn(8 // WORLD if sp else 8, 3, 32)).square().sum().backward()
-            queued = {w.grad_out.untyped_storage().data_ptr(): w.grad_out.untyped_storage().nbytes()
-                      for w in chunk.weight_grads.pending}
+            queued = {
+                w.grad_out.untyped_storage().data_ptr(): w.grad_out.untyped_storage().nbytes()
+                for w in chunk.weight_grads.pending
+            }
             dims = Dims.of(config, MemoryLayout(tp=WORLD, micro_batch_size=3))
             assert sum(queued.values()) == split_backward_bytes(dims, config, layers=1), (sp, llama, queued)
             chunk.compute_weight_grads()

@@ -1,6 +1,7 @@
 """Training behaviour: seeds, mixed precision, the fp16 loss scaler, recomputation, tied embeddings,
 host reads between log lines, sent pipeline outputs released, and the CLI end to end (torchrun with
 4 ranks prints the one-rank losses)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,9 @@ def check_low_precision_trains(precision):
     # fp16 starts from a moderate scale: from the default 2**32 the dynamic scaler skips ~30 iterations first
     scale = ["--initial-loss-scale", "4096"] if precision == "--fp16" else []
     trainer = _trainer("llama", [precision, "--lr", "1e-2", "--train-iters", "20"] + scale)
-    assert all(p.dtype == (torch.bfloat16 if precision == "--bf16" else torch.float16)
-               for _, p in named_params(trainer))
+    assert all(
+        p.dtype == (torch.bfloat16 if precision == "--bf16" else torch.float16) for _, p in named_params(trainer)
+    )
     losses = [trainer.train_step(i).loss for i in range(1, 21)]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, f"{precision} loss did not fall: {losses}"
 
@@ -58,9 +60,12 @@ def check_fp16_scaler_skips_injected_inf():
 def check_recompute_replays():
     """Recomputation (with dropout on) gives the losses and gradients of storing activations."""
     dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
-    variants = [[], ["--recompute-granularity", "selective"],
-                ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-                ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"]]
+    variants = [
+        [],
+        ["--recompute-granularity", "selective"],
+        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+    ]
     results = [train("gpt", dropout + v, iterations=2) for v in variants]
     for variant, result in zip(variants[1:], results[1:]):
         assert result["losses"] == results[0]["losses"], variant
@@ -80,6 +85,7 @@ def counting_host_reads():
         def read(self, *args, **kwargs):
             reads.append(sys._getframe(1).f_code.co_name)
             return original(self, *args, **kwargs)
+
         return read
 
     for name, original in originals.items():
@@ -152,8 +158,9 @@ def test_tied_embeddings_stay_identical_and_sent_outputs_are_released():
 
 def test_cli_torchrun_matches_one_rank():
     one = run_cli("pretrain_llama.py", TINY_LLAMA)
-    four = run_cli("pretrain_llama.py", TINY_LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                   nproc=4)
+    four = run_cli(
+        "pretrain_llama.py", TINY_LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=4
+    )
     assert one.returncode == 0, explain(one)
     assert four.returncode == 0, explain(four)
     assert len(printed_losses(one.stdout)) == 5 and printed_losses(four.stdout) == printed_losses(one.stdout)

@@ -4,6 +4,7 @@ The multi-node cluster is ../shared/tools/local_slurm_nodes.sh (`start 2`; .ci/r
 LOCAL_SLURM_NODES names the script elsewhere). Its nodes are namespaces of this machine, so the
 ranks' processes are visible here and their exits can be timed from the kill.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,16 @@ FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL",
 def cluster_problem(nodes: int = 1) -> str | None:
     """Why no job on `nodes` nodes can run here (None: enough SLURM nodes are up)."""
     if shutil.which("sbatch") is None:
-        return ("sbatch is not on PATH (start a local cluster as root: "
-                "bash ../shared/tools/local_slurm_nodes.sh start 2)")
+        return (
+            "sbatch is not on PATH (start a local cluster as root: bash ../shared/tools/local_slurm_nodes.sh start 2)"
+        )
     up = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30)
     alive = {line.split()[0] for line in up.stdout.splitlines() if re.search(r"idle|mix|alloc", line)}
     if up.returncode or len(alive) < nodes:
-        return (f"fewer than {nodes} SLURM node(s) up (sinfo: {(up.stdout + up.stderr).strip()[:200] or 'no nodes'}; "
-                "bash ../shared/tools/local_slurm_nodes.sh start 2)")
+        return (
+            f"fewer than {nodes} SLURM node(s) up (sinfo: {(up.stdout + up.stderr).strip()[:200] or 'no nodes'}; "
+            "bash ../shared/tools/local_slurm_nodes.sh start 2)"
+        )
     return None
 
 
@@ -64,9 +68,26 @@ def wait_for(what: str, condition, timeout: float = 300.0, poll: float = 0.2):
 def submit(script: str, log: Path, sbatch: list[str] = (), env: dict | None = None, flags: list[str] = ()) -> str:
     """sbatch `script` (under examples/) from the repository root; returns the job id."""
     exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in (env or {}).items()])
-    return subprocess.run(["sbatch", "--parsable", f"--output={log}", f"--export={exports}", *sbatch,
-                           str(ROOT / "examples" / script), *flags], capture_output=True, text=True, check=True,
-                          cwd=ROOT, timeout=60).stdout.strip().split(";")[0]
+    return (
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--output={log}",
+                f"--export={exports}",
+                *sbatch,
+                str(ROOT / "examples" / script),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
 
 
 def state(job: str) -> str:

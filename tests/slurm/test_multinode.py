@@ -10,6 +10,7 @@
   a line naming a node2 rank; the job requeues itself, resumes from the last checkpoint and ends
   with the uninterrupted run's losses. kill-node node2 (soft): the same end state.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,19 +28,61 @@ BOUND = 1.6 * HEARTBEAT + 2.0  # heartbeat.py's bound (timeout + 3 periods) + th
 ITERATIONS = 30
 SAVE = 5
 KILL_AFTER = 7  # iterations logged before the failure: a checkpoint (SAVE) exists, most of the run remains
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
-         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16", "--vocab-size", "256"]
-TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS),
-            "--log-interval", "1", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1",
-            "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-            "--eval-iters", "0", "--save-interval", str(SAVE), "--heartbeat-timeout-seconds", str(HEARTBEAT)]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--ffn-hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    "256",
+]
+TRAINING = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    str(ITERATIONS),
+    "--log-interval",
+    "1",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--lr-decay-style",
+    "cosine",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta2",
+    "0.95",
+    "--clip-grad",
+    "1.0",
+    "--eval-iters",
+    "0",
+    "--save-interval",
+    str(SAVE),
+    "--heartbeat-timeout-seconds",
+    str(HEARTBEAT),
+]
 TP2 = ["--tensor-model-parallel-size", "2"]
 TWO_NODES = ["-N2", "--ntasks-per-node=2"]
 JOB_ENV = {"STEP_EXIT_GRACE": "2", "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.skipif(cluster.cluster_problem(2) is not None, reason=str(cluster.cluster_problem(2)))
-needs_node_failures = pytest.mark.skipif(cluster.node_failure_problem() is not None,
-                                         reason=str(cluster.node_failure_problem()))
+needs_node_failures = pytest.mark.skipif(
+    cluster.node_failure_problem() is not None, reason=str(cluster.node_failure_problem())
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +98,9 @@ def uninterrupted(tmp_path_factory) -> dict[int, tuple[str, str]]:
     """The CPU sbatch on two nodes, left alone: the reference of the failure tests."""
     out = tmp_path_factory.mktemp("uninterrupted")
     log = out / "job.out"
-    job = cluster.submit("train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": out / "ckpt"},
-                         MODEL + TRAINING + TP2)
+    job = cluster.submit(
+        "train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": out / "ckpt"}, MODEL + TRAINING + TP2
+    )
     try:
         cluster.wait_for("the two-node job", lambda: cluster.finished(job, log))
     finally:
@@ -88,8 +132,16 @@ def _kill_last_rank(ckpt: Path) -> None:
 def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_process):
     """The GPU script, CPU overrides, --max-restarts 1: one worker SIGKILLed after a checkpoint."""
     log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
-    env = {**JOB_ENV, "CKPT": ckpt, "GPUS_PER_NODE": "2", "BACKEND": "gloo", "PRECISION": "",
-           "PARALLEL": " ".join(TP2), "MODEL": " ".join(MODEL), "TORCHRUN_ARGS": "--max-restarts 1"}
+    env = {
+        **JOB_ENV,
+        "CKPT": ckpt,
+        "GPUS_PER_NODE": "2",
+        "BACKEND": "gloo",
+        "PRECISION": "",
+        "PARALLEL": " ".join(TP2),
+        "MODEL": " ".join(MODEL),
+        "TORCHRUN_ARGS": "--max-restarts 1",
+    }
     job = cluster.submit("llama_slurm.sbatch", log, ["-N2", "--gpus-per-node=0", "--cpus-per-task=1"], env, TRAINING)
     try:
         cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: _kill_last_rank(ckpt))
@@ -104,19 +156,23 @@ def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_proce
     resumed = {k: v for k, v in _as_losses(cluster.metrics(log)).items() if k > restored[0]}
     _close_to(resumed, cluster.expected_after_resume(reference, restored[0] + 1))
     # and before the failure the script printed the one-process losses too
-    first_run = _as_losses(cluster.metrics_of(text[:text.index("> loaded")]))
-    _close_to({k: v for k, v in first_run.items() if k <= restored[0]},
-              {k: one_process[k - 1] for k in first_run if k <= restored[0]})
+    first_run = _as_losses(cluster.metrics_of(text[: text.index("> loaded")]))
+    _close_to(
+        {k: v for k, v in first_run.items() if k <= restored[0]},
+        {k: one_process[k - 1] for k in first_run if k <= restored[0]},
+    )
 
 
 def _kill_node_mid_run(tmp_path, hard: bool) -> tuple[str, Path, float, list[int]]:
     """Submit the CPU sbatch on two nodes, kill node2 after KILL_AFTER iterations; returns the job,
     its log, the seconds from the kill until every surviving rank had exited, and their pids."""
     log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
-    job = cluster.submit("train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": ckpt},
-                         MODEL + TRAINING + TP2)
+    job = cluster.submit(
+        "train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": ckpt}, MODEL + TRAINING + TP2
+    )
     _, seconds, survivors = cluster.fail_mid_run(
-        log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool("kill-node", "node2", *(["--hard"] if hard else [])))
+        log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool("kill-node", "node2", *(["--hard"] if hard else []))
+    )
     return job, log, seconds, survivors
 
 
@@ -141,8 +197,9 @@ def test_hard_node_failure_ends_the_survivors_within_the_heartbeat_bound_then_he
         job, log, seconds, survivors = _kill_node_mid_run(tmp_path, hard=True)
         assert len(survivors) == 2
         assert seconds <= BOUND, f"survivors exited {seconds:.1f} s after the kill (bound {BOUND} s)"
-        assert re.search(r"error: heartbeat: rank \d \(node1\) exits: .*rank [23] \(node2", log.read_text()), \
+        assert re.search(r"error: heartbeat: rank \d \(node1\) exits: .*rank [23] \(node2", log.read_text()), (
             cluster.log_tail(log)
+        )
         _resume_and_finish(job, log, uninterrupted)
     finally:
         cluster.nodes_tool("start", "2")

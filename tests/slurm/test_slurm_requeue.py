@@ -6,6 +6,7 @@ save (--exit-signal-handler) and exit; SLURM starts the job again, it resumes fr
 ends with the losses and grad norms (as logged) of the uninterrupted job, every iteration.
 (The bit-for-bit check of resumed training is tests/parallel/test_checkpoint_resume.py.)
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.skipif(cluster.cluster_problem() is not None, reason=st
 
 def _submit(tmp_path: Path, name: str) -> tuple[str, Path]:
     log = tmp_path / f"{name}.out"
-    return cluster.submit("train_tiny_cpu_slurm.sbatch", log, [f"--job-name={name}"], {"CKPT": tmp_path / name},
-                          FLAGS), log
+    return cluster.submit(
+        "train_tiny_cpu_slurm.sbatch", log, [f"--job-name={name}"], {"CKPT": tmp_path / name}, FLAGS
+    ), log
 
 
 def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_job(tmp_path):
@@ -37,8 +39,10 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_job(tmp_path):
         cluster.wait_for("iteration 10 of the job to preempt", lambda: cluster.logged(log, r"iteration\s+10/"))
         cluster.scontrol("requeue", preempted)
         cluster.release(preempted)  # skip SLURM's delay before a requeued job starts
-        cluster.wait_for("both jobs to complete", lambda: cluster.finished(preempted, log)
-                         and cluster.finished(reference, reference_log))
+        cluster.wait_for(
+            "both jobs to complete",
+            lambda: cluster.finished(preempted, log) and cluster.finished(reference, reference_log),
+        )
     finally:
         cluster.cancel(*jobs)
     text = log.read_text()

@@ -1,4 +1,5 @@
 """Every validation error of the command line names the flag and what would be valid."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +11,23 @@ import pytest
 from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+]
 
 
 def parse(extra, world_size=1, defaults=GPT_DEFAULTS):
@@ -19,36 +35,108 @@ def parse(extra, world_size=1, defaults=GPT_DEFAULTS):
 
 
 ERRORS = [
-    (["--split-backward"], 1, "--split-backward only changes pipeline schedules: it needs "
-                              "--pipeline-model-parallel-size > 1"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size (2) x --context-parallel-size (1) x "
-     "--pipeline-model-parallel-size (1)"),
-    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+    (
+        ["--split-backward"],
+        1,
+        "--split-backward only changes pipeline schedules: it needs --pipeline-model-parallel-size > 1",
+    ),
+    (
+        ["--tensor-model-parallel-size", "2"],
+        3,
+        "world size 3 is not divisible by --tensor-model-parallel-size (2) x --context-parallel-size (1) x "
+        "--pipeline-model-parallel-size (1)",
+    ),
+    (
+        ["--tensor-model-parallel-size", "3"],
+        3,
+        "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)",
+    ),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, "launch a multiple of 4 ranks"),
-    (["--global-batch-size", "6"], 4, "--global-batch-size (6) must be a multiple of --micro-batch-size (2) x data-parallel size (4) = 8"),
-    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4,
-     "--ffn-hidden-size (30) is not divisible by --tensor-model-parallel-size (4)"),
-    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers (4) must be divisible by --pipeline-model-parallel-size (3)"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "4"], 2,
-     "must split evenly over the other 1 pipeline ranks, at least one layer each"),
+    (
+        ["--global-batch-size", "6"],
+        4,
+        "--global-batch-size (6) must be a multiple of --micro-batch-size (2) x data-parallel size (4) = 8",
+    ),
+    (
+        ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
+        4,
+        "--ffn-hidden-size (30) is not divisible by --tensor-model-parallel-size (4)",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "3"],
+        3,
+        "--num-layers (4) must be divisible by --pipeline-model-parallel-size (3)",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "4"],
+        2,
+        "must split evenly over the other 1 pipeline ranks, at least one layer each",
+    ),
     (["--decoder-last-pipeline-num-layers", "1"], 1, "need --pipeline-model-parallel-size > 1"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
-      "--num-layers-per-virtual-pipeline-stage", "1"], 2, "use --num-virtual-stages-per-pipeline-rank"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
-      "--num-virtual-stages-per-pipeline-rank", "2"], 2, "pipeline rank 0 holds 3 layers, not divisible by 2 virtual"),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "3",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+        2,
+        "use --num-virtual-stages-per-pipeline-rank",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "3",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+        ],
+        2,
+        "pipeline rank 0 holds 3 layers, not divisible by 2 virtual",
+    ),
     (["--context-parallel-size", "3"], 3, "--seq-length (16) must be divisible by 2 x --context-parallel-size (3) = 6"),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
-      "--attention-dropout", "0", "--seq-length", "24"], 8,
-     "x --tensor-model-parallel-size (4) under --sequence-parallel = 16"),
+    (
+        [
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "4",
+            "--sequence-parallel",
+            "--attention-dropout",
+            "0",
+            "--seq-length",
+            "24",
+        ],
+        8,
+        "x --tensor-model-parallel-size (4) under --sequence-parallel = 16",
+    ),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "not supported with --context-parallel-size 2"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
-     "must be a multiple of --num-layers-per-virtual-pipeline-stage (3)"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
+    (
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+        2,
+        "must be a multiple of --num-layers-per-virtual-pipeline-stage (3)",
+    ),
+    (
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        1,
+        "virtual pipeline stages need --pipeline-model-parallel-size > 1",
+    ),
     (["--data-path", "x"], 1, "give either --mock-data or --data-path/--train-data-path, not both"),
     (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
-    (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    (
+        ["--group-query-attention", "--num-query-groups", "3"],
+        1,
+        "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
+    ),
     (["--bf16", "--fp16"], 1, "mutually exclusive"),
-    (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"], 1, "the decay (10 samples, --lr-decay-iters/-samples, default the training length) must exceed the warm-up (10 samples)"),
+    (
+        ["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
+        1,
+        "the decay (10 samples, --lr-decay-iters/-samples, default the training length) must exceed the warm-up (10 samples)",
+    ),
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
     (["--recompute-method", "block"], 1, "--recompute-method only applies with --recompute-granularity full"),
     (["--min-lr", "1", "--lr", "0.1"], 1, "need 0 <= --min-lr"),
@@ -59,20 +147,42 @@ ERRORS = [
     (["--host-memory-gb", "-1"], 1, "--host-memory-gb must be > 0, got -1.0"),
     (["--vocab-size", "1"], 1, "--mock-data needs --vocab-size >= 2, got 1"),
     (["--init-method-std", "0"], 1, "--init-method-std must be > 0"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
-     "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel"),
-    (["--data-parallel-sharding-strategy", "optim_grads"], 2, "--data-parallel-sharding-strategy needs --use-megatron-fsdp"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"], 2,
-     "use --data-parallel-sharding-strategy optim (or a stronger one), not no_shard"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"], 2,
-     "--overlap-param-gather applies to the optim and optim_grads strategies"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--no-overlap-grad-reduce"], 2,
-     "reduce-scatters each bucket as backward completes it: drop --no-overlap-grad-reduce"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--optimizer-cpu-offload"], 2,
-     "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+    (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"],
+        2,
+        "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel",
+    ),
+    (
+        ["--data-parallel-sharding-strategy", "optim_grads"],
+        2,
+        "--data-parallel-sharding-strategy needs --use-megatron-fsdp",
+    ),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"],
+        2,
+        "use --data-parallel-sharding-strategy optim (or a stronger one), not no_shard",
+    ),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"],
+        2,
+        "--overlap-param-gather applies to the optim and optim_grads strategies",
+    ),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--no-overlap-grad-reduce"],
+        2,
+        "reduce-scatters each bucket as backward completes it: drop --no-overlap-grad-reduce",
+    ),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--optimizer-cpu-offload"],
+        2,
+        "--optimizer-cpu-offload needs --use-distributed-optimizer",
+    ),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "invalid choice: 'zero3'"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--reshard-params-after-forward"], 2,
-     "--reshard-params-after-forward applies to --data-parallel-sharding-strategy optim_grads_params only"),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--reshard-params-after-forward"],
+        2,
+        "--reshard-params-after-forward applies to --data-parallel-sharding-strategy optim_grads_params only",
+    ),
 ]
 
 
@@ -85,9 +195,23 @@ def test_error_message(extra, world, message):
 
 
 def test_gqa_tensor_parallel_must_divide_groups():
-    with pytest.raises(ValueError, match=r"--num-query-groups \(2\) is not divisible by --tensor-model-parallel-size \(4\) \(each tp rank holds whole key/value groups"):
-        parse(["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
-               "--tensor-model-parallel-size", "4"], world_size=4, defaults=LLAMA_DEFAULTS)
+    with pytest.raises(
+        ValueError,
+        match=r"--num-query-groups \(2\) is not divisible by --tensor-model-parallel-size \(4\) \(each tp rank holds whole key/value groups",
+    ):
+        parse(
+            [
+                "--num-attention-heads",
+                "8",
+                "--group-query-attention",
+                "--num-query-groups",
+                "2",
+                "--tensor-model-parallel-size",
+                "4",
+            ],
+            world_size=4,
+            defaults=LLAMA_DEFAULTS,
+        )
 
 
 def test_defaults_and_derived_values():
@@ -106,9 +230,13 @@ def test_gradient_accumulation_fusion_is_a_real_switch_noted_for_bf16():
 
     assert fusion_notes([]) == (True, [])
     assert fusion_notes(["--no-gradient-accumulation-fusion"]) == (False, [])  # a real flag, not a noted no-op
-    assert fusion_notes(["--bf16"]) == (True, [
-        "> note: --gradient-accumulation-fusion applies to fp32 weights: --bf16 weights accumulate their gradients "
-        "unfused (the bf16/fp16 -> fp32 accumulating kernel is not built here)"])
+    assert fusion_notes(["--bf16"]) == (
+        True,
+        [
+            "> note: --gradient-accumulation-fusion applies to fp32 weights: --bf16 weights accumulate their gradients "
+            "unfused (the bf16/fp16 -> fp32 accumulating kernel is not built here)"
+        ],
+    )
     assert fusion_notes(["--bf16", "--no-gradient-accumulation-fusion"]) == (False, [])
 
 
@@ -118,37 +246,59 @@ def test_sequence_parallel_without_tp_is_noted_not_applied():
 
 
 def test_cli_prints_one_error_line_and_exits_2():
-    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--global-batch-size", "3"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--global-batch-size", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --global-batch-size (3) must be a multiple of --micro-batch-size (2) x data-parallel size (1) = 2"]
+        "error: --global-batch-size (3) must be a multiple of --micro-batch-size (2) x data-parallel size (1) = 2"
+    ]
 
 
 def test_cli_refuses_nccl_without_cuda():
-    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--distributed-backend", "nccl"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py")] + TINY + ["--distributed-backend", "nccl"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --distributed-backend nccl needs CUDA devices; use gloo on CPU"]
 
 
 def test_cli_refuses_a_job_that_does_not_fit_unless_told():
     small = TINY + ["--device-memory-gb", "0.001"]
-    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small, capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py")] + small, capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: the certain part of the memory estimate") and "--skip-memory-check" in lines[0]
-    forced = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + small + ["--skip-memory-check"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: the certain part of the memory estimate")
+        and "--skip-memory-check" in lines[0]
+    )
+    forced = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py")] + small + ["--skip-memory-check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert forced.returncode == 0 and "iteration        2/       2" in forced.stdout
 
 
 def test_megatron_defaults_for_swiglu_ffn_and_query_groups():
     """--swiglu without --ffn-hidden-size gives int(8h/3 / 64) * 64; --group-query-attention
     without --num-query-groups gives one group (Megatron's defaults)."""
-    llama = parse(["--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention"],
-                  defaults=LLAMA_DEFAULTS).model
+    llama = parse(
+        ["--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention"], defaults=LLAMA_DEFAULTS
+    ).model
     assert llama.ffn_hidden_size == int(8 * 256 / 3 / 64) * 64 == 640
     assert llama.num_query_groups == 1
     gpt = parse([]).model

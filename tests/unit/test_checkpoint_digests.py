@@ -1,4 +1,5 @@
 """File digests of our checkpoints: CRC-32 written and verified; SHA-256 records of older saves still verify."""
+
 import pytest
 
 from megatron.core.checkpointing import CheckpointError, verify_files

@@ -1,5 +1,6 @@
 """preprocess_data.py round-trips, reports bad lines as file:line; inspect_data.py shows the trainer's samples;
 the data flags validate in one line."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,16 +33,31 @@ def write_jsonl(path, lines):
 
 
 def spm_args(input_path, prefix, *extra):
-    return ["--input", input_path, "--output-prefix", str(prefix), "--tokenizer-type", "Llama2Tokenizer",
-            "--tokenizer-model", SPM, "--log-interval", "0", *extra]
+    return [
+        "--input",
+        input_path,
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "Llama2Tokenizer",
+        "--tokenizer-model",
+        SPM,
+        "--log-interval",
+        "0",
+        *extra,
+    ]
 
 
 def test_preprocess_round_trips(preprocess, tmp_path):
-    docs = [{"text": "Zoë's 12 kettles 🙂", "title": "One"}, {"text": "", "title": "Empty"},
-            {"text": "tabs\tand\n\nnewlines", "title": "Three"}]
+    docs = [
+        {"text": "Zoë's 12 kettles 🙂", "title": "One"},
+        {"text": "", "title": "Empty"},
+        {"text": "tabs\tand\n\nnewlines", "title": "Three"},
+    ]
     source = write_jsonl(tmp_path / "in.jsonl", [json.dumps(d, ensure_ascii=False) for d in docs])
-    stats = preprocess.main(spm_args(source, tmp_path / "out", "--json-keys", "text", "title", "--append-eod",
-                                     "--workers", "2"))
+    stats = preprocess.main(
+        spm_args(source, tmp_path / "out", "--json-keys", "text", "title", "--append-eod", "--workers", "2")
+    )
     assert stats["documents"] == 3
     tok = build_tokenizer("Llama2Tokenizer", tokenizer_model=SPM)
     for key in ("text", "title"):
@@ -60,11 +76,14 @@ def test_workers_and_partitions_give_megatron_order(preprocess, tmp_path):
     preprocess.main(spm_args(source, tmp_path / "parts", "--workers", "2", "--partitions", "2"))
     one, two, parts = (IndexedDataset(str(tmp_path / f"{n}_text_document")) for n in ("one", "two", "parts"))
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"one_text_document{suffix}").read_bytes() == (tmp_path / f"two_text_document{suffix}").read_bytes()
+        assert (tmp_path / f"one_text_document{suffix}").read_bytes() == (
+            tmp_path / f"two_text_document{suffix}"
+        ).read_bytes()
     round_robin = list(range(0, 41, 2)) + list(range(1, 41, 2))  # lines dealt to partitions, then merged
     assert [parts[i].tolist() for i in range(41)] == [one[j].tolist() for j in round_robin]
-    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl"] + [f"{n}_text_document{s}" for n in ("one", "two", "parts")
-                                                                   for s in (".bin", ".idx")])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["in.jsonl"] + [f"{n}_text_document{s}" for n in ("one", "two", "parts") for s in (".bin", ".idx")]
+    )
 
 
 BAD_LINES = [
@@ -97,31 +116,85 @@ def test_bad_line_in_a_partition(preprocess, tmp_path, capsys):
 
 def test_preprocess_refuses_bad_flags(preprocess, tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", ['{"text": "a"}'])
-    for extra, message in [(["--workers", "3", "--partitions", "2"], "--workers (3) must be a multiple of --partitions"),
-                           (["--workers", "1", "--split-sentences"], "--split-sentences: sentence splitting")]:
+    for extra, message in [
+        (["--workers", "3", "--partitions", "2"], "--workers (3) must be a multiple of --partitions"),
+        (["--workers", "1", "--split-sentences"], "--split-sentences: sentence splitting"),
+    ]:
         with pytest.raises(SystemExit):
             preprocess.main(spm_args(source, tmp_path / "out", *extra))
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        preprocess.main(["--input", source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                         "Llama2Tokenizer", "--tokenizer-model", "/no/t.model", "--workers", "1"])
+        preprocess.main(
+            [
+                "--input",
+                source,
+                "--output-prefix",
+                str(tmp_path / "o"),
+                "--tokenizer-type",
+                "Llama2Tokenizer",
+                "--tokenizer-model",
+                "/no/t.model",
+                "--workers",
+                "1",
+            ]
+        )
     assert "--tokenizer-model /no/t.model: no such file" in capsys.readouterr().err
 
 
 def test_inspect_prints_the_trainers_samples(preprocess, tmp_path, capsys):
-    preprocess.main(["--input", str(CORPUS), "--output-prefix", str(tmp_path / "c"), "--tokenizer-type",
-                     "Llama2Tokenizer", "--tokenizer-model", SPM, "--append-eod", "--workers", "2", "--log-interval", "0"])
+    preprocess.main(
+        [
+            "--input",
+            str(CORPUS),
+            "--output-prefix",
+            str(tmp_path / "c"),
+            "--tokenizer-type",
+            "Llama2Tokenizer",
+            "--tokenizer-model",
+            SPM,
+            "--append-eod",
+            "--workers",
+            "2",
+            "--log-interval",
+            "0",
+        ]
+    )
     prefix = str(tmp_path / "c_text_document")
     capsys.readouterr()
     inspect = load_tool("inspect_data")
-    common = ["--data-path", "1", prefix, "--seq-length", "16", "--seed", "9", "--split", "98,2,0",
-              "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", SPM]
+    common = [
+        "--data-path",
+        "1",
+        prefix,
+        "--seq-length",
+        "16",
+        "--seed",
+        "9",
+        "--split",
+        "98,2,0",
+        "--tokenizer-type",
+        "Llama2Tokenizer",
+        "--tokenizer-model",
+        SPM,
+    ]
     inspect.main(common + ["--train-iters", "10", "--global-batch-size", "8", "--samples", "3:6", "--json"])
     rows = json.loads(capsys.readouterr().out)
-    args = argparse.Namespace(data_path=["1", prefix], split="98,2,0", train_data_path=None, valid_data_path=None,
-                              test_data_path=None, data_cache_path=None, tokenizer_type="Llama2Tokenizer",
-                              vocab_file=None, merge_file=None, tokenizer_model=SPM, eod_mask_loss=False,
-                              reset_position_ids=False, reset_attention_mask=False, num_workers=2)
+    args = argparse.Namespace(
+        data_path=["1", prefix],
+        split="98,2,0",
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        data_cache_path=None,
+        tokenizer_type="Llama2Tokenizer",
+        vocab_file=None,
+        merge_file=None,
+        tokenizer_model=SPM,
+        eod_mask_loss=False,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        num_workers=2,
+    )
     config = data_config_from_args(args)
     train = build_datasets(config, build_tokenizer(**config.tokenizer_args()), 16, 9, 80, 0, 0)[0]
     assert rows == [train[i]["tokens"].tolist() + train[i]["labels"].tolist()[-1:] for i in range(3, 6)]
@@ -140,8 +213,20 @@ def test_data_flags(tmp_path):
     prefix = str(tmp_path / "d")
     for suffix in (".bin", ".idx"):
         open(prefix + suffix, "wb").close()
-    config = parse(["--data-path", "0.3", prefix, "0.7", prefix, "--tokenizer-type", "NullTokenizer",
-                    "--eod-mask-loss", "--data-cache-path", "/tmp/c"])
+    config = parse(
+        [
+            "--data-path",
+            "0.3",
+            prefix,
+            "0.7",
+            prefix,
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--eod-mask-loss",
+            "--data-cache-path",
+            "/tmp/c",
+        ]
+    )
     assert config.blend.weights == [0.3, 0.7] and config.split_bounds[0] == (0.0, 0.969) and config.eod_mask_loss
     assert parse(["--data-path", prefix, prefix]).blend.weights is None
     per_split = parse(["--train-data-path", prefix, "--test-data-path", prefix])

@@ -1,5 +1,6 @@
 """Dropout streams: derived in one place from (seed, pipeline stage, cp rank, tp rank), they
 differ wherever the tokens or shards differ and agree wherever Megatron's agree."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """GPTDataset and BlendedDataset: megatron-core's sample order, no token lost or repeated, caching, bad input."""
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,19 @@ def corpus(tmp_path_factory):
     """The shipped corpus preprocessed twice: A in file order, B dealt to 2 partitions (another order)."""
     out = tmp_path_factory.mktemp("corpus")
     preprocess = load_tool("preprocess_data")
-    common = ["--input", str(ROOT / "data/corpus/stories.jsonl"), "--tokenizer-type", "GPT2BPETokenizer",
-              "--vocab-file", VOCAB, "--merge-file", MERGES, "--append-eod", "--log-interval", "0"]
+    common = [
+        "--input",
+        str(ROOT / "data/corpus/stories.jsonl"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        VOCAB,
+        "--merge-file",
+        MERGES,
+        "--append-eod",
+        "--log-interval",
+        "0",
+    ]
     preprocess.main(common + ["--output-prefix", str(out / "a"), "--workers", "1"])
     preprocess.main(common + ["--output-prefix", str(out / "b"), "--workers", "2", "--partitions", "2"])
     return str(out / "a_text_document"), str(out / "b_text_document")
@@ -55,27 +67,48 @@ def digest(dataset, count=1000) -> str:
 # BlendedMegatronDatasetBuilder + GPTDataset produced from the same two files (run in a separate
 # environment, since megatron-core installs as `megatron`).
 MEGATRON_CORE = [
-    (dict(blend=["A"], split="90,8,2"), [5000, 100, 20], 32, 1234,
-     {0: (6641, "a3769b842da8cd5196614b44118e4181"), 1: (304, "a9d6a6b83e78a47c99d1b4f4ab5c5fed")}),
+    (
+        dict(blend=["A"], split="90,8,2"),
+        [5000, 100, 20],
+        32,
+        1234,
+        {0: (6641, "a3769b842da8cd5196614b44118e4181"), 1: (304, "a9d6a6b83e78a47c99d1b4f4ab5c5fed")},
+    ),
     (dict(blend=["A"], split="90,8,2"), [10500, 3, 2], 32, 7, {0: (13282, "9996bcee6f65f5f2617bef07444439be")}),
-    (dict(blend=["0.3", "A", "0.7", "B"], split="90,8,2"), [3000, 200, 20], 32, 1234,
-     {0: (3000, "0f8a82f90e7562c261423574c3c168bc"), 1: (200, "49267f914864407241d053b2b590609e")}),
+    (
+        dict(blend=["0.3", "A", "0.7", "B"], split="90,8,2"),
+        [3000, 200, 20],
+        32,
+        1234,
+        {0: (3000, "0f8a82f90e7562c261423574c3c168bc"), 1: (200, "49267f914864407241d053b2b590609e")},
+    ),
     (dict(blend=["A", "B"], split="90,8,2"), [3000, 200, 20], 32, 99, {0: (3000, "4b4e934120193216c87f77d564e256a5")}),
-    (dict(per_split=[["0.5", "A", "0.5", "B"], ["B"], ["1", "A", "2", "B"]]), [2000, 100, 50], 16, 3,
-     {0: (2000, "e4d2f0718c65d3c75b576dfd18f8a4ac"), 1: (7336, "6e074ea98343dc59bf4051bc81abf92e")}),
+    (
+        dict(per_split=[["0.5", "A", "0.5", "B"], ["B"], ["1", "A", "2", "B"]]),
+        [2000, 100, 50],
+        16,
+        3,
+        {0: (2000, "e4d2f0718c65d3c75b576dfd18f8a4ac"), 1: (7336, "6e074ea98343dc59bf4051bc81abf92e")},
+    ),
 ]
 
 
-@pytest.mark.parametrize("flags, sizes, seq, seed, expected", MEGATRON_CORE,
-                         ids=["separate-final-epoch", "four-epochs", "weighted", "bare-list", "per-split"])
+@pytest.mark.parametrize(
+    "flags, sizes, seq, seed, expected",
+    MEGATRON_CORE,
+    ids=["separate-final-epoch", "four-epochs", "weighted", "bare-list", "per-split"],
+)
 def test_samples_match_megatron_core(corpus, tokenizer, tmp_path, flags, sizes, seq, seed, expected):
     names = dict(zip("AB", corpus))
     if "blend" in flags:
-        config = DataConfig(blend=Blend.parse([names.get(x, x) for x in flags["blend"]]), split=flags["split"],
-                            cache_path=str(tmp_path))
+        config = DataConfig(
+            blend=Blend.parse([names.get(x, x) for x in flags["blend"]]), split=flags["split"], cache_path=str(tmp_path)
+        )
     else:
-        config = DataConfig(blend_per_split=[Blend.parse([names.get(x, x) for x in b]) for b in flags["per_split"]],
-                            cache_path=str(tmp_path))
+        config = DataConfig(
+            blend_per_split=[Blend.parse([names.get(x, x) for x in b]) for b in flags["per_split"]],
+            cache_path=str(tmp_path),
+        )
     datasets = build_datasets(config, tokenizer, seq, seed, *sizes)
     for split, (length, md5) in expected.items():
         assert (len(datasets[split]), digest(datasets[split])) == (length, md5)
@@ -138,7 +171,7 @@ def test_one_epoch_covers_every_token_once_with_shared_boundaries(tmp_path):
     assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
     by_row = {int(row): ds.sample_tokens(i) for i, row in enumerate(ds.shuffle_index)}
     for row in range(len(ds)):
-        assert by_row[row].tolist() == stream[row * 8: row * 8 + 9].tolist()
+        assert by_row[row].tolist() == stream[row * 8 : row * 8 + 9].tolist()
         if row + 1 < len(ds):
             assert by_row[row][-1] == by_row[row + 1][0]
     assert len(ds) == (len(stream) - 1) // 8  # only the partial tail is dropped
@@ -163,8 +196,12 @@ def test_every_field_that_orders_the_samples_keys_the_cache(tmp_path):
     make_dataset(tmp_path, random_docs(), num_samples=300, seed=5, cache_dir=str(cache))
     indexed = IndexedDataset(str(indexed_prefix))
     base = dict(split_name="train", seq_length=8, seed=5, eod=0)
-    variants = {"seed": dict(seed=6), "seq_length": dict(seq_length=7), "num_samples": dict(num_samples=200),
-                "documents": dict(documents=np.arange(1, len(indexed)))}
+    variants = {
+        "seed": dict(seed=6),
+        "seq_length": dict(seq_length=7),
+        "num_samples": dict(num_samples=200),
+        "documents": dict(documents=np.arange(1, len(indexed))),
+    }
     for field, change in variants.items():
         options = {**base, "num_samples": 300, "documents": np.arange(len(indexed)), **change}
         documents, num_samples = options.pop("documents"), options.pop("num_samples")
@@ -204,8 +241,8 @@ def test_item_masks_and_positions_follow_megatron(tmp_path):
         loss_mask[tokens == 0] = 0
         prev = 0
         for j in (tokens == 0).nonzero().flatten().tolist():
-            mask[j + 1:, :j + 1] = 0
-            positions[j + 1:] -= j + 1 - prev
+            mask[j + 1 :, : j + 1] = 0
+            positions[j + 1 :] -= j + 1 - prev
             prev = j + 1
         assert item["loss_mask"].tolist() == loss_mask.tolist()
         assert item["position_ids"].tolist() == positions.tolist()
@@ -250,8 +287,9 @@ def test_compiled_blending_loop_gives_the_python_loop_indices():
 
 
 def test_builder_builds_once_and_others_load_the_cache(corpus, tokenizer, tmp_path):
-    config = DataConfig(blend=Blend.parse(["0.5", corpus[0], "0.5", corpus[1]]), split="90,8,2",
-                        cache_path=str(tmp_path))
+    config = DataConfig(
+        blend=Blend.parse(["0.5", corpus[0], "0.5", corpus[1]]), split="90,8,2", cache_path=str(tmp_path)
+    )
     events = []
     with pytest.raises(ValueError, match="dataset index cache is missing after the builder rank ran"):
         build_datasets(config, tokenizer, 16, 1, 100, 10, 10, is_builder=False, barrier=lambda: events.append("b"))
@@ -275,8 +313,11 @@ def test_bad_data_fails_in_one_line(corpus, tokenizer, tmp_path):
     small = build_tokenizer("NullTokenizer", vocab_size=100)
     config = DataConfig(blend=Blend.parse([corpus[0]]), split="90,8,2", cache_path=str(tmp_path))
     train = build_datasets(config, small, 16, 1, 10, 1, 1)[0]  # start-up reads no token of the .bin...
-    with pytest.raises(ValueError, match=r"a_text_document.bin: token id \d+ \(in train sample 0\) is outside the "
-                                         r"tokenizer's vocabulary of 100 ids"):
+    with pytest.raises(
+        ValueError,
+        match=r"a_text_document.bin: token id \d+ \(in train sample 0\) is outside the "
+        r"tokenizer's vocabulary of 100 ids",
+    ):
         train[0]  # ...each sample is checked as it is read
     tiny = make_dataset(tmp_path, [[1, 2, 0]] * 3)
     with pytest.raises(ValueError, match="the valid split holds no tokens"):

@@ -7,6 +7,7 @@ into our model at one rank and at TP=2 x PP=2: logits and loss on the same token
 match transformers' within 1e-5. Converting back gives every original tensor
 bit for bit, and transformers loads the result.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,32 @@ SEQ, VOCAB = 16, 100
 
 
 def _llama():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      tie_word_embeddings=False, rms_norm_eps=1e-6)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                     activation_function="gelu", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        activation_function="gelu",
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -65,8 +83,25 @@ def _converted(family: str, tmp_path, tp: int = 1, pp: int = 1):
     model = MODELS[family]()
     hf_dir, ours = str(tmp_path / f"{family}_hf"), str(tmp_path / f"{family}_ours")
     model.save_pretrained(hf_dir)
-    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", ours,
-                    "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]) == 0
+    assert (
+        convert(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "canonical",
+                "--load-dir",
+                hf_dir,
+                "--save-dir",
+                ours,
+                "--target-tensor-parallel-size",
+                str(tp),
+                "--target-pipeline-parallel-size",
+                str(pp),
+            ]
+        )
+        == 0
+    )
     return model, hf_dir, ours
 
 
@@ -79,8 +114,17 @@ def _evaluate(rank: int, script: str, flags: list[str]):
     """Load the converted checkpoint with the printed flags; (loss of one step on the test tokens,
     full logits on a one-rank run)."""
     defaults = LLAMA_DEFAULTS if script == "pretrain_llama.py" else GPT_DEFAULTS
-    argv = flags + ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
-                    "--lr", "0"]
+    argv = flags + [
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "1",
+        "--mock-data",
+        "--lr",
+        "0",
+    ]
     run = parse_run_config(argv, defaults, dist.get_world_size())
     trainer = Trainer(run, torch.device("cpu"))
     load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
@@ -130,21 +174,58 @@ def test_bad_conversion_inputs_are_one_line_errors(tmp_path, capsys):
     _, hf_dir, _ = _converted("llama", tmp_path)
     capsys.readouterr()
     # 2 query groups do not split over tp 4
-    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
-                    "--target-tensor-parallel-size", "4"]) == 2
+    assert (
+        convert(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "canonical",
+                "--load-dir",
+                hf_dir,
+                "--save-dir",
+                str(tmp_path / "x"),
+                "--target-tensor-parallel-size",
+                "4",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--num-query-groups (2)" in err, err
-    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "x"),
-                    "--target-pipeline-parallel-size", "3"]) == 2
+    assert (
+        convert(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "canonical",
+                "--load-dir",
+                hf_dir,
+                "--save-dir",
+                str(tmp_path / "x"),
+                "--target-pipeline-parallel-size",
+                "3",
+            ]
+        )
+        == 2
+    )
     assert "--num-layers (2)" in capsys.readouterr().err
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
     json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
-    assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")]) == 2
+    assert (
+        convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")])
+        == 2
+    )
     assert "rope_type 'yarn': only default and llama3" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "y")
-    assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", str(tmp_path), "--save-dir",
-                    str(tmp_path / "z")]) == 2
+    assert (
+        convert(
+            ["--loader", "canonical", "--saver", "hf", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "z")]
+        )
+        == 2
+    )
     assert "no checkpoint" in capsys.readouterr().err
 
 
@@ -152,6 +233,7 @@ def test_printed_command_parses(tmp_path, capsys):
     _converted("gpt2", tmp_path)
     command = _printed_command(capsys)
     assert command[0] == "pretrain_gpt.py"
-    run = parse_run_config(command[1:] + ["--micro-batch-size", "1", "--train-iters", "1", "--mock-data"],
-                           GPT_DEFAULTS, 1)
+    run = parse_run_config(
+        command[1:] + ["--micro-batch-size", "1", "--train-iters", "1", "--mock-data"], GPT_DEFAULTS, 1
+    )
     assert run.model.num_layers == 2 and not run.model.untie_embeddings_and_output_weights

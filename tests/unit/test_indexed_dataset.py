@@ -1,4 +1,5 @@
 """The .bin/.idx files match Megatron's MMIDIDX layout byte for byte, and bad files fail in one line."""
+
 from __future__ import annotations
 
 import os
@@ -71,10 +72,9 @@ def test_merge_appends_datasets(tmp_path):
 
 
 def test_interrupted_write_leaves_no_output(tmp_path):
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetWriter(str(tmp_path / "x"), np.uint16) as writer:
-            writer.add_document([1, 2, 3])
-            raise RuntimeError("interrupted")
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "x"), np.uint16) as writer:
+        writer.add_document([1, 2, 3])
+        raise RuntimeError("interrupted")
     assert os.listdir(tmp_path) == []
 
 

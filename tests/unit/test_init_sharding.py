@@ -1,6 +1,7 @@
 """Layout-independent initialisation without the full tensor: every tp shard (dim 0, dim 1,
 stacked SwiGLU gate/up, padded vocabulary) equals the slice of the one-process tensor, bit for bit,
 for normal and Xavier-uniform weights; Xavier's bound and variance are those of the full tensor."""
+
 import dataclasses
 import math
 import random
@@ -107,7 +108,7 @@ def test_xavier_uniform_bound_and_variance_are_those_of_the_full_tensor(shape):
     for drawn in (values, reference):
         assert 0.99 * bound < drawn.abs().max().item() <= largest
     n = values.numel()  # the sample variance is within 5 standard errors of a^2 / 3 (uniform: sd = a^2 / sqrt(5 n))
-    assert abs(values.var().item() - bound ** 2 / 3) < 5 * bound ** 2 / math.sqrt(5 * n)
+    assert abs(values.var().item() - bound**2 / 3) < 5 * bound**2 / math.sqrt(5 * n)
     assert abs(values.mean().item()) < 5 * bound / math.sqrt(3 * n)
     if len(shape) == 2:
         shard = ShardSpec(dim=1, num_shards=4, rank=3)

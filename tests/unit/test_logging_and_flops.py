@@ -1,4 +1,5 @@
 """The iteration line parses like Megatron's; the FLOPs count matches a hand computation."""
+
 from __future__ import annotations
 
 import re
@@ -13,13 +14,25 @@ MEGATRON_LINE = re.compile(
     r"elapsed time per iteration \(ms\): ([\d.]+) \| throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| "
     r"learning rate: (\d\.\d{6}E[+-]\d\d) \| global batch size: +(\d+) \| lm loss: (\d\.\d{6}E[+-]\d\d) \| "
     r"loss scale: ([\d.]+) \| grad norm: ([\d.]+) \| number of skipped iterations: +(\d+) \| "
-    r"number of nan iterations: +(\d+) \|$")
+    r"number of nan iterations: +(\d+) \|$"
+)
 
 
 def test_iteration_line_format():
-    line = format_iteration_line(iteration=7, train_iters=100, consumed_samples=56, elapsed_ms=12.34,
-                                 tflops_per_gpu=1.25, lr=3e-4, global_batch_size=8, lm_loss=5.5234567,
-                                 loss_scale=65536.0, grad_norm=1.23456, skipped=1, nan=0)
+    line = format_iteration_line(
+        iteration=7,
+        train_iters=100,
+        consumed_samples=56,
+        elapsed_ms=12.34,
+        tflops_per_gpu=1.25,
+        lr=3e-4,
+        global_batch_size=8,
+        lm_loss=5.5234567,
+        loss_scale=65536.0,
+        grad_norm=1.23456,
+        skipped=1,
+        nan=0,
+    )
     match = MEGATRON_LINE.match(line)
     assert match, line
     assert match.groups()[:4] == ("7", "100", "56", "12.3") and match.group(8) == "5.523457E+00"
@@ -37,9 +50,17 @@ def test_interval_counts_skipped_and_nan_iterations():
 
 
 def test_flops_hand_computed():
-    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
-                               vocab_size=100, seq_length=4, ffn_hidden_size=16, swiglu=True,
-                               make_vocab_size_divisible_by=64)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        vocab_size=100,
+        seq_length=4,
+        ffn_hidden_size=16,
+        swiglu=True,
+        make_vocab_size_divisible_by=64,
+    )
     # per layer: qkv 8*(2+2)*4=128, proj 2*4*8=64, attention 2*4*2*4=64, mlp 3*8*16=384 -> 640
     # per token: 2*(2*640 + 8*128) = 4608; iteration: 3 * 4608 * 4 tokens * 3 sequences
     assert flops_per_iteration(config, global_batch_size=3) == 3 * 4608 * 4 * 3

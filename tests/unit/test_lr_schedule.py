@@ -1,5 +1,6 @@
 """Learning-rate and batch-size schedules against Megatron's formulas, computed by hand here,
 and the flags that build them (sample- and iteration-based, fractions, WSD, decoupled lr)."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,25 @@ from megatron.core.optimizer.lr_schedule import LRSchedule
 from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
 from megatron.training.batch_schedule import BatchSizeSchedule, parse_step_schedule
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--mock-data", "--vocab-size", "100", "--lr", "1.0", "--min-lr", "0.1"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--lr",
+    "1.0",
+    "--min-lr",
+    "0.1",
+]
 
 
 def run(extra, world_size=1):
@@ -20,8 +38,22 @@ def run(extra, world_size=1):
 
 def test_sample_based_warmup_and_cosine_decay():
     """--train-samples 100 --lr-warmup-samples 10 --lr-decay-samples 90 --lr-warmup-init 0.2."""
-    r = run(["--train-samples", "100", "--global-batch-size", "4", "--lr-warmup-samples", "10",
-             "--lr-decay-samples", "90", "--lr-decay-style", "cosine", "--lr-warmup-init", "0.2"])
+    r = run(
+        [
+            "--train-samples",
+            "100",
+            "--global-batch-size",
+            "4",
+            "--lr-warmup-samples",
+            "10",
+            "--lr-decay-samples",
+            "90",
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-init",
+            "0.2",
+        ]
+    )
     s = r.lr_schedule
     assert r.training.train_iters == 25  # 100 // 4, as Megatron rounds
     assert s(0) == pytest.approx(0.2) and s(5) == pytest.approx(0.2 + 0.8 * 5 / 10)
@@ -42,13 +74,33 @@ def test_inverse_square_root():
     assert s(900) == pytest.approx(max(0.1, 2 / 30))
 
 
-@pytest.mark.parametrize("style,q_coeff", [("linear", lambda q: 1 - q), ("cosine", lambda q: (1 + math.cos(math.pi * q)) / 2),
-                                           ("exponential", lambda q: 2 * 0.5 ** q - 1),
-                                           ("minus_sqrt", lambda q: 1 - math.sqrt(q))])
+@pytest.mark.parametrize(
+    "style,q_coeff",
+    [
+        ("linear", lambda q: 1 - q),
+        ("cosine", lambda q: (1 + math.cos(math.pi * q)) / 2),
+        ("exponential", lambda q: 2 * 0.5**q - 1),
+        ("minus_sqrt", lambda q: 1 - math.sqrt(q)),
+    ],
+)
 def test_wsd(style, q_coeff):
     """--lr-decay-style WSD: flat until the last --lr-wsd-decay-iters x G samples, then the style."""
-    r = run(["--train-iters", "20", "--global-batch-size", "2", "--lr-decay-style", "WSD", "--lr-wsd-decay-style", style,
-             "--lr-wsd-decay-iters", "5", "--lr-warmup-iters", "2"])
+    r = run(
+        [
+            "--train-iters",
+            "20",
+            "--global-batch-size",
+            "2",
+            "--lr-decay-style",
+            "WSD",
+            "--lr-wsd-decay-style",
+            style,
+            "--lr-wsd-decay-iters",
+            "5",
+            "--lr-warmup-iters",
+            "2",
+        ]
+    )
     s = r.lr_schedule
     assert (s.decay_steps, s.wsd_decay_steps, s.warmup_steps) == (40, 10, 4)
     assert s(2) == pytest.approx(0.5) and s(20) == 1.0 and s(30) == 1.0
@@ -63,15 +115,21 @@ def test_decoupled_lr_follows_the_same_timing():
     assert run(["--train-iters", "10", "--decoupled-lr", "3.0"]).decoupled_lr_schedule.min_lr == 0.1
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--train-iters", "10", "--lr-decay-samples", "5"], "--lr-decay-samples cannot be used with --train-iters"),
-    (["--train-samples", "40", "--lr-warmup-iters", "1"], "--lr-warmup-iters cannot be used with --train-samples"),
-    (["--train-iters", "10", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"], "only one of --lr-warmup-fraction"),
-    (["--train-iters", "10", "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
-    ([], "give exactly one of --train-iters and --train-samples"),
-    (["--train-iters", "10", "--decoupled-min-lr", "0.1"], "--decoupled-min-lr needs --decoupled-lr"),
-    (["--train-iters", "10", "--lr-warmup-init", "2"], "--lr-warmup-init (2.0) <= --lr (1.0)"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--train-iters", "10", "--lr-decay-samples", "5"], "--lr-decay-samples cannot be used with --train-iters"),
+        (["--train-samples", "40", "--lr-warmup-iters", "1"], "--lr-warmup-iters cannot be used with --train-samples"),
+        (
+            ["--train-iters", "10", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"],
+            "only one of --lr-warmup-fraction",
+        ),
+        (["--train-iters", "10", "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+        ([], "give exactly one of --train-iters and --train-samples"),
+        (["--train-iters", "10", "--decoupled-min-lr", "0.1"], "--decoupled-min-lr needs --decoupled-lr"),
+        (["--train-iters", "10", "--lr-warmup-init", "2"], "--lr-warmup-init (2.0) <= --lr (1.0)"),
+    ],
+)
 def test_schedule_flag_errors(extra, message):
     with pytest.raises(ValueError) as info:
         run(extra)

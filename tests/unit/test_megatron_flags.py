@@ -2,6 +2,7 @@
 commit named in its header) is supported, accepted as a no-op with a start-up note, or refused
 by name in one line; none is "unrecognized", and each value-taking flag consumes its values
 (Megatron's nargs) so a value is never read as a flag. Pure parsing, no training."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,25 @@ from megatron.training.arguments import GPT_DEFAULTS, build_parser, parse_run_co
 from megatron.training.megatron_compat import NO_OP_FLAGS, NO_OP_GROUP, classify
 
 FLAGS_FILE = Path(__file__).resolve().parents[1] / "data" / "megatron_flags.txt"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100", "--lr", "1e-3"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--lr",
+    "1e-3",
+]
 
 
 def _megatron_flags() -> dict[str, str]:
@@ -26,8 +44,13 @@ def _megatron_flags() -> dict[str, str]:
 def _supported() -> dict:
     """option string -> argparse action, for the parser's own (non-no-op) flags."""
     parser = build_parser(GPT_DEFAULTS)
-    return {o: a for g in parser._action_groups if g.title != NO_OP_GROUP for a in g._group_actions
-            for o in a.option_strings}
+    return {
+        o: a
+        for g in parser._action_groups
+        if g.title != NO_OP_GROUP
+        for a in g._group_actions
+        for o in a.option_strings
+    }
 
 
 def _arity(nargs) -> str:
@@ -53,8 +76,11 @@ def test_every_megatron_flag_is_supported_no_op_or_refused():
 
 def test_accepted_flags_take_megatrons_number_of_values():
     actions = {**_supported(), **{o: a for a in build_parser(GPT_DEFAULTS)._actions for o in a.option_strings}}
-    wrong = {flag: (nargs, _arity(actions[flag].nargs)) for flag, nargs in MEGATRON.items()
-             if flag in actions and _arity(actions[flag].nargs) != nargs}
+    wrong = {
+        flag: (nargs, _arity(actions[flag].nargs))
+        for flag, nargs in MEGATRON.items()
+        if flag in actions and _arity(actions[flag].nargs) != nargs
+    }
     assert not wrong, f"flag: (Megatron's nargs, ours): {wrong}"
 
 
@@ -81,8 +107,9 @@ def test_every_refused_flag_is_named_in_one_line():
     refused = [flag for flag in MEGATRON if (classify(flag) or ("",))[0] == "refused"]
     assert len(refused) > 400
     with pytest.raises(ValueError) as info:
-        parse_run_config(TINY + [token for flag in refused for token in _with_values(flag, MEGATRON[flag])],
-                         GPT_DEFAULTS, 1)
+        parse_run_config(
+            TINY + [token for flag in refused for token in _with_values(flag, MEGATRON[flag])], GPT_DEFAULTS, 1
+        )
     message = str(info.value)
     assert "\n" not in message and all(f" {flag} " in f"{message} ".replace(";", " ") for flag in refused)
     for flag in refused:
@@ -91,10 +118,16 @@ def test_every_refused_flag_is_named_in_one_line():
         assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--optimizer", "sgd"], "--optimizer sgd"), (["--optimizer=muon"], "--optimizer muon"),
-    (["--recompute-modules", "core_attn", "mlp", "--bf16"], "--recompute-modules mlp"),
-    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic"), (["--softmax-type", "learnable"], "softmax")])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--optimizer", "sgd"], "--optimizer sgd"),
+        (["--optimizer=muon"], "--optimizer muon"),
+        (["--recompute-modules", "core_attn", "mlp", "--bf16"], "--recompute-modules mlp"),
+        (["--dataloader-type", "cyclic"], "--dataloader-type cyclic"),
+        (["--softmax-type", "learnable"], "softmax"),
+    ],
+)
 def test_a_default_only_flag_refuses_other_values(argv, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         parse_run_config(TINY + argv, GPT_DEFAULTS, 1)
@@ -102,14 +135,20 @@ def test_a_default_only_flag_refuses_other_values(argv, named):
 
 def test_a_default_only_flag_notes_its_value():
     notes = parse_run_config(TINY + ["--optimizer", "adam", "--recompute-modules", "core_attn"], GPT_DEFAULTS, 1).notes
-    assert "> note: --optimizer adam changes nothing here: Adam with decoupled weight decay is the only optimizer " \
-           "here" in notes
+    assert (
+        "> note: --optimizer adam changes nothing here: Adam with decoupled weight decay is the only optimizer "
+        "here" in notes
+    )
     assert any(note.startswith("> note: --recompute-modules core_attn changes nothing here") for note in notes)
 
 
 def test_megatron_spellings_of_supported_flags():
-    config = parse_run_config(TINY + ["--use-rope-scaling", "--position-embedding-type", "rope", "--cp-comm-type",
-                                      "all_gather", "all_gather"], GPT_DEFAULTS, 1)
+    config = parse_run_config(
+        TINY
+        + ["--use-rope-scaling", "--position-embedding-type", "rope", "--cp-comm-type", "all_gather", "all_gather"],
+        GPT_DEFAULTS,
+        1,
+    )
     assert config.model.rope_scaling and config.model.cp_comm_type == "all_gather"
     with pytest.raises(ValueError, match="--cp-comm-type: one type for every layer only"):
         parse_run_config(TINY + ["--cp-comm-type", "p2p", "all_gather"], GPT_DEFAULTS, 1)

@@ -4,6 +4,7 @@ examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_
 through pretrain_*.py and train 2 iterations on CPU. Also: out-of-scope flags are refused in one
 message, the README's flag table is the parser's, and the log's Megatron timing (first iteration
 always logged, memory line). Every other Megatron flag: test_megatron_flags.py."""
+
 from __future__ import annotations
 
 import re
@@ -21,54 +22,232 @@ TOKENIZERS = ROOT / "data" / "tokenizers" / "gpt2-bpe"
 
 
 def gpt3_175b_flags(data_prefix: str, out: Path) -> list[str]:
-    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--attention-backend", "auto"]
-    training = ["--micro-batch-size", "1", "--global-batch-size", "4", "--step-batch-size-schedule", "0:2 64:4",
-                "--train-iters", "2", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-                "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
-                "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-                "--lr-decay-iters", "430000"]
+    model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--attention-backend",
+        "auto",
+    ]
+    training = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--step-batch-size-schedule",
+        "0:2 64:4",
+        "--train-iters",
+        "2",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--init-method-std",
+        "0.006",
+        "--clip-grad",
+        "1.0",
+        "--fp16",
+        "--lr",
+        "6.0e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--min-lr",
+        "6.0e-6",
+        "--lr-warmup-fraction",
+        ".001",
+        "--lr-decay-iters",
+        "430000",
+    ]
     parallel = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
     # the published script has no --tokenizer-type, which Megatron-LM itself requires (its build_tokenizer
     # fails on None); the one flag added here
-    data = ["--tokenizer-type", "GPT2BPETokenizer", "--data-path", data_prefix, "--vocab-file", str(TOKENIZERS / "vocab.json"),
-            "--merge-file", str(TOKENIZERS / "merges.txt"), "--split", "949,50,1"]
-    logging = ["--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save",
-               str(out / "ckpt"), "--load", str(out / "ckpt"), "--eval-iters", "10", "--tensorboard-dir", str(out / "tb")]
+    data = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--data-path",
+        data_prefix,
+        "--vocab-file",
+        str(TOKENIZERS / "vocab.json"),
+        "--merge-file",
+        str(TOKENIZERS / "merges.txt"),
+        "--split",
+        "949,50,1",
+    ]
+    logging = [
+        "--log-interval",
+        "100",
+        "--save-interval",
+        "10000",
+        "--eval-interval",
+        "1000",
+        "--save",
+        str(out / "ckpt"),
+        "--load",
+        str(out / "ckpt"),
+        "--eval-iters",
+        "10",
+        "--tensorboard-dir",
+        str(out / "tb"),
+    ]
     return model + training + parallel + data + logging
 
 
 def llama3_8b_flags(out: Path) -> list[str]:
-    model = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
-             "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
-             "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
-             "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm", "--init-method-std", "0.0134",
-             "--attention-backend", "fused", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
-             "--disable-bias-linear"]
-    training = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "8",
-                "--lr-decay-samples", "6", "--lr-warmup-samples", "2", "--lr", "0.00015", "--min-lr", "0.00001",
-                "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
-                "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
-                "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
-                "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235"]
-    parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
-                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--data-cache-path",
-            str(out / "cache"), "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
-            "--no-mmap-bin-files", "--num-workers", "1"]
-    logging = ["--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100", "--save-interval", "1000",
-               "--log-throughput", "--profile", "--profile-step-start", "0", "--profile-step-end", "1",
-               "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", str(out / "ckpt"),
-               "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb")]
+    model = [
+        "--use-mcore-models",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--kv-channels",
+        "16",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "1000000",
+        "--rotary-percent",
+        "1.0",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--init-method-std",
+        "0.0134",
+        "--attention-backend",
+        "fused",
+        "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+    ]
+    training = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--train-samples",
+        "8",
+        "--lr-decay-samples",
+        "6",
+        "--lr-warmup-samples",
+        "2",
+        "--lr",
+        "0.00015",
+        "--min-lr",
+        "0.00001",
+        "--decoupled-lr",
+        "5.0e-4",
+        "--decoupled-min-lr",
+        "4.5e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--clip-grad",
+        "1.0",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--bf16",
+        "--grad-reduce-in-bf16",
+        "--cross-entropy-loss-fusion",
+        "--calculate-per-token-loss",
+        "--manual-gc",
+        "--empty-unused-memory-level",
+        "1",
+        "--exit-duration-in-mins",
+        "235",
+    ]
+    parallel = [
+        "--tensor-model-parallel-size",
+        "1",
+        "--context-parallel-size",
+        "1",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    ]
+    data = [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--data-cache-path",
+        str(out / "cache"),
+        "--tiktoken-pattern",
+        "v2",
+        "--split",
+        "99,1,0",
+        "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files",
+        "--num-workers",
+        "1",
+    ]
+    logging = [
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "32",
+        "--eval-interval",
+        "100",
+        "--save-interval",
+        "1000",
+        "--log-throughput",
+        "--profile",
+        "--profile-step-start",
+        "0",
+        "--profile-step-end",
+        "1",
+        "--ckpt-format",
+        "torch_dist",
+        "--distributed-timeout-minutes",
+        "60",
+        "--save",
+        str(out / "ckpt"),
+        "--load",
+        str(out / "ckpt"),
+        "--tensorboard-dir",
+        str(out / "tb"),
+    ]
     return model + training + parallel + data + logging
 
 
 def _run(script: str, flags: list[str]) -> subprocess.CompletedProcess:
     if "--load" in flags:  # Megatron starts fresh from a missing --load directory; ours wants it to exist
         Path(flags[flags.index("--load") + 1]).mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(ROOT / script)] + flags, capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, str(ROOT / script)] + flags,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +255,29 @@ def gpt_data(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("corpus")
     corpus = out / "stories.jsonl"  # four copies: --split 949,50,1 then leaves documents for the test split
     corpus.write_text((ROOT / "data" / "corpus" / "stories.jsonl").read_text() * 4)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(corpus), "--tokenizer-type", "GPT2BPETokenizer",
-                    "--vocab-file", str(TOKENIZERS / "vocab.json"), "--merge-file", str(TOKENIZERS / "merges.txt"),
-                    "--append-eod", "--output-prefix", str(out / "stories"), "--workers", "1"],
-                   check=True, capture_output=True, cwd=ROOT, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "preprocess_data.py"),
+            "--input",
+            str(corpus),
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            str(TOKENIZERS / "vocab.json"),
+            "--merge-file",
+            str(TOKENIZERS / "merges.txt"),
+            "--append-eod",
+            "--output-prefix",
+            str(out / "stories"),
+            "--workers",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     return str(out / "stories_text_document")
 
 
@@ -100,34 +298,92 @@ def test_llama3_8b_script_trains(tmp_path):
     assert _iterations(proc.stdout) == [1, 2], proc.stdout[-2000:]
     for flag in ("--use-mcore-models", "--grad-reduce-in-bf16", "--manual-gc", "--tiktoken-pattern"):
         assert f"> note: {flag} changes nothing here" in proc.stdout
-    assert re.search(r"^\[Rank 0\] \(after 1 iterations\) memory \(MB\) \| resident: [\d.]+ \| max resident",
-                     proc.stdout, flags=re.M)
+    assert re.search(
+        r"^\[Rank 0\] \(after 1 iterations\) memory \(MB\) \| resident: [\d.]+ \| max resident", proc.stdout, flags=re.M
+    )
     assert list((tmp_path / "tb" / "profile").glob("trace_rank0_*.json")), "no profiler trace written"
 
 
 def test_first_iteration_is_always_logged(tmp_path):
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-             "--micro-batch-size", "2", "--train-iters", "6", "--mock-data", "--vocab-size", "100", "--lr", "1e-3",
-             "--log-interval", "5", "--wandb-project", "p"]
+    flags = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "6",
+        "--mock-data",
+        "--vocab-size",
+        "100",
+        "--lr",
+        "1e-3",
+        "--log-interval",
+        "5",
+        "--wandb-project",
+        "p",
+    ]
     proc = _run("pretrain_gpt.py", flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _iterations(proc.stdout) == [1, 5, 6]
     assert "wandb is not installed" in proc.stderr or "wandb" in sys.modules
 
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "2", "--mock-data", "--vocab-size", "100", "--lr", "1e-3"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--lr",
+    "1e-3",
+]
 
 
 def test_out_of_scope_flags_are_refused_in_one_message():
     with pytest.raises(ValueError) as info:
-        parse_run_config(TINY + ["--num-experts", "8", "--moe-router-topk", "2", "--fp8-format", "hybrid",
-                                 "--multi-latent-attention", "--use-torch-fsdp2", "--vision-backbone-type", "x"],
-                         GPT_DEFAULTS, 1)
+        parse_run_config(
+            TINY
+            + [
+                "--num-experts",
+                "8",
+                "--moe-router-topk",
+                "2",
+                "--fp8-format",
+                "hybrid",
+                "--multi-latent-attention",
+                "--use-torch-fsdp2",
+                "--vision-backbone-type",
+                "x",
+            ],
+            GPT_DEFAULTS,
+            1,
+        )
     message = str(info.value)
     assert "\n" not in message
-    for flag in ("--num-experts", "--moe-router-topk", "--fp8-format", "--multi-latent-attention", "--use-torch-fsdp2",
-                 "--vision-backbone-type"):
+    for flag in (
+        "--num-experts",
+        "--moe-router-topk",
+        "--fp8-format",
+        "--multi-latent-attention",
+        "--use-torch-fsdp2",
+        "--vision-backbone-type",
+    ):
         assert flag in message
 
 

@@ -4,6 +4,7 @@ recomputation, on CUDA (traced as CUDA dispatches) and CPU.
 The exact agreement with measured saved tensors is in tests/parallel/test_memory_measured.py;
 these tests pin what the trace finds against closed forms derived by hand from the code.
 """
+
 import dataclasses
 
 import pytest
@@ -16,17 +17,37 @@ from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
 
 S, B, H, A, G, D, F = 4096, 2, 4096, 32, 8, 128, 14336
-LLAMA = TransformerConfig(num_layers=4, hidden_size=H, ffn_hidden_size=F, num_attention_heads=A, num_query_groups=G,
-                          vocab_size=128256, seq_length=S, normalization="RMSNorm", position_embedding_type="rope",
-                          swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                          attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.bfloat16)
-GPT = TransformerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=50257, seq_length=1024,
-                        params_dtype=torch.bfloat16)
+LLAMA = TransformerConfig(
+    num_layers=4,
+    hidden_size=H,
+    ffn_hidden_size=F,
+    num_attention_heads=A,
+    num_query_groups=G,
+    vocab_size=128256,
+    seq_length=S,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    params_dtype=torch.bfloat16,
+)
+GPT = TransformerConfig(
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=16,
+    vocab_size=50257,
+    seq_length=1024,
+    params_dtype=torch.bfloat16,
+)
 
 
 def _saved(config, pre=False, post=False, n_layers=1, tp=1, cp=1, device="cuda"):
-    config = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-                                 context_parallel_size=cp)
+    config = dataclasses.replace(
+        config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp
+    )
     setting = Setting(tp, cp, B, device, resolve_kernels(config, device).attention)
     return chunk_saved(config, setting, pre, post, n_layers)
 
@@ -81,7 +102,7 @@ def test_cpu_math_attention_keeps_s_squared_terms():
     fp32 = dataclasses.replace(GPT, params_dtype=torch.float32)  # no constant-size fp32 weight copies in the norms
     small = dataclasses.replace(fp32, seq_length=128, max_position_embeddings=256)
     double = dataclasses.replace(fp32, seq_length=256, max_position_embeddings=256)
-    quad = lambda c: 12 * B * 16 * c.seq_length ** 2  # noqa: E731
+    quad = lambda c: 12 * B * 16 * c.seq_length**2  # noqa: E731
     linear_small = layer_bytes(small, device="cpu") - quad(small)
     linear_double = layer_bytes(double, device="cpu") - quad(double)
     assert linear_double == 2 * linear_small
@@ -98,8 +119,10 @@ def test_kernel_choices_by_device():
     assert resolve_kernels(LLAMA, "cpu").attention == "flash"
     fp32_gqa = dataclasses.replace(LLAMA, params_dtype=torch.float32)
     assert resolve_kernels(fp32_gqa, "cuda").attention == "math"
-    assert resolve_kernels(dataclasses.replace(GPT, params_dtype=torch.float32, attention_dropout=0.0),
-                           "cuda").attention == "efficient"
+    assert (
+        resolve_kernels(dataclasses.replace(GPT, params_dtype=torch.float32, attention_dropout=0.0), "cuda").attention
+        == "efficient"
+    )
     assert resolve_kernels(dataclasses.replace(LLAMA, normalization_impl="torch"), "cuda").norm == "torch"
     assert resolve_kernels(GPT, "cuda", attention="math").attention == "math"
     with pytest.raises(ValueError, match="attention implementation"):
@@ -112,8 +135,9 @@ def _chunk_bytes(config):
 
 def test_full_recomputation_keeps_group_inputs_only():
     residual = S * B * H * 2
-    uniform = dataclasses.replace(LLAMA, recompute_granularity="full", recompute_method="uniform",
-                                  recompute_num_layers=2)
+    uniform = dataclasses.replace(
+        LLAMA, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2
+    )
     result = _chunk_bytes(uniform)
     assert result.bytes == 2 * residual  # two groups of two layers: their inputs (the first is the chunk input)
     assert result.recompute_bytes == 2 * layer_bytes(LLAMA) - residual  # the second layer's input recomputed
@@ -133,9 +157,10 @@ def test_selective_recomputation_keeps_core_attention_inputs():
         plain = dataclasses.replace(LLAMA, attention_backend=backend)
         selective = dataclasses.replace(plain, recompute_granularity="selective")
         assert layer_bytes(plain) - layer_bytes(selective) == saved
-    gpt_cpu = layer_bytes(GPT, device="cpu") - layer_bytes(dataclasses.replace(GPT, recompute_granularity="selective"),
-                                                           device="cpu")
-    assert gpt_cpu > 12 * B * 16 * 1024 ** 2  # the s^2 probabilities are gone
+    gpt_cpu = layer_bytes(GPT, device="cpu") - layer_bytes(
+        dataclasses.replace(GPT, recompute_granularity="selective"), device="cpu"
+    )
+    assert gpt_cpu > 12 * B * 16 * 1024**2  # the s^2 probabilities are gone
 
 
 def test_recompute_groups_follow_the_block():
@@ -174,4 +199,5 @@ def test_positions_buffer_counts_once_per_rank():
     chunk = _saved(GPT, pre=True)
     assert chunk.shared_bytes == 1024 * 8
     assert peaks(frozenset({((3,), 0)}), [chunk.bytes], 0, [chunk.shared_bytes]).activations_bytes == (
-        3 * chunk.bytes + chunk.shared_bytes)
+        3 * chunk.bytes + chunk.shared_bytes
+    )

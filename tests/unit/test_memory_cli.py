@@ -1,4 +1,5 @@
 """tools/estimate_memory.py, tools/plan_parallelism.py and the start-up check: output, exit codes, errors."""
+
 import importlib.util
 import json
 import subprocess
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
 from megatron.core.memory import estimate_memory
+from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.memory_check import (
     GIB,
     check_estimate,
@@ -20,19 +21,76 @@ from megatron.training.memory_check import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-LLAMA_7B = ["--model-family", "llama", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
-            "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "32000", "--bf16",
-            "--micro-batch-size", "1", "--global-batch-size", "64"]
+LLAMA_7B = [
+    "--model-family",
+    "llama",
+    "--num-layers",
+    "32",
+    "--hidden-size",
+    "4096",
+    "--ffn-hidden-size",
+    "11008",
+    "--num-attention-heads",
+    "32",
+    "--seq-length",
+    "4096",
+    "--vocab-size",
+    "32000",
+    "--bf16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "64",
+]
 # Llama-3.1-8B as Megatron-LM trained it on 8 x H100 94 GB (93.6 GiB each): TP 2 + SP, distributed optimizer
-LLAMA31_8B = ["--num-gpus", "8", "--device-memory-gb", "93.6", "--model-family", "llama", "--num-layers", "32",
-              "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
-              "--group-query-attention", "--num-query-groups", "8", "--vocab-size", "128256", "--bf16",
-              "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
-              "--global-batch-size", "128"]
-TRAINED_LAYOUTS = {"seq16k-mbs1": ["--seq-length", "16384", "--micro-batch-size", "1"],
-                   "seq8k-mbs2": ["--seq-length", "8192", "--micro-batch-size", "2"]}
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8"]
+LLAMA31_8B = [
+    "--num-gpus",
+    "8",
+    "--device-memory-gb",
+    "93.6",
+    "--model-family",
+    "llama",
+    "--num-layers",
+    "32",
+    "--hidden-size",
+    "4096",
+    "--ffn-hidden-size",
+    "14336",
+    "--num-attention-heads",
+    "32",
+    "--group-query-attention",
+    "--num-query-groups",
+    "8",
+    "--vocab-size",
+    "128256",
+    "--bf16",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--global-batch-size",
+    "128",
+]
+TRAINED_LAYOUTS = {
+    "seq16k-mbs1": ["--seq-length", "16384", "--micro-batch-size", "1"],
+    "seq8k-mbs2": ["--seq-length", "8192", "--micro-batch-size", "2"],
+}
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "100",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+]
 
 
 def _load(name):
@@ -53,8 +111,17 @@ def run_tool(module, argv, capsys):
 
 
 def test_table_and_fit(capsys):
-    argv = ["--num-gpus", "8", "--device-memory-gb", "80", "--tensor-model-parallel-size", "2",
-            "--pipeline-model-parallel-size", "2", "--sequence-parallel"] + LLAMA_7B
+    argv = [
+        "--num-gpus",
+        "8",
+        "--device-memory-gb",
+        "80",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ] + LLAMA_7B
     code, out, err = run_tool(estimate_tool, argv, capsys)
     assert code == 0 and not err
     assert "weights" in out and "activations" in out and "% device" in out
@@ -63,8 +130,16 @@ def test_table_and_fit(capsys):
 
 
 def test_json_keys(capsys):
-    argv = ["--num-gpus", "4", "--device-memory-gb", "80", "--pipeline-model-parallel-size", "2", "--json",
-            "--use-distributed-optimizer"] + LLAMA_7B
+    argv = [
+        "--num-gpus",
+        "4",
+        "--device-memory-gb",
+        "80",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--json",
+        "--use-distributed-optimizer",
+    ] + LLAMA_7B
     code, out, _ = run_tool(estimate_tool, argv, capsys)
     data = json.loads(out)
     assert code == 0 and data["fits"] is True
@@ -72,8 +147,17 @@ def test_json_keys(capsys):
         assert key in data
     assert [r["pp_rank"] for r in data["ranks"]] == [0, 1]
     for rank in data["ranks"]:
-        for key in ("pp_rank", "parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                    "transients_bytes", "host_bytes", "total_bytes"):
+        for key in (
+            "pp_rank",
+            "parameters",
+            "weights_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "activations_bytes",
+            "transients_bytes",
+            "host_bytes",
+            "total_bytes",
+        ):
             assert key in rank
         assert rank["host_bytes"] == 0
     assert data["total_parameters"] == 6_738_415_616
@@ -81,8 +165,9 @@ def test_json_keys(capsys):
     assert data["device_memory_bytes"] == 80 << 30
     assert data["would_refuse"] is False and data["max_certain_bytes"] <= data["max_total_bytes"]
     for rank in data["ranks"]:
-        assert rank["certain_bytes"] == sum(rank[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes",
-                                                               "activations_bytes"))
+        assert rank["certain_bytes"] == sum(
+            rank[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        )
         assert sum(rank["allowances"].values()) == rank["total_bytes"] - rank["certain_bytes"]
     assert data["max_certain_bytes"] == max(r["certain_bytes"] for r in data["ranks"])
     # the distributed optimizer shards fp32 master + m + v (12 bytes) over dp = 2
@@ -92,8 +177,7 @@ def test_json_keys(capsys):
 def test_exit_1_when_refused(capsys):
     code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device-memory-gb", "80"] + LLAMA_7B, capsys)
     assert code == 1 and "does NOT fit, the start-up check refuses it: the certain part" in out
-    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device-memory-gb", "80", "--json"] + LLAMA_7B,
-                            capsys)
+    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device-memory-gb", "80", "--json"] + LLAMA_7B, capsys)
     data = json.loads(out)
     assert code == 1 and data["would_refuse"] is True and data["max_certain_bytes"] > 80 * GIB
 
@@ -124,9 +208,16 @@ def test_warning_names_the_components_and_the_largest_allowance():
     assert estimate.max_total_bytes > device_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert "\n" not in line
-    for part in ("certain part 79.73 GiB", "weights 7.48 GiB", "grads 14.96 GiB", "optimizer 11.22 GiB",
-                 "saved activations 46.07 GiB", "largest first: largest temporary (logits) 5.87 GiB",
-                 "fragmentation allowance", "runtime allowance 1.00 GiB"):
+    for part in (
+        "certain part 79.73 GiB",
+        "weights 7.48 GiB",
+        "grads 14.96 GiB",
+        "optimizer 11.22 GiB",
+        "saved activations 46.07 GiB",
+        "largest first: largest temporary (logits) 5.87 GiB",
+        "fragmentation allowance",
+        "runtime allowance 1.00 GiB",
+    ):
         assert part in line, part
 
 
@@ -135,17 +226,31 @@ def test_without_device_memory_it_only_reports(capsys):
     assert code == 0 and "pass --device-memory-gb" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (TINY, "the following arguments are required: --num-gpus"),
-    (["--num-gpus", "2"] + [t for t in TINY if t not in ("--vocab-size", "100")], "--vocab-size is required"),
-    (["--num-gpus", "3", "--tensor-model-parallel-size", "2"] + TINY, "world size 3 is not divisible"),
-    (["--num-gpus", "2", "--tensor-model-parallel-size", "2", "--num-query-groups", "3",
-      "--group-query-attention"] + TINY, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--num-gpus", "2", "--context-parallel-size", "3"] + TINY, "world size 2 is not divisible"),
-    (["--num-gpus", "2", "--context-parallel-size", "2"] + TINY, "not supported with --context-parallel-size 2"),
-    (["--num-gpus", "2", "--device-memory-gb", "-1"] + TINY, "--device-memory-gb must be > 0"),
-    (["--num-gpus", "2", "--model-family", "bert"] + TINY, "invalid choice: 'bert'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (TINY, "the following arguments are required: --num-gpus"),
+        (["--num-gpus", "2"] + [t for t in TINY if t not in ("--vocab-size", "100")], "--vocab-size is required"),
+        (["--num-gpus", "3", "--tensor-model-parallel-size", "2"] + TINY, "world size 3 is not divisible"),
+        (
+            [
+                "--num-gpus",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--num-query-groups",
+                "3",
+                "--group-query-attention",
+            ]
+            + TINY,
+            "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
+        ),
+        (["--num-gpus", "2", "--context-parallel-size", "3"] + TINY, "world size 2 is not divisible"),
+        (["--num-gpus", "2", "--context-parallel-size", "2"] + TINY, "not supported with --context-parallel-size 2"),
+        (["--num-gpus", "2", "--device-memory-gb", "-1"] + TINY, "--device-memory-gb must be > 0"),
+        (["--num-gpus", "2", "--model-family", "bert"] + TINY, "invalid choice: 'bert'"),
+    ],
+)
 def test_invalid_input_exit_2_one_line(argv, message, capsys):
     code, out, err = run_tool(estimate_tool, argv, capsys)
     assert code == 2 and not out
@@ -153,8 +258,11 @@ def test_invalid_input_exit_2_one_line(argv, message, capsys):
 
 
 def test_planner_bad_host_link_is_one_line(capsys):
-    argv = ["--num-gpus", "1", "--device-memory-gb", "16", "--host-link-gbps", "0"] + LLAMA_7B[:-4] + [
-        "--global-batch-size", "8"]
+    argv = (
+        ["--num-gpus", "1", "--device-memory-gb", "16", "--host-link-gbps", "0"]
+        + LLAMA_7B[:-4]
+        + ["--global-batch-size", "8"]
+    )
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 2 and not out and err.strip() == "error: --host-link-gbps must be > 0, got 0.0", err
 
@@ -164,14 +272,18 @@ def test_real_process_exit_codes():
     cmd = [sys.executable, str(REPO / "tools" / "estimate_memory.py")]
     bad = subprocess.run(cmd + TINY, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
-    big = subprocess.run(cmd + ["--num-gpus", "1", "--device-memory-gb", "1"] + LLAMA_7B, capture_output=True,
-                         text=True)
+    big = subprocess.run(
+        cmd + ["--num-gpus", "1", "--device-memory-gb", "1"] + LLAMA_7B, capture_output=True, text=True
+    )
     assert big.returncode == 1, big.stderr
 
 
 def test_planner_prints_ranked_layouts(capsys):
-    argv = ["--num-gpus", "8", "--device-memory-gb", "4", "--micro-batch-size", "1", "2"] + TINY[:-4] + [
-        "--global-batch-size", "16"]
+    argv = (
+        ["--num-gpus", "8", "--device-memory-gb", "4", "--micro-batch-size", "1", "2"]
+        + TINY[:-4]
+        + ["--global-batch-size", "16"]
+    )
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
     assert "rank  tp  cp  pp" in out and "dist-opt" in out
@@ -195,8 +307,10 @@ def test_planner_proposes_host_resident_chunks_when_offload_is_not_enough(capsys
     argv = ["--num-gpus", "1", "--device-memory-gb", "16"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
-    assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload "
-            "--offload-policy auto") in out
+    assert (
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload "
+        "--offload-policy auto"
+    ) in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert rows and all(row[9] == "params" and float(row[17]) > 100 for row in rows), rows
 
@@ -204,8 +318,21 @@ def test_planner_proposes_host_resident_chunks_when_offload_is_not_enough(capsys
 def test_planner_proposes_offload_when_nothing_fits(capsys):
     """Llama-2-7B on one 80 GiB device: no layout fits under 80%; with 70% of the optimizer
     state on host (full recomputation) it does, and the planner prints the flags and host bytes."""
-    argv = ["--num-gpus", "1", "--device-memory-gb", "80", "--micro-batch-size", "1", "--recompute-granularity",
-            "full", "none"] + LLAMA_7B[:-4] + ["--global-batch-size", "8"]
+    argv = (
+        [
+            "--num-gpus",
+            "1",
+            "--device-memory-gb",
+            "80",
+            "--micro-batch-size",
+            "1",
+            "--recompute-granularity",
+            "full",
+            "none",
+        ]
+        + LLAMA_7B[:-4]
+        + ["--global-batch-size", "8"]
+    )
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
     assert "0 fit" in out
@@ -224,8 +351,22 @@ def test_planner_proposes_sharding_before_offload(capsys):
     """Llama-2-7B on 8 GPUs at TP1 x PP1, full recomputation: the distributed optimizer's
     2 + 4 + 12/8 bytes per parameter do not fit 80% of 40 GiB, optim_grads' 2 + 16/8 do; of 24 GiB
     only optim_grads_params' 18/8 do. The planner says which flags, before any offload."""
-    base = ["--num-gpus", "8", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-            "--micro-batch-size", "1", "--recompute-granularity", "full"] + LLAMA_7B[:-4] + ["--global-batch-size", "64"]
+    base = (
+        [
+            "--num-gpus",
+            "8",
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--recompute-granularity",
+            "full",
+        ]
+        + LLAMA_7B[:-4]
+        + ["--global-batch-size", "64"]
+    )
     for gib, strategy, cell in (("40", "optim_grads", "grads"), ("24", "optim_grads_params", "params")):
         code, out, err = run_tool(plan_tool, base + ["--device-memory-gb", gib], capsys)
         assert code == 0, err
@@ -241,8 +382,9 @@ def _run(argv, world=1):
 def test_check_memory_refuses_a_host_part_that_does_not_fit():
     """Llama-2-7B on 8 ranks with all optimizer state offloaded: 16 bytes per element of each rank's
     1/8 shard, 12.6 GiB of host per rank, refused under --host-memory-gb 10 in one line."""
-    run = _run(LLAMA_7B[2:-2] + ["--global-batch-size", "8", "--use-distributed-optimizer", "--optimizer-cpu-offload"],
-               world=8)
+    run = _run(
+        LLAMA_7B[2:-2] + ["--global-batch-size", "8", "--use-distributed-optimizer", "--optimizer-cpu-offload"], world=8
+    )
     lines = check_memory(run, torch.device("cpu"), 80.0, skip=False, host_memory_gb=20.0)
     assert not any("host memory" in line for line in lines)
     with pytest.raises(ValueError) as refused:
@@ -277,9 +419,23 @@ def test_check_memory_passes_and_reports():
 def test_start_up_table_follows_the_run():
     """The layout comes from the run's own flags: cp, the distributed optimizer and its buckets,
     an uneven pipeline split."""
-    run = _run(TINY[:1] + ["4"] + TINY[2:] + ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                              "--decoder-first-pipeline-num-layers", "1", "--use-distributed-optimizer",
-                                              "--ddp-bucket-size", "1000"], world=8)
+    run = _run(
+        TINY[:1]
+        + ["4"]
+        + TINY[2:]
+        + [
+            "--context-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+            "--use-distributed-optimizer",
+            "--ddp-bucket-size",
+            "1000",
+        ],
+        world=8,
+    )
     layout = layout_from_run(run, "cpu")
     assert (layout.cp, layout.dp, layout.distributed_optimizer, layout.bucket_size) == (2, 2, True, 1000)
     assert (layout.first_stage_layers, layout.last_stage_layers) == (1, None)
@@ -331,10 +487,25 @@ def test_json_shows_host_bytes(capsys):
     assert data["ranks"][0]["optimizer_bytes"] == 0
 
 
-ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--pipeline-model-parallel-size",
-              "1", "--micro-batch-size", "1", "--recompute-granularity", "none", "--use-distributed-optimizer"]
-PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s", "predicted_model_tflops_per_gpu",
-             "predicted_hardware_tflops_per_gpu")
+ONE_LAYOUT = [
+    "--tensor-model-parallel-size",
+    "1",
+    "--context-parallel-size",
+    "1",
+    "--pipeline-model-parallel-size",
+    "1",
+    "--micro-batch-size",
+    "1",
+    "--recompute-granularity",
+    "none",
+    "--use-distributed-optimizer",
+]
+PREDICTED = (
+    "predicted_step_time_s",
+    "predicted_tokens_per_s",
+    "predicted_model_tflops_per_gpu",
+    "predicted_hardware_tflops_per_gpu",
+)
 
 
 def test_device_presets_set_memory_and_speed(capsys):
@@ -342,14 +513,23 @@ def test_device_presets_set_memory_and_speed(capsys):
     --peak-tflops and the bandwidth flags); H200's HBM makes the same layout faster than H100's."""
     code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device", "a100-40gb", "--json"] + TINY, capsys)
     assert code == 0 and json.loads(out)["device_memory_bytes"] == int(39.39 * GIB)
-    code, out, _ = run_tool(estimate_tool, ["--num-gpus", "1", "--device", "a100-40gb", "--device-memory-gb", "2",
-                                            "--json"] + TINY, capsys)
+    code, out, _ = run_tool(
+        estimate_tool, ["--num-gpus", "1", "--device", "a100-40gb", "--device-memory-gb", "2", "--json"] + TINY, capsys
+    )
     assert json.loads(out)["device_memory_bytes"] == 2 * GIB
-    base = ["--num-gpus", "8", "--json"] + LLAMA_7B[:-4] + ["--global-batch-size", "64"] + ONE_LAYOUT[:-3] + [
-        "--recompute-granularity", "full", "--use-distributed-optimizer"]
+    base = (
+        ["--num-gpus", "8", "--json"]
+        + LLAMA_7B[:-4]
+        + ["--global-batch-size", "64"]
+        + ONE_LAYOUT[:-3]
+        + ["--recompute-granularity", "full", "--use-distributed-optimizer"]
+    )
     rows = {}
-    for name, extra in (("h100", ["--device", "h100-80gb"]), ("h200", ["--device", "h200"]),
-                        ("slow", ["--device", "h100-80gb", "--peak-tflops", "500"])):
+    for name, extra in (
+        ("h100", ["--device", "h100-80gb"]),
+        ("h200", ["--device", "h200"]),
+        ("slow", ["--device", "h100-80gb", "--peak-tflops", "500"]),
+    ):
         code, out, err = run_tool(plan_tool, base + extra, capsys)
         assert code == 0, err
         (rows[name],) = json.loads(out)
@@ -357,8 +537,9 @@ def test_device_presets_set_memory_and_speed(capsys):
     assert rows["h200"]["predicted_step_time_s"] < rows["h100"]["predicted_step_time_s"]
     assert rows["slow"]["predicted_step_time_s"] > rows["h100"]["predicted_step_time_s"]
     assert rows["h100"]["predicted_hardware_tflops_per_gpu"] > rows["h100"]["predicted_model_tflops_per_gpu"]
-    assert sum(rows["h100"]["breakdown"][k] for k in rows["h100"]["breakdown"] if k != "dp_comm_total_s") == \
-        pytest.approx(rows["h100"]["predicted_step_time_s"])
+    assert sum(
+        rows["h100"]["breakdown"][k] for k in rows["h100"]["breakdown"] if k != "dp_comm_total_s"
+    ) == pytest.approx(rows["h100"]["predicted_step_time_s"])
     code, _, err = run_tool(plan_tool, base + ["--device", "b300"], capsys)
     assert code == 2 and "--device" in err and "h100-80gb" in err and len(err.splitlines()) == 1
 

@@ -1,4 +1,5 @@
 """Activation and p2p-buffer peaks over our own pipeline schedules."""
+
 import pytest
 
 from megatron.core.memory.inflight import _rank_profiles, equivalent_microbatches, peaks, profiles, rank_profiles

@@ -1,4 +1,5 @@
 """Parameter counts: published model sizes, and exact agreement with our own model on every rank."""
+
 import dataclasses
 
 import pytest
@@ -11,17 +12,42 @@ from megatron.core.models.gpt_model import GPTModel
 from megatron.core.transformer.config import TransformerConfig
 from tests.distributed import run_distributed
 
-LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-             untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
-             params_dtype=torch.bfloat16, seq_length=4096, make_vocab_size_divisible_by=128)
-LLAMA2_7B = TransformerConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
-                              vocab_size=32000, **LLAMA)
-LLAMA3_8B = TransformerConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                              num_query_groups=8, vocab_size=128256, **LLAMA)
-GPT_SMALL = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32,
-                              max_position_embeddings=48)
-LLAMA_SMALL = TransformerConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                                num_query_groups=2, vocab_size=1000, **{**LLAMA, "seq_length": 32})
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    params_dtype=torch.bfloat16,
+    seq_length=4096,
+    make_vocab_size_divisible_by=128,
+)
+LLAMA2_7B = TransformerConfig(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, vocab_size=32000, **LLAMA
+)
+LLAMA3_8B = TransformerConfig(
+    num_layers=32,
+    hidden_size=4096,
+    ffn_hidden_size=14336,
+    num_attention_heads=32,
+    num_query_groups=8,
+    vocab_size=128256,
+    **LLAMA,
+)
+GPT_SMALL = TransformerConfig(
+    num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32, max_position_embeddings=48
+)
+LLAMA_SMALL = TransformerConfig(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=8,
+    num_query_groups=2,
+    vocab_size=1000,
+    **{**LLAMA, "seq_length": 32},
+)
 
 
 def test_llama2_7b_total():
@@ -63,9 +89,15 @@ def _model_numels(rank, cases):
         for pp_rank in range(pp):
             chunks = []
             for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, pp, v, pp_rank, first, last)):
-                model = GPTModel(config, tp_group=dist.group.WORLD, rng_tracker=None, layer_ids=layer_ids,
-                                 pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == v - 1,
-                                 device="meta")
+                model = GPTModel(
+                    config,
+                    tp_group=dist.group.WORLD,
+                    rng_tracker=None,
+                    layer_ids=layer_ids,
+                    pre_process=pp_rank == 0 and c == 0,
+                    post_process=pp_rank == pp - 1 and c == v - 1,
+                    device="meta",
+                )
                 chunks.append([p.numel() for p in model.parameters()])
             ranks.append(chunks)
         out.append(ranks)
@@ -73,9 +105,15 @@ def _model_numels(rank, cases):
 
 
 QWEN_SMALL = dataclasses.replace(LLAMA_SMALL, add_qkv_bias=True, qk_layernorm=True)
-CASES = [(LLAMA2_7B, 1, 1, None, None), (LLAMA3_8B, 2, 2, None, None), (GPT_SMALL, 1, 1, None, None),
-         (GPT_SMALL, 2, 2, None, None), (LLAMA_SMALL, 4, 1, None, None), (QWEN_SMALL, 2, 1, 1, None),
-         (GPT_SMALL, 3, 1, None, 2)]
+CASES = [
+    (LLAMA2_7B, 1, 1, None, None),
+    (LLAMA3_8B, 2, 2, None, None),
+    (GPT_SMALL, 1, 1, None, None),
+    (GPT_SMALL, 2, 2, None, None),
+    (LLAMA_SMALL, 4, 1, None, None),
+    (QWEN_SMALL, 2, 1, 1, None),
+    (GPT_SMALL, 3, 1, None, 2),
+]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -86,8 +124,9 @@ def test_shapes_equal_our_model_on_every_rank(tp):
     for index, (config, pp, v, first, last) in enumerate(CASES):
         layout = MemoryLayout(tp=tp, pp=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last)
         config = dataclasses.replace(config, tensor_model_parallel_size=tp)
-        estimated = [[[numel(s) for s in chunk_shapes(config, tp, c)] for c in rank_chunks(config, layout, r)]
-                     for r in range(pp)]
+        estimated = [
+            [[numel(s) for s in chunk_shapes(config, tp, c)] for c in rank_chunks(config, layout, r)] for r in range(pp)
+        ]
         for rank_numels in built:  # every tp rank holds the same shapes
             assert rank_numels[index] == estimated, (config.num_layers, pp, v, tp)
 

@@ -1,21 +1,33 @@
 """The step-time model and the layout planner."""
+
 import dataclasses
 
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory import estimate_memory
-from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
+from megatron.core.memory import MemoryLayout, estimate_memory
 from megatron.core.memory.hardware import Hardware
+from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
 from megatron.core.memory.step_time import bubble_units, step_time
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.core.transformer.config import TransformerConfig
 
-MODEL = TransformerConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
-                          vocab_size=32000, seq_length=2048, normalization="RMSNorm", position_embedding_type="rope",
-                          swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                          attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.bfloat16)
+MODEL = TransformerConfig(
+    num_layers=8,
+    hidden_size=1024,
+    ffn_hidden_size=2816,
+    num_attention_heads=16,
+    vocab_size=32000,
+    seq_length=2048,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    params_dtype=torch.bfloat16,
+)
 GIB = 1 << 30
 
 
@@ -33,14 +45,18 @@ def test_bubble_is_proportional_and_stops_growing_with_m(p, v):
 def test_step_time_components():
     one = step_time(MODEL, MemoryLayout(num_microbatches=8))
     assert (one.tp_comm_s, one.dp_comm_s, one.bubble_s) == (0.0, 0.0, 0.0)
-    tp = step_time(dataclasses.replace(MODEL, tensor_model_parallel_size=2, sequence_parallel=True),
-                   MemoryLayout(tp=2, num_microbatches=8))
+    tp = step_time(
+        dataclasses.replace(MODEL, tensor_model_parallel_size=2, sequence_parallel=True),
+        MemoryLayout(tp=2, num_microbatches=8),
+    )
     assert tp.tp_comm_s > 0 and one.compute_s / 2 < tp.compute_s < one.compute_s  # smaller GEMMs, same launches
     pp = step_time(MODEL, MemoryLayout(pp=4, num_microbatches=8))
     vpp = step_time(MODEL, MemoryLayout(pp=4, virtual_stages=2, num_microbatches=8))
     assert vpp.bubble_s == pytest.approx(pp.bubble_s / 2, rel=0.05)  # p2p time is per chunk, not halved
-    full = step_time(dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="uniform",
-                                         recompute_num_layers=1), MemoryLayout(num_microbatches=8))
+    full = step_time(
+        dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        MemoryLayout(num_microbatches=8),
+    )
     assert full.compute_s > one.compute_s
     dp = step_time(MODEL, MemoryLayout(dp=8, num_microbatches=1))
     assert dp.dp_comm_total_s > 0 and dp.dp_comm_s == 0  # hidden behind the backward (--overlap-grad-reduce)
@@ -83,8 +99,9 @@ def test_plan_drops_what_does_not_fit_and_sorts_by_time():
 def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
     """Above 80% of the full estimate a layout is dropped from the recommendations, but the
     start-up check starts it while its certain part fits."""
-    search = Search(tps=(8,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",),
-                    distributed_optimizer=(False,))
+    search = Search(
+        tps=(8,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(False,)
+    )
     (candidate,), _, _ = plan(MODEL, 8, 8, 64 * GIB, search=search)
     estimate = candidate.estimate
     between = (estimate.max_certain_bytes + estimate.max_total_bytes) // 2
@@ -94,11 +111,13 @@ def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
 
 
 def test_search_restrictions():
-    search = Search(tps=(2,), cps=(1,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",),
-                    distributed_optimizer=(True,))
+    search = Search(
+        tps=(2,), cps=(1,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(True,)
+    )
     layouts = list(enumerate_layouts(MODEL, 8, 32, search, Hardware()))
     assert {(lay.tp, lay.pp, lay.dp, lay.distributed_optimizer, name) for _, lay, name in layouts} == {
-        (2, 2, 2, True, "none")}
+        (2, 2, 2, True, "none")
+    }
     assert {lay.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}
 
 

@@ -1,4 +1,5 @@
 """Weights, gradients and optimizer bytes, exact to our flat buffers (bucket padding) and ShardedAdamW."""
+
 import dataclasses
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
 from megatron.core.memory import MemoryLayout
 from megatron.core.memory.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
-from megatron.core.memory.step_time import dp_collectives
 from megatron.core.memory.parameters import ModelChunk, chunk_shapes, numel
+from megatron.core.memory.step_time import dp_collectives
 from megatron.core.transformer.config import TransformerConfig
 
 CONFIG = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
@@ -44,8 +45,12 @@ def test_distributed_optimizer_is_6_plus_12_over_d_plus_padding(d):
     """One bucket padded to a multiple of d x 64 elements: buffers hold the padding, each rank 1/d of it."""
     padded = -(-N // (d * SHARD_ALIGN)) * d * SHARD_ALIGN
     s = states(torch.bfloat16, shards=d)
-    assert (s.parameters, s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (N, 2 * padded, 4 * padded,
-                                                                                 12 * padded // d)
+    assert (s.parameters, s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (
+        N,
+        2 * padded,
+        4 * padded,
+        12 * padded // d,
+    )
     if N % (d * SHARD_ALIGN) == 0:
         assert s.device_bytes / N == pytest.approx(6 + 12 / d, rel=0, abs=1e-12)
 
@@ -73,9 +78,11 @@ def test_offload_moves_whole_chunks_to_host(dtype, on_device):
     """16 host bytes per offloaded element (fp32 master even of fp32 weights, m, v, gradient copy);
     the static policy offloads the chunks the forward reaches last (the first bucket, which holds the
     last parameters), nearest to the fraction; weights and gradients never move."""
+
     def offloaded(fraction, **layout):
-        return states(dtype, shards=2, bucket_size=20_000, dp=2, distributed_optimizer=True,
-                      offload_fraction=fraction, **layout)
+        return states(
+            dtype, shards=2, bucket_size=20_000, dp=2, distributed_optimizer=True, offload_fraction=fraction, **layout
+        )
 
     first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
     plain, full, half = offloaded(0.0), offloaded(1.0), offloaded(0.5)
@@ -91,9 +98,18 @@ def test_host_resident_gradients_and_parameters():
     of a host chunk's state; the host slab holds 16 bytes per element of optimizer state (the
     gradient shard is its own host copy), the parameter shard in the model dtype, and two
     staging slots of the largest host gradient shard (fp32)."""
+
     def placed(optimizer, grads, params):
-        return states(torch.bfloat16, shards=2, bucket_size=20_000, dp=2, sharding_strategy="optim_grads_params",
-                      offload_fraction=optimizer, grad_offload_fraction=grads, param_offload_fraction=params)
+        return states(
+            torch.bfloat16,
+            shards=2,
+            bucket_size=20_000,
+            dp=2,
+            sharding_strategy="optim_grads_params",
+            offload_fraction=optimizer,
+            grad_offload_fraction=grads,
+            param_offload_fraction=params,
+        )
 
     first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
     full = placed(1.0, 1.0, 1.0)
@@ -105,8 +121,9 @@ def test_host_resident_gradients_and_parameters():
     with pytest.raises(ValueError, match="need param_offload_fraction <= grad_offload_fraction"):
         placed(1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="grad_offload_fraction needs a strategy that shards gradients"):
-        states(torch.bfloat16, shards=2, dp=2, distributed_optimizer=True, offload_fraction=1.0,
-               grad_offload_fraction=1.0)
+        states(
+            torch.bfloat16, shards=2, dp=2, distributed_optimizer=True, offload_fraction=1.0, grad_offload_fraction=1.0
+        )
 
 
 def test_offloaded_shards_have_no_device_step_temporaries():

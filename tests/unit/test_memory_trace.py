@@ -5,6 +5,7 @@ TransformerLayer, nothing in megatron/core/memory/ changes, and the estimate gro
 norm's weight and by what it saves for backward; on CPU the traced bytes equal the bytes a
 real forward of the patched model saves.
 """
+
 import dataclasses
 
 import pytest
@@ -20,11 +21,23 @@ from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import Norm
 
 B, S, H, LAYERS = 2, 32, 64, 2
-LLAMA = TransformerConfig(num_layers=LAYERS, hidden_size=H, ffn_hidden_size=128, num_attention_heads=4,
-                          num_query_groups=2, vocab_size=256, seq_length=S, normalization="RMSNorm",
-                          position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                          untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
-                          params_dtype=torch.bfloat16)
+LLAMA = TransformerConfig(
+    num_layers=LAYERS,
+    hidden_size=H,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=256,
+    seq_length=S,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    params_dtype=torch.bfloat16,
+)
 
 
 @pytest.fixture
@@ -99,6 +112,7 @@ def test_chunks_composed_from_pieces_equal_one_trace_of_the_chunk(monkeypatch, k
     when every layer keeps the rotary angles the block hands it (one storage, counted once)."""
     if keep_angles:
         forward = TransformerLayer.forward
+
         def keeping_angles(self, x, angles=None, mask=None):
             return forward(self, x, angles, mask) * angles[:, :, 0, :1]  # mul keeps a view of the angles
 
@@ -108,7 +122,11 @@ def test_chunks_composed_from_pieces_equal_one_trace_of_the_chunk(monkeypatch, k
     setting = trace.Setting(1, 1, B, "cpu", "flash")
     whole = trace._trace(trace._key(config), setting, "layers", 3)
     assert (whole.block_inputs_bytes > 0) == keep_angles
-    expected = (trace._residual_bytes(config, setting) + whole.own_bytes + whole.block_inputs_bytes
-                + (whole.output_bytes if whole.output_saved else 0))
+    expected = (
+        trace._residual_bytes(config, setting)
+        + whole.own_bytes
+        + whole.block_inputs_bytes
+        + (whole.output_bytes if whole.output_saved else 0)
+    )
     assert trace.chunk_saved(config, setting, False, False, 3).bytes == expected
     trace_cache_clear()

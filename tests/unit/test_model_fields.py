@@ -4,6 +4,7 @@ Every TransformerConfig field is either a model field (recorded in checkpoints, 
 resume, represented or refused by the Hugging Face export) or declared as runtime-only; and
 each recorded flag, given on the command line, sets the config field the record names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,14 +17,42 @@ from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
 from megatron.training.megatron_lm_args import args_mismatch, config_fields, megatron_args
 from tests.cli import ROOT
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "100"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "1",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+]
 # a value other than the default for each flag that takes one
-VALUES = {"--num-layers": "3", "--hidden-size": "128", "--ffn-hidden-size": "96", "--num-attention-heads": "8",
-          "--num-query-groups": "2", "--kv-channels": "32", "--vocab-size": "50", "--position-embedding-type": "rope",
-          "--max-position-embeddings": "32", "--normalization": "RMSNorm", "--norm-epsilon": "1e-06",
-          "--rotary-percent": "0.5", "--rotary-base": "500000", "--rope-scaling-factor": "4", "--seq-length": "32",
-          "--init-method-std": "0.01"}
+VALUES = {
+    "--num-layers": "3",
+    "--hidden-size": "128",
+    "--ffn-hidden-size": "96",
+    "--num-attention-heads": "8",
+    "--num-query-groups": "2",
+    "--kv-channels": "32",
+    "--vocab-size": "50",
+    "--position-embedding-type": "rope",
+    "--max-position-embeddings": "32",
+    "--normalization": "RMSNorm",
+    "--norm-epsilon": "1e-06",
+    "--rotary-percent": "0.5",
+    "--rotary-base": "500000",
+    "--rope-scaling-factor": "4",
+    "--seq-length": "32",
+    "--init-method-std": "0.01",
+}
 
 
 def test_every_config_field_is_classified_once():
@@ -39,7 +68,7 @@ def test_each_recorded_flag_sets_its_field(field):
     flags = list(BASE)
     if field.flag in flags:  # replace the base value
         at = flags.index(field.flag)
-        del flags[at:at + 2]
+        del flags[at : at + 2]
     extra = [field.flag] if field.flag not in VALUES else [field.flag, VALUES[field.flag]]
     if field.flag == "--num-query-groups":
         extra.insert(0, "--group-query-attention")
@@ -51,22 +80,29 @@ def test_each_recorded_flag_sets_its_field(field):
     assert field.command_line(getattr(config, field.name))[0] == field.flag
 
 
-MEGATRON_FLAGS = {line.split()[0] for line in (ROOT / "tests" / "data" / "megatron_flags.txt").read_text().splitlines()
-                  if line.startswith("--")}
+MEGATRON_FLAGS = {
+    line.split()[0]
+    for line in (ROOT / "tests" / "data" / "megatron_flags.txt").read_text().splitlines()
+    if line.startswith("--")
+}
 
 
 @pytest.mark.parametrize("field", MODEL_FIELDS, ids=[f.flag for f in MODEL_FIELDS])
 def test_each_field_has_megatron_lms_argument(field):
     """The name a Megatron-LM checkpoint records the field under is one of Megatron-LM's flags
     (--disable-bias-linear stores add_bias_linear)."""
-    flag = "--disable-bias-linear" if field.megatron_arg == "add_bias_linear" else \
-        "--" + field.megatron_arg.replace("_", "-")
+    flag = (
+        "--disable-bias-linear"
+        if field.megatron_arg == "add_bias_linear"
+        else "--" + field.megatron_arg.replace("_", "-")
+    )
     assert flag in MEGATRON_FLAGS, (field, flag)
 
 
 def test_megatron_args_round_trip_and_every_checked_field_is_compared():
-    config = parse_run_config(BASE + ["--position-embedding-type", "rope", "--rope-scaling",
-                                      "--rope-scaling-factor", "4"], GPT_DEFAULTS, 1).model
+    config = parse_run_config(
+        BASE + ["--position-embedding-type", "rope", "--rope-scaling", "--rope-scaling-factor", "4"], GPT_DEFAULTS, 1
+    ).model
     args = megatron_args(config, iteration=1, consumed_samples=0, tp=1, pp=1, extra={})
     assert args_mismatch(args, config) is None
     assert TransformerConfig(**config_fields(args)).rope_scaling_factor == 4

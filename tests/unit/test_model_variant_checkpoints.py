@@ -9,6 +9,7 @@ norm weights of --apply-layernorm-1p are not zero); then:
 - exported models convert back to the same tensors (the importer reads rope_theta, llama3
   scaling, Qwen2's QKV biases and Qwen3's query/key norms).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,11 +30,37 @@ from tools.checkpoint.convert import main as convert
 transformers = pytest.importorskip("transformers")
 
 SEQ, VOCAB = 16, 100
-LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-         "--num-query-groups", "2", "--ffn-hidden-size", "96"]
+LLAMA = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "96",
+]
 GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-COMMON = ["--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-          "--mock-data", "--vocab-size", str(VOCAB), "--attention-dropout", "0", "--hidden-dropout", "0"]
+COMMON = [
+    "--seq-length",
+    str(SEQ),
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--train-iters",
+    "1",
+    "--mock-data",
+    "--vocab-size",
+    str(VOCAB),
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 # variant flags -> (model, Hugging Face model_type of the export, or the refusal naming the flag)
 VARIANTS = {
@@ -84,7 +111,7 @@ def _without(flags: list[str], flag: str) -> list[str]:
     """`flags` less `flag` and its value (if it takes one)."""
     at = flags.index(flag)
     takes_value = at + 1 < len(flags) and not flags[at + 1].startswith("--")
-    return flags[:at] + flags[at + 1 + takes_value:]
+    return flags[:at] + flags[at + 1 + takes_value :]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -144,18 +171,33 @@ def test_a_saved_tensor_is_never_dropped_even_without_a_record(tmp_path):
     del record["model"]["qk_layernorm"]
     json.dump(record, open(metadata, "w"))
     message = run_distributed(1, _load_without_record, root)[0]
-    assert message.startswith(f"{root}/iter_0000001: 4 saved model tensors have no place in the flags' model, "
-                              "e.g. decoder.layers.0.self_attention.k_layernorm.weight"), message
+    assert message.startswith(
+        f"{root}/iter_0000001: 4 saved model tensors have no place in the flags' model, "
+        "e.g. decoder.layers.0.self_attention.k_layernorm.weight"
+    ), message
 
 
 def test_hf_llama_rope_theta_and_llama3_scaling_are_imported(tmp_path, capsys):
     """transformers' own Llama-3-style model (rope_theta 500000, llama3 scaling) -> ours: same logits."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      tie_word_embeddings=False, rope_theta=500000.0,
-                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
     transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
     assert convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", ours]) == 0

@@ -1,6 +1,7 @@
 """Learning-rate schedule against hand-computed values; loss scaler rules; clipping; bucket layout
 (padding, shards, straddling parameters); flat-shard AdamW against torch.optim.AdamW; the weight
 decay rule by name."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ def test_linear(iteration, expected):
     assert lr(iteration, "linear") == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("iteration,expected", [(1, 0.5), (2, 1.0), (6, 0.55), (4, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2), (10, 0.1)])
+@pytest.mark.parametrize(
+    "iteration,expected", [(1, 0.5), (2, 1.0), (6, 0.55), (4, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2), (10, 0.1)]
+)
 def test_cosine(iteration, expected):
     assert lr(iteration, "cosine") == pytest.approx(expected)
 
@@ -71,7 +74,12 @@ def test_layout_pads_buckets_into_equal_shards_and_pieces_cover_every_parameter(
     # a+b reach 12 -> bucket [0, 24) (17 padded to 8 x 3); emb alone [24, 32); c+d (12) [32, 48)
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 24), (24, 32), (32, 48)]
     assert [(p.name, p.bucket, p.start) for p in layout.params] == [
-        ("a", 0, 0), ("b", 0, 10), ("emb", 1, 24), ("c", 2, 32), ("d", 2, 35)]
+        ("a", 0, 0),
+        ("b", 0, 10),
+        ("emb", 1, 24),
+        ("c", 2, 32),
+        ("d", 2, 35),
+    ]
     assert all(b.numel % 8 == 0 for b in layout.buckets) and layout.numel == 48
     covered = {name: [] for name, *_ in params}
     for index, bucket in enumerate(layout.buckets):
@@ -93,12 +101,20 @@ def test_layout_replicated_has_no_padding_and_default_bucket_size():
     assert default_bucket_size(8) == 40_000_000 and default_bucket_size(64) == 64_000_000
 
 
-@pytest.mark.parametrize("name,decays", [
-    ("embedding.word_embeddings.weight", True), ("output_layer.weight", True),
-    ("decoder.layers.0.self_attention.linear_qkv.weight", True), ("decoder.layers.3.mlp.linear_fc2.weight", True),
-    ("embedding.position_embeddings.weight", True), ("decoder.layers.0.self_attention.linear_qkv.bias", False),
-    ("decoder.layers.0.input_layernorm.weight", False), ("decoder.layers.0.pre_mlp_layernorm.bias", False),
-    ("decoder.final_layernorm.weight", False)])
+@pytest.mark.parametrize(
+    "name,decays",
+    [
+        ("embedding.word_embeddings.weight", True),
+        ("output_layer.weight", True),
+        ("decoder.layers.0.self_attention.linear_qkv.weight", True),
+        ("decoder.layers.3.mlp.linear_fc2.weight", True),
+        ("embedding.position_embeddings.weight", True),
+        ("decoder.layers.0.self_attention.linear_qkv.bias", False),
+        ("decoder.layers.0.input_layernorm.weight", False),
+        ("decoder.layers.0.pre_mlp_layernorm.bias", False),
+        ("decoder.final_layernorm.weight", False),
+    ],
+)
 def test_weight_decay_by_name(name, decays):
     assert weight_decay_applies(name) is decays
 
@@ -108,9 +124,12 @@ def test_flat_shard_adamw_equals_torch_adamw():
     torch.manual_seed(0)
     weight, bias = torch.randn(4, 3), torch.randn(3)
     reference = [torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())]
-    torch_adam = torch.optim.AdamW([{"params": [reference[0]], "weight_decay": 0.1},
-                                    {"params": [reference[1]], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95),
-                                   eps=1e-8)
+    torch_adam = torch.optim.AdamW(
+        [{"params": [reference[0]], "weight_decay": 0.1}, {"params": [reference[1]], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     main = torch.cat([weight.reshape(-1), bias])
     shard = FlatShard(main=main, grad=torch.zeros_like(main), model=main, pieces=[], decay=[(0, 12)], counted=[])
     ours = ShardedAdamW([shard], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,6 +1,7 @@
 """Where the auto policy puts each chunk's parts (megatron/core/distributed/placement.py): the
 parts that move the most bytes per device byte stay on the device first, and a host budget is
 met before the device room is filled."""
+
 from __future__ import annotations
 
 import pytest

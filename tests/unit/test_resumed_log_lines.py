@@ -2,6 +2,7 @@
 loss scale, skipped and nan counts) for every iteration both print, at any log interval, and
 both print at Megatron's intervals only: a save stores the open averaging window instead of
 ending it (at interval 2 the save after iteration 3 falls inside the window 3-4)."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,15 @@ import pytest
 from tests.cli import TINY_LLAMA, explain, run_cli
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FIELDS = ("consumed samples", "learning rate", "lm loss", "loss scale", "grad norm", "number of skipped iterations",
-          "number of nan iterations")
+FIELDS = (
+    "consumed samples",
+    "learning rate",
+    "lm loss",
+    "loss scale",
+    "grad norm",
+    "number of skipped iterations",
+    "number of nan iterations",
+)
 
 
 def _lines(stdout: str) -> dict[int, dict[str, str]]:
@@ -28,8 +36,16 @@ def _lines(stdout: str) -> dict[int, dict[str, str]]:
 
 @pytest.mark.parametrize("interval", [1, 2])
 def test_resumed_run_prints_the_uninterrupted_lines(tmp_path, interval):
-    flags = TINY_LLAMA + ["--train-iters", "6", "--log-interval", str(interval), "--save", str(tmp_path),
-                          "--save-interval", "3"]
+    flags = TINY_LLAMA + [
+        "--train-iters",
+        "6",
+        "--log-interval",
+        str(interval),
+        "--save",
+        str(tmp_path),
+        "--save-interval",
+        "3",
+    ]
     straight = run_cli("pretrain_llama.py", flags)
     assert straight.returncode == 0, explain(straight)
     (tmp_path / TRACKER).write_text("3")  # requeued after the save at iteration 3

@@ -1,4 +1,5 @@
 """Pipeline schedules as data: coverage, p2p matching, deadlock freedom, bubble, in-flight activations."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -146,16 +147,28 @@ def test_1f1b_steps_for_two_ranks():
     """The exact lists for p=2, m=3, showing Megatron's batching: forward output with the next gradient's receive."""
     a = Action
     assert build_schedule(2, 1, 3, 0) == [
-        [a(F, 0, 0)], [a(SF, 0, 0)],  # warm-up
-        [a(F, 1, 0)], [a(SF, 1, 0), a(RB, 0, 0)], [a(B, 0, 0)],
-        [a(F, 2, 0)], [a(SF, 2, 0), a(RB, 1, 0)], [a(B, 1, 0)],
-        [a(RB, 2, 0)], [a(B, 2, 0)],  # cool-down
+        [a(F, 0, 0)],
+        [a(SF, 0, 0)],  # warm-up
+        [a(F, 1, 0)],
+        [a(SF, 1, 0), a(RB, 0, 0)],
+        [a(B, 0, 0)],
+        [a(F, 2, 0)],
+        [a(SF, 2, 0), a(RB, 1, 0)],
+        [a(B, 1, 0)],
+        [a(RB, 2, 0)],
+        [a(B, 2, 0)],  # cool-down
     ]
     assert build_schedule(2, 1, 3, 1) == [
         [a(RF, 0, 0)],
-        [a(F, 0, 0)], [a(B, 0, 0)], [a(RF, 1, 0), a(SB, 0, 0)],
-        [a(F, 1, 0)], [a(B, 1, 0)], [a(RF, 2, 0), a(SB, 1, 0)],
-        [a(F, 2, 0)], [a(B, 2, 0)], [a(SB, 2, 0)],
+        [a(F, 0, 0)],
+        [a(B, 0, 0)],
+        [a(RF, 1, 0), a(SB, 0, 0)],
+        [a(F, 1, 0)],
+        [a(B, 1, 0)],
+        [a(RF, 2, 0), a(SB, 1, 0)],
+        [a(F, 2, 0)],
+        [a(B, 2, 0)],
+        [a(SB, 2, 0)],
     ]
     timeline = simulate(2, 1, 3, forward_time=1.0, backward_time=2.0)
     assert [(e.start, e.end) for e in timeline.events[1]] == [(1, 2), (2, 4), (4, 5), (5, 7), (7, 8), (8, 10)]
@@ -166,8 +179,10 @@ def test_simulator_reports_deadlock():
     a = Action
     rank0 = [[a(F, 0, 0)], [a(RB, 0, 0)], [a(SF, 0, 0)], [a(B, 0, 0)]]  # the send queues behind the receive
     rank1 = [[a(RF, 0, 0)], [a(F, 0, 0)], [a(B, 0, 0)], [a(SB, 0, 0)]]
-    message = (r"^deadlock: rank 0 at step 3 \[BACKWARD\(mb=0, chunk=0\)\] waiting for step 1 \[RECV_BACKWARD.*; "
-               r"rank 1 at step 1 \[FORWARD\(mb=0, chunk=0\)\] waiting for step 0 \[RECV_FORWARD")
+    message = (
+        r"^deadlock: rank 0 at step 3 \[BACKWARD\(mb=0, chunk=0\)\] waiting for step 1 \[RECV_BACKWARD.*; "
+        r"rank 1 at step 1 \[FORWARD\(mb=0, chunk=0\)\] waiting for step 0 \[RECV_FORWARD"
+    )
     with pytest.raises(ScheduleError, match=message):
         simulate_steps([rank0, rank1], v=1)
 
@@ -176,10 +191,25 @@ def test_posted_receive_overlaps_computation():
     """A receive posted ahead is waited for only by its consumer: rank 1 posts both inputs first and
     runs F1 as soon as its input has arrived, not when it posted the receive."""
     a = Action
-    rank0 = [[a(F, 0, 0)], [a(SF, 0, 0)], [a(F, 1, 0)], [a(SF, 1, 0), a(RB, 0, 0)], [a(B, 0, 0)], [a(RB, 1, 0)],
-             [a(B, 1, 0)]]
-    rank1 = [[a(RF, 0, 0)], [a(RF, 1, 0)], [a(F, 0, 0)], [a(B, 0, 0)], [a(SB, 0, 0)], [a(F, 1, 0)], [a(B, 1, 0)],
-             [a(SB, 1, 0)]]
+    rank0 = [
+        [a(F, 0, 0)],
+        [a(SF, 0, 0)],
+        [a(F, 1, 0)],
+        [a(SF, 1, 0), a(RB, 0, 0)],
+        [a(B, 0, 0)],
+        [a(RB, 1, 0)],
+        [a(B, 1, 0)],
+    ]
+    rank1 = [
+        [a(RF, 0, 0)],
+        [a(RF, 1, 0)],
+        [a(F, 0, 0)],
+        [a(B, 0, 0)],
+        [a(SB, 0, 0)],
+        [a(F, 1, 0)],
+        [a(B, 1, 0)],
+        [a(SB, 1, 0)],
+    ]
     timeline = simulate_steps([rank0, rank1], v=1, forward_time=1.0, backward_time=2.0, transfer_time=0.5)
     # rank 0: F0 0-1, F1 1-2; rank 1: F0 waits for SF0 (1.5), B0 2.5-4.5, F1's input arrived at 2.5
     assert [(e.start, e.end) for e in timeline.events[1]] == [(1.5, 2.5), (2.5, 4.5), (4.5, 5.5), (5.5, 7.5)]
@@ -202,9 +232,13 @@ def _steady_batches_merged(steps):
     """The previous batching, for comparison: [F][SF RF][B][SB RB] -> [F][B][SF RF SB RB]."""
     out, i = [], 0
     while i < len(steps):
-        window = steps[i:i + 4]
-        if len(window) == 4 and [s[0].kind for s in window[::2]] == [F, B] and not window[1][0].kind.is_compute \
-                and not window[3][0].kind.is_compute:
+        window = steps[i : i + 4]
+        if (
+            len(window) == 4
+            and [s[0].kind for s in window[::2]] == [F, B]
+            and not window[1][0].kind.is_compute
+            and not window[3][0].kind.is_compute
+        ):
             out += [window[0], window[2], window[1] + window[3]]
             i += 4
         else:
@@ -221,15 +255,16 @@ def test_interleaved_receives_are_posted_a_computation_ahead(p, v, m):
     for rank, steps in enumerate(schedules(p, v, m)):
         warmup = num_warmup_microbatches(p, v, m, rank)
         computes = [i for i, s in enumerate(steps) if s[0].kind.is_compute]
-        steady = computes[warmup:2 * v * m - warmup]  # F B F B ... between warm-up and cool-down
+        steady = computes[warmup : 2 * v * m - warmup]  # F B F B ... between warm-up and cool-down
         for here, after in zip(steady, steady[1:-1]):
-            for a in (x for s in steps[here + 1:after] for x in s if x.kind in (RF, RB)):
+            for a in (x for s in steps[here + 1 : after] for x in s if x.kind in (RF, RB)):
                 consumer = Action(F if a.kind is RF else B, a.microbatch, a.chunk)
                 assert steps[after] != [consumer], (rank, a)
     t = 0.3
     overlapped = simulate(p, v, m, forward_time=1.0, backward_time=2.0, transfer_time=t).makespan
-    merged = simulate_steps([_steady_batches_merged(s) for s in schedules(p, v, m)], v, forward_time=1.0,
-                            backward_time=2.0, transfer_time=t).makespan
+    merged = simulate_steps(
+        [_steady_batches_merged(s) for s in schedules(p, v, m)], v, forward_time=1.0, backward_time=2.0, transfer_time=t
+    ).makespan
     assert overlapped < merged
 
 
@@ -239,8 +274,9 @@ def test_overlapped_interleaving_beats_1f1b_when_transfers_take_time():
     t = 0.3
     one = simulate(2, 1, 8, forward_time=1.0, backward_time=2.0, transfer_time=t).makespan
     lists = schedules(2, 2, 8)
-    merged = simulate_steps([_steady_batches_merged(s) for s in lists], 2, forward_time=0.5, backward_time=1.0,
-                            transfer_time=t).makespan
+    merged = simulate_steps(
+        [_steady_batches_merged(s) for s in lists], 2, forward_time=0.5, backward_time=1.0, transfer_time=t
+    ).makespan
     overlapped = simulate_steps(lists, 2, forward_time=0.5, backward_time=1.0, transfer_time=t).makespan
     assert (one, merged, overlapped) == pytest.approx((29.7, 31.2, 27.3))
 
@@ -353,8 +389,12 @@ def test_last_microbatch_group_smaller_than_p_is_refused(p, m, g):
 
 
 def run_tool(*flags):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "plot_pipeline_schedule.py"), *flags],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plot_pipeline_schedule.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_plot_tool_prints_bubble_and_rejects_bad_flags(tmp_path):

@@ -1,4 +1,5 @@
 """Start-up refusals that happen before any argument is parsed."""
+
 import pytest
 
 from megatron.training.initialize import check_torch_version

@@ -1,5 +1,6 @@
 """The step-time projection: each term against its formula or the simulator, ranking sanity, and the
 calibration against published runs (tools/bench/published_runs.py)."""
+
 import dataclasses
 
 import pytest
@@ -42,13 +43,21 @@ from tools.bench.planner_calibration import evaluate_all, print_table, summary
 A100 = DEVICES["a100-80gb"]
 CAL = Calibration()
 # SC21's 1.7B GPT (24 layers, h 2304, 24 heads, seq 2048, vocab 51,200, fp16)
-GPT_1_7B = TransformerConfig(num_layers=24, hidden_size=2304, num_attention_heads=24, vocab_size=51200, seq_length=2048,
-                             max_position_embeddings=2048, params_dtype=torch.float16)
+GPT_1_7B = TransformerConfig(
+    num_layers=24,
+    hidden_size=2304,
+    num_attention_heads=24,
+    vocab_size=51200,
+    seq_length=2048,
+    max_position_embeddings=2048,
+    params_dtype=torch.float16,
+)
 
 
 def _split(config, tp=1, cp=1, **changes):
-    return dataclasses.replace(config, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                               sequence_parallel=tp > 1, **changes)
+    return dataclasses.replace(
+        config, tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=tp > 1, **changes
+    )
 
 
 def test_volumes_are_the_ring_formulas():
@@ -103,8 +112,9 @@ def test_pipeline_time_is_the_simulators():
     pipeline = t.compute_s + t.tp_comm_s + t.cp_comm_s + t.pp_comm_s + t.bubble_s
     exact = simulate(4, 2, 8, forward_time=f, backward_time=b, transfer_time=transfer).makespan
     assert pipeline == pytest.approx(exact, rel=0.01)  # duration ratios rounded to two digits
-    assert t.bubble_s == pytest.approx(simulate(4, 2, 8, forward_time=f, backward_time=b).makespan - 16 * (f + b),
-                                       rel=0.01)
+    assert t.bubble_s == pytest.approx(
+        simulate(4, 2, 8, forward_time=f, backward_time=b).makespan - 16 * (f + b), rel=0.01
+    )
 
 
 @pytest.mark.parametrize("v,transfer", [(1, 0.3), (2, 0.3), (1, 0.0)])
@@ -117,8 +127,9 @@ def test_long_pipelines_extrapolate_the_steady_state_exactly(v, transfer):
 def test_recomputation_adds_its_forward():
     layout = MemoryLayout(micro_batch_size=2, num_microbatches=2)
     none = step_time(GPT_1_7B, layout, A100, CAL)
-    full_config = dataclasses.replace(GPT_1_7B, recompute_granularity="full", recompute_method="uniform",
-                                      recompute_num_layers=1)
+    full_config = dataclasses.replace(
+        GPT_1_7B, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
     full = step_time(full_config, layout, A100, CAL)
     forward, _ = layer_time(GPT_1_7B, "flash", 2, 1, 1, A100, CAL)
     assert none.recompute_s == 0 and full.recompute_s == pytest.approx(2 * 24 * forward.total)
@@ -153,23 +164,30 @@ def test_attention_and_elementwise_terms():
     tokens, h, f = 4096, 2304, 4 * 2304
     plain = elementwise_bytes(no_dropout, tokens, 1)
     assert plain == tokens * (2 * 2 * h * 2 + 2 * 3 * h * 2 + 2 * f * 2)
-    sp = elementwise_bytes(dataclasses.replace(no_dropout, tensor_model_parallel_size=4, sequence_parallel=True),
-                           tokens, 4)
+    sp = elementwise_bytes(
+        dataclasses.replace(no_dropout, tensor_model_parallel_size=4, sequence_parallel=True), tokens, 4
+    )
     assert sp == pytest.approx(plain / 4)
 
 
 def test_sc21_1_7b_never_above_peak():
     """Every layout the planner enumerates for SC21's first row stays below the A100's peak, and
     its parts are non-negative and add up to the step."""
-    search = Search(cps=(1,), micro_batch_sizes=(1, 4, 16), recompute=("none", "full"),
-                    distributed_optimizer=(True,), max_virtual_stages=2)
+    search = Search(
+        cps=(1,),
+        micro_batch_sizes=(1, 4, 16),
+        recompute=("none", "full"),
+        distributed_optimizer=(True,),
+        max_virtual_stages=2,
+    )
     projection = Projection(hw=A100)
     seen = 0
     for config, layout, _ in enumerate_layouts(GPT_1_7B, 32, 512, search, A100):
         t = projection(config, layout)
         assert 0 < t.model_tflops_per_gpu <= t.hardware_tflops_per_gpu < A100.peak_tflops
-        assert min(t.breakdown().values()) >= 0 and t.total_s == pytest.approx(sum(t.breakdown().values())
-                                                                              - t.dp_comm_total_s)
+        assert min(t.breakdown().values()) >= 0 and t.total_s == pytest.approx(
+            sum(t.breakdown().values()) - t.dp_comm_total_s
+        )
         seen += 1
     assert seen > 20
 
@@ -192,10 +210,13 @@ def test_more_tensor_parallelism_costs_communication():
 def test_uneven_stages_are_candidates_and_relieve_the_last_stage():
     assert stage_splits(126, 16) == [(7, 7)]  # Llama 3
     assert (None, None) in stage_splits(32, 4) and (7, 7) in stage_splits(32, 4)
-    search = Search(tps=(1,), cps=(1,), pps=(4,), micro_batch_sizes=(1,), recompute=("none",),
-                    distributed_optimizer=(True,))
-    splits = {(lay.first_stage_layers, lay.last_stage_layers) for _, lay, _ in
-              enumerate_layouts(dataclasses.replace(GPT_1_7B, num_layers=30), 4, 8, search, A100)}
+    search = Search(
+        tps=(1,), cps=(1,), pps=(4,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(True,)
+    )
+    splits = {
+        (lay.first_stage_layers, lay.last_stage_layers)
+        for _, lay, _ in enumerate_layouts(dataclasses.replace(GPT_1_7B, num_layers=30), 4, 8, search, A100)
+    }
     assert (None, None) not in splits and splits  # 30 layers on 4 stages: only uneven splits
     big_vocab = dataclasses.replace(GPT_1_7B, num_layers=8, vocab_size=256000)
     even = MemoryLayout(pp=2, num_microbatches=8)

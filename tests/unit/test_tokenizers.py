@@ -1,4 +1,5 @@
 """Our GPT-2 BPE encoder gives the `tokenizers` library's ids; every tokenizer type loads from local files."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,26 @@ SPM = str(ROOT / "data/tokenizers/spm/tokenizer.model")
 CORPUS = ROOT / "data/corpus/stories.jsonl"
 
 TEXTS = [
-    "Hello world", " leading space", "trailing space ", "runs   of  spaces\tand\ttabs\n\n\nnewlines \n ",
-    "don't I'll we've she'd they're it's I'm Y'ALL'D", "'s's 're've", "digits 1234567890 3.14159 -42 1e10 ½ ٣",
-    "café naïve Zoë Müller Łódź São Paulo", "καλημέρα κόσμε спасибо こんにちは 谢谢 مرحبا 안녕하세요",
-    "emoji 🙂👍🏽🏳️‍🌈 🦊☕", "<|endoftext|>", "before<|endoftext|>after <|endoftext|> spaced",
-    "mixed😀text123with!!!punct...?!", "", " ", "\u00a0non-breaking\u2003em space", "a\r\nb\rc",
-    "\x00\x01 control \x7f bytes", "ZWJ a\u200db", "x" * 300,
+    "Hello world",
+    " leading space",
+    "trailing space ",
+    "runs   of  spaces\tand\ttabs\n\n\nnewlines \n ",
+    "don't I'll we've she'd they're it's I'm Y'ALL'D",
+    "'s's 're've",
+    "digits 1234567890 3.14159 -42 1e10 ½ ٣",
+    "café naïve Zoë Müller Łódź São Paulo",
+    "καλημέρα κόσμε спасибо こんにちは 谢谢 مرحبا 안녕하세요",
+    "emoji 🙂👍🏽🏳️‍🌈 🦊☕",
+    "<|endoftext|>",
+    "before<|endoftext|>after <|endoftext|> spaced",
+    "mixed😀text123with!!!punct...?!",
+    "",
+    " ",
+    "\u00a0non-breaking\u2003em space",
+    "a\r\nb\rc",
+    "\x00\x01 control \x7f bytes",
+    "ZWJ a\u200db",
+    "x" * 300,
 ]
 
 
@@ -78,15 +93,28 @@ def test_null_tokenizer():
 
 
 BAD = [
-    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/x/vocab.json", merge_file=MERGES),
-     "--vocab-file /x/vocab.json: no such file"),
-    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file="/x/merges.txt"),
-     "--merge-file /x/merges.txt: no such file"),
-    (dict(tokenizer_type="GPT2BPETokenizer", merge_file=MERGES), "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
-    (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="/x/t.model"), "--tokenizer-model /x/t.model: no such file"),
+    (
+        dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/x/vocab.json", merge_file=MERGES),
+        "--vocab-file /x/vocab.json: no such file",
+    ),
+    (
+        dict(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file="/x/merges.txt"),
+        "--merge-file /x/merges.txt: no such file",
+    ),
+    (
+        dict(tokenizer_type="GPT2BPETokenizer", merge_file=MERGES),
+        "--tokenizer-type GPT2BPETokenizer needs --vocab-file",
+    ),
+    (
+        dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="/x/t.model"),
+        "--tokenizer-model /x/t.model: no such file",
+    ),
     (dict(tokenizer_type="Llama2Tokenizer"), "needs --tokenizer-model"),
     (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=VOCAB), "not a SentencePiece model"),
-    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/x/dir"), "--tokenizer-model /x/dir: no such directory"),
+    (
+        dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/x/dir"),
+        "--tokenizer-model /x/dir: no such directory",
+    ),
     (dict(tokenizer_type="NullTokenizer"), "NullTokenizer needs --vocab-size"),
     (dict(tokenizer_type="BertWordPieceCase"), "--tokenizer-type 'BertWordPieceCase': choose one of"),
     (dict(tokenizer_type=None), "--tokenizer-type is required"),

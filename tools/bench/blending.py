@@ -7,6 +7,7 @@ Both build megatron-core's greedy blend of `--samples` samples over `--datasets`
 (the Python loop takes about a minute for 10M samples here), check they give the same indices,
 and print their times. Last line: `ratio python/compiled: X`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def main() -> None:
     compiled, ours = seconds(lambda: build_blending_indices(weights, samples))
     python, reference = seconds(lambda: python_blending_indices(weights, samples))
     assert all(np.array_equal(a, b) for a, b in zip(ours, reference)), "the two loops disagree"
-    print(f"{args.datasets} datasets, {samples:,} samples, same indices: python {python:.1f} s, "
-          f"compiled {compiled:.2f} s (100M samples: about {compiled * 1e8 / samples:.0f} s)")
+    print(
+        f"{args.datasets} datasets, {samples:,} samples, same indices: python {python:.1f} s, "
+        f"compiled {compiled:.2f} s (100M samples: about {compiled * 1e8 / samples:.0f} s)"
+    )
     print(f"ratio python/compiled: {python / compiled:.0f}")
 
 

@@ -25,6 +25,7 @@ Blocked: the time the loop spends in those calls (async: the host copy, finalizi
 when a write is not done yet); loop: the whole loop, training steps included (the background
 writer competes with training for the CPU cores). Slowest rank, best of `--repeat`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,23 +42,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.core.checkpointing import verify_files  # noqa: E402
-from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
-from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
+from megatron.core.transformer.model_fields import model_record  # noqa: E402
+from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
 from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
+from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
+from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     checkpoint_to_load,
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.core.transformer.model_fields import model_record  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
-FLAGS = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size", "1408",
-         "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
-         "--vocab-size", "8000"]
+FLAGS = [
+    "--num-layers",
+    "6",
+    "--hidden-size",
+    "512",
+    "--num-attention-heads",
+    "8",
+    "--ffn-hidden-size",
+    "1408",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "10",
+    "--mock-data",
+    "--vocab-size",
+    "8000",
+]
 
 
 def _slowest(seconds: float) -> float:
@@ -95,8 +112,7 @@ def _durable_torch_save(state: dict, path: str) -> None:
 def measure(rank: int, root: str, repeat: int) -> dict:
     world = dist.get_world_size()
     ours, baseline = os.path.join(root, f"ours_{world}"), os.path.join(root, f"torch_{world}")
-    run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", ours], LLAMA_DEFAULTS,
-                           world)
+    run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", ours], LLAMA_DEFAULTS, world)
     trainer = Trainer(run, torch.device("cpu"))
     state = _rank_state(trainer)
     own = os.path.join(baseline, f"rank_{rank}.pt")
@@ -104,8 +120,9 @@ def measure(rank: int, root: str, repeat: int) -> dict:
         os.makedirs(ours, exist_ok=True)
         os.makedirs(baseline, exist_ok=True)
     megatron = os.path.join(root, f"torch_dist_{world}")
-    megatron_run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", megatron],
-                                    LLAMA_DEFAULTS, world)
+    megatron_run = parse_run_config(
+        FLAGS + ["--tensor-model-parallel-size", str(world), "--load", megatron], LLAMA_DEFAULTS, world
+    )
     times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": [], "td_save": [], "td_load": []}
     for _ in range(repeat):
         times["save"].append(_timed(lambda: save_checkpoint(ours, 1, trainer)))
@@ -121,11 +138,21 @@ def measure(rank: int, root: str, repeat: int) -> dict:
         times["torch_load"].append(_timed(torch_load))
         times["td_save"].append(_timed(lambda: save_megatron_checkpoint(megatron, 1, trainer)))
         megatron_info = any_checkpoint_to_load(megatron_run)  # checks the file lengths
-        times["td_load"].append(_timed(lambda: (any_checkpoint_to_load(megatron_run),
-                                                any_load_checkpoint(megatron_info, trainer, megatron_run.checkpoint))))
+        times["td_load"].append(
+            _timed(
+                lambda: (
+                    any_checkpoint_to_load(megatron_run),
+                    any_load_checkpoint(megatron_info, trainer, megatron_run.checkpoint),
+                )
+            )
+        )
     dist.barrier()
-    return {"times": {key: min(values) for key, values in times.items()},
-            "bytes": _bytes(ours), "torch_bytes": _bytes(baseline), "td_bytes": _bytes(megatron)}
+    return {
+        "times": {key: min(values) for key, values in times.items()},
+        "bytes": _bytes(ours),
+        "torch_bytes": _bytes(baseline),
+        "td_bytes": _bytes(megatron),
+    }
 
 
 def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
@@ -137,14 +164,31 @@ def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
     config = parse_run_config(FLAGS, LLAMA_DEFAULTS, 1).model
     directory = Path(root) / f"mcore_{world}"
     directory.mkdir()
-    torch.save({"tokens": torch.randint(0, config.vocab_size, (1, config.seq_length)),
-                "labels": torch.randint(0, config.vocab_size, (1, config.seq_length))}, directory / "batch.pt")
-    job = {"tp": world, "model": model_record(config),
-           "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
-           "seed": 1, "batch": str(directory / "batch.pt"), "global_batch_size": 1, "optimizer": {},
-           "ops": [{"op": "train", "iters": 1, "out": str(directory / "train.json")},
-                   {"op": "time_checkpoint", "root": str(directory / "ckpt"), "repeat": repeat,
-                    "out": str(directory / "times.json")}]}
+    torch.save(
+        {
+            "tokens": torch.randint(0, config.vocab_size, (1, config.seq_length)),
+            "labels": torch.randint(0, config.vocab_size, (1, config.seq_length)),
+        },
+        directory / "batch.pt",
+    )
+    job = {
+        "tp": world,
+        "model": model_record(config),
+        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+        "seed": 1,
+        "batch": str(directory / "batch.pt"),
+        "global_batch_size": 1,
+        "optimizer": {},
+        "ops": [
+            {"op": "train", "iters": 1, "out": str(directory / "train.json")},
+            {
+                "op": "time_checkpoint",
+                "root": str(directory / "ckpt"),
+                "repeat": repeat,
+                "out": str(directory / "times.json"),
+            },
+        ],
+    }
     try:
         run_oracle([job], directory, world=world)
     except pytest.skip.Exception as reason:
@@ -202,44 +246,74 @@ def main() -> int:
         for world in () if args.loop_only else (1, 2, 4):
             r = run_distributed(world, measure, root, args.repeat)[0]
             t = r["times"]
-            rows.append((world, r["bytes"] / 1e6, r["torch_bytes"] / 1e6, t["save"], t["torch_save"],
-                         t["save"] / t["torch_save"], t["load"], t["verify"], t["torch_load"],
-                         t["load"] / t["torch_load"]))
+            rows.append(
+                (
+                    world,
+                    r["bytes"] / 1e6,
+                    r["torch_bytes"] / 1e6,
+                    t["save"],
+                    t["torch_save"],
+                    t["save"] / t["torch_save"],
+                    t["load"],
+                    t["verify"],
+                    t["torch_load"],
+                    t["load"] / t["torch_load"],
+                )
+            )
             mcore = None if args.no_megatron_core else measure_megatron_core(world, root, args.repeat)
             peers.append((world, t, r["td_bytes"], mcore))
-        loop = run_distributed(args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval,
-                               args.repeat)[0]
+        loop = run_distributed(
+            args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval, args.repeat
+        )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if rows:
-        print(f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
-              f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}")
-        print(f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
-              f"{'load s':>7} {'(verify s)':>10} {'torch.load s':>12} {'ratio':>6}")
+        print(
+            f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
+            f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}"
+        )
+        print(
+            f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
+            f"{'load s':>7} {'(verify s)':>10} {'torch.load s':>12} {'ratio':>6}"
+        )
         for world, mb, tmb, save, tsave, sratio, load, verify, tload, lratio in rows:
-            print(f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
-                  f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}")
-        print("side by side with megatron-core (dist_checkpointing, torch_dist) and ours in Megatron-LM's format; "
-              "ratios: time / megatron-core's")
-        print(f"{'ranks':>5} {'MB mcore':>8} {'save s':>7} {'load s':>7} | {'ours save':>9} {'ratio':>6} "
-              f"{'ours load':>9} {'ratio':>6} | {'td save':>7} {'ratio':>6} {'td load':>7} {'ratio':>6}")
+            print(
+                f"{world:>5} {mb:>8.1f} {tmb:>8.1f} {save:>7.2f} {tsave:>12.2f} {sratio:>6.2f} "
+                f"{load:>7.2f} {verify:>10.2f} {tload:>12.2f} {lratio:>6.2f}"
+            )
+        print(
+            "side by side with megatron-core (dist_checkpointing, torch_dist) and ours in Megatron-LM's format; "
+            "ratios: time / megatron-core's"
+        )
+        print(
+            f"{'ranks':>5} {'MB mcore':>8} {'save s':>7} {'load s':>7} | {'ours save':>9} {'ratio':>6} "
+            f"{'ours load':>9} {'ratio':>6} | {'td save':>7} {'ratio':>6} {'td load':>7} {'ratio':>6}"
+        )
         for world, t, td_bytes, mcore in peers:
             if mcore is None:
-                print(f"{world:>5} {'-':>8} (megatron-core not installed)  ours torch_dist save {t['td_save']:.2f} s, "
-                      f"load {t['td_load']:.2f} s, {td_bytes / 1e6:.1f} MB")
+                print(
+                    f"{world:>5} {'-':>8} (megatron-core not installed)  ours torch_dist save {t['td_save']:.2f} s, "
+                    f"load {t['td_load']:.2f} s, {td_bytes / 1e6:.1f} MB"
+                )
                 continue
             ms, ml = mcore["save"], mcore["load"]
-            print(f"{world:>5} {mcore['bytes'] / 1e6:>8.1f} {ms:>7.2f} {ml:>7.2f} | {t['save']:>9.2f} "
-                  f"{t['save'] / ms:>6.2f} {t['load']:>9.2f} {t['load'] / ml:>6.2f} | {t['td_save']:>7.2f} "
-                  f"{t['td_save'] / ms:>6.2f} {t['td_load']:>7.2f} {t['td_load'] / ml:>6.2f}")
+            print(
+                f"{world:>5} {mcore['bytes'] / 1e6:>8.1f} {ms:>7.2f} {ml:>7.2f} | {t['save']:>9.2f} "
+                f"{t['save'] / ms:>6.2f} {t['load']:>9.2f} {t['load'] / ml:>6.2f} | {t['td_save']:>7.2f} "
+                f"{t['td_save'] / ms:>6.2f} {t['td_load']:>7.2f} {t['td_load'] / ml:>6.2f}"
+            )
     saves = args.loop_iterations // args.loop_interval
-    print(f"training loop, {args.loop_iterations} iterations on {args.loop_ranks} ranks (tensor parallel), "
-          f"{saves} saves; slowest rank, best of {args.repeat}")
+    print(
+        f"training loop, {args.loop_iterations} iterations on {args.loop_ranks} ranks (tensor parallel), "
+        f"{saves} saves; slowest rank, best of {args.repeat}"
+    )
     print(f"{'':>6} {'blocked s':>9} {'loop s':>7}")
     for mode in ("sync", "async"):
         print(f"{mode:>6} {loop[mode][0]:>9.2f} {loop[mode][1]:>7.2f}")
-    print(f"blocked time async / sync: {loop['async'][0] / loop['sync'][0]:.2f}; "
-          f"loop time async / sync: {loop['async'][1] / loop['sync'][1]:.2f}")
+    print(
+        f"blocked time async / sync: {loop['async'][0] / loop['sync'][0]:.2f}; "
+        f"loop time async / sync: {loop['async'][1] / loop['sync'][1]:.2f}"
+    )
     return 0
 
 

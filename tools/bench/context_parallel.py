@@ -17,6 +17,7 @@ and A = the same in fp32 (the dK/dV accumulators):
 Step times are taken on CPU with gloo on shared cores: compare the two variants in one run,
 not with other machines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ def _local_inputs(args, cp_rank, cp):
 def _step(local, group, comm, impl):
     """Forward and backward; returns the bytes counted in each and the bytes saved for backward."""
     saved = []
-    with COMM_STATS.counting() as forward, torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+    with (
+        COMM_STATS.counting() as forward,
+        torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ),
+    ):
         out = context_parallel_attention(*local, group, comm_type=comm, impl=impl)
     forward_bytes = dict(forward.bytes)
     with COMM_STATS.counting() as backward:
@@ -84,8 +89,11 @@ def analytic(args, cp, comm):
         return {}
     if comm == "p2p":
         return {("forward", "p2p"): (cp - 1) * block, ("backward", "p2p"): 2 * (cp - 1) * block}
-    return {("forward", "all_gather"): cp * block, ("backward", "all_gather"): cp * block,
-            ("backward", "reduce_scatter"): cp * block}
+    return {
+        ("forward", "all_gather"): cp * block,
+        ("backward", "all_gather"): cp * block,
+        ("backward", "reduce_scatter"): cp * block,
+    }
 
 
 def main() -> int:
@@ -105,8 +113,10 @@ def main() -> int:
     if 1 not in args.cp:
         args.cp = [1] + args.cp
     runs = {cp: run_distributed(cp, measure, args) for cp in args.cp}
-    print(f"causal attention fwd+bwd, b={args.batch} s={args.seq_length} h={args.heads} h_kv={args.kv_heads} "
-          f"d={args.head_dim} fp32, impl={args.impl}, gloo on CPU")
+    print(
+        f"causal attention fwd+bwd, b={args.batch} s={args.seq_length} h={args.heads} h_kv={args.kv_heads} "
+        f"d={args.head_dim} fp32, impl={args.impl}, gloo on CPU"
+    )
 
     print("\nmemory saved for backward per rank (bytes)")
     print(f"{'cp':>3} {'comm':>10} {'saved/rank':>11} {'vs cp=1':>8} {'ideal 1/c':>9}")
@@ -121,26 +131,36 @@ def main() -> int:
     for cp in args.cp:
         balanced = [causal_pairs(positions(s, r, cp)) for r in range(cp)]
         contiguous = [causal_pairs(torch.arange(s).chunk(cp)[r]) for r in range(cp)]
-        print(f"{cp:>3} {max(balanced) / statistics.mean(balanced):>14.3f} "
-              f"{max(contiguous) / statistics.mean(contiguous):>11.3f}")
+        print(
+            f"{cp:>3} {max(balanced) / statistics.mean(balanced):>14.3f} "
+            f"{max(contiguous) / statistics.mean(contiguous):>11.3f}"
+        )
 
-    print("\nbytes sent per rank: counted vs analytic; wire = bytes a ring algorithm puts on this rank's link,"
-          " as a fraction of the whole sequence's K+V bytes")
-    print(f"{'cp':>3} {'comm':>10} {'phase':>8} {'kind':>14} {'counted':>11} {'analytic':>11} {'ratio':>6} "
-          f"{'wire/KV':>8}")
+    print(
+        "\nbytes sent per rank: counted vs analytic; wire = bytes a ring algorithm puts on this rank's link,"
+        " as a fraction of the whole sequence's K+V bytes"
+    )
+    print(
+        f"{'cp':>3} {'comm':>10} {'phase':>8} {'kind':>14} {'counted':>11} {'analytic':>11} {'ratio':>6} {'wire/KV':>8}"
+    )
     exact = True
     for cp, ranks in runs.items():
         for comm in COMM_TYPES:
             expected = analytic(args, cp, comm)
             for rank_result in ranks:
-                counted = {(phase, kind): n for phase in ("forward", "backward")
-                           for kind, n in rank_result[comm][phase].items()}
+                counted = {
+                    (phase, kind): n
+                    for phase in ("forward", "backward")
+                    for kind, n in rank_result[comm][phase].items()
+                }
                 exact &= counted == expected
             for (phase, kind), n in expected.items():
                 c = counted.get((phase, kind), 0)
                 wire = c if kind == "p2p" else c * (cp - 1) / cp
-                print(f"{cp:>3} {comm:>10} {phase:>8} {kind:>14} {c:>11,} {n:>11,} {c / n:>6.3f} "
-                      f"{wire / (cp * block_bytes(args, cp)):>8.3f}")
+                print(
+                    f"{cp:>3} {comm:>10} {phase:>8} {kind:>14} {c:>11,} {n:>11,} {c / n:>6.3f} "
+                    f"{wire / (cp * block_bytes(args, cp)):>8.3f}"
+                )
     print("counted volume equals the analytic volume on every rank" if exact else "MISMATCH with the analytic volume")
 
     print("\nstep time (fwd+bwd, median of the slowest rank)")

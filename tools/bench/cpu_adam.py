@@ -12,6 +12,7 @@ grad, m, v; write param, m, v), and that as a share of the machine's copy bandwi
 here (read + write of a large tensor: the ceiling for a streaming kernel). Last line:
 `ratio ours/torch-fused: X` (target <= 1.0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def chunks(total: int, chunk: int) -> list[torch.nn.Parameter]:
 
 def ours(params: list):
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-    optimizers = [CpuAdamW(p.data, p.grad, m, v, decay=[(1024, p.numel())], decoupled=[])
-                  for p, (m, v) in zip(params, state)]
+    optimizers = [
+        CpuAdamW(p.data, p.grad, m, v, decay=[(1024, p.numel())], decoupled=[]) for p, (m, v) in zip(params, state)
+    ]
     count = [0]
 
     def step():
@@ -82,8 +84,7 @@ def torch_adamw(params: list, **kind):
             leaf = torch.nn.Parameter(view.detach())
             leaf.grad = torch.randn_like(leaf)
             leaves[-1].append(leaf)
-    optimizer = torch.optim.AdamW([{"params": leaves[0]}, {"params": leaves[1], "weight_decay": 0.0}],
-                                  **HYPER, **kind)
+    optimizer = torch.optim.AdamW([{"params": leaves[0]}, {"params": leaves[1], "weight_decay": 0.0}], **HYPER, **kind)
     return optimizer.step
 
 
@@ -92,8 +93,14 @@ def deepspeed_adam(params: list):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError:
         return None
-    optimizer = DeepSpeedCPUAdam(params, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
-                                 weight_decay=HYPER["weight_decay"], adamw_mode=True)
+    optimizer = DeepSpeedCPUAdam(
+        params,
+        lr=HYPER["lr"],
+        betas=HYPER["betas"],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        adamw_mode=True,
+    )
     return optimizer.step
 
 
@@ -108,11 +115,17 @@ def main(argv=None) -> None:
     total, chunk = int(args.params), int(args.chunk)
     ceiling = copy_bandwidth(chunk, args.steps)
     params = chunks(total, chunk)
-    print(f"AdamW step over {total / 1e6:.0f}M fp32 elements in chunks of {chunk / 1e6:.0f}M, {args.threads} threads, "
-          f"torch {torch.__version__}; copy bandwidth {ceiling:.1f} GB/s (the ceiling)")
+    print(
+        f"AdamW step over {total / 1e6:.0f}M fp32 elements in chunks of {chunk / 1e6:.0f}M, {args.threads} threads, "
+        f"torch {torch.__version__}; copy bandwidth {ceiling:.1f} GB/s (the ceiling)"
+    )
     print(f"{'implementation':<28}{'s/step':>10}{'GB/s':>10}{'of ceiling':>12}")
-    steps = {"ours (cpu_adam.CpuAdamW)": ours(params), "torch AdamW fused=True": torch_adamw(params, fused=True),
-             "torch AdamW foreach=True": torch_adamw(params, foreach=True), "DeepSpeedCPUAdam": deepspeed_adam(params)}
+    steps = {
+        "ours (cpu_adam.CpuAdamW)": ours(params),
+        "torch AdamW fused=True": torch_adamw(params, fused=True),
+        "torch AdamW foreach=True": torch_adamw(params, foreach=True),
+        "DeepSpeedCPUAdam": deepspeed_adam(params),
+    }
     results = interleaved_medians({k: v for k, v in steps.items() if v is not None}, args.steps)
     for name in steps:
         seconds = results.get(name)

@@ -16,6 +16,7 @@ reduce-scatter per microbatch; two parameter all-gathers per microbatch for opti
 and for optim_grads_params the gathers modules waited for: how many per step, the share that
 was ready (whole already, or prefetched by the previous module's hook) and the time spent in them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,27 @@ from megatron.core.distributed.param_and_grad_buffer import Bucket  # noqa: E402
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
-FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-size", "688",
-         "--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "100", "--mock-data",
-         "--vocab-size", "1000", "--ddp-bucket-size", "200000"]
+FLAGS = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--ffn-hidden-size",
+    "688",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "100",
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--ddp-bucket-size",
+    "200000",
+]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 COLLECTIVES = {"all_reduce": 0, "reduce_scatter_single": 1, "all_gather_single": 0}  # -> the full-size argument
 
@@ -55,6 +74,7 @@ def count_collectives():
             tensor = args[COLLECTIVES[name]]
             counts[name] = counts.get(name, 0) + tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
+
         return counted
 
     for name, fn in originals.items():
@@ -69,8 +89,9 @@ def count_collectives():
 def sent_bytes(counts: dict, d: int) -> float:
     """Bytes one rank sends for these collectives with ring algorithms over d ranks."""
     ring = (d - 1) / d
-    return ring * (2 * counts.get("all_reduce", 0) + counts.get("reduce_scatter_single", 0)
-                   + counts.get("all_gather_single", 0))
+    return ring * (
+        2 * counts.get("all_reduce", 0) + counts.get("reduce_scatter_single", 0) + counts.get("all_gather_single", 0)
+    )
 
 
 def _trainer(extra: list[str]) -> Trainer:
@@ -121,16 +142,24 @@ def measure(rank: int, extra: list[str], iters: int) -> dict:
     finally:
         ModelChunkBuffers.finish_grad_sync = finish
         Bucket.gather_params = gather
-    return {"gathers": gathers, "step": statistics.median(times), "wait": statistics.median(waits), "counts": counts,
-            "state": trainer.optimizer.state_bytes(), "params": trainer.parameters_on_rank(),
-            "kept": sum(sum(chunk.buffer.kept_bytes()) for chunk in trainer.chunks)}
+    return {
+        "gathers": gathers,
+        "step": statistics.median(times),
+        "wait": statistics.median(waits),
+        "counts": counts,
+        "state": trainer.optimizer.state_bytes(),
+        "params": trainer.parameters_on_rank(),
+        "kept": sum(sum(chunk.buffer.kept_bytes()) for chunk in trainer.chunks),
+    }
 
 
 def _gathers(result: dict, iters: int) -> str:
     g = result["gathers"]
     if not g["calls"]:
         return "-"
-    return f"{g['calls'] // iters} per step, {100 * g['ready'] / g['calls']:.0f}% ready, {1e3 * g['seconds'] / iters:.1f}"
+    return (
+        f"{g['calls'] // iters} per step, {100 * g['ready'] / g['calls']:.0f}% ready, {1e3 * g['seconds'] / iters:.1f}"
+    )
 
 
 def run_all(rank: int, variants: list, iters: int) -> list[dict]:
@@ -145,29 +174,39 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist_opt = ["--use-distributed-optimizer"]
-    variants = [("replicated fp32", []), ("distributed fp32", dist_opt), ("replicated bf16", ["--bf16"]),
-                ("distributed bf16", dist_opt + ["--bf16"]),
-                ("distributed fp32, --overlap-param-gather", dist_opt + ["--overlap-param-gather"]),
-                ("distributed fp32, --no-overlap-grad-reduce", dist_opt + ["--no-overlap-grad-reduce"]),
-                ("replicated fp32, --no-overlap-grad-reduce", ["--no-overlap-grad-reduce"]),
-                ("optim_grads bf16", FSDP + ["optim_grads", "--bf16"]),
-                ("optim_grads_params bf16", FSDP + ["optim_grads_params", "--bf16"])]
-    print("| dp | optimizer | step ms | step / replicated | state bytes per rank | bytes per parameter "
-          "(12/d or 8/d) | weights + gradients kept per rank | sent per rank per step (collectives) | "
-          "backward wait on reductions ms | parameter gathers waited for: ready (whole or prefetched), ms per step |")
+    variants = [
+        ("replicated fp32", []),
+        ("distributed fp32", dist_opt),
+        ("replicated bf16", ["--bf16"]),
+        ("distributed bf16", dist_opt + ["--bf16"]),
+        ("distributed fp32, --overlap-param-gather", dist_opt + ["--overlap-param-gather"]),
+        ("distributed fp32, --no-overlap-grad-reduce", dist_opt + ["--no-overlap-grad-reduce"]),
+        ("replicated fp32, --no-overlap-grad-reduce", ["--no-overlap-grad-reduce"]),
+        ("optim_grads bf16", FSDP + ["optim_grads", "--bf16"]),
+        ("optim_grads_params bf16", FSDP + ["optim_grads_params", "--bf16"]),
+    ]
+    print(
+        "| dp | optimizer | step ms | step / replicated | state bytes per rank | bytes per parameter "
+        "(12/d or 8/d) | weights + gradients kept per rank | sent per rank per step (collectives) | "
+        "backward wait on reductions ms | parameter gathers waited for: ready (whole or prefetched), ms per step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dp in (2, 4):
-        results = run_distributed(dp, run_all, [(n, v + ["--global-batch-size", str(4 * dp)]) for n, v in variants],
-                                  args.iters)[0]
+        results = run_distributed(
+            dp, run_all, [(n, v + ["--global-batch-size", str(4 * dp)]) for n, v in variants], args.iters
+        )[0]
         base = {"fp32": results[0]["step"], "bf16": results[2]["step"]}
         for (name, _), r in zip(variants, results):
             full = 12 if "bf16" in name else 8
             shards = 1 if name.startswith("replicated") else dp
-            kinds = ", ".join(f"{k.split('_')[0]}-{k.split('_')[1]} {v / 2**20:.2f} MiB"
-                              for k, v in sorted(r["counts"].items()))
-            print(f"| {dp} | {name} | {r['step'] * 1e3:.1f} | {r['step'] / base[name.split(',')[0][-4:]]:.2f} | "
-                  f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | {r['kept']:,} | "
-                  f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} | {_gathers(r, args.iters)} |")
+            kinds = ", ".join(
+                f"{k.split('_')[0]}-{k.split('_')[1]} {v / 2**20:.2f} MiB" for k, v in sorted(r["counts"].items())
+            )
+            print(
+                f"| {dp} | {name} | {r['step'] * 1e3:.1f} | {r['step'] / base[name.split(',')[0][-4:]]:.2f} | "
+                f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | {r['kept']:,} | "
+                f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} | {_gathers(r, args.iters)} |"
+            )
     return 0
 
 

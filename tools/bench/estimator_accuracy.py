@@ -37,6 +37,7 @@ measurement byte for byte. Transients and allowances are not measured (CPU has n
 allocator statistics); nor are the whole buckets that sharded strategies gather or fill
 during forward/backward (the estimate's `gathered_bytes`).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,18 +56,60 @@ from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_
 from megatron.training.memory_check import layout_from_run  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
-BASE = ["--num-layers", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "1", "--mock-data", "--vocab-size", "100"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "1",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+]
 MODELS = {  # GPT keeps its dropout (CPU attention takes the math path); Llama has none (CPU flash path)
     "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4"]),
-    "llama": (LLAMA_DEFAULTS, ["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
-                               "--num-query-groups", "4", "--ffn-hidden-size", "96"]),
+    "llama": (
+        LLAMA_DEFAULTS,
+        [
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "8",
+            "--group-query-attention",
+            "--num-query-groups",
+            "4",
+            "--ffn-hidden-size",
+            "96",
+        ],
+    ),
     # head dim 64, which our Triton flash-attention kernel takes; 2 layers, 2 microbatches (interpreter speed)
-    "llama-d64": (LLAMA_DEFAULTS, ["--hidden-size", "128", "--num-attention-heads", "2", "--ffn-hidden-size", "192",
-                                   "--num-layers", "2", "--global-batch-size", "4"]),
+    "llama-d64": (
+        LLAMA_DEFAULTS,
+        [
+            "--hidden-size",
+            "128",
+            "--num-attention-heads",
+            "2",
+            "--ffn-hidden-size",
+            "192",
+            "--num-layers",
+            "2",
+            "--global-batch-size",
+            "4",
+        ],
+    ),
 }
-TP2, SP, PP2, VPP2 = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
-                      ["--pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"])
+TP2, SP, PP2, VPP2 = (
+    ["--tensor-model-parallel-size", "2"],
+    ["--sequence-parallel"],
+    ["--pipeline-model-parallel-size", "2"],
+    ["--num-layers-per-virtual-pipeline-stage", "1"],
+)
 FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective"]
@@ -87,35 +130,65 @@ OPTIM_GRADS_PARAMS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
     **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
-    2: [("dp2", "gpt", []), ("dp2-bf16", "llama", BF16), ("tp2", "gpt", TP2), ("tp2-sp", "llama", TP2 + SP),
-        ("tp2-sp-selective", "gpt", TP2 + SP + SELECTIVE), ("pp2-vpp2", "llama", PP2 + VPP2),
+    2: [
+        ("dp2", "gpt", []),
+        ("dp2-bf16", "llama", BF16),
+        ("tp2", "gpt", TP2),
+        ("tp2-sp", "llama", TP2 + SP),
+        ("tp2-sp-selective", "gpt", TP2 + SP + SELECTIVE),
+        ("pp2-vpp2", "llama", PP2 + VPP2),
         ("pp2-vpp2-full-uniform", "gpt", PP2 + VPP2 + FULL_UNIFORM),
-        ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16), ("pp2-uneven-1-3", "llama", PP2 + UNEVEN),
-        ("dp2-distopt", "gpt", DISTOPT), ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
-        ("cp2", "llama", CP2), ("dp2-offload-bf16", "llama", OFFLOAD + BF16),
+        ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16),
+        ("pp2-uneven-1-3", "llama", PP2 + UNEVEN),
+        ("dp2-distopt", "gpt", DISTOPT),
+        ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
+        ("cp2", "llama", CP2),
+        ("dp2-offload-bf16", "llama", OFFLOAD + BF16),
         ("dp2-offload-half-buckets", "gpt", OFFLOAD + HALF + BUCKETS),
         ("dp2-offload-half-bf16-buckets", "llama", OFFLOAD + HALF + BF16 + BUCKETS),
         ("dp2-optim-grads-bf16-buckets", "llama", OPTIM_GRADS + BF16 + BUCKETS),
         ("dp2-optim-grads-params-buckets", "gpt", OPTIM_GRADS_PARAMS + BUCKETS),
-        ("dp2-optim-grads-params-offload-half-bf16-buckets", "llama",
-         OPTIM_GRADS_PARAMS + OFFLOAD + HALF + BF16 + BUCKETS),
-        ("dp2-optim-grads-params-host-full-bf16-buckets", "llama", OPTIM_GRADS_PARAMS + OFFLOAD + HOST_FULL + BF16
-         + BUCKETS),
-        ("dp2-optim-grads-host-grads-half-buckets", "gpt", OPTIM_GRADS + OFFLOAD + ["--grad-offload-fraction", "0.5"]
-         + BUCKETS)],
-    4: [("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2), ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
-        ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]), ("dp2-pp2-bf16", "gpt", PP2 + BF16),
-        ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16), ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
-        ("cp2-tp2-sp", "llama", CP2 + TP2 + SP), ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),
+        (
+            "dp2-optim-grads-params-offload-half-bf16-buckets",
+            "llama",
+            OPTIM_GRADS_PARAMS + OFFLOAD + HALF + BF16 + BUCKETS,
+        ),
+        (
+            "dp2-optim-grads-params-host-full-bf16-buckets",
+            "llama",
+            OPTIM_GRADS_PARAMS + OFFLOAD + HOST_FULL + BF16 + BUCKETS,
+        ),
+        (
+            "dp2-optim-grads-host-grads-half-buckets",
+            "gpt",
+            OPTIM_GRADS + OFFLOAD + ["--grad-offload-fraction", "0.5"] + BUCKETS,
+        ),
+    ],
+    4: [
+        ("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2),
+        ("tp2-sp-pp2-bf16", "llama", TP2 + SP + PP2 + BF16),
+        ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]),
+        ("dp2-pp2-bf16", "gpt", PP2 + BF16),
+        ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16),
+        ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
+        ("cp2-tp2-sp", "llama", CP2 + TP2 + SP),
+        ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),
         ("dp2-pp2-vpp2-offload-half-bf16-buckets", "gpt", PP2 + VPP2 + OFFLOAD + HALF + BF16 + BUCKETS),
         ("cp2-dp2-pp2-optim-grads", "gpt", CP2 + PP2 + OPTIM_GRADS + NO_ATTN_DROPOUT),
         ("tp2-sp-dp2-optim-grads-params-bf16", "llama", TP2 + SP + OPTIM_GRADS_PARAMS + BF16),
         ("cp2-dp2-optim-grads-params-bf16-buckets", "llama", CP2 + OPTIM_GRADS_PARAMS + BF16 + BUCKETS),
         ("dp2-pp2-vpp2-optim-grads-params", "gpt", PP2 + VPP2 + OPTIM_GRADS_PARAMS),
-        ("dp2-pp2-vpp2-optim-grads-params-reshard-bf16", "llama",
-         PP2 + VPP2 + OPTIM_GRADS_PARAMS + ["--reshard-params-after-forward"] + BF16),
-        ("tp2-sp-dp2-optim-grads-params-host-half-bf16", "llama", TP2 + SP + OPTIM_GRADS_PARAMS + OFFLOAD + HOST_HALF
-         + BF16 + BUCKETS)],
+        (
+            "dp2-pp2-vpp2-optim-grads-params-reshard-bf16",
+            "llama",
+            PP2 + VPP2 + OPTIM_GRADS_PARAMS + ["--reshard-params-after-forward"] + BF16,
+        ),
+        (
+            "tp2-sp-dp2-optim-grads-params-host-half-bf16",
+            "llama",
+            TP2 + SP + OPTIM_GRADS_PARAMS + OFFLOAD + HOST_HALF + BF16 + BUCKETS,
+        ),
+    ],
 }
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
@@ -191,17 +264,24 @@ def measure(trainer: Trainer) -> dict:
         return [t for t in tensors if _storage(t)[0] != slab]
 
     buckets = [b for c in trainer.chunks for b in c.buffer.buckets]
-    grads = [t for c in trainer.chunks for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else
-                                                  [b.grad_shard for b in c.buffer.buckets])]
+    grads = [
+        t
+        for c in trainer.chunks
+        for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else [b.grad_shard for b in c.buffer.buckets])
+    ]
     grads += [p.grad for p in params if p.grad is not None]
     # the weights' storages, and the persistent shards where a bucket's whole parameters are
     # transient (optim_grads_params: released after the step, so they count only if still there)
     weights = params + [b.param_shard for b in buckets]
-    return {"parameters": sum(p.numel() for p in params), "weights_bytes": _unique_bytes(on_device(weights)),
-            "grads_bytes": _unique_bytes(on_device(grads)),
-            "optimizer_bytes": _unique_bytes(on_device(trainer.optimizer.adam.state_tensors())),
-            "host_bytes": memory.nbytes if memory is not None else 0,
-            "activations_bytes": meter.peak_bytes, "peak_microbatches": meter.peak_microbatches}
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "weights_bytes": _unique_bytes(on_device(weights)),
+        "grads_bytes": _unique_bytes(on_device(grads)),
+        "optimizer_bytes": _unique_bytes(on_device(trainer.optimizer.adam.state_tensors())),
+        "host_bytes": memory.nbytes if memory is not None else 0,
+        "activations_bytes": meter.peak_bytes,
+        "peak_microbatches": meter.peak_microbatches,
+    }
 
 
 def run_config(model: str, flags: list[str], world_size: int):
@@ -231,8 +311,15 @@ def compare(world_size: int, layouts: list, per_rank: list) -> list[dict]:
         for rank, results in enumerate(per_rank):
             got = results[index]
             expected = estimate(model, flags, world_size, got["pp_rank"])
-            rows.append({"layout": f"{model} {name}", "rank": rank, "pp_rank": got["pp_rank"],
-                         "measured": got["measured"], "estimate": expected})
+            rows.append(
+                {
+                    "layout": f"{model} {name}",
+                    "rank": rank,
+                    "pp_rank": got["pp_rank"],
+                    "measured": got["measured"],
+                    "estimate": expected,
+                }
+            )
     return rows
 
 
@@ -244,8 +331,10 @@ def main() -> int:
     from tests.distributed import run_distributed
 
     print("Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n")
-    print("| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | host | activations "
-          "| microbatch-chunks in flight |")
+    print(
+        "| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | host | activations "
+        "| microbatch-chunks in flight |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     differing = 0
     for world, layouts in LAYOUTS.items():

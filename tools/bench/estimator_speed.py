@@ -14,6 +14,7 @@
    (tp, cp, pp, virtual stages, micro batch 1/2/4/8, three recomputations, both optimizers): the
    number of layouts, of distinct traces, and the seconds. Cold: nothing traced before.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,24 @@ from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 
 GIB = 1 << 30
 LLAMA_405B = TransformerConfig(
-    num_layers=126, hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128, num_query_groups=8,
-    vocab_size=128256, seq_length=8192, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-    add_bias_linear=False, untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
-    params_dtype=torch.bfloat16, rotary_base=500000.0, rope_scaling=True)
+    num_layers=126,
+    hidden_size=16384,
+    ffn_hidden_size=53248,
+    num_attention_heads=128,
+    num_query_groups=8,
+    vocab_size=128256,
+    seq_length=8192,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    params_dtype=torch.bfloat16,
+    rotary_base=500000.0,
+    rope_scaling=True,
+)
 TP, PP, DP = 8, 16, 16
 
 
@@ -53,8 +68,16 @@ def start_up() -> float:
 
 def one_layout() -> tuple[float, float, float]:
     config = TransformerConfig(**{**LLAMA_405B.__dict__, "tensor_model_parallel_size": TP, "sequence_parallel": True})
-    layout = MemoryLayout(tp=TP, pp=PP, dp=DP, micro_batch_size=1, num_microbatches=128, distributed_optimizer=True,
-                          first_stage_layers=7, last_stage_layers=7)
+    layout = MemoryLayout(
+        tp=TP,
+        pp=PP,
+        dp=DP,
+        micro_batch_size=1,
+        num_microbatches=128,
+        distributed_optimizer=True,
+        first_stage_layers=7,
+        last_stage_layers=7,
+    )
     trace_cache_clear()
     started = time.perf_counter()
     estimate = estimate_memory(config, layout)
@@ -76,12 +99,16 @@ def planner(num_gpus: int = 1024, global_batch: int = 1024) -> tuple[int, int, i
 def main() -> int:
     print(f"start-up: the first fake-tensor mode of a process imports torch's tracing stack: {start_up():.1f} s")
     cold, warm, gib = one_layout()
-    print(f"Llama-3.1-405B, tp {TP} pp {PP} (7/8../8/7 layers) dp {DP}, seq 8192, micro batch 1: "
-          f"estimate {cold:.2f} s cold, {warm:.3f} s warm (worst rank {gib:.1f} GiB)")
+    print(
+        f"Llama-3.1-405B, tp {TP} pp {PP} (7/8../8/7 layers) dp {DP}, seq 8192, micro batch 1: "
+        f"estimate {cold:.2f} s cold, {warm:.3f} s warm (worst rank {gib:.1f} GiB)"
+    )
     layouts, fitting, traces, seconds, cpu = planner()
-    print(f"planner, Llama-3.1-405B on 1024 GPUs, global batch 1024: {layouts} layouts "
-          f"({fitting} fit in 80 GiB), {traces} traces: {seconds:.1f} s wall, {cpu:.1f} s CPU "
-          f"({1000 * seconds / layouts:.1f} ms per layout)")
+    print(
+        f"planner, Llama-3.1-405B on 1024 GPUs, global batch 1024: {layouts} layouts "
+        f"({fitting} fit in 80 GiB), {traces} traces: {seconds:.1f} s wall, {cpu:.1f} s CPU "
+        f"({1000 * seconds / layouts:.1f} ms per layout)"
+    )
     return 0
 
 

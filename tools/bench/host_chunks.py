@@ -24,6 +24,7 @@ On CPU host = device: the copies are memcpy within one memory, the CPU Adam step
 cores with the training thread, and the gathers are gloo's. So the bytes and the hit rate are
 the ones a GPU run would see, the times are not: nothing here has run on a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,15 +49,40 @@ from megatron.training.memory_check import layout_from_run  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
 DP = 2
-FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-size", "688",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", str(2 * 2 * DP), "--train-iters",
-         "100", "--mock-data", "--vocab-size", "1000", "--ddp-bucket-size", "200000", "--bf16",
-         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+FLAGS = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--ffn-hidden-size",
+    "688",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    str(2 * 2 * DP),
+    "--train-iters",
+    "100",
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--ddp-bucket-size",
+    "200000",
+    "--bf16",
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+]
 OFFLOAD = ["--optimizer-cpu-offload"]
-LAYOUTS = [("no offload", []),
-           ("static full 1/1/1", OFFLOAD + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]),
-           ("static half 1/0.5/0.5", OFFLOAD + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]),
-           ("auto", OFFLOAD + ["--offload-policy", "auto"])]  # --device-memory-gb: auto_budget_gb()
+LAYOUTS = [
+    ("no offload", []),
+    ("static full 1/1/1", OFFLOAD + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]),
+    ("static half 1/0.5/0.5", OFFLOAD + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]),
+    ("auto", OFFLOAD + ["--offload-policy", "auto"]),
+]  # --device-memory-gb: auto_budget_gb()
 MIB = float(1 << 20)
 
 
@@ -120,10 +146,19 @@ def _counts(trainer, steps: int) -> dict:
         return {}
     stats, fetches = optimizer.adam.offload.take_stats(), optimizer.host.take_stats()
     assert stats.steps == steps, (stats.steps, steps)
-    out = dict(d2h=(stats.d2h_bytes + fetches.d2h_bytes) / steps, h2d=(stats.h2d_bytes + fetches.h2d_bytes) / steps,
-               step_d2h=stats.d2h_bytes / steps, step_h2d=stats.h2d_bytes / steps, fetches=fetches.fetches / steps,
-               hit_rate=fetches.hit_rate, wait=fetches.wait_seconds / steps, cpu=stats.cpu_seconds / steps,
-               counts=optimizer.host.placement.counts(), chunks=len(optimizer.shards), analytic=analytic_bytes(trainer))
+    out = dict(
+        d2h=(stats.d2h_bytes + fetches.d2h_bytes) / steps,
+        h2d=(stats.h2d_bytes + fetches.h2d_bytes) / steps,
+        step_d2h=stats.d2h_bytes / steps,
+        step_h2d=stats.h2d_bytes / steps,
+        fetches=fetches.fetches / steps,
+        hit_rate=fetches.hit_rate,
+        wait=fetches.wait_seconds / steps,
+        cpu=stats.cpu_seconds / steps,
+        counts=optimizer.host.placement.counts(),
+        chunks=len(optimizer.shards),
+        analytic=analytic_bytes(trainer),
+    )
     if trainer.placement_decision is not None:
         out["decision"] = trainer.placement_decision.describe()
     return out
@@ -155,8 +190,10 @@ def measure(rank: int, rounds: int, iters: int) -> tuple[list, list[dict]]:
                 trainer.optimizer.wait_for_step()  # the last step's CPU work and copies count too
                 times[index].append(_slowest(time.perf_counter() - start) / iters)
             iteration += iters
-    results = [dict(_counts(trainer, rounds * iters), step=statistics.median(t), all_wait=w / (rounds * iters))
-               for trainer, t, w in zip(trainers, times, waits)]
+    results = [
+        dict(_counts(trainer, rounds * iters), step=statistics.median(t), all_wait=w / (rounds * iters))
+        for trainer, t, w in zip(trainers, times, waits)
+    ]
     for trainer in trainers:
         trainer.close()
     return [name for name, _ in layouts], results
@@ -170,9 +207,11 @@ def _row(name: str, r: dict, reference: float) -> str:
     c = r["counts"]
     ahead = f"{100 * r['hit_rate']:.0f}%" if r["fetches"] else "-"
     d2h, h2d = r["analytic"]
-    return (f"| {name} | {c['optimizer']}/{c['grads']}/{c['params']} of {r['chunks']} | {r['d2h'] / MIB:.2f} "
-            f"({r['step_d2h'] / MIB:.2f}) | {r['h2d'] / MIB:.2f} ({r['step_h2d'] / MIB:.2f}) | {d2h / MIB:.2f} / "
-            f"{h2d / MIB:.2f} | {r['fetches']:.1f} | {ahead} | {1e3 * r['wait']:.1f} | {times}")
+    return (
+        f"| {name} | {c['optimizer']}/{c['grads']}/{c['params']} of {r['chunks']} | {r['d2h'] / MIB:.2f} "
+        f"({r['step_d2h'] / MIB:.2f}) | {r['h2d'] / MIB:.2f} ({r['step_h2d'] / MIB:.2f}) | {d2h / MIB:.2f} / "
+        f"{h2d / MIB:.2f} | {r['fetches']:.1f} | {ahead} | {1e3 * r['wait']:.1f} | {times}"
+    )
 
 
 def main() -> int:
@@ -185,17 +224,21 @@ def main() -> int:
             parser.error(f"{flag} must be >= 1, got {value}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     names, results = run_distributed(DP, measure, args.rounds, args.iters)[0]
-    print(f"host-resident chunks, optim_grads_params, dp {DP}, 2 microbatches per rank, bf16 tiny Llama on CPU "
-          f"(rank 0's bytes per step over {args.rounds * args.iters} steps after a warm-up step; step time: median "
-          f"over {args.rounds} rounds of {args.iters} steps). On CPU host = device: the copies are memcpy and nothing "
-          f"here has run on a GPU; the bytes and the share started ahead carry over to a GPU, the times do not.")
+    print(
+        f"host-resident chunks, optim_grads_params, dp {DP}, 2 microbatches per rank, bf16 tiny Llama on CPU "
+        f"(rank 0's bytes per step over {args.rounds * args.iters} steps after a warm-up step; step time: median "
+        f"over {args.rounds} rounds of {args.iters} steps). On CPU host = device: the copies are memcpy and nothing "
+        f"here has run on a GPU; the bytes and the share started ahead carry over to a GPU, the times do not."
+    )
     for name, r in zip(names, results):
         if "decision" in r:
             print(f"{name}: {r['decision']}")
-    print("| layout | chunks on host: optimizer/grads/params | device->host MiB (of it the optimizer step) | "
-          "host->device MiB (of it the optimizer step) | analytic device->host / host->device MiB | "
-          "parameter gathers from host | started ahead | "
-          "waited for them ms | waited for all parameter gathers ms | CPU step ms | step ms | step / no offload |")
+    print(
+        "| layout | chunks on host: optimizer/grads/params | device->host MiB (of it the optimizer step) | "
+        "host->device MiB (of it the optimizer step) | analytic device->host / host->device MiB | "
+        "parameter gathers from host | started ahead | "
+        "waited for them ms | waited for all parameter gathers ms | CPU step ms | step ms | step / no offload |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in zip(names, results):
         print(_row(name, r, results[0]["step"]))

@@ -19,6 +19,7 @@ invisible to tracemalloc, but a resident page is a resident page. Time is the
 best of --repeats. Both paths give layout-independent values, though different
 ones (a tile's seed differs from the whole tensor's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    tensors = {"fc1 (gate/up, dim 0)": ((2 * args.ffn, args.hidden), 0, 2),
-               "fc2 (dim 1)": ((args.hidden, args.ffn), 1, 1)}
+    tensors = {
+        "fc1 (gate/up, dim 0)": ((2 * args.ffn, args.hidden), 0, 2),
+        "fc2 (dim 1)": ((args.hidden, args.ffn), 1, 1),
+    }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, bf16 parameters, rank 0 of tp\n")
     print("| tensor | tp | shard MiB | peak extra MiB old | ours | old / ours | time s old | ours | old / ours |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -94,8 +97,10 @@ def main(argv: list[str]) -> int:
             old_peak, old_s = measure(old_initialize, spec, args.repeats)
             new_peak, new_s = measure(initialize_, spec, args.repeats)
             shard_mib = 2 * shape[0] * shape[1] / tp / MIB
-            print(f"| {label} | {tp} | {shard_mib:.0f} | {old_peak / MIB:.1f} | {new_peak / MIB:.1f} | "
-                  f"{old_peak / new_peak:.0f}x | {old_s:.2f} | {new_s:.2f} | {old_s / new_s:.2f}x |")
+            print(
+                f"| {label} | {tp} | {shard_mib:.0f} | {old_peak / MIB:.1f} | {new_peak / MIB:.1f} | "
+                f"{old_peak / new_peak:.0f}x | {old_s:.2f} | {new_s:.2f} | {old_s / new_s:.2f}x |"
+            )
     return 0
 
 

@@ -18,6 +18,7 @@ recent GPUs for fp16/bf16) on the same [b, s, h, d] tensors transposed to [b, h,
 views; torch.nn.functional.rms_norm / layer_norm. apex: FusedRMSNorm / FusedLayerNorm
 (apex has no comparable attention op). Needs a CUDA GPU; without one it exits with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,8 @@ def bench_ms(fn):
 def measure_peaks(dtype):
     """(matmul TFLOP/s, copy GB/s) measured on this GPU."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=dtype) for _ in range(2))
-    tflops = 2 * 8192 ** 3 / bench_ms(lambda: a @ b) / 1e9
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    tflops = 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     gbps = 2 * src.numel() / bench_ms(lambda: src.clone()) / 1e6
     return tflops, gbps
 
@@ -68,14 +69,16 @@ def attention_cases(args, dtype):
     from kernels.flash_attention import flash_attention
 
     def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=args.causal).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=args.causal
+        ).transpose(1, 2)
 
     heads, head_dim = args.heads, args.head_dim
     for seq in args.seqs:
         batch = max(1, args.tokens // seq)
-        q, k, v = (torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+        )
         flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if args.causal else 1.0)
         impls = {"torch": sdpa, "ours": lambda q, k, v: flash_attention(q, k, v, causal=args.causal, impl="triton")}
         shape = f"b{batch} s{seq} h{heads} d{head_dim}{' causal' if args.causal else ''}"
@@ -91,12 +94,16 @@ def norm_cases(kind, args, dtype):
         b = torch.zeros(hidden, device="cuda", dtype=dtype, requires_grad=True)
         if kind == "rms_norm":
             inputs = (x, w)
-            impls = {"torch": lambda x, w: F.rms_norm(x, (hidden,), w, 1e-5),
-                     "ours": lambda x, w: rms_norm(x, w, 1e-5, impl="triton")}
+            impls = {
+                "torch": lambda x, w: F.rms_norm(x, (hidden,), w, 1e-5),
+                "ours": lambda x, w: rms_norm(x, w, 1e-5, impl="triton"),
+            }
         else:
             inputs = (x, w, b)
-            impls = {"torch": lambda x, w, b: F.layer_norm(x, (hidden,), w, b, 1e-5),
-                     "ours": lambda x, w, b: layer_norm(x, w, b, 1e-5, impl="triton")}
+            impls = {
+                "torch": lambda x, w, b: F.layer_norm(x, (hidden,), w, b, 1e-5),
+                "ours": lambda x, w, b: layer_norm(x, w, b, 1e-5, impl="triton"),
+            }
         apex = apex_norm(kind, hidden, w, b)
         if apex is not None:
             impls["apex"] = apex
@@ -129,8 +136,11 @@ def run_case(name, shape, impls, inputs, units, peaks, dtype):
             ms = times[impl][i]
             rate = work / ms / scale
             ratio = times["torch"][i] / ms
-            print(f"{name:<10} {shape:<26} {label:<4} {impl:<6} {ms:9.3f} {rate:9.1f} {unit:<8} "
-                  f"{100 * rate / peak:6.1f}% {ratio:8.2f}x  {check}", flush=True)
+            print(
+                f"{name:<10} {shape:<26} {label:<4} {impl:<6} {ms:9.3f} {rate:9.1f} {unit:<8} "
+                f"{100 * rate / peak:6.1f}% {ratio:8.2f}x  {check}",
+                flush=True,
+            )
 
 
 def main():
@@ -153,11 +163,15 @@ def main():
 
     dtype = DTYPES[args.dtype]
     peaks = measure_peaks(dtype)
-    print(f"# {torch.cuda.get_device_name()}  {datetime.date.today()}  torch {torch.__version__}  "
-          f"triton {triton.__version__}  {args.dtype}")
+    print(
+        f"# {torch.cuda.get_device_name()}  {datetime.date.today()}  torch {torch.__version__}  "
+        f"triton {triton.__version__}  {args.dtype}"
+    )
     print(f"# measured peaks: matmul {peaks[0]:.1f} TFLOP/s, copy {peaks[1]:.1f} GB/s")
-    print(f"{'kernel':<10} {'shape':<26} {'pass':<4} {'impl':<6} {'ms':>9} {'rate':>9} {'unit':<8} "
-          f"{'%peak':>7} {'vs torch':>9}  check")
+    print(
+        f"{'kernel':<10} {'shape':<26} {'pass':<4} {'impl':<6} {'ms':>9} {'rate':>9} {'unit':<8} "
+        f"{'%peak':>7} {'vs torch':>9}  check"
+    )
     for kernel in args.kernels.split(","):
         cases = attention_cases(args, dtype) if kernel == "attention" else norm_cases(kernel, args, dtype)
         for case in cases:

@@ -37,6 +37,7 @@ line takes the best column. By the accounting only: no GPU has run these members
 Last line: `largest Llama that fits: node 8x80GiB+1TiB host <N>B parameters, one 80GiB GPU+256GiB
 host <M>B parameters`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,8 @@ GIB = float(1 << 30)
 WIDTHS = tuple(range(256, 16385, 128))
 FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy")
 PARTS = ("optimizer", "grads", "params")  # the order of --optimizer/--grad/--param-offload-fraction
-AUTO_ORDER = (("optimizer",), ("grads",), ("params",))   # to host in this order, as placement.auto_placement
-WITH_GRADIENTS = (("optimizer", "grads"), ("params",))   # a chunk's gradient goes to host with its optimizer state
+AUTO_ORDER = (("optimizer",), ("grads",), ("params",))  # to host in this order, as placement.auto_placement
+WITH_GRADIENTS = (("optimizer", "grads"), ("params",))  # a chunk's gradient goes to host with its optimizer state
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,33 @@ FIXED_BUDGETS = (("node 8x80GiB+1TiB host", 8, 80.0, 1024.0 / 8), ("one 80GiB GP
 BISECTIONS = 9  # a step's fraction to within 1/512 of its elements (a 90B member has ~300 chunks per rank)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
     """(model config, memory layout) of the member, with `fractions` (optimizer, grads, params) on host."""
-    argv = ["--num-layers", str(max(2, width // 128)), "--hidden-size", str(width), "--num-attention-heads",
-            str(max(2, width // 128)), "--seq-length", "2048", "--max-position-embeddings", "2048",
-            "--micro-batch-size", "1", "--global-batch-size", str(dp), "--vocab-size", "32000",
-            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argv = [
+        "--num-layers",
+        str(max(2, width // 128)),
+        "--hidden-size",
+        str(width),
+        "--num-attention-heads",
+        str(max(2, width // 128)),
+        "--seq-length",
+        "2048",
+        "--max-position-embeddings",
+        "2048",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(dp),
+        "--vocab-size",
+        "32000",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
     argv += (["--bf16"] if bf16 else []) + list(flags)
     optimizer, grads, params = fractions
     if optimizer:
@@ -109,7 +130,7 @@ def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
     return run.model, layout_from_run(run, "cuda")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def estimate(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
     """Pipeline rank 0 of the member, with `fractions` (optimizer, grads, params) on host."""
     return estimate_memory(*member_run(width, dp, bf16, flags, fractions)).ranks[0]
@@ -122,8 +143,15 @@ def auto_decision(width: int, dp: int, bf16: bool, budget: float, host_budget: f
     model, layout = member_run(*member, full)
     buffers = [chunk_buffer(model, layout, chunk) for chunk in rank_chunks(model, layout, 0)]
     costs = part_bytes(2 if bf16 else 4, shards_grads=True, shards_params=True)
-    return auto_placement(forward_order(buffers), shard_numels(buffers), costs, int(budget),
-                          estimate(*member, full).total_bytes, 2 if bf16 else 4, int(host_budget))
+    return auto_placement(
+        forward_order(buffers),
+        shard_numels(buffers),
+        costs,
+        int(budget),
+        estimate(*member, full).total_bytes,
+        2 if bf16 else 4,
+        int(host_budget),
+    )
 
 
 def device_bytes(rank) -> int:
@@ -142,6 +170,7 @@ def least_that_fits(member: tuple, path: tuple, budget: float) -> tuple:
     """The fractions at the least point of `path` whose device bytes fit `budget`, to within
     BISECTIONS halvings of a step (the path's end when none fits). Device bytes do not rise
     along a path: a larger fraction puts a superset of chunks on host."""
+
     def fits(fractions):
         return device_bytes(estimate(*member, fractions)) <= budget
 
@@ -189,14 +218,19 @@ def main(argv=None) -> None:
     parser.add_argument("--device-memory-gb", type=float, default=16.0)
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--host-memory-gb", type=float, help="host budget per rank (default: not limited)")
-    parser.add_argument("--fp32", action="store_true", help="fp32 weights (default bf16: 18 bytes per parameter "
-                        "with plain AdamW, 6 + 12/dp distributed, 6 offloaded)")
+    parser.add_argument(
+        "--fp32",
+        action="store_true",
+        help="fp32 weights (default bf16: 18 bytes per parameter with plain AdamW, 6 + 12/dp distributed, 6 offloaded)",
+    )
     args = parser.parse_args(argv)
     bf16 = not args.fp32
     budget = args.device_memory_gb * GIB
     host_budget = None if args.host_memory_gb is None else args.host_memory_gb * GIB
-    print(f"device budget {args.device_memory_gb} GiB per rank, dp {args.dp}, {'bf16' if bf16 else 'fp32'} weights, "
-          f"seq 2048, micro batch 1, full recomputation (GiB per rank on the device; offload: device / host)")
+    print(
+        f"device budget {args.device_memory_gb} GiB per rank, dp {args.dp}, {'bf16' if bf16 else 'fp32'} weights, "
+        f"seq 2048, micro batch 1, full recomputation (GiB per rank on the device; offload: device / host)"
+    )
     print(f"{'hidden':>7}{'layers':>7}{'parameters':>17}" + "".join(f"{c:>20}" for c in COLUMNS))
     for width in [w for w in WIDTHS if w <= 4096]:
         cells = []
@@ -212,15 +246,25 @@ def main(argv=None) -> None:
     for name, dp, device_gib, host_gib in FIXED_BUDGETS:
         found = largest(dp, bf16, device_gib * GIB, host_gib * GIB)
         plain = max(found["plain AdamW"][0], 1)
-        print(f"{name} (dp {dp}, {host_gib:g} GiB host per rank): " +
-              ", ".join(f"{k} {v / 1e9:.1f}B ({v / plain:.2f}x)" for k, (v, _) in found.items()) +
-              "; on host (optimizer/grads/params fractions): " +
-              ", ".join(f"{k} {_fractions(f)}" for k, (_, f) in found.items() if COLUMNS[k].on_host))
+        print(
+            f"{name} (dp {dp}, {host_gib:g} GiB host per rank): "
+            + ", ".join(f"{k} {v / 1e9:.1f}B ({v / plain:.2f}x)" for k, (v, _) in found.items())
+            + "; on host (optimizer/grads/params fractions): "
+            + ", ".join(f"{k} {_fractions(f)}" for k, (_, f) in found.items() if COLUMNS[k].on_host)
+        )
         best.append(f"{name} {max(v for v, _ in found.values()) / 1e9:.1f}B parameters")
-        auto = max((estimate(w, dp, bf16, OGP, (1.0, 1.0, 1.0)).parameters for w in WIDTHS
-                    if auto_decision(w, dp, bf16, device_gib * GIB, host_gib * GIB).fits), default=0)
-        print(f"  the trainer's --offload-policy auto there (chunk by chunk, 10% of the device kept free, its "
-              f"total estimate rather than the certain part): {auto / 1e9:.1f}B")
+        auto = max(
+            (
+                estimate(w, dp, bf16, OGP, (1.0, 1.0, 1.0)).parameters
+                for w in WIDTHS
+                if auto_decision(w, dp, bf16, device_gib * GIB, host_gib * GIB).fits
+            ),
+            default=0,
+        )
+        print(
+            f"  the trainer's --offload-policy auto there (chunk by chunk, 10% of the device kept free, its "
+            f"total estimate rather than the certain part): {auto / 1e9:.1f}B"
+        )
     print("largest Llama that fits: " + ", ".join(best))
 
 

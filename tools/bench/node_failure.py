@@ -17,6 +17,7 @@ A requeued job is started at once (`scontrol update StartTime=now`; SLURM would 
 and node2 is revived (`start 2`) as soon as the survivors have exited: a real cluster would place
 the job on a spare node instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.slurm import cluster  # noqa: E402
 from tests.slurm.test_multinode import (  # noqa: E402
-    JOB_ENV, KILL_AFTER, MODEL, TP2, TRAINING, TWO_NODES, _kill_last_rank)
+    JOB_ENV,
+    KILL_AFTER,
+    MODEL,
+    TP2,
+    TRAINING,
+    TWO_NODES,
+    _kill_last_rank,
+)
 
 SCENARIOS = ("torchrun", "soft", "hard", "hard-no-heartbeat")
 
 
 def _torchrun(out: Path):
     log, ckpt = out / "job.out", out / "ckpt"
-    env = {**JOB_ENV, "CKPT": ckpt, "GPUS_PER_NODE": "2", "BACKEND": "gloo", "PRECISION": "",
-           "PARALLEL": " ".join(TP2), "MODEL": " ".join(MODEL), "TORCHRUN_ARGS": "--max-restarts 1"}
+    env = {
+        **JOB_ENV,
+        "CKPT": ckpt,
+        "GPUS_PER_NODE": "2",
+        "BACKEND": "gloo",
+        "PRECISION": "",
+        "PARALLEL": " ".join(TP2),
+        "MODEL": " ".join(MODEL),
+        "TORCHRUN_ARGS": "--max-restarts 1",
+    }
     job = cluster.submit("llama_slurm.sbatch", log, ["-N2", "--gpus-per-node=0", "--cpus-per-task=1"], env, TRAINING)
     killed_at, exited, _ = cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: _kill_last_rank(ckpt))
     return job, log, killed_at, exited
@@ -69,8 +85,9 @@ def run(scenario: str, out: Path) -> tuple[float, float | None, float, int]:
     else:
         job, log, killed_at, exited = _node(out, hard=scenario != "soft", heartbeat=scenario != "hard-no-heartbeat")
     try:
-        cluster.wait_for("the resumed run", lambda: cluster.logged(log, r"> loaded [\s\S]*iteration\s+\d+/"),
-                         timeout=600)
+        cluster.wait_for(
+            "the resumed run", lambda: cluster.logged(log, r"> loaded [\s\S]*iteration\s+\d+/"), timeout=600
+        )
         resumed, lost = cluster.recovery(log, killed_at)
         cluster.wait_for("the job to complete", lambda: cluster.finished(job, log), timeout=600)
     finally:
@@ -96,11 +113,16 @@ def main() -> int:
             results[scenario] = run(scenario, out)
             exited, restarted, resumed, lost = results[scenario]
             requeued = f"{restarted:5.0f} s" if restarted is not None else "    - "
-            print(f"{scenario:18s}  survivors exited {exited:5.1f} s  requeued job started {requeued}  "
-                  f"training resumed {resumed:5.1f} s  iterations lost {lost}", flush=True)
+            print(
+                f"{scenario:18s}  survivors exited {exited:5.1f} s  requeued job started {requeued}  "
+                f"training resumed {resumed:5.1f} s  iterations lost {lost}",
+                flush=True,
+            )
     if "hard" in results and "hard-no-heartbeat" in results:
-        print(f"hard failure, survivors' exit: heartbeat off / on = "
-              f"{results['hard-no-heartbeat'][0] / results['hard'][0]:.1f}x")
+        print(
+            f"hard failure, survivors' exit: heartbeat off / on = "
+            f"{results['hard-no-heartbeat'][0] / results['hard'][0]:.1f}x"
+        )
     return 0
 
 

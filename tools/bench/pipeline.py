@@ -28,6 +28,7 @@ module's `_batch_p2p` (post) and `_wait_batch_p2p` (wait). --trace writes the
 median step of every run as a timeline that `tools/plot_pipeline_schedule.py
 --measured` draws next to the planned one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,8 +113,12 @@ def torch_loss(output, target):
 class Ours:
     def __init__(self, stages: list, mesh, args):
         self.chunks = [ModelChunkBuffers(s, DDPConfig(), mesh.dp_cp_group) for s in stages]
-        spec = PipelineSpec(p2p_shape=(args.tokens, 1, args.hidden), p2p_dtype=torch.float32,
-                            num_microbatches=args.microbatches, split_backward=args.split_backward)
+        spec = PipelineSpec(
+            p2p_shape=(args.tokens, 1, args.hidden),
+            p2p_dtype=torch.float32,
+            num_microbatches=args.microbatches,
+            split_backward=args.split_backward,
+        )
         self.executor = PipelineExecutor(self.chunks, mesh, spec)
         self.last = mesh.is_last_stage
         self.spans = []  # per step: the executor's spans, seconds since the step's start
@@ -165,8 +170,9 @@ class _TorchSpans:
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             microbatch = args[0] if kind in ("forward", "backward") else None
-            cls.current.append((kind, microbatch, chunk if microbatch is not None else None, start,
-                                time.perf_counter()))
+            cls.current.append(
+                (kind, microbatch, chunk if microbatch is not None else None, start, time.perf_counter())
+            )
             return out
 
         return timed
@@ -178,8 +184,10 @@ class Theirs:
 
         self.modules = stages
         num_stages = args.pp * len(stages)
-        self.stages = [PipelineStage(module, index, num_stages, torch.device("cpu"), group=mesh.pp_group)
-                       for module, index in zip(stages, stage_indices)]
+        self.stages = [
+            PipelineStage(module, index, num_stages, torch.device("cpu"), group=mesh.pp_group)
+            for module, index in zip(stages, stage_indices)
+        ]
         for stage in self.stages:
             _TorchSpans.wrap_stage(stage, args.pp)
         self.first = any(s.is_first for s in self.stages)
@@ -213,7 +221,7 @@ def _stages_for(blocks: list, p: int, v: int, rank: int, build=copy.deepcopy) ->
     """Fresh copies (`build(block)`) of the blocks of this rank's v chunks; chunk c is global stage c*p + rank."""
     per_stage = len(blocks) // (p * v)
     indices = [c * p + rank for c in range(v)]
-    stages = [Stage([build(b) for b in blocks[i * per_stage:(i + 1) * per_stage]]) for i in indices]
+    stages = [Stage([build(b) for b in blocks[i * per_stage : (i + 1) * per_stage]]) for i in indices]
     return stages, indices
 
 
@@ -246,9 +254,12 @@ def worker(rank: int, args) -> dict:
     for name in ("1F1B", f"interleaved v={v}"):
         ours, theirs = runs[(name, "ours")], runs[(name, "torch")]
         ours_loss, theirs_loss = ours.step(data), theirs.step(data)
-        check[name] = {"ours_loss": ours_loss, "torch_loss": theirs_loss,
-                       "loss_diff": 0.0 if ours_loss is None else abs(ours_loss - theirs_loss) / max(abs(theirs_loss), 1e-30),
-                       "grad_diff": _max_rel_diff(ours.grads(), theirs.grads())}
+        check[name] = {
+            "ours_loss": ours_loss,
+            "torch_loss": theirs_loss,
+            "loss_diff": 0.0 if ours_loss is None else abs(ours_loss - theirs_loss) / max(abs(theirs_loss), 1e-30),
+            "grad_diff": _max_rel_diff(ours.grads(), theirs.grads()),
+        }
 
     # timing: warm-up, then rounds of the four runs in rotating order
     order = list(runs)
@@ -265,11 +276,15 @@ def worker(rank: int, args) -> dict:
             times[order.index(key), it] = CLOCKS[args.clock]() - start
     # wall: a step lasts as long as its slowest rank; cpu: the step's work is every rank's CPU time
     dist.all_reduce(times, op=dist.ReduceOp.MAX if args.clock == "wall" else dist.ReduceOp.SUM, group=mesh.pp_group)
-    spans = {key: runs[key].spans[-args.iters:] for key in order}
+    spans = {key: runs[key].spans[-args.iters :] for key in order}
     gathered = [None] * p
     dist.all_gather_object(gathered, (check, spans), group=mesh.pp_group)
-    return {"order": order, "times": times.tolist(), "checks": [c for c, _ in gathered],
-            "spans": [s for _, s in gathered]}
+    return {
+        "order": order,
+        "times": times.tolist(),
+        "checks": [c for c, _ in gathered],
+        "spans": [s for _, s in gathered],
+    }
 
 
 # ----------------------------------------------------------------------------- command line
@@ -287,26 +302,53 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=_positive, nargs="+", default=[2, 4],
-                        help="pipeline ranks, one process each; one run per value (default 2 4)")
-    parser.add_argument("--microbatches", type=_positive, nargs="+", default=[8, 16],
-                        help="microbatches per step; one run per value and --pp (default 8 16)")
-    parser.add_argument("--vpp", type=_positive, default=2, help="model chunks per rank of the interleaved run (default 2)")
+    parser.add_argument(
+        "--pp",
+        type=_positive,
+        nargs="+",
+        default=[2, 4],
+        help="pipeline ranks, one process each; one run per value (default 2 4)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=_positive,
+        nargs="+",
+        default=[8, 16],
+        help="microbatches per step; one run per value and --pp (default 8 16)",
+    )
+    parser.add_argument(
+        "--vpp", type=_positive, default=2, help="model chunks per rank of the interleaved run (default 2)"
+    )
     parser.add_argument("--hidden", type=_positive, default=512, help="hidden size (default 512)")
     parser.add_argument("--ffn", type=_positive, default=None, help="MLP inner size (default 2 * hidden)")
     parser.add_argument("--tokens", type=_positive, default=256, help="tokens per microbatch (default 256)")
-    parser.add_argument("--blocks-per-stage", type=_positive, default=1,
-                        help="MLP blocks per interleaved stage; a 1F1B stage holds vpp times as many (default 1)")
-    parser.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
-                        help="ours: layers add weight gradients into main_grad (the trainer's default); "
-                             "--no-gradient-accumulation-fusion: a weight-gradient product added afterwards, "
-                             "as autograd does")
-    parser.add_argument("--split-backward", action="store_true",
-                        help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall: step time of the slowest rank (default); cpu: CPU time of all ranks' processes "
-                             "(all threads) summed, the step's total work, which bounds the step when ranks outnumber "
-                             "cores")
+    parser.add_argument(
+        "--blocks-per-stage",
+        type=_positive,
+        default=1,
+        help="MLP blocks per interleaved stage; a 1F1B stage holds vpp times as many (default 1)",
+    )
+    parser.add_argument(
+        "--gradient-accumulation-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ours: layers add weight gradients into main_grad (the trainer's default); "
+        "--no-gradient-accumulation-fusion: a weight-gradient product added afterwards, "
+        "as autograd does",
+    )
+    parser.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: step time of the slowest rank (default); cpu: CPU time of all ranks' processes "
+        "(all threads) summed, the step's total work, which bounds the step when ranks outnumber "
+        "cores",
+    )
     parser.add_argument("--warmup", type=_positive, default=2, help="untimed steps of each run (default 2)")
     parser.add_argument("--iters", type=_positive, default=10, help="timed steps of each run (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps of each run")
@@ -327,8 +369,10 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
             if m % p:
                 # ours needs groups of >= p microbatches; torch's ScheduleInterleaved1F1B groups them in rounds of
                 # m // (m // p): only with m a multiple of p do both run the same schedule (groups of p)
-                parser.error(f"--microbatches ({m}) must be a multiple of --pp ({p}) so that both "
-                             f"interleaved schedules run microbatches in groups of p")
+                parser.error(
+                    f"--microbatches ({m}) must be a multiple of --pp ({p}) so that both "
+                    f"interleaved schedules run microbatches in groups of p"
+                )
             try:
                 for rank in range(p):
                     build_schedule(p, args.vpp, m, rank)
@@ -348,8 +392,10 @@ def breakdown(spans: list, times: list) -> dict:
     """Median over steps of one rank's milliseconds in compute, post, wait and the rest of the step."""
     parts = {"compute": [], "post": [], "wait": [], "other": []}
     for step, total in zip(spans, times):
-        sums = {kind: sum(e - s for k, _, _, s, e in step if k in kinds) for kind, kinds in
-                (("compute", COMPUTE_SPANS), ("post", ("post",)), ("wait", ("wait",)))}
+        sums = {
+            kind: sum(e - s for k, _, _, s, e in step if k in kinds)
+            for kind, kinds in (("compute", COMPUTE_SPANS), ("post", ("post",)), ("wait", ("wait",)))
+        }
         sums["other"] = total - sum(sums.values())
         for kind, value in sums.items():
             parts[kind].append(value * 1e3)
@@ -363,9 +409,11 @@ def check_lines(result: dict, names: tuple) -> tuple[list, bool]:
         grad = max(r[name]["grad_diff"] for r in result["checks"])
         good = c["loss_diff"] <= LOSS_RTOL and grad <= GRAD_RTOL
         ok &= good
-        lines.append(f"  equal work, {name}: mean loss ours {c['ours_loss']:.6f} torch {c['torch_loss']:.6f} "
-                     f"(rel diff {c['loss_diff']:.1e}), grads max rel diff {grad:.1e} -> "
-                     f"{'match' if good else 'MISMATCH'}")
+        lines.append(
+            f"  equal work, {name}: mean loss ours {c['ours_loss']:.6f} torch {c['torch_loss']:.6f} "
+            f"(rel diff {c['loss_diff']:.1e}), grads max rel diff {grad:.1e} -> "
+            f"{'match' if good else 'MISMATCH'}"
+        )
     return lines, ok
 
 
@@ -373,24 +421,30 @@ def report(args, results: list) -> bool:
     """Print the checks and the tables; False when the two sides did not compute the same thing."""
     v = args.vpp
     one, inter = "1F1B", f"interleaved v={v}"
-    print(f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
-          f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
-          f"1 thread/rank; ours with{'' if args.gradient_accumulation_fusion else 'out'} gradient accumulation "
-          f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
-          f"median of {MEASURES[args.clock]}")
+    print(
+        f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
+        f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
+        f"1 thread/rank; ours with{'' if args.gradient_accumulation_fusion else 'out'} gradient accumulation "
+        f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
+        f"median of {MEASURES[args.clock]}"
+    )
     ok = True
     for result in results:
         lines, good = check_lines(result, (one, inter))
         ok &= good
-        print(f"p={result['p']} m={result['m']} ({result['p']} ranks on {os.cpu_count()} CPU cores), "
-              f"1-minute load average before the run {result['load']:.1f}:")
+        print(
+            f"p={result['p']} m={result['m']} ({result['p']} ranks on {os.cpu_count()} CPU cores), "
+            f"1-minute load average before the run {result['load']:.1f}:"
+        )
         print("\n".join(lines))
     if not ok:
         print("WARNING: the two implementations did not do the same computation; the timing below is not comparable")
     print()
 
-    header = (f"{'p':>2} {'m':>3} {'schedule':<16} {'ours ms':>8} {'(min-max)':>10} {'torch ms':>8} {'(min-max)':>10} "
-              f"{'ours/torch':>10} {'per-round':>9} {'bubble':>7} {'inter/1F1B ours':>15} {'torch':>6} {'analytic':>8}")
+    header = (
+        f"{'p':>2} {'m':>3} {'schedule':<16} {'ours ms':>8} {'(min-max)':>10} {'torch ms':>8} {'(min-max)':>10} "
+        f"{'ours/torch':>10} {'per-round':>9} {'bubble':>7} {'inter/1F1B ours':>15} {'torch':>6} {'analytic':>8}"
+    )
     print(header)
     print("-" * len(header))
     pooled = {one: [], inter: []}
@@ -402,28 +456,40 @@ def report(args, results: list) -> bool:
         for name in (one, inter):
             ours, theirs = times[(name, "ours")], times[(name, "torch")]
             pooled[name] += _paired(times, name)
-            ratio = (f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} {med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
-                     f"{(1 + bubble[inter]) / (1 + bubble[one]):>8.3f}" if name == inter else "")
-            print(f"{p:>2} {m:>3} {name:<16} {med[(name, 'ours')] * 1e3:>8.1f} {_spread(ours):>10} "
-                  f"{med[(name, 'torch')] * 1e3:>8.1f} {_spread(theirs):>10} "
-                  f"{med[(name, 'ours')] / med[(name, 'torch')]:>10.3f} "
-                  f"{statistics.median(_paired(times, name)):>9.3f} {bubble[name]:>7.4f} {ratio}")
-    print("(per-round: median of ours/torch over rounds that run both back to back; bubble (p-1)/(v*m); "
-          "interleaved/1F1B step time measured and analytic (1 + (p-1)/(v*m)) / (1 + (p-1)/m), free transfers)")
+            ratio = (
+                f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} {med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
+                f"{(1 + bubble[inter]) / (1 + bubble[one]):>8.3f}"
+                if name == inter
+                else ""
+            )
+            print(
+                f"{p:>2} {m:>3} {name:<16} {med[(name, 'ours')] * 1e3:>8.1f} {_spread(ours):>10} "
+                f"{med[(name, 'torch')] * 1e3:>8.1f} {_spread(theirs):>10} "
+                f"{med[(name, 'ours')] / med[(name, 'torch')]:>10.3f} "
+                f"{statistics.median(_paired(times, name)):>9.3f} {bubble[name]:>7.4f} {ratio}"
+            )
+    print(
+        "(per-round: median of ours/torch over rounds that run both back to back; bubble (p-1)/(v*m); "
+        "interleaved/1F1B step time measured and analytic (1 + (p-1)/(v*m)) / (1 + (p-1)/m), free transfers)"
+    )
     print()
     if args.clock == "wall":
         _print_breakdown(results, (one, inter))
-    print(f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), over p={','.join(map(str, args.pp))} "
-          f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
-          f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
-          f"{inter} {statistics.median(pooled[inter]):.3f}")
+    print(
+        f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), over p={','.join(map(str, args.pp))} "
+        f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
+        f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
+        f"{inter} {statistics.median(pooled[inter]):.3f}"
+    )
     return ok
 
 
 def _print_breakdown(results: list, names: tuple) -> None:
     header = f"{'p':>2} {'m':>3} {'schedule':<16} {'side':<6} {'rank':>4} {'compute':>8} {'post':>6} {'wait':>6} {'other':>6}"
-    print("where each rank's step time goes, ms (median over the timed steps; other = step time of the slowest "
-          "rank minus the rest)")
+    print(
+        "where each rank's step time goes, ms (median over the timed steps; other = step time of the slowest "
+        "rank minus the rest)"
+    )
     print(header)
     print("-" * len(header))
     for result in results:
@@ -432,8 +498,10 @@ def _print_breakdown(results: list, names: tuple) -> None:
             for side in ("ours", "torch"):
                 for rank, rank_spans in enumerate(result["spans"]):
                     b = breakdown(rank_spans[(name, side)], times[(name, side)])
-                    print(f"{result['p']:>2} {result['m']:>3} {name:<16} {side:<6} {rank:>4} {b['compute']:>8.1f} "
-                          f"{b['post']:>6.1f} {b['wait']:>6.1f} {b['other']:>6.1f}")
+                    print(
+                        f"{result['p']:>2} {result['m']:>3} {name:<16} {side:<6} {rank:>4} {b['compute']:>8.1f} "
+                        f"{b['post']:>6.1f} {b['wait']:>6.1f} {b['other']:>6.1f}"
+                    )
     print()
 
 
@@ -444,8 +512,14 @@ def trace(args, results: list) -> dict:
         runs = []
         for key, samples in zip(result["order"], result["times"]):
             step = sorted(range(len(samples)), key=samples.__getitem__)[len(samples) // 2]
-            runs.append({"schedule": key[0], "side": key[1], "step_seconds": samples[step],
-                         "ranks": [rank_spans[key][step] for rank_spans in result["spans"]]})
+            runs.append(
+                {
+                    "schedule": key[0],
+                    "side": key[1],
+                    "step_seconds": samples[step],
+                    "ranks": [rank_spans[key][step] for rank_spans in result["spans"]],
+                }
+            )
         configs.append({"p": result["p"], "m": result["m"], "v": args.vpp, "load": result["load"], "runs": runs})
     return {"configs": configs}
 

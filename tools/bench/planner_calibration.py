@@ -10,6 +10,7 @@ predicted step time and whether the memory estimate fits the layout in the devic
 Rows whose micro batch and virtual stages were not published take the planner's fastest
 layout that fits (the planner picks them as it would for a user).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,15 @@ class Outcome:
 
 
 def projection_for(run, cal: Calibration) -> Projection:
-    return Projection(hw=DEVICES[run.device], cal=cal,
-                      overlap=Overlap(grad_reduce=run.overlap_grad_reduce, param_gather=run.overlap_param_gather),
-                      attention=run.attention)
+    return Projection(
+        hw=DEVICES[run.device],
+        cal=cal,
+        overlap=Overlap(grad_reduce=run.overlap_grad_reduce, param_gather=run.overlap_param_gather),
+        attention=run.attention,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
     """(config, layout, fits under the planner's margin, fits its certain part, GiB) of the run's own layout, or
     of every layout the planner would consider for it when the source leaves micro batch and virtual stages open
@@ -70,17 +74,35 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
         layouts = [(config.model, layout)]
     else:
         par = config.parallel
-        search = Search(tps=(par.tp,), cps=(1,), pps=(par.pp,), micro_batch_sizes=(1, 2, 4), recompute=("none",),
-                        distributed_optimizer=(True,), stage_splits=((None, None),), grad_dtype_bytes=run.grad_bytes,
-                        max_virtual_stages=config.model.num_layers)
-        layouts = [(cfg, lay) for cfg, lay, _ in enumerate_layouts(config.model, run.num_gpus,
-                                                                   config.training.global_batch_size, search,
-                                                                   DEVICES[run.device])]
+        search = Search(
+            tps=(par.tp,),
+            cps=(1,),
+            pps=(par.pp,),
+            micro_batch_sizes=(1, 2, 4),
+            recompute=("none",),
+            distributed_optimizer=(True,),
+            stage_splits=((None, None),),
+            grad_dtype_bytes=run.grad_bytes,
+            max_virtual_stages=config.model.num_layers,
+        )
+        layouts = [
+            (cfg, lay)
+            for cfg, lay, _ in enumerate_layouts(
+                config.model, run.num_gpus, config.training.global_batch_size, search, DEVICES[run.device]
+            )
+        ]
     out = []
     for cfg, layout in layouts:
         estimate = estimate_memory(cfg, layout)
-        out.append((cfg, layout, estimate.fits(device_bytes), not estimate.would_refuse(device_bytes),
-                    estimate.max_total_bytes / GIB))
+        out.append(
+            (
+                cfg,
+                layout,
+                estimate.fits(device_bytes),
+                not estimate.would_refuse(device_bytes),
+                estimate.max_total_bytes / GIB,
+            )
+        )
     return tuple(out)
 
 
@@ -105,8 +127,12 @@ def summary(outcomes: list[Outcome]) -> tuple[float, float]:
     return sum(errors) / len(errors), max(errors)
 
 
-GRID = {"gemm_peak_fraction": (0.75, 0.80, 0.85, 0.90), "flash_fraction": (0.2, 0.25, 0.3, 0.35, 0.45),
-        "layer_overhead_s": (0.0, 2e-4, 4e-4, 6e-4), "step_overhead_s": (0.0, 0.05, 0.1, 0.15)}
+GRID = {
+    "gemm_peak_fraction": (0.75, 0.80, 0.85, 0.90),
+    "flash_fraction": (0.2, 0.25, 0.3, 0.35, 0.45),
+    "layer_overhead_s": (0.0, 2e-4, 4e-4, 6e-4),
+    "step_overhead_s": (0.0, 0.05, 0.1, 0.15),
+}
 
 
 def fit(start: Calibration = Calibration(), passes: int = 2, runs=RUNS) -> Calibration:
@@ -131,12 +157,16 @@ def _layout_text(lay) -> str:
 
 
 def print_table(outcomes: list[Outcome]) -> None:
-    print(f"{'run':<14} {'layout':<30} {'metric':<8} {'published':>9} {'predicted':>9} {'error':>7} "
-          f"{'step s':>7} {'bubble':>6} {'mem GiB':>8} {'fits':>4}")
+    print(
+        f"{'run':<14} {'layout':<30} {'metric':<8} {'published':>9} {'predicted':>9} {'error':>7} "
+        f"{'step s':>7} {'bubble':>6} {'mem GiB':>8} {'fits':>4}"
+    )
     for o in outcomes:
-        print(f"{o.run.name:<14} {_layout_text(o.layout):<30} {o.run.metric:<8} {o.run.tflops:9.1f} "
-              f"{o.predicted:9.1f} {100 * o.error:+6.1f}% {o.time.total_s:7.2f} {100 * o.time.bubble_fraction:5.1f}% "
-              f"{o.total_gib:8.1f} {'yes' if o.fits else 'no':>4}")
+        print(
+            f"{o.run.name:<14} {_layout_text(o.layout):<30} {o.run.metric:<8} {o.run.tflops:9.1f} "
+            f"{o.predicted:9.1f} {100 * o.error:+6.1f}% {o.time.total_s:7.2f} {100 * o.time.bubble_fraction:5.1f}% "
+            f"{o.total_gib:8.1f} {'yes' if o.fits else 'no':>4}"
+        )
 
 
 def print_markdown(outcomes: list[Outcome]) -> None:
@@ -144,29 +174,63 @@ def print_markdown(outcomes: list[Outcome]) -> None:
     print("| run | layout | metric | published | predicted | error | step s | bubble | mem GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for o in outcomes:
-        print(f"| {o.run.name} | {_layout_text(o.layout)} | {o.run.metric} | {o.run.tflops:.1f} | {o.predicted:.1f} | "
-              f"{100 * o.error:+.1f}% | {o.time.total_s:.2f} | {100 * o.time.bubble_fraction:.1f}% | {o.total_gib:.1f} |")
+        print(
+            f"| {o.run.name} | {_layout_text(o.layout)} | {o.run.metric} | {o.run.tflops:.1f} | {o.predicted:.1f} | "
+            f"{100 * o.error:+.1f}% | {o.time.total_s:.2f} | {100 * o.time.bubble_fraction:.1f}% | {o.total_gib:.1f} |"
+        )
 
 
 def time_search() -> tuple[int, float]:
     """Plan a Llama-2-70B-like model on 512 H100s: over a thousand layouts estimated, those that fit
     projected. Returns (layouts, fitting, wall seconds, CPU seconds)."""
     config = run_config_for_tool(
-        ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
-         "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096", "--vocab-size", "32000",
-         "--bf16", "--micro-batch-size", "1", "--global-batch-size", "1024"], "llama", 512, PROG)
+        [
+            "--num-layers",
+            "80",
+            "--hidden-size",
+            "8192",
+            "--ffn-hidden-size",
+            "28672",
+            "--num-attention-heads",
+            "64",
+            "--group-query-attention",
+            "--num-query-groups",
+            "8",
+            "--seq-length",
+            "4096",
+            "--vocab-size",
+            "32000",
+            "--bf16",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1024",
+        ],
+        "llama",
+        512,
+        PROG,
+    )
     search = Search(micro_batch_sizes=(1, 2), cps=(1, 2), max_virtual_stages=4)
     start, cpu = time.perf_counter(), time.process_time()
-    fitting, rejected, _ = plan(config.model, 512, 1024, int(DEVICES["h100-80gb"].memory_gib * GIB), search=search,
-                                projection=Projection(hw=DEVICES["h100-80gb"]))
+    fitting, rejected, _ = plan(
+        config.model,
+        512,
+        1024,
+        int(DEVICES["h100-80gb"].memory_gib * GIB),
+        search=search,
+        projection=Projection(hw=DEVICES["h100-80gb"]),
+    )
     return len(fitting) + rejected, len(fitting), time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="grid-search the fitted constants first")
-    parser.add_argument("--holdout", action="store_true",
-                        help="also fit on every other run (from a neutral start) and report the error on the rest")
+    parser.add_argument(
+        "--holdout",
+        action="store_true",
+        help="also fit on every other run (from a neutral start) and report the error on the rest",
+    )
     parser.add_argument("--no-search-timing", action="store_true", help="skip timing the 1,000-layout search")
     parser.add_argument("--markdown", action="store_true", help="print the table in markdown (docs/planner.md)")
     args = parser.parse_args(argv)
@@ -175,14 +239,18 @@ def main(argv: list[str]) -> int:
     (print_markdown if args.markdown else print_table)(outcomes)
     if not args.no_search_timing:
         count, fitting, seconds, cpu = time_search()
-        print(f"planning a search of {count} layouts (Llama-2-70B shape, 512 H100s; all estimated, the {fitting} "
-              f"that fit projected): {seconds:.1f} s wall, {cpu:.1f} s CPU, {1e3 * cpu / count:.1f} ms CPU per layout")
+        print(
+            f"planning a search of {count} layouts (Llama-2-70B shape, 512 H100s; all estimated, the {fitting} "
+            f"that fit projected): {seconds:.1f} s wall, {cpu:.1f} s CPU, {1e3 * cpu / count:.1f} ms CPU per layout"
+        )
     if args.holdout:
         neutral = Calibration(gemm_peak_fraction=0.85, flash_fraction=0.35, layer_overhead_s=2e-4, step_overhead_s=0.1)
         half = fit(neutral, runs=RUNS[0::2])
         mean, worst = summary(evaluate_all(half, RUNS[1::2]))
-        print(f"held out: fitted on {len(RUNS[0::2])} runs (every other), on the other {len(RUNS[1::2])}: "
-              f"mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}%")
+        print(
+            f"held out: fitted on {len(RUNS[0::2])} runs (every other), on the other {len(RUNS[1::2])}: "
+            f"mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}%"
+        )
     mean, worst = summary(outcomes)
     print(f"calibration: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% over {len(outcomes)} published runs")
     return 0

@@ -11,6 +11,7 @@ median docs/s and MB/s (processing time as preprocess_data.py reports it, tokeni
 loading and process start-up excluded) and the ratio to the plain loop. With 2 workers on
 a machine with 2 free cores the ratio approaches 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,20 @@ sys.path.insert(0, str(ROOT))
 from megatron.data.tokenizers import build_tokenizer  # noqa: E402
 
 TOKENIZERS = {
-    "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(ROOT / "data/tokenizers/gpt2-bpe/vocab.json"),
-             "--merge-file", str(ROOT / "data/tokenizers/gpt2-bpe/merges.txt")],
-    "spm": ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(ROOT / "data/tokenizers/spm/tokenizer.model")],
+    "gpt2": [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(ROOT / "data/tokenizers/gpt2-bpe/vocab.json"),
+        "--merge-file",
+        str(ROOT / "data/tokenizers/gpt2-bpe/merges.txt"),
+    ],
+    "spm": [
+        "--tokenizer-type",
+        "Llama2Tokenizer",
+        "--tokenizer-model",
+        str(ROOT / "data/tokenizers/spm/tokenizer.model"),
+    ],
 }
 SUMMARY = re.compile(r"processed (\d+) documents \(([\d.]+) MB\) in ([\d.]+) s")
 
@@ -50,9 +62,20 @@ def plain_loop(path: str, flags: list[str]) -> tuple[float, int, int]:
 
 
 def tool_run(path: str, flags: list[str], workers: int, out_dir: str) -> tuple[float, int, int]:
-    cmd = [sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", path, "--output-prefix",
-           os.path.join(out_dir, f"w{workers}"), "--append-eod", "--workers", str(workers), "--log-interval", "0",
-           *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools/preprocess_data.py"),
+        "--input",
+        path,
+        "--output-prefix",
+        os.path.join(out_dir, f"w{workers}"),
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--log-interval",
+        "0",
+        *flags,
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     docs, mb, seconds = SUMMARY.search(out).groups()
     return float(seconds), int(docs), int(float(mb) * 2**20)
@@ -69,17 +92,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "corpus.jsonl")
         Path(path).write_text(corpus * args.copies, encoding="utf-8")
-        runs = {"plain loop (1 process)": lambda: plain_loop(path, flags),
-                "preprocess_data --workers 1": lambda: tool_run(path, flags, 1, tmp),
-                "preprocess_data --workers 2": lambda: tool_run(path, flags, 2, tmp)}
+        runs = {
+            "plain loop (1 process)": lambda: plain_loop(path, flags),
+            "preprocess_data --workers 1": lambda: tool_run(path, flags, 1, tmp),
+            "preprocess_data --workers 2": lambda: tool_run(path, flags, 2, tmp),
+        }
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():
                 seconds, docs, size = run()
                 times[name].append(seconds)
     base = statistics.median(times["plain loop (1 process)"])
-    print(f"{args.tokenizer} tokenizer, {docs} documents, {size / 2**20:.2f} MB, {os.cpu_count()} CPUs, "
-          f"median of {args.rounds} rounds")
+    print(
+        f"{args.tokenizer} tokenizer, {docs} documents, {size / 2**20:.2f} MB, {os.cpu_count()} CPUs, "
+        f"median of {args.rounds} rounds"
+    )
     print(f"{'run':<30} {'docs/s':>10} {'MB/s':>8} {'vs plain loop':>14}")
     for name, values in times.items():
         seconds = statistics.median(values)

@@ -21,6 +21,7 @@ its authors published. Two sources:
   Micro batch and virtual stages are not published: the planner picks them (its fastest
   layout that fits among micro batch 1, 2, 4 and every valid virtual-stage count).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,41 +34,109 @@ MCORE = "Megatron-Core r0.8 weak scaling (Megatron-LM README, images/model_table
 class PublishedRun:
     name: str
     source: str
-    device: str                 # a preset of megatron/core/memory/hardware.py
+    device: str  # a preset of megatron/core/memory/hardware.py
     num_gpus: int
-    flags: tuple[str, ...]      # pretrain_gpt.py flags of the run
-    attention: str              # the attention kernel it ran (megatron/core/memory/kernels.py names)
-    metric: str                 # "hardware" (recomputation counted) or "model" TFLOP/s per GPU
+    flags: tuple[str, ...]  # pretrain_gpt.py flags of the run
+    attention: str  # the attention kernel it ran (megatron/core/memory/kernels.py names)
+    metric: str  # "hardware" (recomputation counted) or "model" TFLOP/s per GPU
     tflops: float
     overlap_grad_reduce: bool
     overlap_param_gather: bool
-    searched: bool = False      # micro batch and virtual stages not published: the planner picks them
-    grad_bytes: int = 4         # gradient buffer element: Megatron-Core's default holds bf16 gradients
+    searched: bool = False  # micro batch and virtual stages not published: the planner picks them
+    grad_bytes: int = 4  # gradient buffer element: Megatron-Core's default holds bf16 gradients
 
 
 def _sc21(name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, tflops, layers_per_virtual=None):
-    flags = ["--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
-             "--seq-length", 2048, "--max-position-embeddings", 2048, "--vocab-size", 51200, "--fp16",
-             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
-             "--micro-batch-size", mbs, "--global-batch-size", gbs,
-             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    flags = [
+        "--num-layers",
+        layers,
+        "--hidden-size",
+        hidden,
+        "--num-attention-heads",
+        heads,
+        "--seq-length",
+        2048,
+        "--max-position-embeddings",
+        2048,
+        "--vocab-size",
+        51200,
+        "--fp16",
+        "--tensor-model-parallel-size",
+        tp,
+        "--pipeline-model-parallel-size",
+        pp,
+        "--micro-batch-size",
+        mbs,
+        "--global-batch-size",
+        gbs,
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        1,
+    ]
     if layers_per_virtual:
         flags += ["--num-layers-per-virtual-pipeline-stage", layers_per_virtual]
-    return PublishedRun(f"SC21 {name}", SC21, "a100-80gb", gpus, tuple(map(str, flags)), "math", "hardware",
-                        tflops, overlap_grad_reduce=False, overlap_param_gather=False)
+    return PublishedRun(
+        f"SC21 {name}",
+        SC21,
+        "a100-80gb",
+        gpus,
+        tuple(map(str, flags)),
+        "math",
+        "hardware",
+        tflops,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+    )
 
 
 def _mcore(name, layers, hidden, heads, tp, pp, gbs, tflops):
     gpus = tp * pp * 48
-    flags = ["--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
-             "--seq-length", 4096, "--max-position-embeddings", 4096, "--vocab-size", 131072, "--bf16",
-             "--untie-embeddings-and-output-weights", "--attention-dropout", 0, "--hidden-dropout", 0,
-             "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
-             "--global-batch-size", gbs, "--use-distributed-optimizer"]
+    flags = [
+        "--num-layers",
+        layers,
+        "--hidden-size",
+        hidden,
+        "--num-attention-heads",
+        heads,
+        "--seq-length",
+        4096,
+        "--max-position-embeddings",
+        4096,
+        "--vocab-size",
+        131072,
+        "--bf16",
+        "--untie-embeddings-and-output-weights",
+        "--attention-dropout",
+        0,
+        "--hidden-dropout",
+        0,
+        "--tensor-model-parallel-size",
+        tp,
+        "--pipeline-model-parallel-size",
+        pp,
+        "--global-batch-size",
+        gbs,
+        "--use-distributed-optimizer",
+    ]
     if tp > 1:
         flags.append("--sequence-parallel")
-    return PublishedRun(f"MCore {name}", MCORE, "h100-80gb", gpus, tuple(map(str, flags)), "flash", "model",
-                        tflops, overlap_grad_reduce=True, overlap_param_gather=True, searched=True, grad_bytes=2)
+    return PublishedRun(
+        f"MCore {name}",
+        MCORE,
+        "h100-80gb",
+        gpus,
+        tuple(map(str, flags)),
+        "flash",
+        "model",
+        tflops,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        searched=True,
+        grad_bytes=2,
+    )
 
 
 RUNS = (

@@ -15,6 +15,7 @@ Analytic (forward + backward, per layer, activations of s*b*h elements):
 Counted sizes: an all-reduce's input, an all-gather's full output, a reduce-scatter's
 full input. The "ring bytes" column counts an all-reduce as RS + AG, i.e. 2x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,17 @@ from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 def counted_bytes(rank: int, args, sequence_parallel: bool) -> dict:
     world = dist.get_world_size()
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=8,
-                               vocab_size=128, seq_length=args.seq_length, attention_dropout=0.0,
-                               hidden_dropout=0.0, tensor_model_parallel_size=world,
-                               sequence_parallel=sequence_parallel)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden_size,
+        num_attention_heads=8,
+        vocab_size=128,
+        seq_length=args.seq_length,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=world,
+        sequence_parallel=sequence_parallel,
+    )
     layer = TransformerLayer(config, tp_group=dist.group.WORLD, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank))
     initialize_parameters(layer, seed=0)
     s = args.seq_length // world if sequence_parallel else args.seq_length
@@ -85,7 +93,9 @@ def main() -> int:
                 c = ring_bytes(counted) if kind == "ring total" else counted.get(kind, 0)
                 e = ring_bytes(expected) if kind == "ring total" else expected.get(kind, 0)
                 exact &= c == e
-                print(f"{tp:>3} {'yes' if sp else 'no':>3} {kind:>15} {c:>14,} {e:>15,} {c / e if e else float('nan'):>7.3f}")
+                print(
+                    f"{tp:>3} {'yes' if sp else 'no':>3} {kind:>15} {c:>14,} {e:>15,} {c / e if e else float('nan'):>7.3f}"
+                )
     print("counted volume equals the analytic volume" if exact else "MISMATCH between counted and analytic volume")
     return 0 if exact else 1
 

@@ -10,6 +10,7 @@ Ours adds the fp32 gradient buffer, bucketed hooks, the global-norm reduction, t
 loss average across ranks and the learning-rate schedule. Iterations alternate A/B so
 machine noise hits both; the table shows medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,14 @@ class BareLoop:
         opt = run.optimizer
         params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
-             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+            [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=opt.lr,
+            betas=(opt.adam_beta1, opt.adam_beta2),
+            eps=opt.adam_eps,
+        )
         self.clip, self.batch = opt.clip_grad, batch
 
     def step(self) -> float:
@@ -74,10 +80,27 @@ def main() -> int:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", "8", "--seq-length", str(args.seq_length),
-            "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.iters + args.warmup),
-            "--mock-data", "--vocab-size", "1024", "--lr", "1e-4", "--lr-decay-style", "constant"]
+    argv = [
+        "--num-layers",
+        str(args.num_layers),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        str(args.seq_length),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--train-iters",
+        str(args.iters + args.warmup),
+        "--mock-data",
+        "--vocab-size",
+        "1024",
+        "--lr",
+        "1e-4",
+        "--lr-decay-style",
+        "constant",
+    ]
     argv += ["--bf16"] if args.bf16 else []
     run = parse_run_config(argv, LLAMA_DEFAULTS, world_size=1)
     ours = Trainer(run, torch.device("cpu"))
@@ -89,9 +112,11 @@ def main() -> int:
             ours_times.append(a)
             bare_times.append(b)
     ours_ms, bare_ms = statistics.median(ours_times) * 1e3, statistics.median(bare_times) * 1e3
-    print(f"model: Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
-          f"micro batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}, CPU, "
-          f"{torch.get_num_threads()} threads, {args.iters} iterations (median)")
+    print(
+        f"model: Llama {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
+        f"micro batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}, CPU, "
+        f"{torch.get_num_threads()} threads, {args.iters} iterations (median)"
+    )
     print(f"{'path':<28} {'step ms':>9}")
     print(f"{'bare PyTorch loop':<28} {bare_ms:>9.1f}")
     print(f"{'ours (Trainer.train_step)':<28} {ours_ms:>9.1f}")

@@ -20,6 +20,7 @@ written as they are converted), from and to torch_dist the whole model. The save
 directory loads with `AutoModelForCausalLM.from_pretrained`. Exit status 2 with one error
 line on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,9 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -72,8 +73,13 @@ def model_config(args: dict, tp: int = 1) -> TransformerConfig:
 
 def command_line(args: dict, tp: int, pp: int, load: str) -> str:
     """The pretrain command (script and every recorded model flag) that runs the converted model."""
-    llama_like = (args["swiglu"] and not args["add_bias_linear"] and args["untie_embeddings_and_output_weights"]
-                  and args["normalization"] == "RMSNorm" and args["position_embedding_type"] == "rope")
+    llama_like = (
+        args["swiglu"]
+        and not args["add_bias_linear"]
+        and args["untie_embeddings_and_output_weights"]
+        and args["normalization"] == "RMSNorm"
+        and args["position_embedding_type"] == "rope"
+    )
     flags = []
     for field in MODEL_FIELDS:
         if field.name in args and field.applies(args):
@@ -82,10 +88,20 @@ def command_line(args: dict, tp: int, pp: int, load: str) -> str:
         flags.insert(flags.index("--num-query-groups"), "--group-query-attention")
     else:
         at = flags.index("--num-query-groups")
-        del flags[at:at + 2]
-    flags += ["--attention-dropout", f"{args['attention_dropout']}", "--hidden-dropout", f"{args['hidden_dropout']}",
-              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-              "--load", load, "--finetune"]
+        del flags[at : at + 2]
+    flags += [
+        "--attention-dropout",
+        f"{args['attention_dropout']}",
+        "--hidden-dropout",
+        f"{args['hidden_dropout']}",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--load",
+        load,
+        "--finetune",
+    ]
     return f"pretrain_{'llama' if llama_like else 'gpt'}.py " + " ".join(flags)
 
 
@@ -124,8 +140,18 @@ def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
         raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
     with tqdm(total=len(rules), desc="hf -> canonical", unit="tensor") as progress:
         pieces = [_lazy_piece(rule, reader, progress) for rule in rules]
-        commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_record(config),
-                                                "layout": None, "contents": ["model"], "source": load_dir})
+        commit_checkpoint(
+            save_dir,
+            0,
+            pieces,
+            {
+                "consumed_samples": 0,
+                "model": model_record(config),
+                "layout": None,
+                "contents": ["model"],
+                "source": load_dir,
+            },
+        )
     return command_line(args, tp, pp, save_dir)
 
 
@@ -141,6 +167,7 @@ def _layer_of(name: str) -> int:
 class Source:
     """A checkpoint's model: our model args, our canonical tensors' (shape, dtype), and a reader of
     some of them (name -> tensor)."""
+
     args: dict
     saved: dict
     read: Callable[[list[str]], dict]
@@ -167,13 +194,22 @@ def torch_dist_source(load_dir: str) -> Source:
         raise CheckpointError(f"{load_dir}: no Megatron-LM torch_dist checkpoint (its tracker and metadata.json)")
     info = megatron_checkpoint_info(load_dir)
     config = TransformerConfig(**config_fields(info.metadata["megatron_args"]))
-    saved = {ours: (shape, dtype) for name, (shape, dtype) in saved_tensors(info.directory).items()
-             if not name.startswith("optimizer.") for ours, shape in our_tensors(name, shape, config.vocab_size)}
+    saved = {
+        ours: (shape, dtype)
+        for name, (shape, dtype) in saved_tensors(info.directory).items()
+        if not name.startswith("optimizer.")
+        for ours, shape in our_tensors(name, shape, config.vocab_size)
+    }
 
     def read(names):
         tensors = {name: torch.empty(saved[name][0], dtype=saved[name][1]) for name in names}
-        read_pieces([to_megatron(TensorPiece.whole(name, t), config.num_layers, info.metadata["vocab_rows"])
-                     for name, t in tensors.items()], info.directory)
+        read_pieces(
+            [
+                to_megatron(TensorPiece.whole(name, t), config.num_layers, info.metadata["vocab_rows"])
+                for name, t in tensors.items()
+            ],
+            info.directory,
+        )
         return tensors
 
     dropout = {"attention_dropout": config.attention_dropout, "hidden_dropout": config.hidden_dropout}
@@ -192,6 +228,7 @@ def hf_source(load_dir: str) -> Source:
         return tuple(rule.to_ours(*(torch.empty(reader.shape(n), device="meta") for n in rule.hf)).shape)
 
     saved = {name: (shape(rule), reader.dtype(rule.hf[0])) for name, rule in rules.items()}
+
     def read(names):
         return {n: rules[n].to_ours(*(reader.get(h) for h in rules[n].hf)) for n in names}
 
@@ -213,8 +250,10 @@ def to_hf(source: Source, save_dir: str) -> None:
     exported = {rule.ours for rule in rules}
     unused = sorted(n for n in source.saved if not n.startswith(("optimizer.", "rng.")) and n not in exported)
     if unused:
-        raise CheckpointError(f"{len(unused)} saved model tensors have no place in the {family.name} export, "
-                              f"e.g. {unused[0]} (the checkpoint's record lacks a model flag)")
+        raise CheckpointError(
+            f"{len(unused)} saved model tensors have no place in the {family.name} export, "
+            f"e.g. {unused[0]} (the checkpoint's record lacks a model flag)"
+        )
     groups = {}
     for rule in rules:
         groups.setdefault(_layer_of(rule.ours), []).append(rule)
@@ -223,6 +262,7 @@ def to_hf(source: Source, save_dir: str) -> None:
         def read() -> dict:
             tensors = source.read([r.ours for r in group_rules])
             return {n: t for r in group_rules for n, t in zip(r.hf, r.to_hf(tensors[r.ours]))}
+
         return read
 
     with tqdm(total=len(groups), desc="-> hf", unit="file") as progress:
@@ -235,8 +275,12 @@ def to_canonical(source: Source, save_dir: str, tp: int, pp: int) -> str:
     layers_per_rank(config.num_layers, pp)
     tensors = source.read(sorted(source.saved))
     pieces = [TensorPiece.whole(name, t) for name, t in tensors.items()]
-    commit_checkpoint(save_dir, 0, pieces, {"consumed_samples": 0, "model": model_record(config), "layout": None,
-                                            "contents": ["model"]})
+    commit_checkpoint(
+        save_dir,
+        0,
+        pieces,
+        {"consumed_samples": 0, "model": model_record(config), "layout": None, "contents": ["model"]},
+    )
     return command_line(source.args, tp, pp, save_dir)
 
 
@@ -246,17 +290,23 @@ def to_torch_dist(source: Source, save_dir: str, tp: int, pp: int) -> None:
     config = model_config(source.args, tp)
     layers_per_rank(config.num_layers, pp)
     tensors = source.read(sorted(source.saved))
-    common = {"args": megatron_args(config, iteration=0, consumed_samples=0, tp=tp, pp=pp, extra={}),
-              "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    common = {
+        "args": megatron_args(config, iteration=0, consumed_samples=0, tp=tp, pp=pp, extra={}),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0,
+    }
     publish_megatron_checkpoint(save_dir, 0, [TensorPiece.whole(n, t) for n, t in tensors.items()], config, common)
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     formats = ["hf", "canonical", "torch_dist", "mcore"]
-    parser.add_argument("--loader", choices=formats, required=True,
-                        help="hf: Hugging Face; canonical: ours; torch_dist: Megatron-LM's; "
-                             "mcore: canonical's old name")
+    parser.add_argument(
+        "--loader",
+        choices=formats,
+        required=True,
+        help="hf: Hugging Face; canonical: ours; torch_dist: Megatron-LM's; mcore: canonical's old name",
+    )
     parser.add_argument("--saver", choices=formats, required=True, help="as --loader")
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
@@ -265,8 +315,10 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     for flag in ("loader", "saver"):
         if getattr(args, flag) == "mcore":
-            print(f"note: --{flag} mcore is the old name of canonical (our format, not Megatron-LM's torch_dist)",
-                  file=sys.stderr)
+            print(
+                f"note: --{flag} mcore is the old name of canonical (our format, not Megatron-LM's torch_dist)",
+                file=sys.stderr,
+            )
             setattr(args, flag, "canonical")
     if args.loader == args.saver:
         parser.error(f"--loader and --saver are both {args.loader}: nothing to convert")
@@ -294,8 +346,10 @@ def main(argv=None) -> int:
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
         else:
             to_torch_dist(source, args.save_dir, tp, pp)
-            print(f"saved {args.save_dir} (Megatron-LM loads it with --ckpt-format torch_dist --finetune, at "
-                  f"--tensor-model-parallel-size {tp})")
+            print(
+                f"saved {args.save_dir} (Megatron-LM loads it with --ckpt-format torch_dist --finetune, at "
+                f"--tensor-model-parallel-size {tp})"
+            )
     except EXPECTED_ERRORS as error:
         return report_error(error)
     return 0

@@ -5,6 +5,7 @@ asked, so a conversion holds about one layer in memory. Writing puts each group 
 tensors (embeddings, one layer, the final norm and head) in its own
 `model-0000i-of-0000n.safetensors` with the index transformers reads.
 """
+
 from __future__ import annotations
 
 import json

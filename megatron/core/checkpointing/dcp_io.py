@@ -9,6 +9,7 @@ state dict of whole tensors, DTensors or ShardedTensors, because a canonical
 piece may be any box (a vocabulary shard cut at the real vocabulary, the two
 halves of a SwiGLU shard) and DTensor placements cannot express those.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,10 +58,18 @@ class _PieceSavePlanner(DefaultSavePlanner):
         self.state_dict, self.is_coordinator = {}, is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=_index(p), type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
-            properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.global_shape)))
-            for p in self.pieces.values()]
+        items = [
+            WriteItem(
+                index=_index(p),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
+                    properties=TensorProperties(dtype=p.dtype),
+                    size=torch.Size(p.global_shape),
+                ),
+            )
+            for p in self.pieces.values()
+        ]
         items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO) for name in self.objects]
         self.plan = SavePlan(items)
         return self.plan
@@ -84,8 +93,9 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         requests = []
         for piece in self.piece_list:
             chunk = ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes))
-            requests += create_read_items_for_chunk_list(piece.name, self.metadata.state_dict_metadata[piece.name],
-                                                         [chunk])
+            requests += create_read_items_for_chunk_list(
+                piece.name, self.metadata.state_dict_metadata[piece.name], [chunk]
+            )
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -99,8 +109,10 @@ def _mismatch(pieces: list[TensorPiece], saved: dict, directory: str) -> str | N
         if not isinstance(entry, TensorStorageMetadata):
             return f"{directory}: the checkpoint has no tensor {piece.name} (the model flags ask for it)"
         if tuple(entry.size) != tuple(piece.global_shape):
-            return (f"{directory}: {piece.name} has shape {tuple(entry.size)} in the checkpoint, "
-                    f"the model flags give {tuple(piece.global_shape)}")
+            return (
+                f"{directory}: {piece.name} has shape {tuple(entry.size)} in the checkpoint, "
+                f"the model flags give {tuple(piece.global_shape)}"
+            )
     return None
 
 
@@ -117,14 +129,16 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
         raise CheckpointError(problems[0])
 
 
-def write_pieces(pieces: list[TensorPiece], directory: str, process_group=None,
-                 objects: dict[str, object] | None = None) -> list[str]:
+def write_pieces(
+    pieces: list[TensorPiece], directory: str, process_group=None, objects: dict[str, object] | None = None
+) -> list[str]:
     """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
     `process_group` (or one process without torch.distributed). Returns every file of the
     checkpoint, relative to `directory`."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=WRITER_THREADS)
-    metadata = dcp.save({}, storage_writer=writer,
-                        planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group)
+    metadata = dcp.save(
+        {}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group
+    )
     return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
 
 
@@ -133,15 +147,19 @@ def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -
     piece is checked against the checkpoint's shapes first, on every rank, so a mismatch raises
     CheckpointError before any rank starts the collective."""
     check_pieces_match(pieces, directory, process_group)
-    dcp.load({}, storage_reader=FileSystemReader(directory), planner=_PieceLoadPlanner(pieces),
-             process_group=process_group)
+    dcp.load(
+        {}, storage_reader=FileSystemReader(directory), planner=_PieceLoadPlanner(pieces), process_group=process_group
+    )
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (global shape, dtype) of every tensor in the checkpoint, read from its `.metadata`."""
     metadata = _read_metadata(directory)
-    return {name: (tuple(entry.size), entry.properties.dtype)
-            for name, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    return {
+        name: (tuple(entry.size), entry.properties.dtype)
+        for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def _read_metadata(directory: str):

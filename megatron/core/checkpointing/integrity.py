@@ -9,6 +9,7 @@ another save), not against tampering, so it is zlib's CRC-32: 5-6x faster than
 SHA-256 here (tools/bench/checkpoint.py measures the whole save and load).
 Checkpoints written with SHA-256 digests still verify.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,7 @@ def file_digest(path: str) -> dict:
 def _my_share(names: list[str]) -> list[str]:
     if not dist.is_initialized():
         return names
-    return names[dist.get_rank()::dist.get_world_size()]
+    return names[dist.get_rank() :: dist.get_world_size()]
 
 
 def _merge(local: dict) -> dict:
@@ -91,11 +92,19 @@ def verify_files(directory: str, expected: dict[str, dict]) -> None:
     recorded size and digest, and every file DCP reads (`*.distcp`, `.metadata`) has one: a shard
     that no digest covers was never verified."""
     local = {name: _problem(directory, name, expected[name]) for name in _my_share(sorted(expected))}
-    unrecorded = sorted(name for name in os.listdir(directory)
-                        if (name.endswith(".distcp") or name == ".metadata") and name not in expected)
-    problems = sorted([p for p in _merge(local).values() if p is not None]
-                      + [f"{os.path.join(directory, name)}: not in the checkpoint's record of files and digests "
-                         "(written by a rank whose digests were lost?)" for name in unrecorded])
+    unrecorded = sorted(
+        name
+        for name in os.listdir(directory)
+        if (name.endswith(".distcp") or name == ".metadata") and name not in expected
+    )
+    problems = sorted(
+        [p for p in _merge(local).values() if p is not None]
+        + [
+            f"{os.path.join(directory, name)}: not in the checkpoint's record of files and digests "
+            "(written by a rank whose digests were lost?)"
+            for name in unrecorded
+        ]
+    )
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(problems[0] + more)

@@ -13,6 +13,7 @@ whatever the tp) with four differences, all mapped here piece by piece:
 - optimizer state is `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model name>`.
 A tied embedding is stored once (no `output_layer.weight`), as ours.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,10 @@ import torch
 from megatron.core.checkpointing.pieces import TensorPiece
 
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
-NORM_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+NORM_NAMES = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
 STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
 VOCABULARY = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER = re.compile(r"optimizer\.(\w+)\.(.*)")
@@ -47,7 +50,7 @@ def megatron_name(name: str) -> tuple[str, int | None]:
     rest = match.group(2)
     for ours, theirs in NORM_NAMES.items():
         if rest.startswith(ours):
-            rest = theirs + rest[len(ours):]
+            rest = theirs + rest[len(ours) :]
     return f"{prefix}decoder.layers.{rest}", int(match.group(1))
 
 
@@ -58,10 +61,10 @@ def our_tensors(name: str, shape: tuple[int, ...], vocab_size: int) -> list[tupl
         return [(name, (vocab_size,) + shape[1:])]
     if not name.startswith("decoder.layers."):
         return [(name, shape)]
-    rest = name[len("decoder.layers."):]
+    rest = name[len("decoder.layers.") :]
     for ours, theirs in NORM_NAMES.items():
         if rest.startswith(theirs):
-            rest = ours + rest[len(theirs):]
+            rest = ours + rest[len(theirs) :]
     return [(f"decoder.layers.{i}.{rest}", shape[1:]) for i in range(shape[0])]
 
 
@@ -78,8 +81,14 @@ def to_megatron(piece: TensorPiece, num_layers: int, vocab_rows: int | None = No
         shape = (vocab_rows,) + shape[1:]
     if layer is None:
         return dataclasses.replace(piece, name=name, global_shape=shape)
-    return TensorPiece(name, (num_layers,) + shape, (layer,) + piece.offsets, (1,) + piece.sizes, piece.dtype,
-                       lambda: piece.tensor().unsqueeze(0))
+    return TensorPiece(
+        name,
+        (num_layers,) + shape,
+        (layer,) + piece.offsets,
+        (1,) + piece.sizes,
+        piece.dtype,
+        lambda: piece.tensor().unsqueeze(0),
+    )
 
 
 def vocabulary_padding(pieces: list[TensorPiece], padded: int) -> list[TensorPiece]:
@@ -91,15 +100,28 @@ def vocabulary_padding(pieces: list[TensorPiece], padded: int) -> list[TensorPie
         rows, rest = piece.global_shape[0], piece.global_shape[1:]
         if padded > rows:
             zeros = torch.zeros((padded - rows,) + rest, dtype=piece.dtype)
-            padding.append(TensorPiece(name, (padded,) + rest, (rows,) + (0,) * len(rest), tuple(zeros.shape),
-                                       piece.dtype, lambda zeros=zeros: zeros))
+            padding.append(
+                TensorPiece(
+                    name,
+                    (padded,) + rest,
+                    (rows,) + (0,) * len(rest),
+                    tuple(zeros.shape),
+                    piece.dtype,
+                    lambda zeros=zeros: zeros,
+                )
+            )
     return padding
 
 
 # modules whose `_extra_state` (fp8 metadata in Transformer Engine layers, None in local ones) a
 # Megatron GPTModel asks for on load, one object per layer
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
-                       "mlp.linear_fc1", "mlp.linear_fc2")
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.core_attention",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 
 
 def extra_state_objects(pieces: list[TensorPiece], num_layers: int) -> dict[str, list]:
@@ -107,5 +129,8 @@ def extra_state_objects(pieces: list[TensorPiece], num_layers: int) -> dict[str,
     `<module>._extra_state/shard_<layer>_<layers>`: the list of a rank's values, [None], which both
     layer kinds accept."""
     layers = {int(match.group(1)) for p in pieces if (match := LAYER.fullmatch(_split_state(p.name)[1]))}
-    return {f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}": [None]
-            for layer in sorted(layers) for module in EXTRA_STATE_MODULES}
+    return {
+        f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}": [None]
+        for layer in sorted(layers)
+        for module in EXTRA_STATE_MODULES
+    }

@@ -11,10 +11,11 @@ distributed one). The range is cut into row-aligned boxes (`flat_range_boxes`) a
 mapped to the global tensor like a parameter's shard (`box_pieces`), so state saved by one
 layout (tp, pp, dp, cp, distributed optimizer on or off) loads into any other.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +29,9 @@ def state_name(key: str, name: str) -> str:
     return f"optimizer.{key}.{name}"
 
 
-def optimizer_state_pieces(state: dict, params: dict, sources: dict[str, Callable[[str], str]], *,
-                           tied_copies: bool) -> list[TensorPiece]:
+def optimizer_state_pieces(
+    state: dict, params: dict, sources: dict[str, Callable[[str], str]], *, tied_copies: bool
+) -> list[TensorPiece]:
     """Canonical pieces of this rank's optimizer state.
 
     `state`: the optimizer's `state_dict_by_name()` (name -> [(start, numel, {key: fp32 view})]);
@@ -51,6 +53,6 @@ def optimizer_state_pieces(state: dict, params: dict, sources: dict[str, Callabl
             for flat, offsets, sizes in flat_range_boxes(tuple(param.shape), start, start + numel):
                 begin = flat - start
                 for key, source in sources.items():
-                    data = views[key][begin:begin + math.prod(sizes)].view(sizes)
+                    data = views[key][begin : begin + math.prod(sizes)].view(sizes)
                     pieces.extend(box_pieces(source(canonical), spec, offsets, sizes, data, torch.float32))
     return pieces

@@ -23,13 +23,14 @@ Everything else (norms, biases of row-parallel layers, position embeddings) is
 whole on every rank that holds it; replicas are written once (DCP deduplicates
 pieces with equal name and offsets).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -52,14 +53,14 @@ class TensorPiece:
     dtype: torch.dtype
     tensor: Callable[[], torch.Tensor]
 
-    def snapshot(self) -> "TensorPiece":
+    def snapshot(self) -> TensorPiece:
         """This piece with its data copied to host memory now: a background writer then writes the
         values of this moment while training goes on changing the original."""
         data = self.tensor().detach().to("cpu", copy=True)
         return dataclasses.replace(self, tensor=lambda: data)
 
     @classmethod
-    def whole(cls, name: str, tensor: torch.Tensor) -> "TensorPiece":
+    def whole(cls, name: str, tensor: torch.Tensor) -> TensorPiece:
         """All of `tensor` (one process, or a replicated tensor)."""
         shape = tuple(tensor.shape)
         return cls(name, shape, (0,) * len(shape), shape, tensor.dtype, lambda: tensor)
@@ -77,8 +78,9 @@ def _global_intervals(held: list[tuple[int, int]], limit: int, lo: int, hi: int)
     return out
 
 
-def box_pieces(name: str, spec, offsets: tuple[int, ...], sizes: tuple[int, ...], data: torch.Tensor,
-               dtype: torch.dtype) -> list[TensorPiece]:
+def box_pieces(
+    name: str, spec, offsets: tuple[int, ...], sizes: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype
+) -> list[TensorPiece]:
     """Pieces of the canonical tensor `name` (shape from the InitSpec `spec`, see module doc) held by
     the box (offsets, sizes) of this rank's local shard; `data` is that box's tensor (a view)."""
     shape = list(spec.full_shape)
@@ -91,8 +93,16 @@ def box_pieces(name: str, spec, offsets: tuple[int, ...], sizes: tuple[int, ...]
     per_dim = (_global_intervals(h, size, lo, lo + n) for h, size, lo, n in zip(held, shape, offsets, sizes))
     for boxes in itertools.product(*per_dim):
         view = data[tuple(slice(rel, rel + stop - start) for start, stop, rel in boxes)]
-        pieces.append(TensorPiece(name, tuple(shape), tuple(start for start, _, _ in boxes),
-                                  tuple(stop - start for start, stop, _ in boxes), dtype, lambda view=view: view))
+        pieces.append(
+            TensorPiece(
+                name,
+                tuple(shape),
+                tuple(start for start, _, _ in boxes),
+                tuple(stop - start for start, stop, _ in boxes),
+                dtype,
+                lambda view=view: view,
+            )
+        )
     return pieces
 
 
@@ -107,8 +117,10 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     inner = math.prod(shape[1:])
     first = start // inner
     if first == (stop - 1) // inner:  # within one row
-        return [(first * inner + flat, (first,) + offsets, (1,) + sizes)
-                for flat, offsets, sizes in flat_range_boxes(shape[1:], start - first * inner, stop - first * inner)]
+        return [
+            (first * inner + flat, (first,) + offsets, (1,) + sizes)
+            for flat, offsets, sizes in flat_range_boxes(shape[1:], start - first * inner, stop - first * inner)
+        ]
     head = [] if start % inner == 0 else flat_range_boxes(shape, start, (first + 1) * inner)
     rows = range(-(-start // inner), stop // inner)
     block = [(rows.start * inner, (rows.start,) + (0,) * (len(shape) - 1), (len(rows),) + tuple(shape[1:]))]
@@ -121,8 +133,7 @@ def parameter_pieces(name: str, param: torch.Tensor) -> list[TensorPiece]:
     The name is the parameter's own, or the `seed_name` of a tied copy (the tensor it equals).
     """
     spec = param.init_spec
-    return box_pieces(spec.seed_name or name, spec, (0,) * param.dim(), tuple(param.shape), param.detach(),
-                      param.dtype)
+    return box_pieces(spec.seed_name or name, spec, (0,) * param.dim(), tuple(param.shape), param.detach(), param.dtype)
 
 
 def model_pieces(named_parameters: Iterable[tuple[str, torch.Tensor]], *, tied_copies: bool) -> list[TensorPiece]:

@@ -5,6 +5,7 @@ Each call adds the bytes it moves to `COMM_STATS`, as the tensor-parallel collec
 benchmarks compare the volume really communicated with the analytic one: "p2p" counts the bytes
 this rank sends, "all_gather" a gather's full output and "reduce_scatter" its full input.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ class Ring:
         x = x.contiguous()
         received = torch.empty_like(x)
         COMM_STATS.add("p2p", x)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, self.next, self.group),
-                                        dist.P2POp(dist.irecv, received, self.prev, self.group)])
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, received, self.prev, self.group)]
+        )
         return Transfer(works, x, received)
 
 

@@ -18,6 +18,7 @@ Both save only this rank's q, k, v, output and lse for backward (memory O(s/c)),
 received block, and compute every block's gradients from the global output and lse
 (`flash_attention_block_backward`).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,12 @@ COMM_TYPES = ("p2p", "all_gather")
 def visible_pairs(q_rank: int, kv_rank: int, cp_size: int) -> list[tuple[int, int, bool]]:
     """(local query chunk, held key chunk, causal) for each chunk pair with visible keys, when
     rank `q_rank`'s queries meet rank `kv_rank`'s keys (chunks indexed 0, 1 in local order)."""
-    return [(qi, ki, kc == qc)
-            for qi, qc in enumerate(chunk_ids(q_rank, cp_size))
-            for ki, kc in enumerate(chunk_ids(kv_rank, cp_size)) if kc <= qc]
+    return [
+        (qi, ki, kc == qc)
+        for qi, qc in enumerate(chunk_ids(q_rank, cp_size))
+        for ki, kc in enumerate(chunk_ids(kv_rank, cp_size))
+        if kc <= qc
+    ]
 
 
 def _accumulator_dtype(dtype):
@@ -64,8 +68,16 @@ def _attend_backward(q, dout, out, lse, kv, pairs, dq, scale, impl):
     dk_chunks, dv_chunks = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
     for qi, ki, causal in pairs:
         dq_part, dk_part, dv_part = flash_attention_block_backward(
-            q_chunks[qi], k_chunks[ki], v_chunks[ki], out_chunks[qi], lse_chunks[qi], dout_chunks[qi], causal,
-            scale, impl)
+            q_chunks[qi],
+            k_chunks[ki],
+            v_chunks[ki],
+            out_chunks[qi],
+            lse_chunks[qi],
+            dout_chunks[qi],
+            causal,
+            scale,
+            impl,
+        )
         dq_chunks[qi].add_(dq_part)
         dk_chunks[ki].add_(dk_part)
         dv_chunks[ki].add_(dv_part)
@@ -90,8 +102,13 @@ def _shape_only_accumulator(q):
     an (out, lse) of each query chunk in the accumulator's dtype, so `_save_for_backward` saves what
     a real forward saves (the memory estimator traces this)."""
     b, s, h, _ = q.shape
-    return [(q.new_empty((b, s // 2) + tuple(q.shape[2:]), dtype=_accumulator_dtype(q.dtype)),
-             q.new_empty((b, h, s // 2), dtype=torch.float32)) for _ in range(2)]
+    return [
+        (
+            q.new_empty((b, s // 2) + tuple(q.shape[2:]), dtype=_accumulator_dtype(q.dtype)),
+            q.new_empty((b, h, s // 2), dtype=torch.float32),
+        )
+        for _ in range(2)
+    ]
 
 
 def _backward_inputs(ctx, dout):
@@ -128,8 +145,9 @@ class _RingAttention(torch.autograd.Function):
         own_dkv, dkv_transfer = None, None
         for step in range(cp):
             kv_transfer = ring.exchange(kv) if step < cp - 1 else None
-            dkv = _attend_backward(q, dout, out, lse, kv, visible_pairs(me, (me - step) % cp, cp), dq,
-                                   ctx.scale, ctx.impl)
+            dkv = _attend_backward(
+                q, dout, out, lse, kv, visible_pairs(me, (me - step) % cp, cp), dq, ctx.scale, ctx.impl
+            )
             if step == 0:
                 own_dkv = dkv  # stays here; the other ranks' shares of it arrive after the last step
             else:
@@ -166,9 +184,12 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, dout, dq, cp, me = _backward_inputs(ctx, dout)
-        dkv = torch.stack([_attend_backward(q, dout, out, lse, kv, visible_pairs(me, rank, cp), dq, ctx.scale,
-                                            ctx.impl)
-                           for rank, kv in enumerate(_gather_blocks(k, v, ctx.group))])
+        dkv = torch.stack(
+            [
+                _attend_backward(q, dout, out, lse, kv, visible_pairs(me, rank, cp), dq, ctx.scale, ctx.impl)
+                for rank, kv in enumerate(_gather_blocks(k, v, ctx.group))
+            ]
+        )
         dkv = reduce_scatter(dkv, ctx.group) if cp > 1 else dkv[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
@@ -186,10 +207,19 @@ def context_parallel_attention(q, k, v, cp_group, comm_type="p2p", impl="auto", 
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
     dispatch.check_impl(impl)
     # checked here, before any rank posts a transfer, rather than by the first block call
-    if (q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]
-            or q.shape[2] % k.shape[2] or q.shape[1] % 2):
-        raise ValueError(f"expected q [b, s_local, h, d] and k, v [b, s_local, h_kv, d] with h a multiple of h_kv "
-                         f"and s_local even (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or k.shape != v.shape
+        or q.shape[:2] != k.shape[:2]
+        or q.shape[3] != k.shape[3]
+        or q.shape[2] % k.shape[2]
+        or q.shape[1] % 2
+    ):
+        raise ValueError(
+            f"expected q [b, s_local, h, d] and k, v [b, s_local, h_kv, d] with h a multiple of h_kv "
+            f"and s_local even (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     function = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return function.apply(q, k, v, cp_group, scale, impl)

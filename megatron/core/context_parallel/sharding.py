@@ -5,6 +5,7 @@ rank almost all the work. Instead the sequence is cut into 2c equal chunks and c
 holds chunks i and 2c-1-i: every rank then has one early and one late chunk and the same
 number of visible (query, key) pairs. A rank's local sequence is its two chunks concatenated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,10 @@ import torch
 
 def check_divisible(seq_length: int, cp_size: int) -> None:
     if cp_size < 1 or seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} must be divisible by 2 x context-parallel size "
-                         f"{cp_size} = {2 * cp_size} (each cp rank holds two equal chunks)")
+        raise ValueError(
+            f"sequence length {seq_length} must be divisible by 2 x context-parallel size "
+            f"{cp_size} = {2 * cp_size} (each cp rank holds two equal chunks)"
+        )
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ distributed optimizer over dp x cp ranks) each bucket is padded to a multiple of
 ranks' shards; each rank sees its part of it as a `ShardPiece`. `align` keeps every shard
 boundary on a multiple of `align` elements (coalesced collective and optimizer accesses on GPU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ same elements: tp ranks have identical buffer layouts (same shapes in the same o
 an embedding tied across pipeline stages has a bucket of its own on both stages, padded and
 split the same way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _all_reduce_flat(grads: list, group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for grad in grads:
-        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
 
 
@@ -42,8 +43,9 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = N
     buffers = [chunk.buffer for chunk in chunks]
     if grad_scale is not None:
         torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale.float())
-    _all_reduce_flat([g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))],
-                     mesh.tp_group)
+    _all_reduce_flat(
+        [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))], mesh.tp_group
+    )
     shared = [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "shared_embedding", False))]
     if shared:
         _all_reduce_flat(shared, mesh.embedding_group)

@@ -15,6 +15,7 @@ during training:
   were started ahead and the time the training thread still waited for them.
 On a machine without CUDA host = device: the copies are plain copies, the same code path.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -54,9 +55,12 @@ class HostChunks:
         self.memory = HostMemory(host_elements(numels, placement, model_dtype.itemsize), pin=device.type == "cuda")
         self.transfers = Transfers(device)
         if any(not buckets[i].shards_grads for i in placement.grads) or any(
-                not buckets[i].shards_params for i in placement.params):
-            raise ValueError("host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
-                             "optim_grads or optim_grads_params), host-resident parameters optim_grads_params")
+            not buckets[i].shards_params for i in placement.params
+        ):
+            raise ValueError(
+                "host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
+                "optim_grads or optim_grads_params), host-resident parameters optim_grads_params"
+            )
         for index, bucket in enumerate(buckets):
             if index in placement.grads:
                 self._take(bucket, "grad_shard", "grads_on_host")
@@ -66,7 +70,9 @@ class HostChunks:
         self._staging = [self.memory.empty(largest) for _ in range(ADD_STAGING_SLOTS if placement.grads else 0)]
         self._adds: list = [None] * len(self._staging)
         self._next_slot = 0
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-grad-add") if placement.grads else None
+        self._worker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-grad-add") if placement.grads else None
+        )
         self.stats = FetchStats()
 
     def _take(self, bucket, shard: str, flag: str) -> None:

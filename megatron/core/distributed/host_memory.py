@@ -6,6 +6,7 @@ as the memory estimator counts them. `Transfers` copies on a side stream with an
 copy on CUDA; where there is no CUDA (host = device) the copies are immediate and there are
 no events, so the callers' code path is the same.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -49,7 +50,8 @@ class HostMemory:
                 f"cannot {what} {numel * 4 / 2**30:.2f} GiB of host memory for host-resident chunk state "
                 f"({reason}); lower --optimizer-offload-fraction (and --grad-offload-fraction, "
                 f"--param-offload-fraction), use --offload-policy auto, or give the process "
-                f"more host memory (and a higher locked-memory limit, ulimit -l, for pinned memory)") from None
+                f"more host memory (and a higher locked-memory limit, ulimit -l, for pinned memory)"
+            ) from None
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +59,10 @@ class HostMemory:
 
     def empty(self, numel: int) -> torch.Tensor:
         if self.used + numel > self.slab.numel():
-            raise RuntimeError(f"host slab of {self.slab.numel()} elements exhausted (asked {numel} more "
-                             f"after {self.used})")
-        view = self.slab[self.used: self.used + numel]
+            raise RuntimeError(
+                f"host slab of {self.slab.numel()} elements exhausted (asked {numel} more after {self.used})"
+            )
+        view = self.slab[self.used : self.used + numel]
         self.used += numel
         return view
 

@@ -18,6 +18,7 @@ Usage per iteration: `zero_grad_buffer()`; before each microbatch's backward
 `finalize_model_grads`). A split backward runs inside `deferring_weight_grads()` and is
 completed by `compute_weight_grads()` before the chunk's next backward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,22 +56,31 @@ class DDPConfig:
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
         if self.sharding_strategy not in STRATEGIES:
-            raise ValueError(f"--data-parallel-sharding-strategy must be one of {', '.join(STRATEGIES)}, "
-                             f"got {self.sharding_strategy!r}")
+            raise ValueError(
+                f"--data-parallel-sharding-strategy must be one of {', '.join(STRATEGIES)}, "
+                f"got {self.sharding_strategy!r}"
+            )
         if self.use_distributed_optimizer and self.sharding_strategy == "no_shard":
             self.sharding_strategy = "optim"
         self.use_distributed_optimizer = self.sharding_strategy != "no_shard"
         if self.sharding_strategy == "optim_grads_params" and self.overlap_param_gather:
-            raise ValueError("--overlap-param-gather applies to the optim and optim_grads strategies: "
-                             "optim_grads_params gathers each bucket before its first use anyway")
+            raise ValueError(
+                "--overlap-param-gather applies to the optim and optim_grads strategies: "
+                "optim_grads_params gathers each bucket before its first use anyway"
+            )
         if self.sharding_strategy in ("optim_grads", "optim_grads_params") and not self.overlap_grad_reduce:
-            raise ValueError(f"--data-parallel-sharding-strategy {self.sharding_strategy} reduce-scatters each "
-                             "bucket as backward completes it: drop --no-overlap-grad-reduce")
+            raise ValueError(
+                f"--data-parallel-sharding-strategy {self.sharding_strategy} reduce-scatters each "
+                "bucket as backward completes it: drop --no-overlap-grad-reduce"
+            )
         if self.unsharded_grad_accumulation and self.sharding_strategy not in ("optim_grads", "optim_grads_params"):
-            raise ValueError("--unsharded-grad-accumulation applies to the optim_grads and optim_grads_params strategies")
+            raise ValueError(
+                "--unsharded-grad-accumulation applies to the optim_grads and optim_grads_params strategies"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (replicated parameters "
-                             "are never gathered)")
+            raise ValueError(
+                "--overlap-param-gather needs --use-distributed-optimizer (replicated parameters are never gathered)"
+            )
 
 
 class ModelChunkBuffers(torch.nn.Module):
@@ -84,21 +94,32 @@ class ModelChunkBuffers(torch.nn.Module):
         self.weight_grads = WeightGradQueue()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
-        self.buffer = ParamAndGradBuffer(list(reversed(named)), grad_dtype=config.grad_dtype,
-                                         bucket_size=bucket_size, group=dp_cp_group,
-                                         strategy=config.sharding_strategy, init_seed=init_seed)
+        self.buffer = ParamAndGradBuffer(
+            list(reversed(named)),
+            grad_dtype=config.grad_dtype,
+            bucket_size=bucket_size,
+            group=dp_cp_group,
+            strategy=config.sharding_strategy,
+            init_seed=init_seed,
+        )
         unplaced = [n for n, p in module.named_parameters() if is_deferred(p)]
         if unplaced:
-            raise ValueError(f"{unplaced[0]}: a deferred parameter outside the gradient buffers was never "
-                             "initialised (frozen parameters are not built deferred)")
-        self.bucket_hooks = (BucketHooks(module, self.buffer, config.reshard_after_forward)
-                             if self.buffer.shards_grads else None)
+            raise ValueError(
+                f"{unplaced[0]}: a deferred parameter outside the gradient buffers was never "
+                "initialised (frozen parameters are not built deferred)"
+            )
+        self.bucket_hooks = (
+            BucketHooks(module, self.buffer, config.reshard_after_forward) if self.buffer.shards_grads else None
+        )
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
         for _, param in named:
             param.weight_grad_queue = self.weight_grads
         if config.overlap_param_gather:
-            self._hooks += [m.register_forward_pre_hook(self._wait_for_params(m)) for m in module.modules()
-                            if any(True for _ in m.parameters(recurse=False))]
+            self._hooks += [
+                m.register_forward_pre_hook(self._wait_for_params(m))
+                for m in module.modules()
+                if any(True for _ in m.parameters(recurse=False))
+            ]
 
     def _accumulate(self, param: torch.Tensor) -> None:
         if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder

@@ -23,6 +23,7 @@ before the all-gather.
 "Local shard" below means this rank's shard (the whole bucket when replicated): the part of
 the gradient that is valid after the reduction and that this rank's optimizer steps.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,19 @@ class Bucket:
     handles of its collectives in flight. `param_data`/`grad_data`: the chunk's flat buffers, or
     None where this bucket has its own transient one (sharded gradients / parameters)."""
 
-    def __init__(self, place, param_data, grad_data, params: list, group, shard_rank: int, *,
-                 dtype: torch.dtype, grad_dtype: torch.dtype, device):
+    def __init__(
+        self,
+        place,
+        param_data,
+        grad_data,
+        params: list,
+        group,
+        shard_rank: int,
+        *,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        device,
+    ):
         self.place = place
         start, end = place.shard(shard_rank)
         self.shard_slot = slice(start - place.start, end - place.start)  # this rank's part of the whole bucket
@@ -51,7 +63,7 @@ class Bucket:
             self.param = self.param_full.data
             self.param_shard = torch.zeros(end - start, dtype=dtype, device=device)
         else:
-            self.param = param_data[place.start: place.end]
+            self.param = param_data[place.start : place.end]
             self.param_shard = param_data[start:end]
         if self.shards_grads:
             self.grad_full = TransientBuffer(place.numel, grad_dtype, device)  # freed once views are taken
@@ -59,7 +71,7 @@ class Bucket:
             self.grad_shard = torch.zeros(end - start, dtype=grad_dtype, device=device)
             self._scattered = None  # the reduce-scatter's output, added into grad_shard when it lands
         else:
-            self.grad = grad_data[place.start: place.end]
+            self.grad = grad_data[place.start : place.end]
             self.grad_shard = grad_data[start:end]
         self.params = set(params)
         self.group, self.group_size = group, dist.get_world_size(group)
@@ -92,11 +104,11 @@ class Bucket:
             if self.group_size == 1:
                 self._scattered.copy_(self.grad)
             else:
-                self.grad_handle = dist.reduce_scatter_single(self._scattered, self.grad, group=self.group,
-                                                              async_op=True)
+                self.grad_handle = dist.reduce_scatter_single(
+                    self._scattered, self.grad, group=self.group, async_op=True
+                )
         elif self.group_size > 1 and self.sharded:
-            self.grad_handle = dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group,
-                                                          async_op=True)
+            self.grad_handle = dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group, async_op=True)
         elif self.group_size > 1:
             self.grad_handle = dist.all_reduce(self.grad, group=self.group, async_op=True)
 
@@ -172,8 +184,16 @@ class ParamAndGradBuffer:
     buffer (`init_seed`: the run's seed), bucket by bucket: with sharded parameters a bucket is
     whole only while it is filled and its shard taken, so building never holds the whole model."""
 
-    def __init__(self, named_params: list, *, grad_dtype: torch.dtype, bucket_size: int, group, strategy: str,
-                 init_seed: int | None = None):
+    def __init__(
+        self,
+        named_params: list,
+        *,
+        grad_dtype: torch.dtype,
+        bucket_size: int,
+        group,
+        strategy: str,
+        init_seed: int | None = None,
+    ):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         dtypes = {p.dtype for _, p in named_params}
@@ -182,8 +202,12 @@ class ParamAndGradBuffer:
         self.strategy = strategy
         sharded = strategy != "no_shard"
         shards = dist.get_world_size(group) if sharded else 1
-        self.layout = BufferLayout([(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
-                                   bucket_size, shards, SHARD_ALIGN)
+        self.layout = BufferLayout(
+            [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
+            bucket_size,
+            shards,
+            SHARD_ALIGN,
+        )
         self.shard_rank = dist.get_rank(group) if sharded else 0
         self.device = named_params[0][1].device if named_params else torch.device("cpu")
         dtype = dtypes.pop() if dtypes else torch.float32
@@ -197,8 +221,17 @@ class ParamAndGradBuffer:
             members_of.setdefault(member.bucket, []).append(member)
         for index, place in enumerate(self.layout.buckets):
             members = members_of.get(index, [])
-            bucket = Bucket(place, self.param_data, self.grad_data, [self.params[p.name] for p in members], group,
-                            self.shard_rank, dtype=dtype, grad_dtype=grad_dtype, device=self.device)
+            bucket = Bucket(
+                place,
+                self.param_data,
+                self.grad_data,
+                [self.params[p.name] for p in members],
+                group,
+                self.shard_rank,
+                dtype=dtype,
+                grad_dtype=grad_dtype,
+                device=self.device,
+            )
             self.buckets.append(bucket)
             for member in members:
                 self._place(self.params[member.name], member, bucket, init_seed)
@@ -302,19 +335,29 @@ class ParamAndGradBuffer:
     def kept_bytes(self) -> tuple[int, int]:
         """(parameter bytes, gradient bytes) kept on the device between steps: whole buffers, or
         the shards that are not host-resident."""
+
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
-        params = size([self.param_data] if self.param_data is not None else
-                      [b.param_shard for b in self.buckets if not b.params_on_host])
-        grads = size([self.grad_data] if self.grad_data is not None else
-                     [b.grad_shard for b in self.buckets if not b.grads_on_host])
+
+        params = size(
+            [self.param_data]
+            if self.param_data is not None
+            else [b.param_shard for b in self.buckets if not b.params_on_host]
+        )
+        grads = size(
+            [self.grad_data]
+            if self.grad_data is not None
+            else [b.grad_shard for b in self.buckets if not b.grads_on_host]
+        )
         return params, grads
 
     def resident_bytes(self) -> tuple[int, int]:
         """(parameter bytes, gradient bytes) this buffer holds on the device now: whole buffers, or
         the device shards plus the buckets gathered / being filled at the moment."""
+
         def size(t):
             return t.untyped_storage().nbytes()
+
         if self.param_data is not None:
             params = size(self.param_data)
         else:
@@ -333,5 +376,5 @@ class ParamAndGradBuffer:
         for index, bucket in enumerate(self.buckets):
             for piece in self.layout.pieces(index, self.shard_rank):
                 if predicate is None or predicate(self.params[piece.name]):
-                    out.append(bucket.grad_shard[piece.shard_start: piece.shard_end])
+                    out.append(bucket.grad_shard[piece.shard_start : piece.shard_end])
         return out

@@ -23,6 +23,7 @@ the kept buckets fit the budget; past it, the kept bucket whose next use is furt
 released first. Backward runs the forward's modules in reverse, so that is the one kept
 earliest: the buckets the forward used last, which backward needs first, are the ones kept.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,9 +56,10 @@ class ForwardTrace:
         self.release_after = [[b for b in buckets if last[b] == index] for index, buckets in enumerate(completions)]
         # what to prefetch: the next call's buckets in forward, the previous completion's in backward,
         # skipping modules without parameters
-        self.next_call = [next((c for c in calls[i + 1:] if c), ()) for i in range(len(calls))]
-        self.previous_completion = [next((c for c in reversed(completions[:i]) if c), ())
-                                    for i in range(len(completions))]
+        self.next_call = [next((c for c in calls[i + 1 :] if c), ()) for i in range(len(calls))]
+        self.previous_completion = [
+            next((c for c in reversed(completions[:i]) if c), ()) for i in range(len(completions))
+        ]
 
 
 class BucketHooks:
@@ -84,8 +86,9 @@ class BucketHooks:
         return tuple(b for b in self.buffer.buckets if b in buckets)
 
     def _buckets_of_call(self, own: tuple, args) -> tuple:
-        passed = {self.buffer.bucket_of[a] for a in args
-                  if isinstance(a, torch.nn.Parameter) and a in self.buffer.bucket_of}
+        passed = {
+            self.buffer.bucket_of[a] for a in args if isinstance(a, torch.nn.Parameter) and a in self.buffer.bucket_of
+        }
         return self._ordered(passed.union(own)) if passed else own
 
     def keep_gathered(self, nbytes: int) -> None:
@@ -137,6 +140,7 @@ class BucketHooks:
             if tracing and self._on_trace:
                 for bucket in self.trace.next_call[index]:
                     bucket.start_param_gather()
+
         return hook
 
     def _post_forward(self):
@@ -154,6 +158,7 @@ class BucketHooks:
                 following = self.trace.previous_completion[index] if self.reshard and self._on_trace else ()
                 for tensor in _output_tensors(output):
                     tensor.register_hook(self._pre_backward(buckets, following))
+
         return hook
 
     def _pre_backward(self, buckets: tuple, prefetch: tuple):
@@ -165,4 +170,5 @@ class BucketHooks:
             for bucket in prefetch:
                 bucket.start_param_gather()
             return grad
+
         return hook

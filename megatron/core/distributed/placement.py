@@ -20,13 +20,14 @@ microbatch for 4), parameters m to 2m (2 up per gather, one or two gathers per m
 then optimizer state, each front of the order first, as far as the device budget allows, after
 making the host part fit the host budget.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 PARTS = ("optimizer", "grads", "params")
 HOST_OPTIMIZER_TENSORS = 4  # fp32 elements per host element: master, exp_avg, exp_avg_sq, gradient
-ADD_STAGING_SLOTS = 2       # host copies of reduce-scattered gradients waiting to be added (double buffer)
+ADD_STAGING_SLOTS = 2  # host copies of reduce-scattered gradients waiting to be added (double buffer)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,10 @@ class Placement:
 
     def __post_init__(self):
         if not self.params <= self.grads <= self.optimizer:
-            raise ValueError("host-resident parts must nest: a chunk's parameters on host need its gradient there, "
-                             "and its gradient needs its optimizer state there")
+            raise ValueError(
+                "host-resident parts must nest: a chunk's parameters on host need its gradient there, "
+                "and its gradient needs its optimizer state there"
+            )
 
     @property
     def any(self) -> bool:
@@ -73,8 +76,9 @@ def chunks_at_end(order: list[int], numels: list[int], fraction: float) -> froze
     return frozenset(out)
 
 
-def static_placement(order: list[int], numels: list[int], optimizer: float, grads: float = 0.0,
-                     params: float = 0.0) -> Placement:
+def static_placement(
+    order: list[int], numels: list[int], optimizer: float, grads: float = 0.0, params: float = 0.0
+) -> Placement:
     """The static policy: each part's fraction taken from the end of the order."""
     return Placement(*(chunks_at_end(order, numels, f) for f in (optimizer, grads, params)))
 
@@ -94,9 +98,11 @@ class PartBytes:
 
 def part_bytes(model_dtype_bytes: int, shards_grads: bool, shards_params: bool, grad_dtype_bytes: int = 4) -> PartBytes:
     """Optimizer state: Adam's moments plus an fp32 master unless the weights are fp32."""
-    return PartBytes(optimizer=8 + (0 if model_dtype_bytes == 4 else 4),
-                     grads=grad_dtype_bytes if shards_grads else 0,
-                     params=model_dtype_bytes if shards_params else 0)
+    return PartBytes(
+        optimizer=8 + (0 if model_dtype_bytes == 4 else 4),
+        grads=grad_dtype_bytes if shards_grads else 0,
+        params=model_dtype_bytes if shards_params else 0,
+    )
 
 
 def host_elements(numels: list[int], placement: Placement, model_dtype_bytes: int) -> int:
@@ -113,9 +119,9 @@ def host_elements(numels: list[int], placement: Placement, model_dtype_bytes: in
 class AutoDecision:
     placement: Placement
     budget_bytes: int | None
-    fixed_bytes: int      # device bytes nothing moves: activations, transients, whole buffers, gathered buckets
+    fixed_bytes: int  # device bytes nothing moves: activations, transients, whole buffers, gathered buckets
     margin_bytes: int
-    kept_bytes: int       # movable parts kept on the device
+    kept_bytes: int  # movable parts kept on the device
     host_bytes: int
     chunks: int
     host_budget_bytes: int | None = None
@@ -141,24 +147,36 @@ class AutoDecision:
 
     def summary(self) -> str:
         counts = {part: self.chunks - n for part, n in self.placement.counts().items()}
-        kept = ", ".join(f"{name} of {counts[part]}/{self.chunks} chunks"
-                         for part, name in (("params", "parameters"), ("grads", "gradients"),
-                                            ("optimizer", "optimizer state")))
+        kept = ", ".join(
+            f"{name} of {counts[part]}/{self.chunks} chunks"
+            for part, name in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"))
+        )
         host = f"on host {_size(self.host_bytes)}" + (
-            f" of {_size(self.host_budget_bytes)} (--host-memory-gb)" if self.host_budget_bytes is not None else "")
+            f" of {_size(self.host_budget_bytes)} (--host-memory-gb)" if self.host_budget_bytes is not None else ""
+        )
         if self.budget_bytes is None:
             return f"no device memory limit known (CPU without --device-memory-gb): {kept} on the device; {host}"
-        return (f"budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
-                f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
-                f"device {kept} ({_size(self.kept_bytes)}); {host}" + ("" if self.fits else "; DOES NOT FIT") +
-                f"; spare {_size(self.spare_bytes)}")
+        return (
+            f"budget {_size(self.budget_bytes)} - fixed {_size(self.fixed_bytes)} "
+            f"(activations, transients, buffers not placed per chunk) - margin {_size(self.margin_bytes)}: on the "
+            f"device {kept} ({_size(self.kept_bytes)}); {host}"
+            + ("" if self.fits else "; DOES NOT FIT")
+            + f"; spare {_size(self.spare_bytes)}"
+        )
 
 
 AUTO_MARGIN = 0.10  # of the device budget: allocator fragmentation and what the estimate does not show
 
 
-def auto_placement(order: list[int], numels: list[int], costs: PartBytes, budget_bytes: int | None,
-                   fixed_bytes: int, model_dtype_bytes: int, host_budget_bytes: int | None = None) -> AutoDecision:
+def auto_placement(
+    order: list[int],
+    numels: list[int],
+    costs: PartBytes,
+    budget_bytes: int | None,
+    fixed_bytes: int,
+    model_dtype_bytes: int,
+    host_budget_bytes: int | None = None,
+) -> AutoDecision:
     """Each chunk gets a level: how many of its parts, in PARTS order, live on host. All start at
     the highest the strategy allows (the least device memory). Then
     1. while the host slab exceeds `host_budget_bytes`: parameters come back to the device

@@ -6,6 +6,7 @@ view while the storage is freed raises instead of returning stale values. This i
 bucket's gathered parameters and its unsharded gradients come and go (optim_grads,
 optim_grads_params) without re-pointing any parameter.
 """
+
 from __future__ import annotations
 
 import torch

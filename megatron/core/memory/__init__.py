@@ -3,6 +3,7 @@
 Parameter shapes and saved activations traced from our modules with fake tensors (trace.py),
 the rest arithmetic on TransformerConfig + MemoryLayout; see docs/memory.md.
 """
+
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, RankEstimate, estimate_memory
 from megatron.core.memory.layout import MemoryLayout
 

@@ -6,6 +6,7 @@ The mesh orders ranks pp, dp, cp, tp (tp fastest), so a group is `size` ranks
 `stride` apart: tp (stride 1), cp (stride tp), dp x cp for gradients (stride tp),
 pipeline neighbours (stride tp cp dp).
 """
+
 from __future__ import annotations
 
 from megatron.core.memory.hardware import Hardware
@@ -33,8 +34,15 @@ def p2p_bytes(tokens: int, hidden: int, element_bytes: int, tp: int, sequence_pa
     return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
 
 
-def dp_bytes(parameters: float, ranks: int, grad_bytes: int, param_bytes: int,
-             distributed: bool, reductions: int = 1, gathers: int = 1) -> tuple[float, float]:
+def dp_bytes(
+    parameters: float,
+    ranks: int,
+    grad_bytes: int,
+    param_bytes: int,
+    distributed: bool,
+    reductions: int = 1,
+    gathers: int = 1,
+) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) bytes sent per rank per step over dp x cp `ranks`:
     `reductions` reduce-scatters of the gradients and `gathers` all-gathers of the parameters with
     the distributed optimizer (sharding strategies: step_time.dp_collectives); an all-reduce of
@@ -42,8 +50,10 @@ def dp_bytes(parameters: float, ranks: int, grad_bytes: int, param_bytes: int,
     if ranks == 1:
         return 0.0, 0.0
     if distributed:
-        return (reductions * ring_share(ranks) * parameters * grad_bytes,
-                gathers * ring_share(ranks) * parameters * param_bytes)
+        return (
+            reductions * ring_share(ranks) * parameters * grad_bytes,
+            gathers * ring_share(ranks) * parameters * param_bytes,
+        )
     return 2 * ring_share(ranks) * parameters * grad_bytes, 0.0
 
 

@@ -21,6 +21,7 @@ Three kinds of work, each timed from first principles:
 
 The constants live in `Calibration`; docs/planner.md says what each is fitted to.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,8 @@ class Calibration:
     flash_fraction: float = 0.25
     layer_overhead_s: float = 4e-4
     step_overhead_s: float = 0.05
-    comm_efficiency: float = 0.80   # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
-    hbm_efficiency: float = 0.80    # achieved / spec HBM bandwidth of streaming kernels
+    comm_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
+    hbm_efficiency: float = 0.80  # achieved / spec HBM bandwidth of streaming kernels
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,15 @@ class PassTime:
     def total(self) -> float:
         return self.gemm + self.attention + self.elementwise + self.overhead
 
-    def __add__(self, other: "PassTime") -> "PassTime":
-        return PassTime(self.gemm + other.gemm, self.attention + other.attention, self.elementwise + other.elementwise,
-                        self.overhead + other.overhead)
+    def __add__(self, other: PassTime) -> PassTime:
+        return PassTime(
+            self.gemm + other.gemm,
+            self.attention + other.attention,
+            self.elementwise + other.elementwise,
+            self.overhead + other.overhead,
+        )
 
-    def scaled(self, k: float) -> "PassTime":
+    def scaled(self, k: float) -> PassTime:
         return PassTime(k * self.gemm, k * self.attention, k * self.elementwise, k * self.overhead)
 
 
@@ -79,15 +84,25 @@ def gemm_efficiency(m: float, n: float, k: float, element_bytes: int, hw: Hardwa
 
 def layer_gemm_shapes(config, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     """(m, n, k) of a layer's forward GEMMs on one tp rank: QKV, output projection, MLP in and out."""
-    h, d, a, g, f = (config.hidden_size, config.kv_channels, config.num_attention_heads, config.num_query_groups,
-                     config.ffn_hidden_size)
+    h, d, a, g, f = (
+        config.hidden_size,
+        config.kv_channels,
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.ffn_hidden_size,
+    )
     mlp_in = (2 if config.swiglu else 1) * f
-    return [(tokens, (a + 2 * g) * d // tp, h), (tokens, h, a * d // tp), (tokens, mlp_in // tp, h),
-            (tokens, h, f // tp)]
+    return [
+        (tokens, (a + 2 * g) * d // tp, h),
+        (tokens, h, a * d // tp),
+        (tokens, mlp_in // tp, h),
+        (tokens, h, f // tp),
+    ]
 
 
-def attention_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware,
-                   cal: Calibration) -> tuple[PassTime, PassTime]:
+def attention_time(
+    config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware, cal: Calibration
+) -> tuple[PassTime, PassTime]:
     """(forward, backward) of the attention core of one layer: `batch` sequences, s / cp queries
     each against all s keys (context parallelism splits the queries), a / tp heads."""
     s, d = config.seq_length, config.kv_channels
@@ -107,8 +122,10 @@ def attention_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardwa
     forward_bytes = scores * (2 * element + (2 * element + 1 if dropout else 0))
     backward_bytes = scores * (3 * element + (2 * element + 1 if dropout else 0))
     bandwidth = hw.hbm_gbps * 1e9 * cal.hbm_efficiency
-    return (PassTime(attention=gemm + forward_bytes / bandwidth),
-            PassTime(attention=2 * gemm + backward_bytes / bandwidth))
+    return (
+        PassTime(attention=gemm + forward_bytes / bandwidth),
+        PassTime(attention=2 * gemm + backward_bytes / bandwidth),
+    )
 
 
 def elementwise_bytes(config, tokens: int, tp: int) -> float:
@@ -122,13 +139,17 @@ def elementwise_bytes(config, tokens: int, tp: int) -> float:
     mask = 1 if config.hidden_dropout > 0 else 0
     per_row = 2 * (2 * h * e) + 2 * (3 * h * e + h * mask)
     activation = (3 if config.swiglu else 2) * f // tp * e
-    rotary = (2 * (config.num_attention_heads + config.num_query_groups) * d // tp * e
-              if config.position_embedding_type == "rope" else 0)
+    rotary = (
+        2 * (config.num_attention_heads + config.num_query_groups) * d // tp * e
+        if config.position_embedding_type == "rope"
+        else 0
+    )
     return row_tokens * per_row + tokens * (activation + rotary)
 
 
-def layer_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware,
-               cal: Calibration) -> tuple[PassTime, PassTime]:
+def layer_time(
+    config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware, cal: Calibration
+) -> tuple[PassTime, PassTime]:
     """(forward, backward) of one transformer layer on one rank; the backward costs twice the
     forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out)."""
     tokens = batch * config.seq_length // cp
@@ -137,12 +158,15 @@ def layer_time(config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware,
     elementwise = elementwise_bytes(config, tokens, tp) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
     attn_f, attn_b = attention_time(config, kernel, batch, cp, tp, hw, cal)
     overhead = cal.layer_overhead_s
-    return (PassTime(gemm=gemm, elementwise=elementwise, overhead=overhead) + attn_f,
-            PassTime(gemm=2 * gemm, elementwise=2 * elementwise, overhead=2 * overhead) + attn_b)
+    return (
+        PassTime(gemm=gemm, elementwise=elementwise, overhead=overhead) + attn_f,
+        PassTime(gemm=2 * gemm, elementwise=2 * elementwise, overhead=2 * overhead) + attn_b,
+    )
 
 
-def output_layer_time(config, vocab: int, tokens: int, tp: int, hw: Hardware,
-                      cal: Calibration) -> tuple[PassTime, PassTime]:
+def output_layer_time(
+    config, vocab: int, tokens: int, tp: int, hw: Hardware, cal: Calibration
+) -> tuple[PassTime, PassTime]:
     """(forward, backward) of the logits GEMM and the vocab-parallel cross entropy on fp32 logits:
     forward 20 bytes per logit (the cast writes 4, the max reads 4, exp reads and writes 8, the sum
     reads 4), backward 12 (the softmax gradient reads and writes 8, the cast back writes 2, rounded up)."""

@@ -18,6 +18,7 @@ kernel's autograd signature (what it saves, in which dtype and shape), following
   scaled, the probabilities, the mask, the dropped probabilities and v (a copy under GQA).
 These are NOT validated on a GPU yet (no GPU here), as the CUDA allowances are not.
 """
+
 from __future__ import annotations
 
 import math
@@ -107,5 +108,6 @@ class CudaOps(TorchFunctionMode):
             return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if self.attention == "efficient":
             return _EfficientAttention.apply(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )

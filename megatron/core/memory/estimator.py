@@ -20,6 +20,7 @@ and the fragmentation and runtime allowances are assumptions. The start-up check
 refuses a layout only when its certain part exceeds device memory
 (`MemoryEstimate.would_refuse`); above that it warns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,17 +86,33 @@ class RankEstimate:
     def allowances(self) -> dict[str, int]:
         """The unmeasured components of the phase that sets the peak, largest first (zeros left out)."""
         if self._after_backward > self._during_backward:
-            parts = {"after-backward temporaries": self.after_backward_bytes,
-                     "runtime allowance": self.transients.runtime_bytes}
+            parts = {
+                "after-backward temporaries": self.after_backward_bytes,
+                "runtime allowance": self.transients.runtime_bytes,
+            }
         else:
             parts = dict(self.transients.components(), **{"gathered buckets": self.gathered_bytes})
         return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
 
     def to_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in (
-            "pp_rank", "parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-            "transients_bytes", "host_bytes", "certain_bytes", "total_bytes", "after_backward_bytes",
-            "peak_microbatches", "gathered_bytes")}
+        out = {
+            name: getattr(self, name)
+            for name in (
+                "pp_rank",
+                "parameters",
+                "weights_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activations_bytes",
+                "transients_bytes",
+                "host_bytes",
+                "certain_bytes",
+                "total_bytes",
+                "after_backward_bytes",
+                "peak_microbatches",
+                "gathered_bytes",
+            )
+        }
         out["chunk_activation_bytes"] = list(self.chunk_activation_bytes)
         out["transients"] = asdict(self.transients)
         out["allowances"] = self.allowances()
@@ -152,14 +169,18 @@ class MemoryEstimate:
 def _with_attention(config, attention: str):
     """The config whose attention backend runs `attention` (an implementation asked for, not the model's own)."""
     backend = {"triton": "triton", "flash": "torch", "efficient": "torch", "math": "torch"}.get(attention)
-    if backend is None or config.attention_backend == backend or (backend == "triton"
-                                                                   and config.attention_backend == "auto"):
+    if (
+        backend is None
+        or config.attention_backend == backend
+        or (backend == "triton" and config.attention_backend == "auto")
+    ):
         return config
     return dataclasses.replace(config, attention_backend=backend)
 
 
-def estimate_rank(config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances,
-                  pp_rank: int) -> RankEstimate:
+def estimate_rank(
+    config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances, pp_rank: int
+) -> RankEstimate:
     chunks = rank_chunks(config, layout, pp_rank)
     largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, layout.tp, c))), default=0)
     buffers = [chunk_buffer(config, layout, c) for c in chunks]
@@ -168,39 +189,63 @@ def estimate_rank(config, layout: MemoryLayout, kernels: KernelChoice, allowance
     traced = _with_attention(config, kernels.attention)
     activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, len(c.layer_ids)) for c in chunks]
     dims = Dims.of(config, layout)
-    inflight = rank_in_flight(layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes,
-                              [a.shared_bytes for a in activations])
+    inflight = rank_in_flight(
+        layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes, [a.shared_bytes for a in activations]
+    )
     tied = not config.untie_embeddings_and_output_weights
     largest = largest_temporary(
-        dims, config, largest_param, has_last=any(c.post_process for c in chunks),
+        dims,
+        config,
+        largest_param,
+        has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
-        recompute_working=max(a.recompute_bytes for a in activations))
+        recompute_working=max(a.recompute_bytes for a in activations),
+    )
     split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if layout.split_backward else 0
-    transients = estimate_transients(dims, layout, allowances, p2p_extra=inflight.p2p_extra_bytes, split_bytes=split,
-                                     cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
-                                     largest=largest, activations=inflight.activations_bytes)
+    transients = estimate_transients(
+        dims,
+        layout,
+        allowances,
+        p2p_extra=inflight.p2p_extra_bytes,
+        split_bytes=split,
+        cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
+        largest=largest,
+        activations=inflight.activations_bytes,
+    )
     has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
     after = after_backward_temporary(dims, layout, optimizer_step_temporary(buffers, layout.offload_fraction), has_copy)
     return RankEstimate(
-        pp_rank=pp_rank, parameters=states.parameters, weights_bytes=states.weights_bytes,
-        grads_bytes=states.grads_bytes, optimizer_bytes=states.optimizer_bytes,
-        activations_bytes=inflight.activations_bytes, transients_bytes=transients.total,
-        after_backward_bytes=after, host_bytes=states.host_bytes, peak_microbatches=inflight.peak_microbatches,
-        chunk_activation_bytes=tuple(a.bytes + a.shared_bytes for a in activations), transients=transients,
-        gathered_bytes=states.gathered_bytes)
+        pp_rank=pp_rank,
+        parameters=states.parameters,
+        weights_bytes=states.weights_bytes,
+        grads_bytes=states.grads_bytes,
+        optimizer_bytes=states.optimizer_bytes,
+        activations_bytes=inflight.activations_bytes,
+        transients_bytes=transients.total,
+        after_backward_bytes=after,
+        host_bytes=states.host_bytes,
+        peak_microbatches=inflight.peak_microbatches,
+        chunk_activation_bytes=tuple(a.bytes + a.shared_bytes for a in activations),
+        transients=transients,
+        gathered_bytes=states.gathered_bytes,
+    )
 
 
-def estimate_memory(config, layout: MemoryLayout, *, attention: str = "auto",
-                    allowances: Allowances | None = None) -> MemoryEstimate:
+def estimate_memory(
+    config, layout: MemoryLayout, *, attention: str = "auto", allowances: Allowances | None = None
+) -> MemoryEstimate:
     """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
     if config.tensor_model_parallel_size != layout.tp:
-        raise ValueError(f"the model config is split for tp={config.tensor_model_parallel_size} "
-                         f"but the layout has tp={layout.tp}")
+        raise ValueError(
+            f"the model config is split for tp={config.tensor_model_parallel_size} but the layout has tp={layout.tp}"
+        )
     if config.context_parallel_size != layout.cp:
-        raise ValueError(f"the model config is split for cp={config.context_parallel_size} "
-                         f"but the layout has cp={layout.cp}")
+        raise ValueError(
+            f"the model config is split for cp={config.context_parallel_size} but the layout has cp={layout.cp}"
+        )
     kernels = resolve_kernels(config, layout.device_type, attention)
     allowances = allowances or Allowances.default(layout.device_type)
     ranks = tuple(estimate_rank(config, layout, kernels, allowances, r) for r in range(layout.pp))
-    return MemoryEstimate(ranks=ranks, total_parameters=total_parameters(config, layout.tp), kernels=kernels,
-                          layout=layout)
+    return MemoryEstimate(
+        ranks=ranks, total_parameters=total_parameters(config, layout.tp), kernels=kernels, layout=layout
+    )

@@ -9,6 +9,7 @@ so a trace may run inside a real distributed job (the trainer's start-up check).
 torch's own fake backend needs `init_process_group`, which a job that already has its
 default group cannot call again; this stand-in needs nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,7 @@ def _patched(original, fake):
     def call(*args, **kwargs):
         group = kwargs.get("group", args[-1] if args and isinstance(args[-1], FakeGroup) else None)
         return fake(*args, **kwargs) if isinstance(group, FakeGroup) else original(*args, **kwargs)
+
     return call
 
 
@@ -48,6 +50,7 @@ def _batch_isend_irecv(original):
         if ops and isinstance(ops[0], _P2POp):
             return [_DoneWork() for _ in ops]
         return original(ops)
+
     return call
 
 
@@ -65,7 +68,9 @@ def fake_collectives():
         "get_world_size": lambda group=None: group.size,
         "get_rank": lambda group=None: group.rank,
         "get_process_group_ranks": lambda group: list(range(group.size)),
-        "all_reduce": done, "all_gather_single": done, "reduce_scatter_single": done,
+        "all_reduce": done,
+        "all_gather_single": done,
+        "reduce_scatter_single": done,
     }
     saved = {name: getattr(dist, name) for name in (*replacements, "batch_isend_irecv", "P2POp")}
     try:

@@ -12,6 +12,7 @@ GPU and per direction:
   Gen5 x16 for H100 / H200 (128 GB/s both ways); what host-resident chunks move over;
 * `memory_gib`: the device memory CUDA reports as total (what the start-up check compares with).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,22 +29,56 @@ class Hardware:
     host_link_gbps: float = 64.0
 
     def __post_init__(self):
-        flags = {"peak_tflops": "--peak-tflops", "hbm_gbps": "--hbm-gbps", "intra_node_gbps": "--intra-node-gbps",
-                 "inter_node_gbps": "--inter-node-gbps", "gpus_per_node": "--gpus-per-node",
-                 "memory_gib": "--device-memory-gb", "host_link_gbps": "--host-link-gbps"}
+        flags = {
+            "peak_tflops": "--peak-tflops",
+            "hbm_gbps": "--hbm-gbps",
+            "intra_node_gbps": "--intra-node-gbps",
+            "inter_node_gbps": "--inter-node-gbps",
+            "gpus_per_node": "--gpus-per-node",
+            "memory_gib": "--device-memory-gb",
+            "host_link_gbps": "--host-link-gbps",
+        }
         for name, flag in flags.items():
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag} must be > 0, got {getattr(self, name)}")
 
 
 DEVICES = {
-    "a100-40gb": Hardware(peak_tflops=312.0, hbm_gbps=1555.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
-                          gpus_per_node=8, memory_gib=39.39, host_link_gbps=32.0),
-    "a100-80gb": Hardware(peak_tflops=312.0, hbm_gbps=2039.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
-                          gpus_per_node=8, memory_gib=79.15, host_link_gbps=32.0),
-    "h100-80gb": Hardware(peak_tflops=989.0, hbm_gbps=3350.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
-                          gpus_per_node=8, memory_gib=79.11, host_link_gbps=64.0),
-    "h200": Hardware(peak_tflops=989.0, hbm_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
-                     gpus_per_node=8, memory_gib=139.7, host_link_gbps=64.0),
+    "a100-40gb": Hardware(
+        peak_tflops=312.0,
+        hbm_gbps=1555.0,
+        intra_node_gbps=300.0,
+        inter_node_gbps=25.0,
+        gpus_per_node=8,
+        memory_gib=39.39,
+        host_link_gbps=32.0,
+    ),
+    "a100-80gb": Hardware(
+        peak_tflops=312.0,
+        hbm_gbps=2039.0,
+        intra_node_gbps=300.0,
+        inter_node_gbps=25.0,
+        gpus_per_node=8,
+        memory_gib=79.15,
+        host_link_gbps=32.0,
+    ),
+    "h100-80gb": Hardware(
+        peak_tflops=989.0,
+        hbm_gbps=3350.0,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+        gpus_per_node=8,
+        memory_gib=79.11,
+        host_link_gbps=64.0,
+    ),
+    "h200": Hardware(
+        peak_tflops=989.0,
+        hbm_gbps=4800.0,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+        gpus_per_node=8,
+        memory_gib=139.7,
+        host_link_gbps=64.0,
+    ),
 }
 DEFAULT_DEVICE = "h100-80gb"

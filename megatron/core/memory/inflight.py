@@ -15,6 +15,7 @@ embedding, the last stage's logits) and the interleaved order are exact, not
 distinct (microbatches alive per chunk, buffers alive) states it passes
 through; any chunk sizes are then evaluated on that set.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,9 @@ SF, RF, SB, RB = ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD, ActionKind.SE
 
 @dataclass(frozen=True)
 class InFlight:
-    activations_bytes: int   # peak of saved activations
+    activations_bytes: int  # peak of saved activations
     peak_with_p2p_bytes: int  # peak of saved activations + live p2p buffers
-    peak_microbatches: int    # most (microbatch, chunk) forwards awaiting their backward
+    peak_microbatches: int  # most (microbatch, chunk) forwards awaiting their backward
 
     @property
     def p2p_extra_bytes(self) -> int:
@@ -79,16 +80,16 @@ def profiles(steps, v: int, first_chunk: int | None, last_chunk: int | None) -> 
     return frozenset(seen)
 
 
-def peaks(states: frozenset, chunk_bytes: list[int], p2p_bytes: int,
-          shared_bytes: list[int] | None = None) -> InFlight:
+def peaks(states: frozenset, chunk_bytes: list[int], p2p_bytes: int, shared_bytes: list[int] | None = None) -> InFlight:
     """`chunk_bytes[c]`: saved bytes of one microbatch on local chunk c; `shared_bytes[c]`: bytes
     that every microbatch of chunk c saves in one storage (alive while any of them is)."""
     shared = shared_bytes or [0] * len(chunk_bytes)
     act = [sum(n * b + (s if n else 0) for n, b, s in zip(counts, chunk_bytes, shared)) for counts, _ in states]
-    return InFlight(activations_bytes=max(act, default=0),
-                    peak_with_p2p_bytes=max((a + buffers * p2p_bytes for a, (_, buffers) in zip(act, states)),
-                                            default=0),
-                    peak_microbatches=max((sum(counts) for counts, _ in states), default=0))
+    return InFlight(
+        activations_bytes=max(act, default=0),
+        peak_with_p2p_bytes=max((a + buffers * p2p_bytes for a, (_, buffers) in zip(act, states)), default=0),
+        peak_microbatches=max((sum(counts) for counts, _ in states), default=0),
+    )
 
 
 def equivalent_microbatches(p: int, m: int, group_size: int | None) -> int:
@@ -108,8 +109,8 @@ def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) ->
     return profiles(steps, v, 0 if rank == 0 else None, v - 1 if rank == p - 1 else None)
 
 
-def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int,
-                   shared_bytes: list[int]) -> InFlight:
-    states = rank_profiles(layout.pp, layout.virtual_stages, layout.num_microbatches, pp_rank,
-                           layout.microbatch_group_size)
+def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int, shared_bytes: list[int]) -> InFlight:
+    states = rank_profiles(
+        layout.pp, layout.virtual_stages, layout.num_microbatches, pp_rank, layout.microbatch_group_size
+    )
     return peaks(states, chunk_bytes, p2p_bytes, shared_bytes)

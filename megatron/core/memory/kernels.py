@@ -16,6 +16,7 @@ normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, o
   composite on CPU and `_fused_rms_norm` on CUDA).
 dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str             # "ring" | "triton" | "flash" | "efficient" | "math"
-    norm: str                  # "triton" | "torch"
+    attention: str  # "ring" | "triton" | "flash" | "efficient" | "math"
+    norm: str  # "triton" | "torch"
 
     def describe(self) -> str:
         return f"attention {self.attention}, norms {self.norm}"
@@ -50,8 +51,11 @@ def _auto_attention(config, device_type: str) -> str:
     dtype, d = config.params_dtype, config.kv_channels
     if config.context_parallel_size > 1:
         return "ring"
-    if (config.attention_dropout == 0.0 and _triton_runs(config.attention_backend, device_type)
-            and attention_unsupported(d, dtype, device_type) is None):
+    if (
+        config.attention_dropout == 0.0
+        and _triton_runs(config.attention_backend, device_type)
+        and attention_unsupported(d, dtype, device_type) is None
+    ):
         return "triton"
     if device_type == "cpu":
         return "flash" if config.attention_dropout == 0.0 else "math"
@@ -64,8 +68,10 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
     """The kernels our code runs for `config` on `device_type` during training."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation must be one of {', '.join(ATTENTION_IMPLS)}, got {attention!r}")
-    triton_norm = (_triton_runs(config.normalization_impl, device_type)
-                   and norm_unsupported(config.hidden_size, config.params_dtype) is None)
+    triton_norm = (
+        _triton_runs(config.normalization_impl, device_type)
+        and norm_unsupported(config.hidden_size, config.params_dtype) is None
+    )
     return KernelChoice(
         attention=_auto_attention(config, device_type) if attention == "auto" else attention,
         norm="triton" if triton_norm else "torch",

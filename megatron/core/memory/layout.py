@@ -4,6 +4,7 @@
 directly by the planner; it holds only numbers, so every estimate is a pure
 function of (TransformerConfig, MemoryLayout).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ class MemoryLayout:
 
     def __post_init__(self):
         if self.sharding_strategy not in STRATEGIES:
-            raise ValueError(f"sharding_strategy must be one of {', '.join(STRATEGIES)}, got {self.sharding_strategy!r}")
+            raise ValueError(
+                f"sharding_strategy must be one of {', '.join(STRATEGIES)}, got {self.sharding_strategy!r}"
+            )
         if self.distributed_optimizer and self.sharding_strategy == "no_shard":
             object.__setattr__(self, "sharding_strategy", "optim")
         object.__setattr__(self, "distributed_optimizer", self.sharding_strategy != "no_shard")
@@ -89,8 +92,13 @@ class MemoryLayout:
         if self.param_offload_fraction and not self.shards_params:
             raise ValueError("param_offload_fraction needs a strategy that shards parameters")
         full = (1.0, float(self.shards_grads), float(self.shards_params))
-        if self.offload_auto and (self.offload_fraction, self.grad_offload_fraction, self.param_offload_fraction) != full:
-            raise ValueError(f"offload_auto is estimated as full offload (every movable part on host): fractions must be {full}")
+        if (
+            self.offload_auto
+            and (self.offload_fraction, self.grad_offload_fraction, self.param_offload_fraction) != full
+        ):
+            raise ValueError(
+                f"offload_auto is estimated as full offload (every movable part on host): fractions must be {full}"
+            )
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
 

@@ -29,6 +29,7 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
   --reshard-params-after-forward) every bucket's weights stay gathered from the first forward
   to the last backward of the step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,8 @@ from megatron.core.memory.kernels import dtype_bytes
 from megatron.core.memory.offload import chunk_placement, state_bytes
 from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
 
-STEP_TEMPORARIES = 2    # fp32 shard-sized tensors alive at once in ShardedAdamW.step
-UNSHARDED_BUCKETS = 3   # whole buckets of one kind alive at once under optim_grads(_params), see above
+STEP_TEMPORARIES = 2  # fp32 shard-sized tensors alive at once in ShardedAdamW.step
+UNSHARDED_BUCKETS = 3  # whole buckets of one kind alive at once under optim_grads(_params), see above
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,12 @@ def chunk_buffer(config, layout, chunk) -> BufferLayout:
     stages in a bucket of its own, sharded over dp x cp with the distributed optimizer."""
     numels = tuple(numel(s) for s in chunk_shapes(config, layout.tp, chunk))
     replicas = layout.dp * layout.cp
-    return _buffer_layout(numels, shared_embedding_index(config, layout, chunk),
-                          layout.bucket_size or default_bucket_size(replicas),
-                          replicas if layout.distributed_optimizer else 1)
+    return _buffer_layout(
+        numels,
+        shared_embedding_index(config, layout, chunk),
+        layout.bucket_size or default_bucket_size(replicas),
+        replicas if layout.distributed_optimizer else 1,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,9 +81,14 @@ def _buffer_layout(numels: tuple[int, ...], shared: int | None, bucket_size: int
 
 def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
     states = state_bytes(buffers, layout, dtype_bytes(config.params_dtype))
-    return ModelStates(parameters=sum(p.numel for b in buffers for p in b.params), weights_bytes=states.weights,
-                       grads_bytes=states.grads, optimizer_bytes=states.optimizer, host_bytes=states.host,
-                       gathered_bytes=gathered_bytes(config, layout, buffers))
+    return ModelStates(
+        parameters=sum(p.numel for b in buffers for p in b.params),
+        weights_bytes=states.weights,
+        grads_bytes=states.grads,
+        optimizer_bytes=states.optimizer,
+        host_bytes=states.host,
+        gathered_bytes=gathered_bytes(config, layout, buffers),
+    )
 
 
 def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
@@ -88,8 +97,9 @@ def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
         return 0
     largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
     held = int(not config.untie_embeddings_and_output_weights and layout.stages == 1)
-    grads = ((sum(b.numel for b in buffers) if layout.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest)
-             * layout.grad_dtype_bytes)
+    grads = (
+        sum(b.numel for b in buffers) if layout.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest
+    ) * layout.grad_dtype_bytes
     if not layout.shards_params:
         return grads
     if not layout.reshards_params:

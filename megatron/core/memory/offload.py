@@ -13,6 +13,7 @@ half a chunk), then each part's bytes where it lives:
 - parameter shard (sharded parameters): its model-dtype bytes on the device or on host;
   whole buffers (strategies that do not shard a part) stay on the device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ def _on_device(numels: list[int], on_host: frozenset) -> int:
 def state_bytes(buffers: list, layout, weight_bytes: int) -> StateBytes:
     """Device bytes of weights, gradients and optimizer state, and the host slab's bytes."""
     numels = shard_numels(buffers)
-    placement = chunk_placement(buffers, layout.offload_fraction, layout.grad_offload_fraction,
-                                layout.param_offload_fraction)
+    placement = chunk_placement(
+        buffers, layout.offload_fraction, layout.grad_offload_fraction, layout.param_offload_fraction
+    )
     padded = sum(b.numel for b in buffers)
     optimizer = _on_device(numels, placement.optimizer) * part_bytes(weight_bytes, False, False).optimizer
     weights = (_on_device(numels, placement.params) if layout.shards_params else padded) * weight_bytes

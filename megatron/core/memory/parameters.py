@@ -4,6 +4,7 @@ All tp ranks of a stage hold the same shapes (every split is even). Shapes come 
 order of the chunk's `named_parameters()`, which the gradient buffer's bucket layout (and
 so the distributed optimizer's padding) depends on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,16 @@ class ModelChunk:
 def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
     chunks = []
-    for c, layer_ids in enumerate(stage_layer_ids(config.num_layers, layout.pp, layout.virtual_stages, pp_rank,
-                                                  layout.first_stage_layers, layout.last_stage_layers)):
+    for c, layer_ids in enumerate(
+        stage_layer_ids(
+            config.num_layers,
+            layout.pp,
+            layout.virtual_stages,
+            pp_rank,
+            layout.first_stage_layers,
+            layout.last_stage_layers,
+        )
+    ):
         first, last = layout.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
@@ -60,8 +69,12 @@ def numel(shape: Shape) -> int:
 def total_parameters(config, tp: int = 1) -> int:
     """Parameters of one model replica, each counted once: the one-rank model with the vocabulary
     padded for `tp` (tp shards summed, norms and replicated biases once, no tied output-layer copy)."""
-    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
-                                context_parallel_size=1,
-                                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by * tp)
+    whole = dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        context_parallel_size=1,
+        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by * tp,
+    )
     shapes = chunk_parameter_shapes(whole, 1, True, True, config.num_layers)
     return sum(numel(s) for s in shapes)

@@ -12,6 +12,7 @@ smallest share of their optimizer state on host), then `plan_host_resident` opti
 with host-resident chunks placed by --offload-policy auto (estimated with every part on host,
 its best case; the run keeps on the device what fits).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,9 @@ import math
 from dataclasses import dataclass
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.core.memory.hardware import Hardware
 from megatron.core.memory.layout import MemoryLayout
 from megatron.core.memory.offload import fraction_that_fits
-from megatron.core.memory.hardware import Hardware
 from megatron.core.memory.step_time import Projection, StepTime
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
@@ -86,7 +87,7 @@ def stage_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None]
         first, last = ends // 2, ends - ends // 2
         for pair in {(first, last), (last, first)}:
             uneven = len({*pair, middle} if pp > 2 else set(pair)) > 1
-            if uneven and middle >= 1 and 1 <= min(pair) and max(pair) <= middle:
+            if uneven and middle >= 1 and min(pair) >= 1 and max(pair) <= middle:
                 splits.append(pair)
     return sorted(set(splits), key=lambda pair: (pair[0] is not None, pair))
 
@@ -108,8 +109,9 @@ def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
                         continue
                     virtuals = [1] if pp == 1 else _divisors(math.gcd(*counts))
                     for v in virtuals:
-                        if v <= search.max_virtual_stages and (search.virtual_stages is None
-                                                               or v in search.virtual_stages):
+                        if v <= search.max_virtual_stages and (
+                            search.virtual_stages is None or v in search.virtual_stages
+                        ):
                             yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
 
 
@@ -122,16 +124,34 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 continue
             for name in search.recompute:
                 try:
-                    cfg = dataclasses.replace(config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-                                              context_parallel_size=cp, **RECOMPUTE[name])
+                    cfg = dataclasses.replace(
+                        config,
+                        tensor_model_parallel_size=tp,
+                        sequence_parallel=tp > 1,
+                        context_parallel_size=cp,
+                        **RECOMPUTE[name],
+                    )
                 except ValueError:  # tp does not divide the heads, groups or ffn; the sequence does not split
                     continue
                 for sharded in search.distributed_optimizer:
-                    yield cfg, MemoryLayout(tp=tp, cp=cp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
-                                            num_microbatches=m, distributed_optimizer=sharded,
-                                            first_stage_layers=first, last_stage_layers=last,
-                                            grad_dtype_bytes=search.grad_dtype_bytes,
-                                            device_type=search.device_type), name
+                    yield (
+                        cfg,
+                        MemoryLayout(
+                            tp=tp,
+                            cp=cp,
+                            pp=pp,
+                            dp=dp,
+                            virtual_stages=v,
+                            micro_batch_size=mbs,
+                            num_microbatches=m,
+                            distributed_optimizer=sharded,
+                            first_stage_layers=first,
+                            last_stage_layers=last,
+                            grad_dtype_bytes=search.grad_dtype_bytes,
+                            device_type=search.device_type,
+                        ),
+                        name,
+                    )
 
 
 def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Projection = Projection()) -> Candidate:
@@ -139,9 +159,16 @@ def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Pr
     return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
 
 
-def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-         projection: Projection = Projection(),
-         threshold: float = DEFAULT_THRESHOLD) -> tuple[list[Candidate], int, int]:
+def plan(
+    config,
+    num_gpus: int,
+    global_batch_size: int,
+    device_bytes: int,
+    *,
+    search: Search = Search(),
+    projection: Projection = Projection(),
+    threshold: float = DEFAULT_THRESHOLD,
+) -> tuple[list[Candidate], int, int]:
     """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
     valid layouts dropped above it; how many of those the start-up check would still start).
 
@@ -162,9 +189,17 @@ def plan(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, se
 SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")  # lighter first
 
 
-def plan_sharded(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD,
-                 top: int = 10) -> list[Candidate]:
+def plan_sharded(
+    config,
+    num_gpus: int,
+    global_batch_size: int,
+    device_bytes: int,
+    *,
+    search: Search = Search(),
+    projection: Projection = Projection(),
+    threshold: float = DEFAULT_THRESHOLD,
+    top: int = 10,
+) -> list[Candidate]:
     """Up to `top` layouts that fit once the gradients (optim_grads), or the parameters too
     (optim_grads_params), are sharded over dp x cp; per layout the lighter strategy that fits,
     fastest first. For when `plan` finds nothing; before offloading."""
@@ -191,11 +226,13 @@ def offload_needed(estimate: MemoryEstimate, device_bytes: int, threshold: float
     return None if None in needs else max(needs)
 
 
-def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: int,
-                     threshold: float = DEFAULT_THRESHOLD) -> MemoryEstimate | None:
+def smallest_offload(
+    config, layout: MemoryLayout, need: float, device_bytes: int, threshold: float = DEFAULT_THRESHOLD
+) -> MemoryEstimate | None:
     """The estimate at the smallest --optimizer-offload-fraction, in steps of 0.01 from `need` up,
     that fits: the static policy offloads whole chunks, the nearest to the fraction, so `need`
     itself can fall short by up to half a chunk; above it, a bisection (more offload never adds bytes)."""
+
     def at(percent: int) -> MemoryEstimate:
         return estimate_memory(config, dataclasses.replace(layout, offload_fraction=percent / 100))
 
@@ -214,9 +251,17 @@ def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: in
     return best
 
 
-def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: int, *, search: Search = Search(),
-                 projection: Projection = Projection(), threshold: float = DEFAULT_THRESHOLD,
-                 top: int = 10) -> list[Candidate]:
+def plan_offload(
+    config,
+    num_gpus: int,
+    global_batch_size: int,
+    device_bytes: int,
+    *,
+    search: Search = Search(),
+    projection: Projection = Projection(),
+    threshold: float = DEFAULT_THRESHOLD,
+    top: int = 10,
+) -> list[Candidate]:
     """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
     each at the smallest fraction that fits; least offloaded first (the CPU step it adds hides only
     behind the next forward), then fastest. For when `plan` finds nothing."""
@@ -241,13 +286,27 @@ def plan_offload(config, num_gpus: int, global_batch_size: int, device_bytes: in
 def host_resident(layout: MemoryLayout) -> MemoryLayout:
     """`layout` under optim_grads_params with --offload-policy auto: estimated with every
     parameter, gradient and optimizer shard on host."""
-    return dataclasses.replace(layout, sharding_strategy="optim_grads_params", offload_fraction=1.0,
-                               grad_offload_fraction=1.0, param_offload_fraction=1.0, offload_auto=True)
+    return dataclasses.replace(
+        layout,
+        sharding_strategy="optim_grads_params",
+        offload_fraction=1.0,
+        grad_offload_fraction=1.0,
+        param_offload_fraction=1.0,
+        offload_auto=True,
+    )
 
 
-def plan_host_resident(config, num_gpus: int, global_batch_size: int, device_bytes: int, *,
-                       search: Search = Search(), projection: Projection = Projection(),
-                       threshold: float = DEFAULT_THRESHOLD, top: int = 10) -> list[Candidate]:
+def plan_host_resident(
+    config,
+    num_gpus: int,
+    global_batch_size: int,
+    device_bytes: int,
+    *,
+    search: Search = Search(),
+    projection: Projection = Projection(),
+    threshold: float = DEFAULT_THRESHOLD,
+    top: int = 10,
+) -> list[Candidate]:
     """Up to `top` layouts that fit with every chunk's state on host (PatrickStar's placement),
     fastest first, the projection counting the host-link copies that all-on-host placement makes
     (the run's auto policy keeps on the device what fits, so it moves less). For when nothing

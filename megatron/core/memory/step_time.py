@@ -17,6 +17,7 @@ first forward with --overlap-param-gather. Last the optimizer step, memory-bound
 Bandwidths are per GPU (hardware.py); a group stays on NVLink while it fits in a node.
 The constants are in compute_cost.Calibration, fitted on published runs (docs/planner.md).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,7 +46,7 @@ OPTIMIZER_BYTES_PER_PARAMETER = 38
 class Overlap:
     """Which data-parallel communication runs behind computation (the trainer's flags)."""
 
-    grad_reduce: bool = True    # --overlap-grad-reduce (default on)
+    grad_reduce: bool = True  # --overlap-grad-reduce (default on)
     param_gather: bool = False  # --overlap-param-gather (distributed optimizer only)
 
 
@@ -63,17 +64,30 @@ class StepTime:
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
-    host_s: float            # host-resident chunks' copies over the host link, not hidden by compute
+    host_s: float  # host-resident chunks' copies over the host link, not hidden by compute
     optimizer_s: float
     step_overhead_s: float
     dp_comm_total_s: float  # the data-parallel communication before overlap (not part of the sum)
-    model_flops: float      # per iteration, all GPUs: megatron/core/transformer/flops.py (no recomputation)
-    hardware_flops: float   # the same plus the recomputed forward
-    tokens: int             # per iteration
+    model_flops: float  # per iteration, all GPUs: megatron/core/transformer/flops.py (no recomputation)
+    hardware_flops: float  # the same plus the recomputed forward
+    tokens: int  # per iteration
     world_size: int
 
-    PARTS = ("gemm_s", "attention_s", "elementwise_s", "overhead_s", "recompute_s", "tp_comm_s", "cp_comm_s",
-             "pp_comm_s", "bubble_s", "dp_comm_s", "host_s", "optimizer_s", "step_overhead_s")
+    PARTS = (
+        "gemm_s",
+        "attention_s",
+        "elementwise_s",
+        "overhead_s",
+        "recompute_s",
+        "tp_comm_s",
+        "cp_comm_s",
+        "pp_comm_s",
+        "bubble_s",
+        "dp_comm_s",
+        "host_s",
+        "optimizer_s",
+        "step_overhead_s",
+    )
 
     @property
     def compute_s(self) -> float:
@@ -113,7 +127,7 @@ class RankWork:
     recompute: PassTime
     tp_s: float
     cp_s: float
-    forward_s: float   # the forward with its communication
+    forward_s: float  # the forward with its communication
     backward_s: float  # the backward, recomputation and their communication
 
 
@@ -133,9 +147,12 @@ def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: flo
     """The schedule's makespan with forward 1. Past 2p microbatches (same m mod p) it grows by the
     same amount per p more (the steady state repeats; checked against full simulations in
     tests/unit/test_memory_planner.py), so two simulations give it for any m."""
+
     def run(microbatches: int) -> float:
-        return simulate(p, v, microbatches, group_size=group_size, forward_time=1.0, backward_time=backward,
-                        transfer_time=transfer).makespan
+        return simulate(
+            p, v, microbatches, group_size=group_size, forward_time=1.0, backward_time=backward, transfer_time=transfer
+        ).makespan
+
     base = 2 * p + m % p
     if group_size is not None or m <= base + p:
         return run(m)
@@ -143,8 +160,9 @@ def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: flo
     return first + (run(base + p) - first) * (m - base) / p
 
 
-def pipeline_idle(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
-                  transfer: float) -> float:
+def pipeline_idle(
+    p: int, v: int, m: int, group_size: int | None, forward: float, backward: float, transfer: float
+) -> float:
     """Idle time per rank of the pipeline schedule with these per-chunk durations: the simulated
     makespan minus the computation. The simulation runs with backward / forward and transfer /
     forward rounded to two significant digits, so that planning reuses simulations."""
@@ -155,8 +173,9 @@ def pipeline_idle(p: int, v: int, m: int, group_size: int | None, forward: float
     return forward * (_unit_makespan(p, v, m, group_size, ratio_b, ratio_t) - v * m * (1.0 + ratio_b))
 
 
-def pipeline_seconds(p: int, v: int, m: int, group_size: int | None, forward: float, backward: float,
-                     transfer: float) -> float:
+def pipeline_seconds(
+    p: int, v: int, m: int, group_size: int | None, forward: float, backward: float, transfer: float
+) -> float:
     """Makespan of the pipeline schedule with these per-chunk durations."""
     return v * m * (forward + backward) + pipeline_idle(p, v, m, group_size, forward, backward, transfer)
 
@@ -199,10 +218,12 @@ def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention:
     kernel = resolve_kernels(config, layout.device_type, attention).attention
     layer_f, layer_b = layer_time(config, kernel, layout.micro_batch_size, cp, tp, hw, cal)
     out_f, out_b = output_layer_time(config, padded_vocab(config, tp), tokens, tp, hw, cal)
-    tp_layer = (tp_bytes_per_layer(tokens, config.hidden_size, element, tp)
-                / (group_bandwidth(hw, tp, 1) * cal.comm_efficiency))
-    cp_layer = (cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp)
-                / (group_bandwidth(hw, cp, tp) * cal.comm_efficiency))
+    tp_layer = tp_bytes_per_layer(tokens, config.hidden_size, element, tp) / (
+        group_bandwidth(hw, tp, 1) * cal.comm_efficiency
+    )
+    cp_layer = cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp) / (
+        group_bandwidth(hw, cp, tp) * cal.comm_efficiency
+    )
     cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
     cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
 
@@ -213,8 +234,15 @@ def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention:
         again = recomputed_layers(config, layers)
         tp_fwd, cp_fwd = tp_layer * layers, cp_f * layers
         tp_bwd, cp_bwd = tp_layer * (layers + again), cp_b * layers + cp_f * again
-        return RankWork(forward, backward, recompute, tp_fwd + tp_bwd, cp_fwd + cp_bwd,
-                        forward.total + tp_fwd + cp_fwd, backward.total + recompute.total + tp_bwd + cp_bwd)
+        return RankWork(
+            forward,
+            backward,
+            recompute,
+            tp_fwd + tp_bwd,
+            cp_fwd + cp_bwd,
+            forward.total + tp_fwd + cp_fwd,
+            backward.total + recompute.total + tp_bwd + cp_bwd,
+        )
 
     counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
     return max((work(n, r == layout.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
@@ -225,8 +253,9 @@ def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
     if layout.pp == 1:
         return 0.0
     tokens = layout.micro_batch_size * config.seq_length // layout.cp
-    volume = p2p_bytes(tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.tp,
-                       config.sequence_parallel)
+    volume = p2p_bytes(
+        tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.tp, config.sequence_parallel
+    )
     return volume / (group_bandwidth(hw, 2, layout.tp * layout.cp * layout.dp) * cal.comm_efficiency)
 
 
@@ -246,7 +275,9 @@ def dp_collectives(layout) -> tuple[int, int]:
     when they stay gathered between them under pipeline parallelism); gradients accumulated
     unsharded are reduce-scattered once per step."""
     m = layout.num_microbatches
-    return (m if layout.shards_grads and not layout.unsharded_grad_accumulation else 1), (2 * m if layout.shards_params and layout.reshards_params else 1)
+    return (m if layout.shards_grads and not layout.unsharded_grad_accumulation else 1), (
+        2 * m if layout.shards_params and layout.reshards_params else 1
+    )
 
 
 def host_traffic_bytes(config, layout) -> tuple[float, float]:
@@ -269,22 +300,34 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
     d = layout.dp * layout.cp
-    grad, gather = dp_bytes(rank_parameters(config, layout), d, layout.grad_dtype_bytes,
-                            dtype_bytes(config.params_dtype), layout.distributed_optimizer,
-                            *dp_collectives(layout))
+    grad, gather = dp_bytes(
+        rank_parameters(config, layout),
+        d,
+        layout.grad_dtype_bytes,
+        dtype_bytes(config.params_dtype),
+        layout.distributed_optimizer,
+        *dp_collectives(layout),
+    )
     bandwidth = group_bandwidth(hw, d, layout.tp) * cal.comm_efficiency
     return grad / bandwidth, gather / bandwidth
 
 
-def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Calibration(),
-              overlap: Overlap = Overlap(), attention: str = "auto") -> StepTime:
+def step_time(
+    config,
+    layout,
+    hw: Hardware = Hardware(),
+    cal: Calibration = Calibration(),
+    overlap: Overlap = Overlap(),
+    attention: str = "auto",
+) -> StepTime:
     """Project one iteration of `config` (split for layout.tp / cp) trained with `layout` on `hw`.
     `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
     pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
-    idle = pipeline_idle(pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk,
-                         transfer_seconds(config, layout, hw, cal))
+    idle = pipeline_idle(
+        pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
+    )
     bubble = bubble_units(pp, v, m, layout.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
     bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
@@ -293,29 +336,53 @@ def step_time(config, layout, hw: Hardware = Hardware(), cal: Calibration = Cali
     # --overlap-param-gather: the next iteration's first forward waits for each bucket's gather
     # sharded gradients and parameters: each microbatch's reductions and gathers hide behind its passes
     reductions, gathers = dp_collectives(layout)
-    exposed_grad = (reductions * max(0.0, grad_s / reductions - work.backward_s) if overlap.grad_reduce
-                    or layout.shards_grads else grad_s)
-    exposed_gather = (gathers * max(0.0, gather_s / gathers - work.forward_s) if overlap.param_gather
-                      or layout.shards_params else gather_s)
+    exposed_grad = (
+        reductions * max(0.0, grad_s / reductions - work.backward_s)
+        if overlap.grad_reduce or layout.shards_grads
+        else grad_s
+    )
+    exposed_gather = (
+        gathers * max(0.0, gather_s / gathers - work.forward_s)
+        if overlap.param_gather or layout.shards_params
+        else gather_s
+    )
     shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
-    optimizer = shard * (1.0 - layout.offload_fraction) * OPTIMIZER_BYTES_PER_PARAMETER / (
-        hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    optimizer = (
+        shard
+        * (1.0 - layout.offload_fraction)
+        * OPTIMIZER_BYTES_PER_PARAMETER
+        / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    )
     # copies to and from host run beside the passes: only what outlasts them is exposed
-    host = max(0.0, max(host_traffic_bytes(config, layout)) / (hw.host_link_gbps * 1e9)
-               - m * (work.forward_s + work.backward_s))
+    host = max(
+        0.0,
+        max(host_traffic_bytes(config, layout)) / (hw.host_link_gbps * 1e9) - m * (work.forward_s + work.backward_s),
+    )
 
     global_batch = layout.micro_batch_size * layout.dp * m
     model = flops_per_iteration(config, global_batch)
     extra = recompute_forward_flops(config, global_batch * config.seq_length, config.num_layers)
     forward, backward = work.forward, work.backward
     return StepTime(
-        gemm_s=m * (forward.gemm + backward.gemm), attention_s=m * (forward.attention + backward.attention),
+        gemm_s=m * (forward.gemm + backward.gemm),
+        attention_s=m * (forward.attention + backward.attention),
         elementwise_s=m * (forward.elementwise + backward.elementwise),
         overhead_s=m * (forward.overhead + backward.overhead),
-        recompute_s=m * work.recompute.total, tp_comm_s=m * work.tp_s, cp_comm_s=m * work.cp_s,
-        pp_comm_s=idle - bubble, bubble_s=bubble, dp_comm_s=exposed_grad + exposed_gather,
-        host_s=host, optimizer_s=optimizer, step_overhead_s=cal.step_overhead_s, dp_comm_total_s=grad_s + gather_s,
-        model_flops=model, hardware_flops=model + extra, tokens=global_batch * config.seq_length, world_size=layout.world_size)
+        recompute_s=m * work.recompute.total,
+        tp_comm_s=m * work.tp_s,
+        cp_comm_s=m * work.cp_s,
+        pp_comm_s=idle - bubble,
+        bubble_s=bubble,
+        dp_comm_s=exposed_grad + exposed_gather,
+        host_s=host,
+        optimizer_s=optimizer,
+        step_overhead_s=cal.step_overhead_s,
+        dp_comm_total_s=grad_s + gather_s,
+        model_flops=model,
+        hardware_flops=model + extra,
+        tokens=global_batch * config.seq_length,
+        world_size=layout.world_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -330,4 +397,3 @@ class Projection:
 
     def __call__(self, config, layout) -> StepTime:
         return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention)
-

@@ -26,6 +26,7 @@ but its input and output, and the layers of a chunk differ only in their index
 (tests/parallel/test_memory_measured.py would show otherwise). Every trace is cached, so the
 planner traces each distinct (configuration, tp, cp, micro batch, device) once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,8 @@ class Setting:
 class Saved:
     """Bytes one microbatch's forward leaves for backward."""
 
-    bytes: int           # storages of this microbatch (the held chunk input included)
-    shared_bytes: int    # module buffers: one storage for every microbatch of the chunk
+    bytes: int  # storages of this microbatch (the held chunk input included)
+    shared_bytes: int  # module buffers: one storage for every microbatch of the chunk
     recompute_bytes: int  # the largest recomputed region, re-materialised in backward
 
 
@@ -147,8 +148,16 @@ def _fake_run(device_type: str, attention: str):
 
 
 def _build(config: TransformerConfig, tp: int, cp: int, pre: bool, post: bool, n_layers: int) -> GPTModel:
-    return GPTModel(config, tp_group=FakeGroup(tp), rng_tracker=_NoRandomness(), layer_ids=range(n_layers),
-                    pre_process=pre, post_process=post, cp_group=FakeGroup(cp) if cp > 1 else None, device="cpu")
+    return GPTModel(
+        config,
+        tp_group=FakeGroup(tp),
+        rng_tracker=_NoRandomness(),
+        layer_ids=range(n_layers),
+        pre_process=pre,
+        post_process=post,
+        cp_group=FakeGroup(cp) if cp > 1 else None,
+        device="cpu",
+    )
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
@@ -163,7 +172,7 @@ def _key(config: TransformerConfig) -> tuple:
 class _Piece:
     """One traced piece of a chunk (the embedding, a unit of layers, the head) on one microbatch."""
 
-    own_bytes: int        # saved storages other than its input, its output and the block's shared inputs
+    own_bytes: int  # saved storages other than its input, its output and the block's shared inputs
     block_inputs_bytes: int  # saved storages among what the block hands every layer (angles, mask)
     input_saved: bool
     output_saved: bool
@@ -197,7 +206,8 @@ def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) ->
         recorder = _Recorder(model)
         block_inputs = set()
         model.decoder.register_forward_pre_hook(
-            lambda _, args: block_inputs.update(_storage(a) for a in args[1:] if isinstance(a, torch.Tensor)))
+            lambda _, args: block_inputs.update(_storage(a) for a in args[1:] if isinstance(a, torch.Tensor))
+        )
         with recorder.recording():
             if post:
                 labels, loss_mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s)
@@ -208,8 +218,15 @@ def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) ->
     input_saved = not pre and saved.pop(_storage(x), None) is not None  # token ids stay the embedding's own
     output_saved = saved.pop(_storage(out), None) is not None
     shared_inputs = sum(saved.pop(key) for key in block_inputs & saved.keys())
-    return _Piece(sum(saved.values()), shared_inputs, input_saved, output_saved, out.untyped_storage().nbytes(),
-                  sum(recorder.shared.values()), recorder.recompute_bytes)
+    return _Piece(
+        sum(saved.values()),
+        shared_inputs,
+        input_saved,
+        output_saved,
+        out.untyped_storage().nbytes(),
+        sum(recorder.shared.values()),
+        recorder.recompute_bytes,
+    )
 
 
 def _units(config: TransformerConfig, n_layers: int) -> list[tuple[int, bool]]:
@@ -225,8 +242,7 @@ def _unit_config(config: TransformerConfig, layers: int, recomputed: bool) -> Tr
     if recomputed:
         return dataclasses.replace(config, recompute_method="uniform", recompute_num_layers=layers)
     if config.recompute_granularity == "full":
-        return dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
-                                   recompute_num_layers=None)
+        return dataclasses.replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     return config
 
 
@@ -268,8 +284,9 @@ def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tupl
     return tuple(s for _, s in named), (layer[0], layer[-1] + 1)
 
 
-def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: bool,
-                           n_layers: int) -> list[tuple[int, ...]]:
+def chunk_parameter_shapes(
+    config: TransformerConfig, tp: int, pre: bool, post: bool, n_layers: int
+) -> list[tuple[int, ...]]:
     """This tp rank's parameter shapes of a chunk, in named_parameters() order (the gradient
     buffer's bucket layout depends on it)."""
     shapes, (start, end) = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)

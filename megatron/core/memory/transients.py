@@ -31,6 +31,7 @@ code allocates and are NOT validated by measurement yet:
   NCCL communicator buffers, which torch's allocator does not see. Both are
   assumptions, not measurements (none on GPU yet); both are 0 on CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,26 +49,36 @@ class Dims:
     """Per-microbatch sizes on one rank, for the formulas below."""
 
     b: int
-    s: int        # sequence on this cp rank (full over tp)
-    s_res: int    # rows of the residual stream: s / tp under sequence parallelism
+    s: int  # sequence on this cp rank (full over tp)
+    s_res: int  # rows of the residual stream: s / tp under sequence parallelism
     h: int
-    heads: int    # local attention heads
-    groups: int   # local query groups
+    heads: int  # local attention heads
+    groups: int  # local query groups
     d: int
-    ffn: int      # local ffn width
-    vocab: int    # local padded vocabulary
-    p: int        # weight bytes
+    ffn: int  # local ffn width
+    vocab: int  # local padded vocabulary
+    p: int  # weight bytes
     sp: bool
     tp: int
 
     @classmethod
-    def of(cls, config, layout) -> "Dims":
+    def of(cls, config, layout) -> Dims:
         tp, s = layout.tp, config.seq_length // layout.cp
         sp = config.sequence_parallel and tp > 1
-        return cls(b=layout.micro_batch_size, s=s, s_res=s // tp if sp else s, h=config.hidden_size,
-                   heads=config.num_attention_heads // tp, groups=config.num_query_groups // tp,
-                   d=config.kv_channels, ffn=config.ffn_hidden_size // tp, vocab=padded_vocab(config, tp) // tp,
-                   p=dtype_bytes(config.params_dtype), sp=sp, tp=tp)
+        return cls(
+            b=layout.micro_batch_size,
+            s=s,
+            s_res=s // tp if sp else s,
+            h=config.hidden_size,
+            heads=config.num_attention_heads // tp,
+            groups=config.num_query_groups // tp,
+            d=config.kv_channels,
+            ffn=config.ffn_hidden_size // tp,
+            vocab=padded_vocab(config, tp) // tp,
+            p=dtype_bytes(config.params_dtype),
+            sp=sp,
+            tp=tp,
+        )
 
     @property
     def residual_bytes(self) -> int:
@@ -88,11 +99,16 @@ class Transients:
 
     def components(self) -> dict[str, int]:
         """Named parts, as the start-up check's warning lists them."""
-        return {"p2p buffers": self.p2p_bytes, "split-backward output gradients": self.split_backward_bytes,
-                "tp buffer": self.tp_bytes, "cp attention buffers": self.cp_bytes,
-                "dp buckets": self.dp_bucket_bytes,
-                f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
-                "fragmentation allowance": self.fragmentation_bytes, "runtime allowance": self.runtime_bytes}
+        return {
+            "p2p buffers": self.p2p_bytes,
+            "split-backward output gradients": self.split_backward_bytes,
+            "tp buffer": self.tp_bytes,
+            "cp attention buffers": self.cp_bytes,
+            "dp buckets": self.dp_bucket_bytes,
+            f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
+            "fragmentation allowance": self.fragmentation_bytes,
+            "runtime allowance": self.runtime_bytes,
+        }
 
     @property
     def total(self) -> int:
@@ -134,8 +150,9 @@ def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
     return (1 + cp) * block * dims.p + cp * block * FP32 + dq
 
 
-def largest_temporary(dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool,
-                      recompute_working: int) -> tuple[int, str]:
+def largest_temporary(
+    dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool, recompute_working: int
+) -> tuple[int, str]:
     """`largest_param`: elements of the rank's largest parameter."""
     candidates = {
         "weight gradient": largest_param * dims.p * (2 if tied_in_one_stage else 1),
@@ -163,17 +180,33 @@ class Allowances:
     runtime_bytes: int
 
     @classmethod
-    def default(cls, device_type: str) -> "Allowances":
+    def default(cls, device_type: str) -> Allowances:
         if device_type == "cuda":
             return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES)
         return cls(0.0, 0)
 
 
-def estimate_transients(dims: Dims, layout, allowances: Allowances, *, p2p_extra: int, split_bytes: int,
-                        cp_bytes: int, largest: tuple[int, str], activations: int) -> Transients:
+def estimate_transients(
+    dims: Dims,
+    layout,
+    allowances: Allowances,
+    *,
+    p2p_extra: int,
+    split_bytes: int,
+    cp_bytes: int,
+    largest: tuple[int, str],
+    activations: int,
+) -> Transients:
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
     dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0]
-    return Transients(p2p_bytes=p2p_extra, split_backward_bytes=split_bytes, tp_bytes=tp_bytes, cp_bytes=cp_bytes,
-                      dp_bucket_bytes=0, largest_temporary_bytes=largest[0], largest_temporary=largest[1],
-                      fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
-                      runtime_bytes=allowances.runtime_bytes)
+    return Transients(
+        p2p_bytes=p2p_extra,
+        split_backward_bytes=split_bytes,
+        tp_bytes=tp_bytes,
+        cp_bytes=cp_bytes,
+        dp_bucket_bytes=0,
+        largest_temporary_bytes=largest[0],
+        largest_temporary=largest[1],
+        fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
+        runtime_bytes=allowances.runtime_bytes,
+    )

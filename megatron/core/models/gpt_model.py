@@ -5,6 +5,7 @@ pipeline stage builds the same class with `pre_process` (embedding, first stage)
 `post_process` (final norm, output layer and loss, last stage) and the global
 indices of its layers; parameter names are identical in every layout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,16 +37,27 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.tp_group = tp_group
         self.rng_tracker = rng_tracker
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
-            vocab_size=config.vocab_size, dtype=config.params_dtype, device=device)
+            config.padded_vocab_size,
+            config.hidden_size,
+            tp_group=tp_group,
+            init_std=config.init_method_std,
+            vocab_size=config.vocab_size,
+            dtype=config.params_dtype,
+            device=device,
+        )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                          dtype=config.params_dtype, device=device)
+            self.position_embeddings = torch.nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype, device=device
+            )
             shape = (config.max_position_embeddings, config.hidden_size)
-            self.position_embeddings.weight = make_param(shape, InitSpec(shape, std=config.init_method_std),
-                                                         config.params_dtype, device,
-                                                         sequence_parallel=config.sequence_parallel)
+            self.position_embeddings.weight = make_param(
+                shape,
+                InitSpec(shape, std=config.init_method_std),
+                config.params_dtype,
+                device,
+                sequence_parallel=config.sequence_parallel,
+            )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [b, s] -> hidden states [s, b, h] (a sequence shard [s/tp, b, h] under SP).
@@ -58,14 +70,25 @@ class LanguageModelEmbedding(torch.nn.Module):
         if self.position_embeddings is not None:
             local_s = hidden.shape[0]
             start = dist.get_rank(self.tp_group) * local_s if self.config.sequence_parallel else 0
-            hidden = hidden + self.position_embeddings(positions[start:start + local_s])
-        return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.rng_tracker,
-                              self.config.sequence_parallel)
+            hidden = hidden + self.position_embeddings(positions[start : start + local_s])
+        return hidden_dropout(
+            hidden, self.config.hidden_dropout, self.training, self.rng_tracker, self.config.sequence_parallel
+        )
 
 
 class GPTModel(torch.nn.Module):
-    def __init__(self, config, *, tp_group, rng_tracker, layer_ids=None, pre_process: bool = True,
-                 post_process: bool = True, cp_group=None, device=None):
+    def __init__(
+        self,
+        config,
+        *,
+        tp_group,
+        rng_tracker,
+        layer_ids=None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        cp_group=None,
+        device=None,
+    ):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
@@ -73,31 +96,51 @@ class GPTModel(torch.nn.Module):
         self.tied = not config.untie_embeddings_and_output_weights
         layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, tp_group=tp_group, rng_tracker=rng_tracker,
-                                                    device=device)
-        self.decoder = TransformerBlock(config, layer_ids, tp_group=tp_group, rng_tracker=rng_tracker,
-                                        post_process=post_process, cp_group=cp_group, device=device)
+            self.embedding = LanguageModelEmbedding(config, tp_group=tp_group, rng_tracker=rng_tracker, device=device)
+        self.decoder = TransformerBlock(
+            config,
+            layer_ids,
+            tp_group=tp_group,
+            rng_tracker=rng_tracker,
+            post_process=post_process,
+            cp_group=cp_group,
+            device=device,
+        )
         if post_process:
             self.output_layer = ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, tp_group=tp_group, bias=False,
-                init_std=config.init_method_std, sequence_parallel=config.sequence_parallel,
-                dtype=config.params_dtype, device=device, skip_weight=self.tied and pre_process,
-                valid_rows=config.vocab_size, weight_seed_name=WORD_EMBEDDINGS if self.tied else None,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion, split_backward_defers=False)
+                config.hidden_size,
+                config.padded_vocab_size,
+                tp_group=tp_group,
+                bias=False,
+                init_std=config.init_method_std,
+                sequence_parallel=config.sequence_parallel,
+                dtype=config.params_dtype,
+                device=device,
+                skip_weight=self.tied and pre_process,
+                valid_rows=config.vocab_size,
+                weight_seed_name=WORD_EMBEDDINGS if self.tied else None,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                split_backward_defers=False,
+            )
             if self.tied and not pre_process:
                 self.output_layer.weight.shared_embedding = True
         if self.tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         # the global positions of this rank's tokens: all of them, or a cp rank's load-balanced share
         cp_size, cp_rank = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
-        self.register_buffer("positions", cp_positions(config.seq_length, cp_rank, cp_size, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "positions", cp_positions(config.seq_length, cp_rank, cp_size, device=device), persistent=False
+        )
         table = None  # [s, r]: the rotary angles of positions 0..s-1, looked up per token
         if config.position_embedding_type == "rope":
             table = rotary_frequencies(
-                config.seq_length, config.rotary_dim, config.rotary_base, device=device,
+                config.seq_length,
+                config.rotary_dim,
+                config.rotary_base,
+                device=device,
                 interleaved=config.rotary_interleaved,
-                scaling_factor=config.rope_scaling_factor if config.rope_scaling else None)[:, 0, 0]
+                scaling_factor=config.rope_scaling_factor if config.rope_scaling else None,
+            )[:, 0, 0]
         self.register_buffer("rotary_table", table, persistent=False)
 
     def output_weight(self) -> torch.Tensor:
@@ -105,8 +148,13 @@ class GPTModel(torch.nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
 
         `position_ids` [b, s] (--reset-position-ids): each token's position, for rotary angles

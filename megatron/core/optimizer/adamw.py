@@ -10,6 +10,7 @@ With `decoupled_lr` set, the embedding and output layer ranges step with that le
 `host_memory` and are stepped by `offload` (offload.OffloadedSteps), started first so that the
 CPU works while the device steps the rest.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,9 @@ import torch
 
 
 class ShardedAdamW:
-    def __init__(self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 host_memory=None):
+    def __init__(
+        self, shards: list, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, host_memory=None
+    ):
         self.shards = shards
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.decoupled_lr = None  # learning rate of each shard's `decoupled` ranges (embedding, output layer)
@@ -43,9 +45,9 @@ class ShardedAdamW:
     def step(self) -> None:
         self.step_count += 1
         beta1, beta2 = self.betas
-        step_size = self.lr / (1 - beta1 ** self.step_count)
-        decoupled_step_size = (self.decoupled_lr or 0.0) / (1 - beta1 ** self.step_count)
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        step_size = self.lr / (1 - beta1**self.step_count)
+        decoupled_step_size = (self.decoupled_lr or 0.0) / (1 - beta1**self.step_count)
+        bias_correction2_sqrt = math.sqrt(1 - beta2**self.step_count)
         if self.offload is not None:
             self.offload.start()
         for shard, exp_avg, exp_avg_sq in zip(self.shards, self.exp_avg, self.exp_avg_sq):

@@ -1,5 +1,6 @@
 """OptimizerConfig: AdamW, clipping and mixed precision settings (the learning-rate schedule is
 `lr_schedule.LRSchedule`; `lr` here is only the value the optimizer starts with)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,15 +25,19 @@ class OffloadConfig:
     param_fraction: float = 0.0
 
     def __post_init__(self):
-        for flag, value in (("--optimizer-offload-fraction", self.fraction),
-                            ("--grad-offload-fraction", self.grad_fraction),
-                            ("--param-offload-fraction", self.param_fraction)):
+        for flag, value in (
+            ("--optimizer-offload-fraction", self.fraction),
+            ("--grad-offload-fraction", self.grad_fraction),
+            ("--param-offload-fraction", self.param_fraction),
+        ):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{flag} must be in [0, 1], got {value}")
         if not self.param_fraction <= self.grad_fraction <= self.fraction:
-            raise ValueError(f"need --param-offload-fraction ({self.param_fraction:g}) <= --grad-offload-fraction "
-                             f"({self.grad_fraction:g}) <= --optimizer-offload-fraction ({self.fraction:g}): a chunk's "
-                             f"parameters live on host only with its gradient, its gradient only with its optimizer state")
+            raise ValueError(
+                f"need --param-offload-fraction ({self.param_fraction:g}) <= --grad-offload-fraction "
+                f"({self.grad_fraction:g}) <= --optimizer-offload-fraction ({self.fraction:g}): a chunk's "
+                f"parameters live on host only with its gradient, its gradient only with its optimizer state"
+            )
         if self.policy not in OFFLOAD_POLICIES:
             raise ValueError(f"--offload-policy must be one of {', '.join(OFFLOAD_POLICIES)}, got {self.policy!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -51,7 +56,7 @@ class OptimizerConfig:
     fp16: bool = False
     bf16: bool = False
     loss_scale: float | None = None
-    initial_loss_scale: float = 2.0 ** 32
+    initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2

@@ -7,6 +7,7 @@ rate and one weight decay per call, so a shard is cut once, at construction, int
 runs of elements that share (weight decay?, decoupled learning rate?) — padding steps with
 neither, like `adamw.ShardedAdamW` — and each class of runs is one call.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,15 @@ def element_classes(numel: int, decay: list, decoupled: list) -> list[tuple[int,
 class CpuAdamW:
     """AdamW for one shard whose four arrays live in host memory (`tensors`: main, grad, m, v)."""
 
-    def __init__(self, main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 decay: list, decoupled: list):
+    def __init__(
+        self,
+        main: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        decay: list,
+        decoupled: list,
+    ):
         self.groups: dict[tuple[bool, bool], list[list[torch.Tensor]]] = {}
         for start, end, decays, is_decoupled in element_classes(main.numel(), decay, decoupled):
             lists = self.groups.setdefault((decays, is_decoupled), [[], [], [], []])
@@ -39,14 +47,35 @@ class CpuAdamW:
                 out.append(tensor[start:end])
 
     @torch.no_grad()
-    def step(self, step: int, lr: float, decoupled_lr: float | None, betas: tuple[float, float], eps: float,
-             weight_decay: float) -> None:
+    def step(
+        self,
+        step: int,
+        lr: float,
+        decoupled_lr: float | None,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> None:
         steps = torch.tensor(float(step))
         for (decays, is_decoupled), (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
             rate = decoupled_lr if is_decoupled and decoupled_lr is not None else lr
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [steps] * len(params), lr=rate,
-                                beta1=betas[0], beta2=betas[1], weight_decay=weight_decay if decays else 0.0,
-                                eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+            torch._fused_adamw_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                [steps] * len(params),
+                lr=rate,
+                beta1=betas[0],
+                beta2=betas[1],
+                weight_decay=weight_decay if decays else 0.0,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
 
 
 def default_cpu_threads() -> int:

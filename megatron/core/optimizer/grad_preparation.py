@@ -5,6 +5,7 @@ clipping by it. Every rank works on the gradients it will step (its shards) and 
 collective over the world combines them, so the replicated and the distributed optimizer
 share this code: they differ only in how many ranks hold each element (`replicas`).
 """
+
 from __future__ import annotations
 
 import math

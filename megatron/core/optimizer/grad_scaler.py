@@ -4,6 +4,7 @@ Dynamic: on an iteration with inf/nan gradients the step is skipped and, once
 `hysteresis` such iterations have been seen, the scale is halved (not below
 min_scale). After `growth_interval` consecutive good iterations it doubles.
 """
+
 from __future__ import annotations
 
 
@@ -22,8 +23,15 @@ class ConstantGradScaler:
 
 
 class DynamicGradScaler:
-    def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_interval: int,
+        hysteresis: int,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+    ):
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_interval = growth_interval

@@ -19,6 +19,7 @@ lr(n) for n samples consumed by successful updates, W warm-up, D decay steps:
   WSD c = 1 until the last A = wsd-decay steps before D, then with q = (n - (D - A)) / A:
   linear 1 - q, cosine (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1, minus_sqrt 1 - sqrt(q).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,18 +44,22 @@ class LRSchedule:
         if self.style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {self.style!r}")
         if self.wsd_style not in WSD_DECAY_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, "
-                             f"got {self.wsd_style!r}")
+            raise ValueError(
+                f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, got {self.wsd_style!r}"
+            )
         if not 0.0 <= self.min_lr <= self.max_lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.max_lr})")
         if not 0.0 <= self.init_lr <= self.max_lr:
             raise ValueError(f"need 0 <= --lr-warmup-init ({self.init_lr}) <= --lr ({self.max_lr})")
         if self.warmup_steps < 0:
-            raise ValueError(f"the warm-up must be >= 0 (--lr-warmup-iters/-samples/-fraction), "
-                             f"got {self.warmup_steps} samples")
+            raise ValueError(
+                f"the warm-up must be >= 0 (--lr-warmup-iters/-samples/-fraction), got {self.warmup_steps} samples"
+            )
         if self.decay_steps <= 0 or self.warmup_steps >= self.decay_steps:
-            raise ValueError(f"the decay ({self.decay_steps} samples, --lr-decay-iters/-samples, default the "
-                             f"training length) must exceed the warm-up ({self.warmup_steps} samples)")
+            raise ValueError(
+                f"the decay ({self.decay_steps} samples, --lr-decay-iters/-samples, default the "
+                f"training length) must exceed the warm-up ({self.warmup_steps} samples)"
+            )
         if self.style == "WSD" and not self.wsd_decay_steps:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
 
@@ -82,12 +87,23 @@ class LRSchedule:
         if steps <= anneal_start:
             return 1.0
         q = (steps - anneal_start) / self.wsd_decay_steps
-        return {"linear": 1.0 - q, "cosine": 0.5 * (math.cos(math.pi * q) + 1.0),
-                "exponential": 2.0 * 0.5 ** q - 1.0, "minus_sqrt": 1.0 - math.sqrt(q)}[self.wsd_style]
+        return {
+            "linear": 1.0 - q,
+            "cosine": 0.5 * (math.cos(math.pi * q) + 1.0),
+            "exponential": 2.0 * 0.5**q - 1.0,
+            "minus_sqrt": 1.0 - math.sqrt(q),
+        }[self.wsd_style]
 
-    def with_peak(self, max_lr: float, min_lr: float) -> "LRSchedule":
+    def with_peak(self, max_lr: float, min_lr: float) -> LRSchedule:
         """The same timing with another peak and floor (Megatron's --decoupled-lr / --decoupled-min-lr
         for the embedding and output layer; warm-up starts from the same init_lr)."""
-        return LRSchedule(max_lr=max_lr, min_lr=min_lr, style=self.style, warmup_steps=self.warmup_steps,
-                          decay_steps=self.decay_steps, init_lr=self.init_lr, wsd_decay_steps=self.wsd_decay_steps,
-                          wsd_style=self.wsd_style)
+        return LRSchedule(
+            max_lr=max_lr,
+            min_lr=min_lr,
+            style=self.style,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            init_lr=self.init_lr,
+            wsd_decay_steps=self.wsd_decay_steps,
+            wsd_style=self.wsd_style,
+        )

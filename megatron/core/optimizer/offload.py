@@ -35,6 +35,7 @@ written straight into that shard (copied to the device only when its bucket is g
 On a machine without CUDA the same path runs with host = device: the copies are plain copies
 and the worker shares the cores with the training thread.
 """
+
 from __future__ import annotations
 
 import functools
@@ -83,8 +84,9 @@ class OffloadedSteps:
     """Steps the offloaded shards of `adam` (an adamw.ShardedAdamW) on the CPU, chunk by chunk
     in `order` (shard indices in the order the next forward uses them)."""
 
-    def __init__(self, adam, order: list[int], device: torch.device, threads: int | None = None,
-                 buffer_of: list | None = None):
+    def __init__(
+        self, adam, order: list[int], device: torch.device, threads: int | None = None, buffer_of: list | None = None
+    ):
         """`threads`: the CPU step's intra-op threads (None: default_cpu_threads() with CUDA, else
         the training thread's); the training thread's own setting is left as it is. `buffer_of[i]`:
         the ParamAndGradBuffer holding shard i's gradient (whose zeroing waits for its copy)."""
@@ -103,8 +105,14 @@ class OffloadedSteps:
 
     def _cpu_adam(self, index: int) -> CpuAdamW:
         shard = self.adam.shards[index]
-        return CpuAdamW(shard.main, shard.host_grad, self.adam.exp_avg[index], self.adam.exp_avg_sq[index],
-                        shard.decay, shard.decoupled)
+        return CpuAdamW(
+            shard.main,
+            shard.host_grad,
+            self.adam.exp_avg[index],
+            self.adam.exp_avg_sq[index],
+            shard.decay,
+            shard.decoupled,
+        )
 
     def _staging(self, index: int) -> torch.Tensor:
         """The updated weights in the model dtype, on host: the parameter shard itself when it is
@@ -196,8 +204,9 @@ def _worker_with_threads(threads: int) -> ThreadPoolExecutor:
     worker sets its own and the caller's is set again afterwards (unchanged for the caller,
     and again the default for threads started later, such as the batch loader's)."""
     training = torch.get_num_threads()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adam", initializer=torch.set_num_threads,
-                              initargs=(threads,))
+    pool = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="cpu-adam", initializer=torch.set_num_threads, initargs=(threads,)
+    )
     pool.submit(torch.get_num_threads).result()  # the worker exists and has taken its setting
     torch.set_num_threads(training)
     return pool

@@ -8,6 +8,7 @@ Replicated and distributed (ZeRO-1/2) optimizers are this one class: the model c
 buffers decide whether a shard is a whole bucket or this rank's 1/(dp x cp) of it.
 Gradients arrive reduced in the buffers' fp32 `main_grad` (see megatron.core.distributed).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.distributed.placement import forward_order
 from megatron.core.optimizer.adamw import ShardedAdamW
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.grad_preparation import clip_grads, global_grad_norm, unscale_and_check
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.distributed.placement import forward_order
 from megatron.core.optimizer.offload import OffloadedSteps
 from megatron.core.optimizer.param_sync import ParamSync
 from megatron.core.optimizer.shards import build_shards
@@ -37,8 +38,9 @@ def build_grad_scaler(config: OptimizerConfig):
         return None
     if config.loss_scale is not None:
         return ConstantGradScaler(config.loss_scale)
-    return DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window,
-                             config.hysteresis)
+    return DynamicGradScaler(
+        config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window, config.hysteresis
+    )
 
 
 class MixedPrecisionOptimizer:
@@ -48,8 +50,10 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, chunks: list, config: OptimizerConfig, mesh, host=None):
         if config.offload.enabled != (host is not None):
-            raise ValueError("the offload optimizer and host-resident chunks come together: pass `host` exactly "
-                             "when config.offload is enabled")
+            raise ValueError(
+                "the offload optimizer and host-resident chunks come together: pass `host` exactly "
+                "when config.offload is enabled"
+            )
         self.config = config
         buffers = [chunk.buffer for chunk in chunks]
         device = self.device = buffers[0].device if buffers else torch.device("cpu")
@@ -58,12 +62,19 @@ class MixedPrecisionOptimizer:
         self.shards = build_shards(buffers, mesh, memory, offloaded)
         sharded = any(b.layout.shards > 1 for b in buffers)
         self.replicas = 1 if sharded else mesh.dp_size * mesh.cp_size
-        self.adam = ShardedAdamW(self.shards, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay, host_memory=memory)
+        self.adam = ShardedAdamW(
+            self.shards,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            host_memory=memory,
+        )
         if host is not None:
             buffer_of = [b for b in buffers for _ in b.buckets]  # shard index -> its gradient's buffer
-            self.adam.offload = OffloadedSteps(self.adam, forward_order(buffers), device, config.offload.cpu_threads,
-                                               buffer_of)
+            self.adam.offload = OffloadedSteps(
+                self.adam, forward_order(buffers), device, config.offload.cpu_threads, buffer_of
+            )
         self.chunks = chunks
         self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
@@ -91,16 +102,20 @@ class MixedPrecisionOptimizer:
         out: dict = {"step": self.adam.step_count}
         for shard, exp_avg, exp_avg_sq in zip(self.shards, self.adam.exp_avg, self.adam.exp_avg_sq):
             for piece in shard.pieces:
-                views = {key: t[piece.shard_start: piece.shard_end]
-                         for key, t in (("master", shard.main), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))}
+                views = {
+                    key: t[piece.shard_start : piece.shard_end]
+                    for key, t in (("master", shard.main), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+                }
                 out.setdefault(piece.name, []).append((piece.param_start, piece.numel, views))
         return out
 
     def scalar_state(self) -> dict:
         """The state that is not per parameter, equal on every rank: the step count (bias
         correction, learning-rate schedule) and the loss scaler's state (None without fp16)."""
-        return {"step": self.adam.step_count,
-                "loss_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+        return {
+            "step": self.adam.step_count,
+            "loss_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
 
     def load_scalar_state(self, state: dict) -> None:
         """Restore `scalar_state()`; a loss scaler saved by another precision is ignored."""
@@ -127,8 +142,9 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(skipped=True, grad_norm=None, loss_scale=scale)
-        grad_norm = global_grad_norm([v for s in self.shards for v in s.views(s.grad, s.counted)], self.replicas,
-                                     self.device)
+        grad_norm = global_grad_norm(
+            [v for s in self.shards for v in s.views(s.grad, s.counted)], self.replicas, self.device
+        )
         if not math.isfinite(grad_norm):
             return StepResult(skipped=True, grad_norm=grad_norm, loss_scale=scale)
         if self.config.clip_grad > 0:

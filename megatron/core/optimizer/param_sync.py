@@ -13,6 +13,7 @@ same on every rank, so the deferred collectives stay in step across ranks. Shard
 (optim_grads_params) are gathered only when next used anyway: their buckets wait for the
 CPU step just before that gather (`Bucket.before_gather`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,9 @@ class ParamSync:
             if chunk.buffer.shards_params:
                 continue
             for module in chunk.module.modules():
-                buckets = {chunk.buffer.bucket_of[p] for p in module.parameters(recurse=False)
-                           if p in chunk.buffer.bucket_of}
+                buckets = {
+                    chunk.buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in chunk.buffer.bucket_of
+                }
                 if any(self.shards[self.shard_of[b]].offloaded for b in buckets):
                     hooks.append(module.register_forward_pre_hook(self._release_hook(buckets), prepend=True))
         return hooks

@@ -9,6 +9,7 @@ by name are derived. State (Adam moments) is attached by the optimizer's middle 
 may place each shard's state wherever it likes: an offloaded shard (`host_grad` set) keeps its
 master weights in host memory and receives its gradient there (see `offload.py`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +40,13 @@ def counts_in_grad_norm(param, mesh) -> bool:
 
 @dataclass
 class FlatShard:
-    main: torch.Tensor       # fp32 master weights of the shard
-    grad: torch.Tensor       # fp32 view of the gradient buffer
-    model: torch.Tensor      # view of the parameter buffer (model dtype)
-    pieces: list             # ShardPiece per parameter (part) in the shard, in order
-    decay: list              # (start, end) ranges that take weight decay
-    counted: list            # (start, end) ranges that count in the global grad norm
-    decoupled: list = ()     # (start, end) ranges of the embedding / output layer (--decoupled-lr)
+    main: torch.Tensor  # fp32 master weights of the shard
+    grad: torch.Tensor  # fp32 view of the gradient buffer
+    model: torch.Tensor  # view of the parameter buffer (model dtype)
+    pieces: list  # ShardPiece per parameter (part) in the shard, in order
+    decay: list  # (start, end) ranges that take weight decay
+    counted: list  # (start, end) ranges that count in the global grad norm
+    decoupled: list = ()  # (start, end) ranges of the embedding / output layer (--decoupled-lr)
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy (master is on host too)
     model_on_host: bool = False  # the parameter shard is host-resident (fetched when its bucket is gathered)
 
@@ -78,14 +79,27 @@ def build_shards(buffers: list, mesh, host_memory=None, offloaded=frozenset()) -
             pieces = buffer.layout.pieces(index, buffer.shard_rank)
             model = bucket.param_shard
             host = len(shards) in offloaded
-            main = (host_memory.empty(model.numel()).copy_(model) if host else
-                    model if model.dtype == torch.float32 else model.detach().float())
+            main = (
+                host_memory.empty(model.numel()).copy_(model)
+                if host
+                else model
+                if model.dtype == torch.float32
+                else model.detach().float()
+            )
             ranges = [(p.shard_start, p.shard_end) for p in pieces]
-            shards.append(FlatShard(
-                main=main, grad=bucket.grad_shard, model=model, pieces=pieces,
-                decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
-                counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)],
-                decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)],
-                host_grad=(bucket.grad_shard if bucket.grads_on_host else host_memory.empty(model.numel()))
-                if host else None, model_on_host=bucket.params_on_host))
+            shards.append(
+                FlatShard(
+                    main=main,
+                    grad=bucket.grad_shard,
+                    model=model,
+                    pieces=pieces,
+                    decay=[r for p, r in zip(pieces, ranges) if weight_decay_applies(p.name)],
+                    counted=[r for p, r in zip(pieces, ranges) if counts_in_grad_norm(buffer.params[p.name], mesh)],
+                    decoupled=[r for p, r in zip(pieces, ranges) if is_embedding_or_output(p.name)],
+                    host_grad=(bucket.grad_shard if bucket.grads_on_host else host_memory.empty(model.numel()))
+                    if host
+                    else None,
+                    model_on_host=bucket.params_on_host,
+                )
+            )
     return shards

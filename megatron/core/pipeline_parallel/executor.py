@@ -11,6 +11,7 @@ whatever is left is waited for at the end of the iteration. It records a
 timeline of compute, posting and waiting; time in transfers is this rank's
 pipeline idle time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,10 +79,10 @@ class StepStats:
     loss_sum: torch.Tensor
     tokens: torch.Tensor
     slots: torch.Tensor
-    timer: "_SpanTimer | None" = None
+    timer: _SpanTimer | None = None
 
     @classmethod
-    def zeros(cls, device) -> "StepStats":
+    def zeros(cls, device) -> StepStats:
         zero = functools.partial(torch.zeros, (), dtype=torch.float64, device=device)
         return cls(loss_sum=zero(), tokens=zero(), slots=zero())
 
@@ -166,9 +167,16 @@ class _SpanTimer:
     def result(self) -> list[Span]:
         if self.cuda and self.spans:
             self.spans[-1][3].synchronize()  # the last event recorded: every earlier one has completed
-        return [Span(kind, getattr(action, "microbatch", None), getattr(action, "chunk", None),
-                     self._seconds(self.origin, start), self._seconds(self.origin, end))
-                for kind, action, start, end in self.spans]
+        return [
+            Span(
+                kind,
+                getattr(action, "microbatch", None),
+                getattr(action, "chunk", None),
+                self._seconds(self.origin, start),
+                self._seconds(self.origin, end),
+            )
+            for kind, action, start, end in self.spans
+        ]
 
 
 def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -178,8 +186,14 @@ def _run_backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
         output.backward()
         return
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def _release(tensor: torch.Tensor) -> None:
@@ -198,8 +212,14 @@ class PipelineExecutor:
     def __init__(self, chunks: list, mesh, spec: PipelineSpec):
         self.chunks, self.mesh, self.spec = chunks, mesh, spec
         self.p, self.v, self.rank = mesh.pp_size, len(chunks), mesh.pp_rank
-        self.steps = build_schedule(self.p, self.v, spec.num_microbatches, self.rank,
-                                    group_size=spec.group_size, split_backward=spec.split_backward)
+        self.steps = build_schedule(
+            self.p,
+            self.v,
+            spec.num_microbatches,
+            self.rank,
+            group_size=spec.group_size,
+            split_backward=spec.split_backward,
+        )
         self.last_backward = self._last_backward_index()
 
     def _last_backward_index(self) -> dict:
@@ -263,7 +283,7 @@ class PipelineExecutor:
         return stats
 
     @staticmethod
-    def _wait(transfers: "_Transfers", kind: ActionKind, key: tuple, timer: _SpanTimer) -> None:
+    def _wait(transfers: _Transfers, kind: ActionKind, key: tuple, timer: _SpanTimer) -> None:
         started = timer.start()
         transfers.wait(kind, key)
         timer.stop("wait", started)
@@ -303,8 +323,7 @@ class PipelineExecutor:
             elif kind is ActionKind.SEND_BACKWARD:
                 ops.append(dist.P2POp(dist.isend, input_grads.pop(key), self.mesh.pp_peer(-1), group))
             elif kind is ActionKind.RECV_FORWARD:
-                buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device,
-                                     requires_grad=True)
+                buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device, requires_grad=True)
                 inputs[key] = buffer
                 ops.append(dist.P2POp(dist.irecv, buffer.data, self.mesh.pp_peer(-1), group))
             else:
@@ -344,7 +363,7 @@ class _Transfers:
             request.wait()
         for _, request in (earlier := [s for s in self.sends if s[0] <= batch]):
             request.wait()
-        self.sends = self.sends[len(earlier):]
+        self.sends = self.sends[len(earlier) :]
 
     def wait_all(self) -> None:
         for _, requests in self.receives.values():

@@ -6,6 +6,7 @@ first stage), forward, send (unless the last stage). Every rank's list follows t
 same global order of (microbatch, stage), so each send meets a receive that is
 already posted or is the peer's next action: no deadlock, no bubble accounting.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,15 @@ class ForwardOnlyExecutor:
     pipeline group with global peer ranks.
     """
 
-    def __init__(self, chunks: list, mesh, p2p_shape: tuple, p2p_dtype: torch.dtype, num_microbatches: int,
-                 every_stage_reads: bool = False):
+    def __init__(
+        self,
+        chunks: list,
+        mesh,
+        p2p_shape: tuple,
+        p2p_dtype: torch.dtype,
+        num_microbatches: int,
+        every_stage_reads: bool = False,
+    ):
         self.chunks, self.mesh = chunks, mesh
         self.p2p_shape, self.p2p_dtype, self.every_stage_reads = p2p_shape, p2p_dtype, every_stage_reads
         self.actions = forward_only_actions(mesh.pp_size, len(chunks), num_microbatches, mesh.pp_rank)

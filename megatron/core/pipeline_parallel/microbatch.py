@@ -1,4 +1,5 @@
 """What the executors read for one microbatch."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -22,5 +23,4 @@ class Microbatch(NamedTuple):
 
     def model_inputs(self) -> dict:
         """Keyword inputs of every model chunk's forward: the per-sample positions and documents present."""
-        return {name: value for name in ("position_ids", "document_ids")
-                if (value := getattr(self, name)) is not None}
+        return {name: value for name in ("position_ids", "document_ids") if (value := getattr(self, name)) is not None}

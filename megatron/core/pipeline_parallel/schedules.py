@@ -46,6 +46,7 @@ receive for the next forward, posted before the backward that runs in between,
 and likewise for backwards. With a group size above p the messages that go
 around the ring are received earlier (see `_interleaved_receives`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -311,8 +312,9 @@ def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int, split_b
     for k in range(warmup):
         w.forward(fwd[k])
         entering_steady = k == warmup - 1 and warmup < n
-        w.comm(send_forward=fwd[k], recv_forward=recv_f.get(k),
-               recv_backward=recv_b.get(-1) if entering_steady else None)
+        w.comm(
+            send_forward=fwd[k], recv_forward=recv_f.get(k), recv_backward=recv_b.get(-1) if entering_steady else None
+        )
     for k in range(n - warmup):
         f = k + warmup
         w.forward(fwd[f])
@@ -328,7 +330,13 @@ def _interleaved(p: int, v: int, m: int, rank: int, g: int, warmup: int, split_b
 
 
 def build_schedule(
-    p: int, v: int, m: int, rank: int, *, kind: str = "auto", group_size: int | None = None,
+    p: int,
+    v: int,
+    m: int,
+    rank: int,
+    *,
+    kind: str = "auto",
+    group_size: int | None = None,
     split_backward: bool = False,
 ) -> list[Step]:
     """The steps pipeline rank `rank` runs for one iteration of m microbatches.

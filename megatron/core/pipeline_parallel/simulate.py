@@ -24,6 +24,7 @@ forward and its output gradient, a weight step after its backward, nothing
 runs twice. Any violation, and any
 deadlock, raises `ScheduleError` with a one-line description.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -80,16 +81,26 @@ class _Batch:
 class _Posted:
     batch: _Batch
     action: Action
-    peer: "_Posted | None" = None
+    peer: _Posted | None = None
 
 
 class _Simulator:
-    def __init__(self, schedules: list[list[Step]], v: int, forward_time: float, backward_time: float,
-                 transfer_time: float, weight_time: float):
+    def __init__(
+        self,
+        schedules: list[list[Step]],
+        v: int,
+        forward_time: float,
+        backward_time: float,
+        transfer_time: float,
+        weight_time: float,
+    ):
         self.schedules, self.p, self.v = schedules, len(schedules), v
         split = any(a.kind is ActionKind.WEIGHT for steps in schedules for step in steps for a in step)
-        self.duration = {ActionKind.FORWARD: forward_time, ActionKind.WEIGHT: weight_time,
-                         ActionKind.BACKWARD: backward_time - weight_time if split else backward_time}
+        self.duration = {
+            ActionKind.FORWARD: forward_time,
+            ActionKind.WEIGHT: weight_time,
+            ActionKind.BACKWARD: backward_time - weight_time if split else backward_time,
+        }
         self.transfer_time = transfer_time
         self.pos = [0] * self.p
         self.clock = [0.0] * self.p
@@ -112,16 +123,22 @@ class _Simulator:
                 while self._advance(rank):
                     pass
             self.changed |= self._progress_batches()
-        stuck = [r for r in range(self.p)
-                 if self.pos[r] < len(self.schedules[r]) or any(b.completed is None for b in self.batches[r])]
+        stuck = [
+            r
+            for r in range(self.p)
+            if self.pos[r] < len(self.schedules[r]) or any(b.completed is None for b in self.batches[r])
+        ]
         if stuck:
             raise ScheduleError("deadlock: " + "; ".join(self._where(r) for r in stuck))
         return Timeline(self.p, self.v, tuple(tuple(e) for e in self.events))
 
     def _where(self, rank: int) -> str:
         steps = self.schedules[rank]
-        at = (f"rank {rank} at step {self.pos[rank]} {_fmt(steps[self.pos[rank]])}" if self.pos[rank] < len(steps)
-              else f"rank {rank} at the end")
+        at = (
+            f"rank {rank} at step {self.pos[rank]} {_fmt(steps[self.pos[rank]])}"
+            if self.pos[rank] < len(steps)
+            else f"rank {rank} at the end"
+        )
         pending = next((b for b in self.batches[rank] if b.completed is None), None)
         return at + ("" if pending is None else f" waiting for step {pending.step} {_fmt(steps[pending.step])}")
 
@@ -248,8 +265,13 @@ def _fmt(step: Step) -> str:
 
 
 def simulate_steps(
-    schedules: list[list[Step]], v: int, *, forward_time: float = 1.0, backward_time: float = 2.0,
-    transfer_time: float = 0.0, weight_time: float | None = None,
+    schedules: list[list[Step]],
+    v: int,
+    *,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    transfer_time: float = 0.0,
+    weight_time: float | None = None,
 ) -> Timeline:
     """Run the action lists of all p = len(schedules) ranks; raise ScheduleError on deadlock or inconsistency.
 
@@ -259,9 +281,11 @@ def simulate_steps(
     a linear layer's input and weight gradients are one matrix product each)."""
     weight_time = backward_time / 2 if weight_time is None else weight_time
     if forward_time <= 0 or backward_time <= 0 or transfer_time < 0 or not 0 < weight_time < backward_time:
-        raise ValueError(f"forward and backward times must be positive, the transfer time non-negative and the "
-                         f"weight time inside the backward time, got {forward_time}, {backward_time}, "
-                         f"{transfer_time}, {weight_time}")
+        raise ValueError(
+            f"forward and backward times must be positive, the transfer time non-negative and the "
+            f"weight time inside the backward time, got {forward_time}, {backward_time}, "
+            f"{transfer_time}, {weight_time}"
+        )
     return _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time).run()
 
 
@@ -279,10 +303,17 @@ def simulate(
     weight_time: float | None = None,
 ) -> Timeline:
     """Build every rank's schedule with `build_schedule` and simulate them together."""
-    schedules = [build_schedule(p, v, m, r, kind=kind, group_size=group_size, split_backward=split_backward)
-                 for r in range(p)]
-    return simulate_steps(schedules, v, forward_time=forward_time, backward_time=backward_time,
-                          transfer_time=transfer_time, weight_time=weight_time)
+    schedules = [
+        build_schedule(p, v, m, r, kind=kind, group_size=group_size, split_backward=split_backward) for r in range(p)
+    ]
+    return simulate_steps(
+        schedules,
+        v,
+        forward_time=forward_time,
+        backward_time=backward_time,
+        transfer_time=transfer_time,
+        weight_time=weight_time,
+    )
 
 
 def bubble_fraction(timeline: Timeline) -> list[float]:

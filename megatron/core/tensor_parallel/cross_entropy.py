@@ -3,6 +3,7 @@
 Columns at or beyond the real vocabulary size (padding added so the vocabulary
 divides evenly) are excluded from the softmax, so padding never changes the loss.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int,
-                                 vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int, vocab_size: int
+) -> torch.Tensor:
     """Per-token loss (fp32, shape of `target`) from this rank's logit columns
     [vocab_start, vocab_start + logits.shape[-1]); `vocab_size` is the real vocabulary."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

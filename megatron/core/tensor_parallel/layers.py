@@ -4,6 +4,7 @@ Activations are [s, b, h]. Under sequence parallelism the activations entering a
 column-parallel layer are sequence shards (all-gathered here) and a row-parallel
 layer's output is reduce-scattered back to sequence shards.
 """
+
 from __future__ import annotations
 
 import torch
@@ -81,8 +82,16 @@ class _Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, sp_group=None, owned: bool = True,
-            gradient_accumulation_fusion: bool = False, deferrable: bool = True) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    sp_group=None,
+    owned: bool = True,
+    gradient_accumulation_fusion: bool = False,
+    deferrable: bool = True,
+) -> torch.Tensor:
     """x W^T + b through `_Linear` when it does something autograd's linear does not (gather over the
     sequence; gradients of the layer's own weight straight into its main_grad buffer), else F.linear.
     Fused accumulation needs main_grad in the weight's dtype (fp32 weights: adding a bf16/fp16 product
@@ -108,11 +117,25 @@ class ColumnParallelLinear(torch.nn.Module):
     backward (the output layer: deferring it would hold the logits' gradient).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool, init_std: float,
-                 sequence_parallel: bool = False, gather_output: bool = False, stacked: int = 1,
-                 dtype=torch.float32, device=None, skip_weight: bool = False, valid_rows: int | None = None,
-                 weight_seed_name: str | None = None, gradient_accumulation_fusion: bool = False,
-                 split_backward_defers: bool = True):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group,
+        bias: bool,
+        init_std: float,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        stacked: int = 1,
+        dtype=torch.float32,
+        device=None,
+        skip_weight: bool = False,
+        valid_rows: int | None = None,
+        weight_seed_name: str | None = None,
+        gradient_accumulation_fusion: bool = False,
+        split_backward_defers: bool = True,
+    ):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -126,19 +149,35 @@ class ColumnParallelLinear(torch.nn.Module):
         if not skip_weight:
             self.weight = make_param(
                 (local_out, input_size),
-                InitSpec((output_size, input_size), std=init_std, shard=shard, valid_rows=valid_rows,
-                         seed_name=weight_seed_name),
-                dtype, device, tensor_model_parallel=True)
+                InitSpec(
+                    (output_size, input_size),
+                    std=init_std,
+                    shard=shard,
+                    valid_rows=valid_rows,
+                    seed_name=weight_seed_name,
+                ),
+                dtype,
+                device,
+                tensor_model_parallel=True,
+            )
         self.bias = None
         if bias:
-            self.bias = make_param((local_out,), InitSpec((output_size,), kind="zeros", shard=shard), dtype,
-                                   device, tensor_model_parallel=True)
+            self.bias = make_param(
+                (local_out,),
+                InitSpec((output_size,), kind="zeros", shard=shard),
+                dtype,
+                device,
+                tensor_model_parallel=True,
+            )
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         owned = weight is None
         weight = self.weight if owned else weight
-        grad_options = dict(owned=owned, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                            deferrable=self.split_backward_defers)
+        grad_options = dict(
+            owned=owned,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            deferrable=self.split_backward_defers,
+        )
         if self.sequence_parallel:
             y = _linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
         else:
@@ -153,9 +192,19 @@ class RowParallelLinear(torch.nn.Module):
     partial products are summed (all-reduce, or reduce-scatter under sequence
     parallelism) and the bias is added after the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool, init_std: float,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None,
-                 gradient_accumulation_fusion: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group,
+        bias: bool,
+        init_std: float,
+        sequence_parallel: bool = False,
+        dtype=torch.float32,
+        device=None,
+        gradient_accumulation_fusion: bool = False,
+    ):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -165,11 +214,19 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = make_param(
             (output_size, local_in),
             InitSpec((output_size, input_size), std=init_std, shard=ShardSpec(dim=1, num_shards=tp, rank=rank)),
-            dtype, device, tensor_model_parallel=True)
+            dtype,
+            device,
+            tensor_model_parallel=True,
+        )
         self.bias = None
         if bias:
-            self.bias = make_param((output_size,), InitSpec((output_size,), kind="zeros"), dtype, device,
-                                   sequence_parallel=sequence_parallel)
+            self.bias = make_param(
+                (output_size,),
+                InitSpec((output_size,), kind="zeros"),
+                dtype,
+                device,
+                sequence_parallel=sequence_parallel,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion)
@@ -184,8 +241,17 @@ class VocabParallelEmbedding(torch.nn.Module):
     """Embedding table split by vocabulary rows. Returns this rank's partial sum
     (zeros for tokens outside its rows); the caller reduces across tp."""
 
-    def __init__(self, padded_vocab_size: int, hidden_size: int, *, tp_group, init_std: float,
-                 vocab_size: int, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        padded_vocab_size: int,
+        hidden_size: int,
+        *,
+        tp_group,
+        init_std: float,
+        vocab_size: int,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         tp, rank = _group_size_rank(tp_group)
         self.rows_per_rank = divide(padded_vocab_size, tp, "padded vocabulary size over tensor parallel size")
@@ -193,9 +259,16 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.tp_size = tp
         self.weight = make_param(
             (self.rows_per_rank, hidden_size),
-            InitSpec((padded_vocab_size, hidden_size), std=init_std, valid_rows=vocab_size,
-                     shard=ShardSpec(dim=0, num_shards=tp, rank=rank)),
-            dtype, device, tensor_model_parallel=True)
+            InitSpec(
+                (padded_vocab_size, hidden_size),
+                std=init_std,
+                valid_rows=vocab_size,
+                shard=ShardSpec(dim=0, num_shards=tp, rank=rank),
+            ),
+            dtype,
+            device,
+            tensor_model_parallel=True,
+        )
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -7,6 +7,7 @@ parallelism). Every function is the identity when the group has one rank.
 Each collective adds the bytes it moves to `COMM_STATS`, so benchmarks compare
 the volume really communicated with the analytic one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -125,22 +126,39 @@ def _region(name: str, forward_op, backward_op, doc: str):
 
 
 copy_to_tensor_parallel_region = _region(
-    "CopyToRegion", _identity, _all_reduce, "Forward: identity. Backward: all-reduce (sum) the gradient.")
+    "CopyToRegion", _identity, _all_reduce, "Forward: identity. Backward: all-reduce (sum) the gradient."
+)
 reduce_from_tensor_parallel_region = _region(
-    "ReduceFromRegion", _all_reduce_out_of_place, _identity, "Forward: all-reduce (sum). Backward: identity.")
+    "ReduceFromRegion", _all_reduce_out_of_place, _identity, "Forward: all-reduce (sum). Backward: identity."
+)
 scatter_to_tensor_parallel_region = _region(
-    "ScatterToRegion", _split_last, _gather_last,
-    "Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim.")
+    "ScatterToRegion",
+    _split_last,
+    _gather_last,
+    "Forward: keep this rank's slice of the last dim. Backward: all-gather along the last dim.",
+)
 gather_from_tensor_parallel_region = _region(
-    "GatherFromRegion", _gather_last, _split_last,
-    "Forward: all-gather along the last dim. Backward: keep this rank's slice.")
+    "GatherFromRegion",
+    _gather_last,
+    _split_last,
+    "Forward: all-gather along the last dim. Backward: keep this rank's slice.",
+)
 scatter_to_sequence_parallel_region = _region(
-    "ScatterToSequenceRegion", _split_first, all_gather_sequence,
-    "Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather along dim 0.")
+    "ScatterToSequenceRegion",
+    _split_first,
+    all_gather_sequence,
+    "Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather along dim 0.",
+)
 gather_from_sequence_parallel_region = _region(
-    "GatherFromSequenceRegion", all_gather_sequence, reduce_scatter_sequence,
+    "GatherFromSequenceRegion",
+    all_gather_sequence,
+    reduce_scatter_sequence,
     "Forward: all-gather along dim 0. Backward: reduce-scatter along dim 0 (the gathered activation "
-    "feeds a tensor-parallel matmul, so each rank holds a partial gradient).")
+    "feeds a tensor-parallel matmul, so each rank holds a partial gradient).",
+)
 reduce_scatter_to_sequence_parallel_region = _region(
-    "ReduceScatterToSequenceRegion", reduce_scatter_sequence, all_gather_sequence,
-    "Forward: reduce-scatter along dim 0. Backward: all-gather along dim 0.")
+    "ReduceScatterToSequenceRegion",
+    reduce_scatter_sequence,
+    all_gather_sequence,
+    "Forward: reduce-scatter along dim 0. Backward: all-gather along dim 0.",
+)

@@ -16,6 +16,7 @@ layer for layer), per virtual chunk (they are different stages) and per cp rank
 for the duration of a block. `recompute()` reruns a function in backward with the
 streams restored to their forward-time states, so dropout masks replay exactly.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -18,6 +18,7 @@ the grid, so the real rows are the same however the vocabulary is padded.
 full tensor (its real rows), so its shards are layout-independent too.
 `make_param` allocates only this rank's shard (tools/bench/init_memory.py measures it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -93,8 +94,10 @@ def held_ranges(shard: ShardSpec | None, size: int) -> list[tuple[int, int]]:
     if shard is None or shard.num_shards == 1:
         return [(0, size)]
     if size % (shard.stacked * shard.num_shards):
-        raise ValueError(f"dimension {shard.dim} of size {size} does not split into {shard.stacked} x "
-                         f"{shard.num_shards} equal shards")
+        raise ValueError(
+            f"dimension {shard.dim} of size {size} does not split into {shard.stacked} x "
+            f"{shard.num_shards} equal shards"
+        )
     block = size // shard.stacked
     piece = block // shard.num_shards
     return [(k * block + shard.rank * piece, k * block + (shard.rank + 1) * piece) for k in range(shard.stacked)]
@@ -146,8 +149,9 @@ def _fill_random(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> Non
                 tile.normal_(0.0, spec.std, generator=generator)
             else:
                 tile.uniform_(-bound, bound, generator=generator)
-            out[local_row:local_row + r1 - r0, local_col:local_col + c1 - c0].copy_(
-                tile[r0 - row0:r1 - row0, c0 - col0:c1 - col0])
+            out[local_row : local_row + r1 - r0, local_col : local_col + c1 - c0].copy_(
+                tile[r0 - row0 : r1 - row0, c0 - col0 : c1 - col0]
+            )
 
 
 @torch.no_grad()
@@ -157,8 +161,10 @@ def initialize_(tensor: torch.Tensor, spec: InitSpec, seed: int, name: str) -> N
     expected = list(spec.full_shape)
     if spec.shard is not None:
         if spec.shard.dim not in (0, 1) or (spec.shard.dim == 1 and len(expected) != 2):
-            raise ValueError(f"{name}: only dim 0, or dim 1 of a matrix, can be sharded (got dim {spec.shard.dim} "
-                             f"of shape {tuple(expected)})")
+            raise ValueError(
+                f"{name}: only dim 0, or dim 1 of a matrix, can be sharded (got dim {spec.shard.dim} "
+                f"of shape {tuple(expected)})"
+            )
         expected[spec.shard.dim] //= spec.shard.num_shards
     if list(tensor.shape) != expected or not tensor.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous shard of shape {tuple(expected)}, got {tuple(tensor.shape)}")

@@ -9,6 +9,7 @@ A pipeline stage thus sends its input gradient upstream before spending the othe
 backward -- the B/W split of zero-bubble pipelining (Qi et al., 2023). The queue holds each
 linear layer's output gradient until then.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ The fused QKV projection's output rows are laid out per query group:
 [q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...], so
 splitting the rows contiguously across tp ranks hands each rank whole groups.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,9 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
 
 
-def core_attention(q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p",
-                   attention_mask=None):
+def core_attention(
+    q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p", attention_mask=None
+):
     """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
 
     Without dropout: the flash-attention kernel or its torch reference (`backend`). The
@@ -41,15 +43,23 @@ def core_attention(q, k, v, dropout_p: float, backend: str, cp_group=None, cp_co
     boundaries, so SDPA runs it (--attention-backend triton and cp are refused at start-up).
     """
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        out = context_parallel_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group,
-                                         comm_type=cp_comm_type, impl=backend)
+        out = context_parallel_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group, comm_type=cp_comm_type, impl=backend
+        )
         return out.transpose(0, 1)
     if dropout_p == 0.0 and attention_mask is None:
         out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=backend)
         return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p,
-                                         is_causal=attention_mask is None, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attention_mask,
+        dropout_p=dropout_p,
+        is_causal=attention_mask is None,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return out.permute(2, 0, 1, 3)
 
 
@@ -64,22 +74,44 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = config.num_query_groups // tp
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device,
-                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=config.init_method_std,
-                                               **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
+        common = dict(
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            dtype=config.params_dtype,
+            device=device,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        )
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            init_std=config.init_method_std,
+            **{**common, "bias": config.add_bias_linear or config.add_qkv_bias},
+        )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:  # one weight per channel shared by all heads: tp ranks hold different heads
             self.q_layernorm = Norm(config, self.head_dim, device, sum_grads_over_tp=True)
             self.k_layernorm = Norm(config, self.head_dim, device, sum_grads_over_tp=True)
-        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                             init_std=config.output_layer_init_std, **common)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            init_std=config.output_layer_init_std,
+            **common,
+        )
 
     def _attend(self, q, k, v, attention_mask):
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        attend = functools.partial(core_attention, q, k, v, dropout_p, self.config.attention_backend, self.cp_group,
-                                   self.config.cp_comm_type, attention_mask)
+        attend = functools.partial(
+            core_attention,
+            q,
+            k,
+            v,
+            dropout_p,
+            self.config.attention_backend,
+            self.cp_group,
+            self.config.cp_comm_type,
+            attention_mask,
+        )
         if dropout_p == 0.0:
             return attend()
         with self.rng_tracker.fork(tensor_parallel=True):

@@ -1,4 +1,5 @@
 """A stack of transformer layers with Megatron's full-layer recomputation options."""
+
 from __future__ import annotations
 
 import torch
@@ -24,16 +25,18 @@ class TransformerBlock(torch.nn.Module):
     """Layers `layer_ids` (global indices, which name the modules: `layers.<global index>`,
     so names agree in every pipeline layout) and, on the last stage, the final norm."""
 
-    def __init__(self, config, layer_ids, *, tp_group, rng_tracker, post_process: bool, cp_group=None,
-                 device=None):
+    def __init__(self, config, layer_ids, *, tp_group, rng_tracker, post_process: bool, cp_group=None, device=None):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
-        self.layers = torch.nn.ModuleDict({
-            str(i): TransformerLayer(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
-                                     device=device)
-            for i in layer_ids
-        })
+        self.layers = torch.nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, device=device
+                )
+                for i in layer_ids
+            }
+        )
         self.final_layernorm = Norm(config, config.hidden_size, device) if post_process else None
 
     def _recomputed_groups(self):
@@ -44,9 +47,11 @@ class TransformerBlock(torch.nn.Module):
 
     def forward(self, x, rotary_angles=None, attention_mask=None):
         for group, recomputed in self._recomputed_groups():
+
             def run(h, group=group):
                 for layer in group:
                     h = layer(h, rotary_angles, attention_mask)
                 return h
+
             x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -1,4 +1,5 @@
 """TransformerConfig: the model's shape and numerics, one dataclass for GPT and Llama."""
+
 from __future__ import annotations
 
 import math
@@ -35,22 +36,22 @@ class TransformerConfig:
     max_position_embeddings: int | None = None
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
-    rotary_percent: float = 1.0          # share of each head's channels that rotate (--rotary-percent)
-    rotary_interleaved: bool = False     # rotate channel pairs (0,1), (2,3).. instead of halves
-    rope_scaling: bool = False           # Llama-3.1 frequency scaling (--rope-scaling)
+    rotary_percent: float = 1.0  # share of each head's channels that rotate (--rotary-percent)
+    rotary_interleaved: bool = False  # rotate channel pairs (0,1), (2,3).. instead of halves
+    rope_scaling: bool = False  # Llama-3.1 frequency scaling (--rope-scaling)
     rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight)
-    qk_layernorm: bool = False           # normalise each head's query and key before attention
+    qk_layernorm: bool = False  # normalise each head's query and key before attention
     swiglu: bool = False
     add_bias_linear: bool = True
-    add_qkv_bias: bool = False           # bias on the QKV projection even without other biases (Qwen)
+    add_qkv_bias: bool = False  # bias on the QKV projection even without other biases (Qwen)
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
-    init_method: str = "normal"          # weight matrices: "normal" (init_method_std) or "xavier_uniform"
+    init_method: str = "normal"  # weight matrices: "normal" (init_method_std) or "xavier_uniform"
     make_vocab_size_divisible_by: int = 128
     params_dtype: torch.dtype = torch.float32
     tensor_model_parallel_size: int = 1
@@ -72,8 +73,10 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                                 f"({self.num_attention_heads}), or give --kv-channels")
+                raise ValueError(
+                    f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                    f"({self.num_attention_heads}), or give --kv-channels"
+                )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -84,45 +87,73 @@ class TransformerConfig:
             if not condition:
                 raise ValueError(message)
 
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                     "ffn_hidden_size", "kv_channels", "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "seq_length",
+            "ffn_hidden_size",
+            "kv_channels",
+            "make_vocab_size_divisible_by",
+        ):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
             need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        need(self.init_method in RANDOM_KINDS,
-             f"init method must be one of {', '.join(RANDOM_KINDS)}, got {self.init_method!r}")
-        need(self.normalization in NORMALIZATIONS,
-             f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
-        need(self.position_embedding_type in POSITION_EMBEDDINGS,
-             f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDINGS)}, "
-             f"got {self.position_embedding_type!r}")
-        need(self.num_attention_heads % self.num_query_groups == 0,
-             f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
-             f"({self.num_query_groups})")
-        need(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
-             f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length ({self.seq_length})")
+        need(
+            self.init_method in RANDOM_KINDS,
+            f"init method must be one of {', '.join(RANDOM_KINDS)}, got {self.init_method!r}",
+        )
+        need(
+            self.normalization in NORMALIZATIONS,
+            f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}",
+        )
+        need(
+            self.position_embedding_type in POSITION_EMBEDDINGS,
+            f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDINGS)}, "
+            f"got {self.position_embedding_type!r}",
+        )
+        need(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
+            f"({self.num_query_groups})",
+        )
+        need(
+            self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
+            f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length ({self.seq_length})",
+        )
         need(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
-        need(self.position_embedding_type != "rope" or self.rotary_dim % 2 == 0,
-             f"rotary embeddings need an even number of rotated channels, got --kv-channels {self.kv_channels} x "
-             f"--rotary-percent {self.rotary_percent} = {self.rotary_dim}")
+        need(
+            self.position_embedding_type != "rope" or self.rotary_dim % 2 == 0,
+            f"rotary embeddings need an even number of rotated channels, got --kv-channels {self.kv_channels} x "
+            f"--rotary-percent {self.rotary_percent} = {self.rotary_dim}",
+        )
         need(self.rope_scaling_factor >= 1.0, f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}")
         for name in ("attention_dropout", "hidden_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
-        need(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
-             f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
-        need(self.recompute_method in RECOMPUTE_METHODS,
-             f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        need(
+            self.recompute_granularity in RECOMPUTE_GRANULARITIES,
+            f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}",
+        )
+        need(
+            self.recompute_method in RECOMPUTE_METHODS,
+            f"--recompute-method must be uniform or block, got {self.recompute_method!r}",
+        )
         if self.recompute_granularity == "full":
-            need(self.recompute_method is not None,
-                 "--recompute-granularity full needs --recompute-method uniform or block")
-            need((self.recompute_num_layers or 0) >= 1,
-                 "--recompute-granularity full needs --recompute-num-layers >= 1")
+            need(
+                self.recompute_method is not None,
+                "--recompute-granularity full needs --recompute-method uniform or block",
+            )
+            need(
+                (self.recompute_num_layers or 0) >= 1, "--recompute-granularity full needs --recompute-num-layers >= 1"
+            )
         else:
-            need(self.recompute_method is None,
-                 "--recompute-method only applies with --recompute-granularity full")
+            need(self.recompute_method is None, "--recompute-method only applies with --recompute-granularity full")
         for name in ("attention_backend", "normalization_impl"):
-            need(getattr(self, name) in KERNEL_IMPLS,
-                 f"--{name.replace('_', '-')} must be one of {', '.join(KERNEL_IMPLS)}")
+            need(
+                getattr(self, name) in KERNEL_IMPLS,
+                f"--{name.replace('_', '-')} must be one of {', '.join(KERNEL_IMPLS)}",
+            )
         self._validate_tensor_parallel()
         self._validate_context_parallel()
 
@@ -134,8 +165,10 @@ class TransformerConfig:
             ("--ffn-hidden-size", self.ffn_hidden_size),
         )
         if self.sequence_parallel and self.seq_length % tp:
-            raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
-                             f"({tp}) with --sequence-parallel (each tp rank holds an equal sequence shard)")
+            raise ValueError(
+                f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
+                f"({tp}) with --sequence-parallel (each tp rank holds an equal sequence shard)"
+            )
         for flag, value in checks:
             if value % tp:
                 hint = ""
@@ -151,12 +184,18 @@ class TransformerConfig:
             raise ValueError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
         multiple = 2 * cp * (tp if self.sequence_parallel else 1)
         if self.seq_length % multiple:
-            detail = f" x --tensor-model-parallel-size ({tp}) under --sequence-parallel" if self.sequence_parallel else ""
-            raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by 2 x --context-parallel-size "
-                             f"({cp}){detail} = {multiple}: each cp rank holds two equal chunks")
+            detail = (
+                f" x --tensor-model-parallel-size ({tp}) under --sequence-parallel" if self.sequence_parallel else ""
+            )
+            raise ValueError(
+                f"--seq-length ({self.seq_length}) must be divisible by 2 x --context-parallel-size "
+                f"({cp}){detail} = {multiple}: each cp rank holds two equal chunks"
+            )
         if self.attention_dropout > 0:
-            raise ValueError(f"--attention-dropout {self.attention_dropout} is not supported with "
-                             f"--context-parallel-size {cp} (the ring attention has no dropout); use 0")
+            raise ValueError(
+                f"--attention-dropout {self.attention_dropout} is not supported with "
+                f"--context-parallel-size {cp} (the ring attention has no dropout); use 0"
+            )
 
     @property
     def padded_vocab_size(self) -> int:

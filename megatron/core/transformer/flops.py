@@ -8,6 +8,7 @@ Per token, the forward pass costs 2 FLOPs per multiply-accumulate of:
 Training = 3 x forward (backward costs twice the forward). Recomputation is not
 counted: this is model FLOPs, so TFLOP/s / peak is the MFU.
 """
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
 from __future__ import annotations
 
 import torch
@@ -24,14 +25,16 @@ class TransformerLayer(torch.nn.Module):
         self.config = config
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, config.hidden_size, device)
-        self.self_attention = SelfAttention(config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group,
-                                            device=device)
+        self.self_attention = SelfAttention(
+            config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, device=device
+        )
         self.pre_mlp_layernorm = Norm(config, config.hidden_size, device)
         self.mlp = MLP(config, tp_group=tp_group, device=device)
 
     def _dropout(self, x):
-        return hidden_dropout(x, self.config.hidden_dropout, self.training, self.rng_tracker,
-                              self.config.sequence_parallel)
+        return hidden_dropout(
+            x, self.config.hidden_dropout, self.training, self.rng_tracker, self.config.sequence_parallel
+        )
 
     def forward(self, x, rotary_angles=None, attention_mask=None):
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask))

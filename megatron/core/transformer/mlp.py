@@ -1,4 +1,5 @@
 """Feed-forward block: GELU MLP or SwiGLU, split across tp ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -17,14 +18,25 @@ class MLP(torch.nn.Module):
     def __init__(self, config, *, tp_group, device=None):
         super().__init__()
         self.swiglu = config.swiglu
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device,
-                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
+        common = dict(
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            dtype=config.params_dtype,
+            device=device,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        )
         stacked = 2 if config.swiglu else 1
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, stacked * config.ffn_hidden_size,
-                                               init_std=config.init_method_std, stacked=stacked, **common)
-        self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size,
-                                            init_std=config.output_layer_init_std, **common)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            stacked * config.ffn_hidden_size,
+            init_std=config.init_method_std,
+            stacked=stacked,
+            **common,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, init_std=config.output_layer_init_std, **common
+        )
 
     def forward(self, x):
         h = self.linear_fc1(x)

@@ -13,10 +13,12 @@ here once. What a different value means for a saved model (`kind`):
   --finetune may change it (context extension) and says so in one note line.
 - RECORDED: kept for converters (sequence length, init std), never checked.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 TENSORS, MEANING, CONTEXT, RECORDED = "tensors", "meaning", "context", "recorded"
 
@@ -84,8 +86,13 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
     ModelField("kv_channels", TENSORS, "--kv-channels", "head_dim"),
     ModelField("vocab_size", TENSORS, "--vocab-size", "vocab_size"),
     ModelField("position_embedding_type", TENSORS, "--position-embedding-type"),
-    ModelField("max_position_embeddings", TENSORS, "--max-position-embeddings", "max_position_embeddings",
-               applies=_learned_positions),
+    ModelField(
+        "max_position_embeddings",
+        TENSORS,
+        "--max-position-embeddings",
+        "max_position_embeddings",
+        applies=_learned_positions,
+    ),
     ModelField("normalization", TENSORS, "--normalization"),
     ModelField("swiglu", TENSORS, "--swiglu"),
     ModelField("add_bias_linear", TENSORS, "--disable-bias-linear", inverted=True),
@@ -107,12 +114,25 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
 # kernels and recomputation (same function, other schedule), dropout and initialisation (training
 # only), vocabulary padding (not stored), the weights' dtype (converted on load). A new field
 # belongs either here or in MODEL_FIELDS (tests/unit/test_model_fields.py checks).
-RUNTIME_FIELDS = frozenset({
-    "params_dtype", "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size", "cp_comm_type",
-    "recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend",
-    "normalization_impl", "gradient_accumulation_fusion", "attention_dropout", "hidden_dropout", "init_method",
-    "make_vocab_size_divisible_by",
-})
+RUNTIME_FIELDS = frozenset(
+    {
+        "params_dtype",
+        "tensor_model_parallel_size",
+        "sequence_parallel",
+        "context_parallel_size",
+        "cp_comm_type",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+        "attention_backend",
+        "normalization_impl",
+        "gradient_accumulation_fusion",
+        "attention_dropout",
+        "hidden_dropout",
+        "init_method",
+        "make_vocab_size_divisible_by",
+    }
+)
 
 
 def model_record(config) -> dict:

@@ -1,5 +1,6 @@
 """LayerNorm / RMSNorm modules; the math runs in the fused Triton kernel or the torch reference
 (`--normalization-impl`, see kernels/normalization.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,12 +23,14 @@ class Norm(torch.nn.Module):
         self.zero_centered = config.layernorm_zero_centered_gamma
         attrs = {"sequence_parallel": config.sequence_parallel or sum_grads_over_tp}
         scale_init = "zeros" if self.zero_centered else "ones"
-        self.weight = make_param((hidden_size,), InitSpec((hidden_size,), kind=scale_init), config.params_dtype,
-                                 device, **attrs)
+        self.weight = make_param(
+            (hidden_size,), InitSpec((hidden_size,), kind=scale_init), config.params_dtype, device, **attrs
+        )
         self.bias = None
         if self.kind == "LayerNorm":
-            self.bias = make_param((hidden_size,), InitSpec((hidden_size,), kind="zeros"), config.params_dtype,
-                                   device, **attrs)
+            self.bias = make_param(
+                (hidden_size,), InitSpec((hidden_size,), kind="zeros"), config.params_dtype, device, **attrs
+            )
 
     def forward(self, x):
         weight = self.weight + 1 if self.zero_centered else self.weight

@@ -5,6 +5,7 @@ Options (Megatron's flags): only the first `rotary_dim` channels of each head ro
 the default) or as neighbours (d_{2i} with d_{2i+1}, --rotary-interleaved); frequencies may
 be rescaled the Llama-3.1 way (--rope-scaling).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,15 +23,23 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     wavelength = 2 * math.pi / inv_freq
     low_wavelength = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
     high_wavelength = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
-    smooth = ((LLAMA3_ORIGINAL_CONTEXT / wavelength - LLAMA3_LOW_FREQ_FACTOR)
-              / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR))
+    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelength - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+    )
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelength > low_wavelength, inv_freq / factor, blended)
     return torch.where(wavelength < high_wavelength, inv_freq, out)
 
 
-def rotary_frequencies(seq_length: int, rotary_dim: int, base: float, device=None, *, interleaved: bool = False,
-                       scaling_factor: float | None = None) -> torch.Tensor:
+def rotary_frequencies(
+    seq_length: int,
+    rotary_dim: int,
+    base: float,
+    device=None,
+    *,
+    interleaved: bool = False,
+    scaling_factor: float | None = None,
+) -> torch.Tensor:
     """Angles [s, 1, 1, rotary_dim] for positions 0..s-1 (fp32); `scaling_factor`: Llama-3.1 scaling."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
     if scaling_factor is not None:

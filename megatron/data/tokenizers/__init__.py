@@ -4,6 +4,7 @@ Every tokenizer has `vocab_size`, `tokenize(text) -> list[int]`, `detokenize(ids
 and `eod` (the id preprocess_data.py appends with --append-eod and the dataset masks with
 --eod-mask-loss); `bos`/`eos` where the tokenizer defines them, else None.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,14 @@ from megatron.data.tokenizers.spm import SentencePieceTokenizer
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", *SP_TYPES, "HuggingFaceTokenizer", "NullTokenizer")
 
-__all__ = ["TOKENIZER_TYPES", "build_tokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
-           "HuggingFaceTokenizer", "NullTokenizer"]
+__all__ = [
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+]
 
 
 def _existing(flag: str, path: str | None, tokenizer_type: str, *, directory: bool = False) -> str:
@@ -29,17 +36,24 @@ def _existing(flag: str, path: str | None, tokenizer_type: str, *, directory: bo
     return path
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
-                    tokenizer_model: str | None = None, vocab_size: int | None = None):
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+):
     """The tokenizer named by Megatron's flags; a missing flag or file is one ValueError line."""
     if tokenizer_type is None:
         raise ValueError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(_existing("--vocab-file", vocab_file, tokenizer_type),
-                                _existing("--merge-file", merge_file, tokenizer_type))
+        return GPT2BPETokenizer(
+            _existing("--vocab-file", vocab_file, tokenizer_type), _existing("--merge-file", merge_file, tokenizer_type)
+        )
     if tokenizer_type in SP_TYPES:
-        return SentencePieceTokenizer(_existing("--tokenizer-model", tokenizer_model, tokenizer_type),
-                                      add_bos=tokenizer_type == "Llama2Tokenizer")
+        return SentencePieceTokenizer(
+            _existing("--tokenizer-model", tokenizer_model, tokenizer_type), add_bos=tokenizer_type == "Llama2Tokenizer"
+        )
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(_existing("--tokenizer-model", tokenizer_model, tokenizer_type, directory=True))
     if tokenizer_type == "NullTokenizer":

@@ -6,6 +6,7 @@ piece's UTF-8 bytes are mapped to printable characters (the byte-to-unicode tabl
 merges are applied lowest rank first. As in Megatron, `<|endoftext|>` is the EOD id and
 is not special inside text. Pieces repeat a lot in prose, so their BPE result is cached.
 """
+
 from __future__ import annotations
 
 import json

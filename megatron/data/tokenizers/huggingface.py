@@ -3,6 +3,7 @@
 Files are read from the directory only (local_files_only): nothing is downloaded at run time.
 As in Megatron, the vocabulary is len(tokenizer) (added tokens included) and EOD is EOS.
 """
+
 from __future__ import annotations
 
 
@@ -11,13 +12,15 @@ class HuggingFaceTokenizer:
         try:
             import transformers
         except ImportError:
-            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs the transformers package "
-                             "(pip install transformers)") from None
+            raise ValueError(
+                "--tokenizer-type HuggingFaceTokenizer needs the transformers package (pip install transformers)"
+            ) from None
         try:
             self._tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as error:
-            raise ValueError(f"--tokenizer-model {path}: not a Hugging Face tokenizer directory "
-                             f"({str(error).splitlines()[0]})") from None
+            raise ValueError(
+                f"--tokenizer-model {path}: not a Hugging Face tokenizer directory ({str(error).splitlines()[0]})"
+            ) from None
         self.vocab_size = len(self._tok)
         self.bos = self._tok.bos_token_id
         self.eos = self._tok.eos_token_id

@@ -1,4 +1,5 @@
 """Megatron's NullTokenizer: text is space-separated token ids; for benchmarks and tests."""
+
 from __future__ import annotations
 
 

@@ -4,6 +4,7 @@ As in megatron-core, the vocabulary is the model's pieces, EOD is the model's EO
 BOS its BOS id. Llama2Tokenizer keeps Megatron-LM's behaviour of starting every tokenized
 text with BOS, so corpora it preprocessed come out the same.
 """
+
 from __future__ import annotations
 
 
@@ -14,8 +15,9 @@ class SentencePieceTokenizer:
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         except (RuntimeError, OSError) as error:
-            raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model "
-                             f"({str(error).splitlines()[0]})") from None
+            raise ValueError(
+                f"--tokenizer-model {model_file}: not a SentencePiece model ({str(error).splitlines()[0]})"
+            ) from None
         self.add_bos = add_bos
         self.vocab_size = self._sp.get_piece_size()
         self.bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
