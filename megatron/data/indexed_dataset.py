@@ -77,7 +77,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"{prefix}: token dtype {self.dtype} has no Megatron dtype code")
         self._tmp_bin = data_file_path(prefix) + ".tmp"
         self._tmp_idx = index_file_path(prefix) + ".tmp"
-        self._bin = open(self._tmp_bin, "wb")
+        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 (open while documents are added; closed by finalize)
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
 

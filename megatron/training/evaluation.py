@@ -31,7 +31,8 @@ def evaluate(trainer, split: str, evaluation_index: int) -> float:
 
 
 def evaluation_lines(where: str, loss: float) -> list[str]:
-    """Megatron's three lines: a rule, `validation loss at <where> | lm loss value: ... | lm loss PPL: ... |`, a rule."""
+    """Megatron's three lines: a rule, `validation loss at <where> | lm loss value: ... | lm loss PPL: ... |`,
+    a rule."""
     text = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
     rule = "-" * (len(text) + 1)
     return [rule, text, rule]

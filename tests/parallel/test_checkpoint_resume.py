@@ -152,7 +152,7 @@ def test_optimizer_state_reshards_into_any_layout(tmp_path):
                 reference,
                 rtol=1e-5,
                 atol=1e-5,
-                msg=lambda m: f"{layout}: {m}",
+                msg=lambda m, layout=layout: f"{layout}: {m}",
             )
 
 

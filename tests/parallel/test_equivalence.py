@@ -72,7 +72,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{l}" for _, l, m in CASES])
+@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{model}-{layout}" for _, layout, model in CASES])
 def test_layout_matches_one_process(results, world, layout, model):
     assert_matches_one_process(results[(layout, model)], results[("reference", model)][0])
     split = "split" in layout  # --split-backward layouts really run WEIGHT steps, the others none
@@ -85,10 +85,16 @@ LOW_PRECISION_LAYOUTS = {"tp2-sp": TP2 + SP, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-sp
 
 @pytest.fixture(scope="module")
 def low_precision_results():
-    runs = {1: [("reference", p) for p in PRECISIONS], 2: [(l, p) for l in LOW_PRECISION_LAYOUTS for p in PRECISIONS]}
+    runs = {
+        1: [("reference", p) for p in PRECISIONS],
+        2: [(layout, p) for layout in LOW_PRECISION_LAYOUTS for p in PRECISIONS],
+    }
     out = {}
     for world, names in runs.items():
-        flags = [("llama", PRECISIONS[p] + ([] if l == "reference" else LOW_PRECISION_LAYOUTS[l])) for l, p in names]
+        flags = [
+            ("llama", PRECISIONS[p] + ([] if layout == "reference" else LOW_PRECISION_LAYOUTS[layout]))
+            for layout, p in names
+        ]
         per_rank = run_distributed(world, train_many, flags)
         for index, name in enumerate(names):
             out[name] = per_rank[-1][index]["losses"]

@@ -16,7 +16,8 @@ chunk without pipelining (forward and backward gathers) and 1 per step under PP 
 gathered from forward to backward), the gradient copies to host one reduce-scattered shard per
 microbatch for each host-resident gradient chunk, and some gathers were started ahead.
 A run saved with every shard on host resumes bit for bit so, and continues without offload at
-TP2 as the uninterrupted run does. Where the auto placement leaves device room over, each forward keeps gathered buckets for its
+TP2 as the uninterrupted run does. Where the auto placement leaves device room over, each forward keeps
+gathered buckets for its
 backward within it (fewer all-gathers than two per bucket per microbatch) and the run still
 matches one process. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
 slab is one line.

@@ -39,7 +39,7 @@ def results():
     out = {"reference": run_distributed(1, train_many, [(m, f) for m, f in VARIANTS.items()])}
     runs = [(model, flags + layout) for layout in LAYOUTS.values() for model, flags in VARIANTS.items()]
     per_rank = run_distributed(2, train_many, runs)
-    for index, (layout, model) in enumerate((l, m) for l in LAYOUTS for m in VARIANTS):
+    for index, (layout, model) in enumerate((layout, m) for layout in LAYOUTS for m in VARIANTS):
         out[(layout, model)] = [rank_results[index] for rank_results in per_rank]
     return out
 

@@ -154,7 +154,7 @@ def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path,
     torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=0)
     assert abs(loss - hf_loss) < 1e-5, (loss, hf_loss)
     losses = [r[0] for r in run_distributed(4, _evaluate, script, flags)]
-    assert all(abs(l - hf_loss) < 1e-5 for l in losses), (losses, hf_loss)
+    assert all(abs(loss - hf_loss) < 1e-5 for loss in losses), (losses, hf_loss)
 
     back = str(tmp_path / f"{family}_back")
     assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0

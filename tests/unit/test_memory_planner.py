@@ -65,7 +65,7 @@ def test_step_time_components():
 def test_enumeration_is_valid_and_complete():
     layouts = list(enumerate_layouts(MODEL, 8, 32, Search(micro_batch_sizes=(1, 2)), Hardware()))
     assert layouts
-    for config, layout, name in layouts:
+    for config, layout, _name in layouts:
         assert layout.world_size == 8
         assert config.tensor_model_parallel_size == layout.tp
         assert config.sequence_parallel == (layout.tp > 1)

@@ -7,7 +7,8 @@ A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments 
 state) on 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours:
 `save_checkpoint` (every rank writes its canonical pieces through torch.distributed.checkpoint,
 then SHA-256 of every file, metadata, rename) and `load_checkpoint` (verify every file, then
-read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
+read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank
+`torch.save`s its own parameters and
 optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
 fsynced as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
 `--ckpt-format torch_dist`'s save (no digests: Megatron-LM records none) and our load of it (file
@@ -83,10 +84,10 @@ def _slowest(seconds: float) -> float:
     return value.item()
 
 
-def _timed(fn) -> float:
+def _timed(fn, *args) -> float:
     dist.barrier()
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return _slowest(time.perf_counter() - start)
 
 
@@ -125,27 +126,25 @@ def measure(rank: int, root: str, repeat: int) -> dict:
     )
     times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": [], "td_save": [], "td_load": []}
     for _ in range(repeat):
-        times["save"].append(_timed(lambda: save_checkpoint(ours, 1, trainer)))
+        times["save"].append(_timed(save_checkpoint, ours, 1, trainer))
         info = checkpoint_to_load(run)
-        times["load"].append(_timed(lambda: load_checkpoint(info, trainer, run.checkpoint)))
-        times["verify"].append(_timed(lambda: verify_files(info.directory, info.metadata["files"])))
-        times["torch_save"].append(_timed(lambda: _durable_torch_save(state, own)))
+        times["load"].append(_timed(load_checkpoint, info, trainer, run.checkpoint))
+        times["verify"].append(_timed(verify_files, info.directory, info.metadata["files"]))
+        times["torch_save"].append(_timed(_durable_torch_save, state, own))
 
         def torch_load():
             for name, tensor in torch.load(own, weights_only=True).items():
                 state[name].copy_(tensor)
 
         times["torch_load"].append(_timed(torch_load))
-        times["td_save"].append(_timed(lambda: save_megatron_checkpoint(megatron, 1, trainer)))
-        megatron_info = any_checkpoint_to_load(megatron_run)  # checks the file lengths
-        times["td_load"].append(
-            _timed(
-                lambda: (
-                    any_checkpoint_to_load(megatron_run),
-                    any_load_checkpoint(megatron_info, trainer, megatron_run.checkpoint),
-                )
-            )
-        )
+        times["td_save"].append(_timed(save_megatron_checkpoint, megatron, 1, trainer))
+
+        # the load includes finding the checkpoint (which checks the file lengths), as a resume does
+        def megatron_load():
+            info = any_checkpoint_to_load(megatron_run)
+            any_load_checkpoint(info, trainer, megatron_run.checkpoint)
+
+        times["td_load"].append(_timed(megatron_load))
     dist.barrier()
     return {
         "times": {key: min(values) for key, values in times.items()},

@@ -95,13 +95,13 @@ def norm_cases(kind, args, dtype):
         if kind == "rms_norm":
             inputs = (x, w)
             impls = {
-                "torch": lambda x, w: F.rms_norm(x, (hidden,), w, 1e-5),
+                "torch": lambda x, w, hidden=hidden: F.rms_norm(x, (hidden,), w, 1e-5),
                 "ours": lambda x, w: rms_norm(x, w, 1e-5, impl="triton"),
             }
         else:
             inputs = (x, w, b)
             impls = {
-                "torch": lambda x, w, b: F.layer_norm(x, (hidden,), w, b, 1e-5),
+                "torch": lambda x, w, b, hidden=hidden: F.layer_norm(x, (hidden,), w, b, 1e-5),
                 "ours": lambda x, w, b: layer_norm(x, w, b, 1e-5, impl="triton"),
             }
         apex = apex_norm(kind, hidden, w, b)

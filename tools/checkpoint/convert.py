@@ -24,7 +24,6 @@ line on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -60,7 +59,7 @@ from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
-from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402
+from tools.checkpoint.hf_io import SafetensorsReader, read_json, write_hf_files  # noqa: E402
 
 # HF tensors that carry no weights of their own (buffers, tied copies)
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -124,7 +123,7 @@ def _lazy_piece(rule, reader: SafetensorsReader, progress) -> TensorPiece:
 
 def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
     """Convert; returns the pretrain command line for the result."""
-    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    cfg = read_json(os.path.join(load_dir, "config.json"))
     family = family_of(cfg)
     args = family.model_args(cfg)
     config = model_config(args, tp)
@@ -218,7 +217,7 @@ def torch_dist_source(load_dir: str) -> Source:
 
 def hf_source(load_dir: str) -> Source:
     """A Hugging Face model under our canonical names (each tensor converted when read)."""
-    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    cfg = read_json(os.path.join(load_dir, "config.json"))
     family = family_of(cfg)
     args = family.model_args(cfg)
     reader = SafetensorsReader(load_dir)

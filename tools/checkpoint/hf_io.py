@@ -20,11 +20,17 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 INDEX = "model.safetensors.index.json"
 
 
+def read_json(path: str) -> dict:
+    """A Hugging Face JSON file (config.json, the safetensors index)."""
+    with open(path) as f:
+        return json.load(f)
+
+
 class SafetensorsReader:
     def __init__(self, directory: str):
         index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
-            files = json.load(open(index))["weight_map"]
+            files = read_json(index)["weight_map"]
         elif os.path.isfile(os.path.join(directory, SINGLE)):
             files = None
         else:
@@ -32,7 +38,7 @@ class SafetensorsReader:
         self.directory = directory
         self.handles = {}
         if files is None:
-            files = {name: SINGLE for name in self._open(SINGLE).keys()}
+            files = {name: SINGLE for name in self._open(SINGLE).keys()}  # noqa: SIM118 (safe_open is not iterable)
         self.files = files
 
     def _open(self, file: str):
