@@ -11,7 +11,7 @@ fi
 "$PYTHON" -m pip install -q --no-build-isolation -e . 2>/dev/null || "$PYTHON" -m pip install -q -e .
 if [ "${1:-}" = "test" ]; then
   # transformers and tokenizers are independent oracles for the model and the BPE tokenizer
-  "$PYTHON" -m pip install -q pytest matplotlib transformers tokenizers safetensors
+  "$PYTHON" -m pip install -q pytest ruff==0.17.6 matplotlib transformers tokenizers safetensors
   # megatron-core in its own environment, the oracle of tests/mcore_oracle (they skip, saying why, without it)
   bash tools/install_megatron_core.sh >/dev/null || echo "warning: megatron-core could not be installed; its tests will skip" >&2
 fi
