@@ -316,7 +316,7 @@ def test_bad_data_fails_in_one_line(corpus, tokenizer, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"a_text_document.bin: token id \d+ \(in train sample 0\) is outside the "
-        r"tokenizer's vocabulary of 100 ids",
+        r"tokenizer's vocabulary of 101 ids",
     ):
         train[0]  # ...each sample is checked as it is read
     tiny = make_dataset(tmp_path, [[1, 2, 0]] * 3)

@@ -88,7 +88,7 @@ def test_huggingface_tokenizer_from_local_directory(tmp_path, gpt2):
 
 def test_null_tokenizer():
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tok.vocab_size == 100 and tok.eod == 99
+    assert tok.vocab_size == 101 and tok.eod == 100  # Megatron-LM's: V ordinary ids, then EOD = V
     assert tok.tokenize("3 1 4") == [3, 1, 4] and tok.detokenize([3, 1, 4]) == "3 1 4"
 
 

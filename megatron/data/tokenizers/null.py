@@ -4,7 +4,11 @@ from __future__ import annotations
 
 
 class NullTokenizer:
-    """Ids are `0..vocab_size-1`; as in megatron-core, the last one (vocab_size - 1) is EOD."""
+    """`--vocab-size V` names V ordinary ids `0..V-1`; EOD is one more id, V, so the vocabulary has V + 1.
+
+    As Megatron-LM's NullTokenizer, so its checkpoints' vocabulary rows (before padding) and the EOD
+    that --eod-mask-loss and --reset-* look for are the same.
+    """
 
     bos = None
     eos = None
@@ -12,8 +16,8 @@ class NullTokenizer:
     def __init__(self, vocab_size: int):
         if vocab_size < 2:
             raise ValueError(f"--vocab-size must be >= 2 for NullTokenizer, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
+        self.vocab_size = vocab_size + 1
+        self.eod = vocab_size
 
     def tokenize(self, text: str) -> list[int]:
         try:
