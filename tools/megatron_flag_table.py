@@ -1,4 +1,11 @@
-"""Print the README's Megatron-LM flag compatibility table, generated from the argument parser."""
+"""Print the Megatron-LM flag compatibility table, generated from the argument parser.
+
+The table lives in docs/megatron-lm.md, between the `<!-- flag-table:start -->` and
+`<!-- flag-table:end -->` markers; after changing a flag, paste this script's output there
+(tests/unit/test_megatron_scripts.py fails until the guide holds the parser's table):
+
+    python tools/megatron_flag_table.py
+"""
 
 import os
 import sys
