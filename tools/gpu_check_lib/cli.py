@@ -24,16 +24,20 @@ def parse(argv):
     parser.add_argument("--part", required=True, choices=[*PARTS, "all"], help="what to check (all: both parts)")
     parser.add_argument("--out", default="runs/gpu_check", help="directory for report.json and report.md")
     parser.add_argument("--dry-run", action="store_true", help="the same code path on CPU at tiny sizes")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
+    return parser.parse_args(argv)
+
+
+def writable(path: str) -> Path:
+    """`path` as a directory this process can write to (created if missing); ValueError (one line) if not."""
+    out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".gpu_check_write_test"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
-        raise ValueError(f"--out {args.out} is not a writable directory ({error.strerror or error})") from None
-    return args, out
+        raise ValueError(f"--out {path} is not a writable directory ({error.strerror or error})") from None
+    return out
 
 
 def _peak(torch, device, dry_run: bool):
@@ -65,15 +69,16 @@ def main(argv=None) -> int:
     from megatron.training.cli_errors import report_error
 
     try:
-        args, out = parse(sys.argv[1:] if argv is None else argv)
+        args = parse(sys.argv[1:] if argv is None else argv)
+        if args.dry_run:
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: our kernels on CPU
+        import torch
+
+        if not args.dry_run and not torch.cuda.is_available():
+            raise ValueError("no CUDA device: this check needs one GPU (--dry-run runs its code on CPU)")
+        out = writable(args.out)
     except ValueError as error:
         return report_error(error)
-    if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: our kernels on CPU
-    import torch
-
-    if not args.dry_run and not torch.cuda.is_available():
-        return report_error(ValueError("no CUDA device: this check needs one GPU (--dry-run runs its code on CPU)"))
     import triton
 
     from tools.gpu_check_lib import kernels_check, offload_tables, size_check, step_check
