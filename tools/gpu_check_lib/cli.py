@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         ctx = Context(device, args.dry_run, PART_BUDGET_S)
         for section in PARTS[part]:
             _run_section(report, section, lambda s=section, c=ctx: sections[s](c))
+            report.write(out)  # what has run so far survives a crash of a later section
         report.meta[f"part {part} wall s"] = round(time.perf_counter() - ctx.started, 1)
     report.write(out)
     print(report.text(), flush=True)

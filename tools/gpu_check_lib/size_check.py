@@ -1,14 +1,14 @@
 """Part offload, 4: the largest Llama that fits this GPU and this host memory, trained for 3 iterations.
 
-tools/bench/max_model_size.py's family (hidden h = 256, 384, ..., h / 128 layers, seq 2048, micro
-batch 1, full recomputation, bf16) and its rule: a member fits when the estimator's certain part
-plus the gathered buckets fit the device (its total memory) and its host bytes the host (the
-start-up check's budget: MemAvailable). Columns: full host residency (optim_grads_params with
-optimizer state, gradient and parameter shards all on host) and plain AdamW (no offload). Each
-column's largest member is found by bisection over the family (device and host bytes grow with
-h), then trained: 1 warm-up + 2 timed iterations. Dry run: the first three members, seq 64, and a
-device budget 5% above the smallest no-offload member's (so the search has something to decide);
-the host is not limited there.
+tools/bench/max_model_size.py's family (hidden h = 256, 384, ..., h / 128 layers, seq 2048,
+micro batch 1, full recomputation, bf16) and its rule: a member fits when the estimator's
+certain part plus the gathered buckets fit the device (its total memory) and its host bytes
+the host (the start-up check's budget, MemAvailable, less 10% for the process itself).
+Columns: full host residency (optim_grads_params with optimizer state, gradient and parameter
+shards all on host) and plain AdamW (no offload). Each column's largest member is found by
+bisection over the family (device and host bytes grow with h), then trained: 1 warm-up + 2
+timed iterations. Dry run: the first three members, seq 64, and a device budget 5% above the
+smallest no-offload member's (so the search has something to decide); no host limit there.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tools.gpu_check_lib.env import estimate_run, host_budget, size_rule
 from tools.gpu_check_lib.runs import run_config, train
 
 GIB = float(1 << 30)
+HOST_SHARE = 0.9  # of MemAvailable: the process itself needs host memory too (a host OOM kills the check)
 COLUMNS = (("host resident", 200), ("plain AdamW", 90))  # the rule's column, seconds a GPU run may need
 
 
@@ -58,7 +59,8 @@ def check_size(report, ctx) -> None:
     rule = size_rule()
     widths, seq = (rule.WIDTHS[:3], 64) if ctx.dry_run else (rule.WIDTHS, 2048)
     if ctx.cuda:
-        budget, host = float(torch.cuda.get_device_properties(ctx.device).total_memory), host_budget(ctx.device)
+        budget = float(torch.cuda.get_device_properties(ctx.device).total_memory)
+        host = int(HOST_SHARE * host_budget(ctx.device))
     else:
         smallest = estimate_run(run_config(_member(rule, "plain AdamW", widths[0], seq)), ctx.device, None)
         budget, host = 1.05 * rule.device_bytes(smallest.rank), None
@@ -87,7 +89,7 @@ def check_size(report, ctx) -> None:
         section.add(**row)
     device = f"{budget / GIB:.2f} GiB device" + (" (dry run: 5% above the smallest member)" if ctx.dry_run else "")
     section.notes.append(
-        f"budgets: {device}, host {'not limited' if host is None else f'{host / GIB:.1f} GiB (MemAvailable)'}; "
+        f"budgets: {device}, host {'not limited' if host is None else f'{host / GIB:.1f} GiB (90% of MemAvailable)'}; "
         f"estimate device = certain part + gathered buckets (the rule's); total adds the unmeasured allowances"
     )
     if len(sizes) == 2:

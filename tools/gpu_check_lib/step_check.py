@@ -68,7 +68,7 @@ def check_step(report, ctx, peak) -> None:
     """`peak`: (dense bf16 TFLOP/s, what it is) or (None, why not)."""
     section = report.section(
         "train_step",
-        "One-GPU training step (Llama ~1B, seq 4096, bf16, our kernels)",
+        "One-GPU training step (Llama, bf16, our kernels; sizes in the notes)",
         ["path", "iterations", "first loss", "last loss", "step ms", "tokens/s", "TFLOP/s/GPU", "MFU", "vs bare",
          "host syncs/iter", "max allocated GiB"],
     )  # fmt: skip
