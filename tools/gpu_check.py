@@ -19,7 +19,7 @@ kernels-step (issue 34)
      estimate (certain, total) beside max_memory_allocated / max_memory_reserved, and whether
      the start-up check's decision was right.
 offload (issue 35)
-  1-3. offload_check / offload_tables: six 5-iteration runs of a 0.16B Llama (optimizer
+  1-3. offload_check / offload_tables: six 5-iteration runs of a 0.17B Llama (optimizer
      offload 1 and 0.5, host-resident chunks 1/1/1 and auto, and their device-only runs):
      losses, bytes vs the estimate, waits, CPU step, copy bandwidth vs a plain pinned copy_.
   4. size_check: the largest Llama that fits this GPU and host with full host residency, and
@@ -28,12 +28,12 @@ offload (issue 35)
 Time budget (6 minutes per part on one H100, not measured: nothing has run on a GPU yet). Each
 part has a 360 s deadline; a section that would start with less time left than it needs is
 skipped and says so, so a part cannot run far over. Estimated on an H100 (~400 TFLOP/s
-achieved bf16, ~25 GB/s PCIe, 16 CPU cores): kernels ~90 s (16 attention and 8 norm cases,
+achieved bf16, ~25 GB/s PCIe, 16 CPU cores): kernels ~90 s (8 attention and 4 norm cases,
 ~0.5 s of timing each at 25 + 100 ms do_bench per pass and implementation, plus Triton
 compilation of 2 head dims x 3 kernels, ~10 s each, and one fp32 reference per case); training
 step ~60 s (build ~10 s per side, 23 iterations of 32k tokens at ~0.5 s, twice); memory ~90 s
 (five builds of ~10 s and 3 iterations, plus five traced estimates of ~1-2 s). offload: six
-runs ~90 s (a 0.16B model: the CPU Adam step over 0.16B elements ~0.3 s per iteration);
+runs ~90 s (a 0.16B model: the CPU Adam step over 0.17B elements ~0.3 s per iteration);
 size ~200 s (bisection: ~14 traced estimates; the host-resident member, ~7B parameters with
 128 GiB of host memory, pins ~110 GiB and runs a CPU step of ~5-10 s per iteration; the
 no-offload member ~4B, 3 fast iterations). Budget for a part: 360 s minus ~30 s start-up.
