@@ -33,7 +33,7 @@ achieved bf16, ~25 GB/s PCIe, 16 CPU cores): kernels ~90 s (8 attention and 4 no
 compilation of 2 head dims x 3 kernels, ~10 s each, and one fp32 reference per case); training
 step ~60 s (build ~10 s per side, 23 iterations of 32k tokens at ~0.5 s, twice); memory ~90 s
 (five builds of ~10 s and 3 iterations, plus five traced estimates of ~1-2 s). offload: six
-runs ~90 s (a 0.16B model: the CPU Adam step over 0.17B elements ~0.3 s per iteration);
+runs ~90 s (a 0.17B model: the CPU Adam step over 0.17B elements ~0.3 s per iteration);
 size ~200 s (bisection: ~14 traced estimates; the host-resident member, ~7B parameters with
 128 GiB of host memory, pins ~110 GiB and runs a CPU step of ~5-10 s per iteration; the
 no-offload member ~4B, 3 fast iterations). Budget for a part: 360 s minus ~30 s start-up.
