@@ -87,7 +87,12 @@ def check_size(report, ctx) -> None:
         step = measured.step_s
         row["tokens/s"] = seq / step if isinstance(step, float) else step
         section.add(**row)
-    device = f"{budget / GIB:.2f} GiB device" + (" (dry run: 5% above the smallest member)" if ctx.dry_run else "")
+    device = f"{budget / GIB:.2f} GiB device" + (
+        " (dry run: 5% above the smallest member; estimated for CPU, where host memory is the device's, so host "
+        "residency frees no device bytes there)"
+        if ctx.dry_run
+        else ""
+    )
     section.notes.append(
         f"budgets: {device}, host {'not limited' if host is None else f'{host / GIB:.1f} GiB (90% of MemAvailable)'}; "
         f"estimate device = certain part + gathered buckets (the rule's); total adds the unmeasured allowances"
