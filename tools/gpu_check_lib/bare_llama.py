@@ -30,6 +30,7 @@ class Block(nn.Module):
         d = self.head_dim
         q, k, v = self.qkv(self.norm1(x)).split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # the projections' dtype (bf16 under autocast)
         out = F.scaled_dot_product_attention(
             _rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True, enable_gqa=self.heads != self.groups
         )
@@ -57,9 +58,8 @@ class BareLlama(nn.Module):
 
     def forward(self, tokens, labels):
         x = self.embedding(tokens)
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, self.cos, self.sin)
         logits = self.output(self.norm(x))
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
