@@ -95,7 +95,7 @@ def _attention_case(section, ctx, case, batch, seq, heads, groups, head_dim, dty
         torch.randn(batch, seq, groups, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         for _ in range(2)
     )
-    dout = torch.randn_like(q)
+    dout = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
     rep = heads // groups
     ref_in = [t[:1].detach().float().requires_grad_() for t in (q, k, v)]
     ref_out = flash_attention_torch(
@@ -140,7 +140,7 @@ def _norm_case(section, ctx, case, kind, rows, hidden, dtype):
     w = (1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)).requires_grad_()
     b = (0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)).requires_grad_()
     inputs = (x, w) if kind == "rms_norm" else (x, w, b)
-    dout = torch.randn_like(x)
+    dout = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     ref_in = [t.detach().float().requires_grad_() for t in inputs]
     ref_fn = rms_norm_torch if kind == "rms_norm" else layer_norm_torch
     ref_out = ref_fn(*ref_in, eps)
