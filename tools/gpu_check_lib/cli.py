@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     for part in PARTS if args.part == "all" else [args.part]:
         ctx = Context(device, args.dry_run, PART_BUDGET_S)
         for section in PARTS[part]:
+            begin = time.perf_counter()
             _run_section(report, section, lambda s=section, c=ctx: sections[s](c))
+            report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)
             report.write(out)  # what has run so far survives a crash of a later section
         report.meta[f"part {part} wall s"] = round(time.perf_counter() - ctx.started, 1)
     report.write(out)
