@@ -72,13 +72,15 @@ def main(argv=None) -> int:
         args = parse(sys.argv[1:] if argv is None else argv)
         if args.dry_run:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: our kernels on CPU
-        import torch
+        else:
+            import torch
 
-        if not args.dry_run and not torch.cuda.is_available():
-            raise ValueError("no CUDA device: this check needs one GPU (--dry-run runs its code on CPU)")
-        out = writable(args.out)
+            if not torch.cuda.is_available():
+                raise ValueError("no CUDA device: this check needs one GPU (--dry-run runs its code on CPU)")
+        out = writable(args.out)  # after the CUDA check: a refused run leaves no directory behind
     except ValueError as error:
         return report_error(error)
+    import torch
     import triton
 
     from tools.gpu_check_lib import kernels_check, offload_tables, size_check, step_check
