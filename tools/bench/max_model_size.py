@@ -93,9 +93,9 @@ FIXED_BUDGETS = (("node 8x80GiB+1TiB host", 8, 80.0, 1024.0 / 8), ("one 80GiB GP
 BISECTIONS = 9  # a step's fraction to within 1/512 of its elements (a 90B member has ~300 chunks per rank)
 
 
-@functools.cache
-def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
-    """(model config, memory layout) of the member, with `fractions` (optimizer, grads, params) on host."""
+def member_argv(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple, seq_length: int = 2048) -> list[str]:
+    """pretrain_llama.py flags of the member, with `fractions` (optimizer, grads, params) on host
+    (`seq_length`: the family's 2048; tools/gpu_check.py's dry run trains a shorter one)."""
     argv = [
         "--num-layers",
         str(max(2, width // 128)),
@@ -104,9 +104,9 @@ def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
         "--num-attention-heads",
         str(max(2, width // 128)),
         "--seq-length",
-        "2048",
+        str(seq_length),
         "--max-position-embeddings",
-        "2048",
+        str(seq_length),
         "--micro-batch-size",
         "1",
         "--global-batch-size",
@@ -126,7 +126,13 @@ def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
         argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(optimizer)]
     argv += ["--grad-offload-fraction", str(grads)] if grads else []
     argv += ["--param-offload-fraction", str(params)] if params else []
-    run = run_config_for_tool(argv, "llama", dp, "max_model_size")
+    return argv
+
+
+@functools.cache
+def member_run(width: int, dp: int, bf16: bool, flags: tuple, fractions: tuple):
+    """(model config, memory layout) of the member, with `fractions` (optimizer, grads, params) on host."""
+    run = run_config_for_tool(member_argv(width, dp, bf16, flags, fractions), "llama", dp, "max_model_size")
     return run.model, layout_from_run(run, "cuda")
 
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""GPU self-check: run once on a new GPU machine, one process, one GPU.
+
+    python tools/gpu_check.py --part {kernels-step,offload,all} [--out DIR] [--dry-run]
+
+Prints its tables and writes DIR/report.json and DIR/report.md (default runs/gpu_check). User
+guide: docs/gpu-check.md. Parts (tools/gpu_check_lib/):
+
+kernels-step (issue 34)
+  1. kernels_check: flash attention (causal; head dim 64, 128; MHA and GQA with 8 groups; seq 2k
+     and 8k, 64k tokens per case) and RMSNorm/LayerNorm (hidden 4096, 8192; 16k rows), forward and
+     backward in bf16: error vs fp32, TFLOP/s or GB/s, ratio to torch (SDPA flash, F.rms_norm /
+     F.layer_norm, apex when importable); a failing case is one row with its error line.
+  2. step_check.check_step: a 1.1B Llama (seq 4096, 8 microbatches of 1) through our Trainer,
+     3 warm-up + 20 timed iterations: tokens/s, TFLOP/s (the log line's FLOP count), MFU against
+     the device preset's dense bf16 peak, host syncs per iteration; the same model as a bare
+     PyTorch loop (SDPA, AdamW fused) for the ratio.
+  3. step_check.check_memory: five configurations of that model, 3 iterations each: the
+     estimate (certain, total) beside max_memory_allocated / max_memory_reserved, and whether
+     the start-up check's decision was right.
+offload (issue 35)
+  1-3. offload_check / offload_tables: six 5-iteration runs of a 0.17B Llama (optimizer
+     offload 1 and 0.5, host-resident chunks 1/1/1 and auto, and their device-only runs):
+     losses, bytes vs the estimate, waits, CPU step, copy bandwidth vs a plain pinned copy_.
+  4. size_check: the largest Llama that fits this GPU and host with full host residency, and
+     without offload, by tools/bench/max_model_size.py's rule; 3 iterations each.
+
+Time budget (6 minutes per part on one H100, not measured: nothing has run on a GPU yet). Each
+part has a 360 s deadline; a section that would start with less time left than it needs is
+skipped and says so, so a part cannot run far over. Estimated on an H100 (~400 TFLOP/s
+achieved bf16, ~25 GB/s PCIe, 16 CPU cores): kernels ~90 s (8 attention and 4 norm cases,
+~0.5 s of timing each at 25 + 100 ms do_bench per pass and implementation, plus Triton
+compilation of 2 head dims x 3 kernels, ~10 s each, and one fp32 reference per case); training
+step ~60 s (build ~10 s per side, 23 iterations of 32k tokens at ~0.5 s, twice); memory ~90 s
+(five builds of ~10 s and 3 iterations, plus five traced estimates of ~1-2 s). offload: six
+runs ~90 s (a 0.17B model: the CPU Adam step over 0.17B elements ~0.3 s per iteration);
+size ~200 s (bisection: ~14 traced estimates; the host-resident member, ~7B parameters with
+128 GiB of host memory, pins ~110 GiB and runs a CPU step of ~5-10 s per iteration; the
+no-offload member ~4B, 3 fast iterations). Budget for a part: 360 s minus ~30 s start-up.
+
+--dry-run runs the same code on CPU at tiny sizes (kernels under TRITON_INTERPRET=1) and fills
+every cell that needs no CUDA; speed and allocator cells read "n/a (dry run)".
+Bad input (an unknown --part, an --out that cannot be written, no CUDA without --dry-run): one
+`error:` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.gpu_check_lib.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
