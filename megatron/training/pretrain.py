@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import AgreedError
-from megatron.training.arguments import parse_run_config
+from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
 from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error
 from megatron.training.evaluation import Validation
 from megatron.training.heartbeat import Heartbeat
 from megatron.training.initialize import (
@@ -193,7 +193,7 @@ def _failure(error: BaseException) -> str:
 
 
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Exit status 0, or 2 with one error line for an expected error (megatron.training.cli_errors)."""
+    """Exit status 0, or 2 with one error line for an expected error (megatron.training.arguments.errors)."""
     rank, world_size, local_rank = launch_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:

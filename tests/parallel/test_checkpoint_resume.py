@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.checkpointing import write_pieces
 from megatron.data.batches import microbatch_indices
 from megatron.training import checkpoint_saver
-from megatron.training.arguments import parse_run_config
+from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint_saver import CheckpointSaver
 from megatron.training.checkpointing import TRACKER, checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.training import Trainer

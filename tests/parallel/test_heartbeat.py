@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.initialize import free_port
 from tests.cli import ROOT, TINY_LLAMA
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError, TensorPiece, read_pieces, saved_tensors
-from megatron.training.arguments import parse_run_config
+from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint_formats import (
     MEGATRON,
     OURS,

@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.checkpointing import verify_files  # noqa: E402
 from megatron.core.transformer.model_fields import model_record  # noqa: E402
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
 from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
 from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402

@@ -57,7 +57,7 @@ from megatron.training.checkpoint_formats import (  # noqa: E402
     publish_megatron_checkpoint,
 )
 from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402

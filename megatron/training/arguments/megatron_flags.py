@@ -1,6 +1,6 @@
 """Megatron-LM flags that are not features here: accepted with a note, or refused by name.
 
-Every flag of Megatron-LM's `arguments.py` is supported (the other `*_args.py` modules), a
+Every flag of Megatron-LM's `arguments.py` is supported (the flag-group modules beside this one), a
 no-op or refused, never "unrecognized" (tests/data/megatron_flags.txt is the list). The line
 between the two kinds here: a flag whose absence changes only speed, logging detail or how
 Megatron's own code is organised is accepted and listed at start-up, never silently; a flag
@@ -118,7 +118,7 @@ _NO_OP = {
     "selective recompute recomputes core attention": "--recompute-modules core_attn...",
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
-BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model_args.py)
+BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model.py)
 NO_OP_GROUP = "Megatron flags with no effect here"
 
 # family -> (reason, exact flags, prefixes); the first family that matches a flag names it
