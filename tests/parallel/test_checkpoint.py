@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron.core.checkpointing import CheckpointError
 from megatron.core.tensor_parallel.sharding import initialize_
 from megatron.training import checkpointing
-from megatron.training.arguments.parser import parse_run_config
 from megatron.training.arguments.checkpoint import CheckpointConfig
+from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer

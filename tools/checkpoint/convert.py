@@ -49,6 +49,7 @@ from megatron.core.checkpointing.megatron_lm import our_tensors, to_megatron  # 
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.checkpoint_formats import (  # noqa: E402
     CHECKPOINT_VERSION,
     MEGATRON,
@@ -57,7 +58,6 @@ from megatron.training.checkpoint_formats import (  # noqa: E402
     publish_megatron_checkpoint,
 )
 from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
-from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
 from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, write_hf_files  # noqa: E402

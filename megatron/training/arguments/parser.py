@@ -14,7 +14,6 @@ import torch
 from megatron.data.config import DataConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.training.arguments.checkpoint import add_checkpoint_arguments, checkpoint_config_from_args
-from megatron.training.config import ParallelConfig, RunConfig
 from megatron.training.arguments.data import add_data_arguments, data_config_from_args
 from megatron.training.arguments.evaluation import add_eval_arguments, eval_config_from_args
 from megatron.training.arguments.logging import add_logging_arguments, logging_config_from_args
@@ -35,6 +34,7 @@ from megatron.training.arguments.optimizer import (
 )
 from megatron.training.arguments.parallel import add_parallel_arguments
 from megatron.training.arguments.training import add_training_arguments, training_config_from_args
+from megatron.training.config import ParallelConfig, RunConfig
 
 GPT_DEFAULTS = dict(
     normalization="LayerNorm",
