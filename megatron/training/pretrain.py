@@ -11,8 +11,7 @@ import torch.distributed as dist
 from megatron.core.errors import AgreedError
 from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
-from megatron.training.checkpoint_saver import CheckpointSaver
+from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint
 from megatron.training.evaluation import Validation
 from megatron.training.heartbeat import Heartbeat
 from megatron.training.initialize import (

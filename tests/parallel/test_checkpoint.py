@@ -23,10 +23,9 @@ import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError
 from megatron.core.tensor_parallel.sharding import initialize_
-from megatron.training import checkpointing
 from megatron.training.arguments.checkpoint import CheckpointConfig
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import canonical, checkpoint_to_load, load_checkpoint, save_checkpoint, state
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
@@ -71,7 +70,7 @@ def _save(rank: int, root: str) -> dict:
         _randomize(trainer)
         trainer.forward_backward(1)  # advance the dropout streams so saved RNG states are not the initial ones
         save_checkpoint(os.path.join(root, model), 3, trainer)
-        rng[model] = checkpointing._rng_states(trainer)
+        rng[model] = state.rng_states(trainer)
     return rng
 
 
@@ -88,7 +87,7 @@ def _load(rank: int, root: str, layout: list[str]) -> dict:
         iteration, _ = load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
         assert iteration == 3
         mismatches += [f"{model} {name}" for name, w in _weights(trainer).items() if not torch.equal(w, expected[name])]
-        rng[model] = checkpointing._rng_states(trainer)
+        rng[model] = state.rng_states(trainer)
     return {"mismatches": mismatches, "rng": rng}
 
 
@@ -124,18 +123,18 @@ def _save_twice(rank: int, root: str) -> None:
 
 def _crash_during_save(rank: int, root: str) -> None:
     trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
-    original = checkpointing.digest_files
+    original = canonical.digest_files
 
     def crash(*args):
         raise RuntimeError("simulated crash")
 
-    checkpointing.digest_files = crash
+    canonical.digest_files = crash
     try:
         save_checkpoint(root, 3, trainer)
     except RuntimeError:
         pass
     finally:
-        checkpointing.digest_files = original
+        canonical.digest_files = original
 
 
 def _crash_at_rename(rank: int, root: str) -> None:
@@ -148,13 +147,13 @@ def _crash_at_rename(rank: int, root: str) -> None:
             raise RuntimeError("simulated crash at the directory rename")
         original(src, dst)
 
-    checkpointing.os.replace = crash
+    canonical.os.replace = crash
     try:
         save_checkpoint(root, 4, trainer)
     except RuntimeError:  # only rank 0 renames: it meets the others at the save's closing barrier
         dist.barrier()
     finally:
-        checkpointing.os.replace = original
+        canonical.os.replace = original
 
 
 def _load_error(rank: int, root: str, extra: list[str]) -> str | None:

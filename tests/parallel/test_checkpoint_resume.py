@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from megatron.core.checkpointing import write_pieces
 from megatron.data.batches import microbatch_indices
-from megatron.training import checkpoint_saver
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpointing import TRACKER, checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import save as checkpoint_saver
+from megatron.training.checkpoint.directory import TRACKER
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.core.distributed.transient import TransientBuffer
 from megatron.core.memory.estimator import estimate_memory
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.memory_check import layout_from_run
 from megatron.training.training import Trainer
 from tests.cli import TINY_LLAMA, torchrun_matching_one_rank

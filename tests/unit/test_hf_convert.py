@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint
 from megatron.training.training import Trainer
 from tests.distributed import run_distributed
 from tools.checkpoint.convert import main as convert

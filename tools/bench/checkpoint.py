@@ -45,15 +45,13 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core.checkpointing import verify_files  # noqa: E402
 from megatron.core.transformer.model_fields import model_record  # noqa: E402
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
-from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
-from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
-from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
-from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
+from megatron.training.checkpoint import (  # noqa: E402
+    CheckpointSaver,
     checkpoint_to_load,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint  # noqa: E402
 from megatron.training.training import Trainer  # noqa: E402
 
 FLAGS = [
@@ -137,12 +135,12 @@ def measure(rank: int, root: str, repeat: int) -> dict:
 
         times["torch_load"].append(_timed(torch_load))
         times["td_save"].append(_timed(lambda: save_megatron_checkpoint(megatron, 1, trainer)))
-        megatron_info = any_checkpoint_to_load(megatron_run)  # checks the file lengths
+        megatron_info = checkpoint_to_load(megatron_run)  # checks the file lengths
         times["td_load"].append(
             _timed(
                 lambda: (
-                    any_checkpoint_to_load(megatron_run),
-                    any_load_checkpoint(megatron_info, trainer, megatron_run.checkpoint),
+                    checkpoint_to_load(megatron_run),
+                    load_checkpoint(megatron_info, trainer, megatron_run.checkpoint),
                 )
             )
         )

@@ -1,160 +1,40 @@
-"""Save and load training checkpoints in Megatron's directory layout.
+"""Our checkpoint format (`--ckpt-format canonical`): the training state in its canonical form.
 
-    <save>/iter_0000100/           one checkpoint: DCP files (`__<rank>_0.distcp`, `.metadata`)
-                                   and metadata.json (format, iteration, model shape, files' sizes and digests)
-    <save>/latest_checkpointed_iteration.txt    the iteration to resume from, written last
+    <save>/iter_0000100/    DCP files (`__<rank>_0.distcp`, `.metadata`) and metadata.json
+                            (format, iteration, model shape, data position, files' sizes and digests)
 
-The model is stored in its canonical, layout-independent form
-(`megatron.core.checkpointing`), so any parallel layout loads it. All ranks write
-into `iter_NNNNNNN.tmp`; once every rank has finished, rank 0 records the files'
-digests, renames the directory and only then updates the tracker file, so a crash
-during a save leaves the previous checkpoint (and the tracker naming it) intact.
-A load first checks the metadata against the model flags, then every file's size
-and digest (ranks share the work), and refuses with one line naming the path.
-
-Optimizer state is canonical too (per parameter: Adam moments and, for bf16/fp16
-weights, fp32 master weights, at the parameter's global shape), so it reshards like
-the model; the step count, loss scaler and consumed samples are in metadata.json.
-RNG states (torch's generators per rank, each model chunk's dropout streams) are
-bound to the parallel layout: they are loaded only into the layout that saved them.
-Same layout, same flags: the resumed run repeats the uninterrupted one bit for bit.
+The pieces (state.py) are layout-independent, so any parallel layout loads them. All ranks
+write into the staging directory (directory.py); once every rank has finished, rank 0 records
+the files' digests, renames the directory and only then updates the tracker. A load first
+checks the metadata against the model flags, then every file's size and digest (ranks share
+the work), and refuses with one line naming the path. Same layout, same flags: the resumed run
+repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import shutil
-from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from megatron.core.checkpointing import (
-    MOMENTS,
-    RECORD,
-    CheckpointError,
-    TensorPiece,
-    digest_files,
-    model_pieces,
-    optimizer_state_pieces,
-    read_pieces,
-    saved_tensors,
-    state_name,
-    verify_files,
-    write_pieces,
-)
+from megatron.core.checkpointing import CheckpointError, TensorPiece, digest_files, write_pieces
 from megatron.core.transformer.model_fields import CONTEXT, differences, model_record
+from megatron.training.checkpoint.directory import (
+    METADATA,
+    TRACKER,
+    CheckpointInfo,
+    barrier,
+    global_rank,
+    iteration_dir,
+    prepare_staging,
+    read_json,
+    read_text,
+    replace_checkpoint,
+    write_text,
+)
 
 FORMAT = "torch_dist"
 FORMAT_VERSION = 1
-TRACKER = "latest_checkpointed_iteration.txt"
-METADATA = RECORD  # metadata.json: format, model record, data position, the other files' digests
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def layout_of(trainer) -> dict:
-    dims = trainer.mesh.dims
-    return {
-        "tp": dims.tp,
-        "cp": dims.cp,
-        "dp": dims.dp,
-        "pp": dims.pp,
-        "virtual_stages": trainer.run.parallel.virtual_stages,
-    }
-
-
-SAVED_MASTER = functools.partial(state_name, "master")  # bf16/fp16 weights: their fp32 copies
-MODEL_AS_MASTER = str  # fp32 weights saved: the model tensor itself is the master
-
-
-def optimizer_pieces(trainer, *, tied_copies: bool, master=None) -> list[TensorPiece]:
-    """The optimizer's per-parameter state as canonical pieces (see
-    megatron.core.checkpointing.optimizer_state), written beside the model and filled in place on
-    load. `master`: the checkpoint name of a parameter's master weights (None: left out)."""
-    sources = {key: functools.partial(state_name, key) for key in MOMENTS}
-    if master is not None:
-        sources["master"] = master
-    return optimizer_state_pieces(
-        trainer.optimizer.state_dict_by_name(), dict(_named_parameters(trainer)), sources, tied_copies=tied_copies
-    )
-
-
-def _low_precision(trainer) -> bool:
-    """Whether the weights are bf16/fp16, so that their fp32 master weights are a separate state."""
-    return trainer.run.model.params_dtype != torch.float32
-
-
-# ---- RNG ---------------------------------------------------------------------------------------------
-
-
-def _rng_states(trainer) -> dict[str, torch.Tensor]:
-    """Name -> state of torch's generators on this rank and of each model chunk's dropout streams
-    (named by global stage, cp and tp rank: equal on dp replicas, which DCP writes once)."""
-    mesh, rank = trainer.mesh, dist.get_rank()
-    states = {f"rng.torch.rank_{rank:05d}": torch.get_rng_state()}
-    if trainer.device.type == "cuda":
-        states[f"rng.cuda.rank_{rank:05d}"] = torch.cuda.get_rng_state(trainer.device)
-    for c, chunk in enumerate(trainer.chunks):
-        stage = c * mesh.pp_size + mesh.pp_rank
-        for tensor_parallel, state in chunk.module.decoder.rng_tracker.get_state().items():
-            stream = "tensor_parallel" if tensor_parallel else "replicated"
-            states[f"rng.dropout.stage_{stage}.cp_{mesh.cp_rank}.tp_{mesh.tp_rank}.{stream}"] = state
-    return states
-
-
-def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
-    rank = dist.get_rank()
-    torch.set_rng_state(states[f"rng.torch.rank_{rank:05d}"])
-    if trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(states[f"rng.cuda.rank_{rank:05d}"], trainer.device)
-    mesh = trainer.mesh
-    for c, chunk in enumerate(trainer.chunks):
-        prefix = f"rng.dropout.stage_{c * mesh.pp_size + mesh.pp_rank}.cp_{mesh.cp_rank}.tp_{mesh.tp_rank}"
-        chunk.module.decoder.rng_tracker.set_state(
-            {False: states[f"{prefix}.replicated"], True: states[f"{prefix}.tensor_parallel"]}
-        )
-
-
-# ---- save --------------------------------------------------------------------------------------------
-
-
-def _named_parameters(trainer):
-    for chunk in trainer.chunks:
-        yield from chunk.module.named_parameters()
-
-
-def write_text(path: str, text: str) -> None:
-    """Write through a temporary name and rename: readers see the old or the new file, never a part."""
-    with open(path + ".tmp", "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def prepare_staging(root: str, iteration: int) -> str:
-    """The empty temporary directory a save of `iteration` writes into (a collective)."""
-    staging = iteration_dir(root, iteration) + ".tmp"
-    if global_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
-    _barrier()
-    return staging
 
 
 def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict) -> str:
@@ -173,17 +53,8 @@ def publish_checkpoint(root: str, iteration: int, digests: dict, metadata: dict)
         }
         write_text(os.path.join(staging, METADATA), json.dumps(record, indent=1))
         replace_checkpoint(staging, final, root, iteration)
-    _barrier()
+    barrier()
     return final
-
-
-def replace_checkpoint(staging: str, final: str, root: str, iteration: int) -> None:
-    """Rename the finished staging directory to `final` (replacing an earlier save of the same
-    iteration), then point the tracker at it (rank 0 only)."""
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    write_text(os.path.join(root, TRACKER), str(iteration))
 
 
 def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], metadata: dict) -> str:
@@ -195,54 +66,7 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     return publish_checkpoint(root, iteration, digest_files(staging, files), metadata)
 
 
-def checkpoint_contents(
-    trainer, iteration: int, rng: bool = True, log_window: dict | None = None
-) -> tuple[list[TensorPiece], dict]:
-    """(this rank's pieces: model, optimizer state and, with `rng`, RNG states; the metadata) of a
-    save after `iteration`, with the log's open averaging window when given. The pieces are views
-    of the live tensors."""
-    trainer.optimizer.finish_param_sync()  # --overlap-param-gather: the weights must be whole
-    master = SAVED_MASTER if _low_precision(trainer) else None  # fp32 weights are their own master
-    pieces = (
-        model_pieces(_named_parameters(trainer), tied_copies=False)
-        + optimizer_pieces(trainer, tied_copies=False, master=master)
-        + ([TensorPiece.whole(name, state) for name, state in _rng_states(trainer).items()] if rng else [])
-    )
-    metadata = {
-        "consumed_samples": consumed_samples(trainer.run, iteration),
-        "update_samples": trainer.run.training.batch_schedule.update_samples(trainer.optimizer.adam.step_count),
-        "model": model_record(trainer.run.model),
-        "layout": layout_of(trainer),
-        "optimizer": {**trainer.optimizer.scalar_state(), "master_weights": master is not None},
-        "contents": ["model", "optimizer"] + (["rng"] if rng else []),
-    }
-    if log_window is not None:
-        metadata["log_window"] = log_window
-    return pieces, metadata
-
-
-def save_checkpoint(root: str, iteration: int, trainer, log_window: dict | None = None) -> str:
-    """Save model, optimizer state, RNG states and the data position after `iteration` (and the
-    log's open window) as `<root>/iter_NNNNNNN` (a collective: every rank writes its own pieces).
-    Returns the directory."""
-    return commit_checkpoint(root, iteration, *checkpoint_contents(trainer, iteration, log_window=log_window))
-
-
-def consumed_samples(run, iteration: int) -> int:
-    """Samples consumed by iterations 1..iteration (with a growing batch size, not iteration x G)."""
-    return run.training.batch_schedule.consumed_before(iteration + 1)
-
-
-# ---- load --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    directory: str
-    iteration: int
-    metadata: dict
-    notes: tuple[str, ...] = ()  # lines for the log once loaded
-    format: str = "ours"  # or "torch_dist": Megatron-LM's (see checkpoint_formats.py)
+# ---- finding and checking a checkpoint to load ---------------------------------------------------------
 
 
 # Files that make a directory look like a saved model in some format (never ignored by --load)
@@ -289,7 +113,7 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
                 "--save (the parent of iter_*), or move these files away to start fresh"
             )
         return None
-    text = open(tracker).read().strip()
+    text = read_text(tracker)
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
     directory = iteration_dir(root, int(text))
@@ -297,7 +121,7 @@ def find_checkpoint(root: str) -> CheckpointInfo | None:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing (the checkpoint {TRACKER} names is absent or partial)")
     try:
-        metadata = json.load(open(path))
+        metadata = read_json(path)
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if "sharded_backend" in metadata:
@@ -338,114 +162,3 @@ def check_compatible(info: CheckpointInfo, model_config, config) -> CheckpointIn
             "to start the optimizer fresh"
         )
     return dataclasses.replace(info, notes=info.notes + tuple(notes))
-
-
-def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
-    """The data order is a function of the samples consumed. When the flags' batch sizes reach another
-    count at the checkpoint's iteration (--global-batch-size or its ramp-up changed), the run continues
-    from the saved count, as Megatron does: the batch schedule restarts there, and the learning-rate
-    clock from its saved value (from 0 when the optimizer state is not loaded, as Megatron's scheduler)."""
-    saved, expected = info.metadata["consumed_samples"], consumed_samples(run, info.iteration)
-    if saved == expected:
-        return info
-    fresh = run.checkpoint.no_load_optim
-    updates = 0 if fresh else info.metadata["optimizer"]["step"]
-    clock = 0 if fresh else info.metadata.get("update_samples", saved)  # absent: written before batch changes
-    run.training.batch_schedule.resume_at(info.iteration, saved, updates, clock)
-    note = (
-        f"> {info.directory}: {saved} samples consumed by iteration {info.iteration} (the flags' batch sizes "
-        f"would give {expected}); continuing from sample {saved} at global batch size "
-        f"{run.training.batch_schedule.at(saved)}"
-    )
-    return dataclasses.replace(info, notes=info.notes + (note,))
-
-
-def checkpoint_to_load(run) -> CheckpointInfo | None:
-    """The checkpoint --load names, checked against the flags before any process group exists (and
-    before the datasets are sized: the run's batch schedule continues from the saved sample count);
-    None without --load or when it holds no checkpoint yet (a fresh start, noted in `run.notes`)."""
-    load = run.checkpoint.load
-    if load is None:
-        return None
-    info = find_checkpoint(load)
-    if info is None:
-        state = "does not exist yet" if not os.path.isdir(load) else f"holds no {TRACKER}"
-        run.notes.append(f"> note: --load {load} {state}: no checkpoint found, training starts from scratch")
-        return None
-    info = check_compatible(info, run.model, run.checkpoint)
-    if not run.checkpoint.finetune:
-        info = continue_data_position(info, run)
-    return info
-
-
-def _as_stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
-    return pieces
-
-
-def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
-    """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
-    saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
-    saved = info.metadata["optimizer"]
-    separate = not all(shard.aliased for shard in trainer.optimizer.shards)  # low precision or offloaded
-    if saved["master_weights"]:
-        master = SAVED_MASTER
-    else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
-        master = MODEL_AS_MASTER if separate else None
-    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
-    trainer.optimizer.load_scalar_state(saved)
-
-
-def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]) -> None:
-    """A model tensor of the checkpoint that no rank's model reads (a flag that adds tensors left out,
-    e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
-    wanted = {piece.name for piece in pieces}
-    if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, wanted)
-        wanted = set().union(*gathered)
-    unused = sorted(
-        name
-        for name in saved_tensors(info.directory)
-        if not name.startswith(("optimizer.", "rng.")) and name not in wanted
-    )
-    if unused:
-        raise CheckpointError(
-            f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
-            f"model, e.g. {unused[0]} (a flag that adds tensors is missing)"
-        )
-
-
-def load_checkpoint(info: CheckpointInfo, trainer, config, stored=_as_stored) -> tuple[int, list[str]]:
-    """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
-    from, lines for the log). Our files are verified against their digests, and every saved model
-    tensor is matched to a parameter, before anything is read. `stored`: our pieces -> the pieces as
-    the checkpoint stores them (another format's names)."""
-    if info.format == "ours":
-        verify_files(info.directory, info.metadata["files"])
-    trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
-    pieces = stored(model_pieces(_named_parameters(trainer), tied_copies=True))
-    _refuse_unused_model_tensors(info, pieces)
-    read_pieces(pieces, info.directory)
-    for chunk in trainer.chunks:
-        chunk.params_written()
-    notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
-    if config.finetune or config.no_load_optim:
-        trainer.optimizer.reload_master_weights()
-        notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
-    else:
-        _load_optimizer(info, trainer, stored)
-    if config.finetune:
-        return 0, notes + ["> --finetune: model only; starting at iteration 0"]
-    if config.no_load_rng:
-        notes.append("> --no-load-rng: RNG states not loaded")
-    elif "rng" not in info.metadata["contents"]:
-        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
-    elif info.metadata["layout"] != layout_of(trainer):
-        notes.append(
-            f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
-        )
-    else:
-        states = _rng_states(trainer)
-        read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)
-        _set_rng_states(trainer, states)
-    return info.iteration, notes
