@@ -275,7 +275,9 @@ def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
         open(tmp_path / "iter_0000005" / "metadata.json", "w"),
     )
-    assert "a Megatron-LM torch_dist checkpoint" in _refusal(str(tmp_path), [])
+    with pytest.raises(CheckpointError) as error:  # our format's reader; --load reads it as Megatron-LM's
+        canonical.find_checkpoint(str(tmp_path))
+    assert "a Megatron-LM torch_dist checkpoint" in str(error.value)
 
 
 def _signal_control(rank: int, root: str) -> tuple:
