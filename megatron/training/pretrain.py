@@ -1,4 +1,5 @@
-"""Entry point shared by pretrain_gpt.py and pretrain_llama.py."""
+"""Entry point shared by pretrain_gpt.py and pretrain_llama.py, and the training loop (`train`) it runs:
+iterations of the Trainer with logging, profiling, saves, validation and the exit conditions."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from megatron.training.memory_check import check_memory
 from megatron.training.offload_run import check_offload_budget
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_control import RunControl
-from megatron.training.training import Trainer, timed_step
+from megatron.training.trainer import Trainer, timed_step
 
 
 def _precision(run) -> str:

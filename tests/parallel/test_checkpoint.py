@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError
-from megatron.core.tensor_parallel.sharding import initialize_
+from megatron.core.tensor_parallel.initialization import initialize_
 from megatron.training.arguments.checkpoint import CheckpointConfig
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import canonical, checkpoint_to_load, load_checkpoint, save_checkpoint, state
 from megatron.training.run_control import RunControl
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
 

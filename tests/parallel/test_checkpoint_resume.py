@@ -25,7 +25,7 @@ from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.checkpoint import save as checkpoint_saver
 from megatron.training.checkpoint.directory import TRACKER
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags
 

@@ -15,7 +15,7 @@ from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, OURS, detect_checkpoint_format
 from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params

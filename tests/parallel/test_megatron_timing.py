@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
 

@@ -36,7 +36,7 @@ from megatron.core.memory.estimator import estimate_memory
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.memory_check import layout_from_run
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.cli import TINY_LLAMA, torchrun_matching_one_rank
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, model_flags, train

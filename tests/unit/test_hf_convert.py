@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tools.checkpoint.convert import main as convert
 

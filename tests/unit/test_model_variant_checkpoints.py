@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors
-from megatron.core.tensor_parallel.sharding import initialize_
+from megatron.core.tensor_parallel.initialization import initialize_
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tools.checkpoint.convert import main as convert
 

@@ -52,7 +52,7 @@ from megatron.training.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint  # noqa: E402
-from megatron.training.training import Trainer  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 FLAGS = [
     "--num-layers",

@@ -46,7 +46,7 @@ from megatron.core.memory.estimator import estimate_memory  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
-from megatron.training.training import Trainer  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 DP = 2
 FLAGS = [
