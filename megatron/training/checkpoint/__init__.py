@@ -8,7 +8,9 @@
 Formats: ours (canonical.py: layout-independent pieces with file digests, RNG states and the data
 position) and Megatron-LM's torch_dist (torch_dist.py, its recorded `args` in torch_dist_args.py).
 Both share Megatron's directory layout (directory.py) and the trainer's state as pieces (state.py).
-The converters (tools/checkpoint/) use the formats directly.
+Hugging Face models (hugging_face.py: Llama and GPT-2 tensors <-> ours; hugging_face_files.py:
+safetensors directories) are model-only: tools/checkpoint/convert.py converts them to and from
+ours, as it converts between ours and torch_dist with the format modules directly.
 """
 
 from megatron.training.checkpoint.directory import CheckpointInfo

@@ -24,7 +24,8 @@ class SafetensorsReader:
     def __init__(self, directory: str):
         index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
-            files = json.load(open(index))["weight_map"]
+            with open(index) as handle:
+                files = json.load(handle)["weight_map"]
         elif os.path.isfile(os.path.join(directory, SINGLE)):
             files = None
         else:
@@ -32,7 +33,7 @@ class SafetensorsReader:
         self.directory = directory
         self.handles = {}
         if files is None:
-            files = {name: SINGLE for name in self._open(SINGLE).keys()}
+            files = dict.fromkeys(self._open(SINGLE).keys(), SINGLE)
         self.files = files
 
     def _open(self, file: str):
