@@ -380,7 +380,7 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
         print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
     print(HEADER)
-    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+    for rank, candidate in enumerate(candidates, start=1):
         print(_row(rank, candidate, device_bytes))
     for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
         if args.explain:

@@ -180,11 +180,11 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
     assert run_distributed(1, _bf16_master_weights, root)[0], "bf16 master weights must follow the loaded model"
 
     run_distributed(2, _crash_during_save, root)  # the tracker still names iteration 2, which loads
-    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert Path(root, "latest_checkpointed_iteration.txt").read_text() == "2"
     assert os.path.isdir(os.path.join(root, "iter_0000003.tmp"))
     assert run_distributed(2, _load_error, root, [])[0] is None
     run_distributed(2, _crash_at_rename, root)  # the tracker is written only after the rename
-    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert Path(root, "latest_checkpointed_iteration.txt").read_text() == "2"
     assert run_distributed(2, _load_error, root, [])[0] is None
 
     assert "--hidden-size 64, the flags give 32" in _error(root, ["--hidden-size", "32", "--num-attention-heads", "4"])
@@ -211,9 +211,9 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
         handle.write("1")
     assert run_distributed(2, _load_error, root, [])[0] is None
     metadata = os.path.join(root, "iter_0000001", "metadata.json")
-    record = json.load(open(metadata))
+    record = json.loads(Path(metadata).read_text())
     record["contents"].remove("optimizer")  # as a converted model
-    json.dump(record, open(metadata, "w"))
+    Path(metadata).write_text(json.dumps(record))
     assert "holds no optimizer state; pass --no-load-optim" in _refusal(root, [])
 
 
@@ -271,9 +271,8 @@ def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
     assert _refusal(str(file), []) == f"--load {file}: is a file; pass the directory given to --save"
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     os.makedirs(tmp_path / "iter_0000005")
-    json.dump(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
-        open(tmp_path / "iter_0000005" / "metadata.json", "w"),
+    (tmp_path / "iter_0000005" / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
     )
     with pytest.raises(CheckpointError) as error:  # our format's reader; --load reads it as Megatron-LM's
         canonical.find_checkpoint(str(tmp_path))
@@ -337,7 +336,7 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert f"> saving {ckpt}/iter_0000004.tmp in the background" in resumed.stdout
     assert f"> saved {ckpt}/iter_0000004 (written in the background)" in resumed.stdout
     assert "iteration        4/       4" in resumed.stdout and "iteration        3/" not in resumed.stdout
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
+    assert Path(ckpt, "latest_checkpointed_iteration.txt").read_text() == "4"
     refused = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--num-layers", "4")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [

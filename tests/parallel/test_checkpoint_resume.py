@@ -152,7 +152,7 @@ def test_optimizer_state_reshards_into_any_layout(tmp_path):
                 reference,
                 rtol=1e-5,
                 atol=1e-5,
-                msg=lambda m: f"{layout}: {m}",
+                msg=lambda m, layout=layout: f"{layout}: {m}",
             )
 
 
@@ -248,7 +248,8 @@ def _async_saves(rank: int, root: str) -> dict:
         checkpoint_saver.write_pieces = write_pieces
     finalized = _tracker(root)
     directory = os.path.join(root, "iter_0000003")
-    recorded = sorted(json.load(open(os.path.join(directory, "metadata.json")))["files"])
+    with open(os.path.join(directory, "metadata.json")) as handle:
+        recorded = sorted(json.load(handle)["files"])
     on_disk = sorted(set(os.listdir(directory)) - {"metadata.json"})
     resumed = _resumed(model, flags, root)
     saver.save(5)  # a crash before finalizing: the writer finishes, nothing finalizes the save

@@ -135,7 +135,8 @@ ERRORS = [
     (
         ["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
         1,
-        "the decay (10 samples, --lr-decay-iters/-samples, default the training length) must exceed the warm-up (10 samples)",
+        "the decay (10 samples, --lr-decay-iters/-samples, default the training length) "
+        "must exceed the warm-up (10 samples)",
     ),
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
     (["--recompute-method", "block"], 1, "--recompute-method only applies with --recompute-granularity full"),
@@ -197,7 +198,8 @@ def test_error_message(extra, world, message):
 def test_gqa_tensor_parallel_must_divide_groups():
     with pytest.raises(
         ValueError,
-        match=r"--num-query-groups \(2\) is not divisible by --tensor-model-parallel-size \(4\) \(each tp rank holds whole key/value groups",
+        match=r"--num-query-groups \(2\) is not divisible by --tensor-model-parallel-size \(4\) "
+        r"\(each tp rank holds whole key/value groups",
     ):
         parse(
             [

@@ -154,12 +154,13 @@ def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path,
     torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=0)
     assert abs(loss - hf_loss) < 1e-5, (loss, hf_loss)
     losses = [r[0] for r in run_distributed(4, _evaluate, script, flags)]
-    assert all(abs(l - hf_loss) < 1e-5 for l in losses), (losses, hf_loss)
+    assert all(abs(loss - hf_loss) < 1e-5 for loss in losses), (losses, hf_loss)
 
     back = str(tmp_path / f"{family}_back")
     assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
     original = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    index = json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"]
+    with open(os.path.join(back, "model.safetensors.index.json")) as handle:
+        index = json.load(handle)["weight_map"]
     restored = {}
     for file in set(index.values()):
         restored.update(safetensors_torch.load_file(os.path.join(back, file)))
@@ -211,9 +212,11 @@ def test_bad_conversion_inputs_are_one_line_errors(tmp_path, capsys):
         == 2
     )
     assert "--num-layers (2)" in capsys.readouterr().err
-    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    with open(os.path.join(hf_dir, "config.json")) as handle:
+        config = json.load(handle)
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
-    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
+    with open(os.path.join(hf_dir, "config.json"), "w") as handle:
+        json.dump(config, handle)
     assert (
         convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")])
         == 2

@@ -3,20 +3,20 @@
 
     python tools/bench/checkpoint.py [--repeat 2] [--dir /tmp]
 
-A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of
-state) on 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours:
-`save_checkpoint` (every rank writes its canonical pieces through torch.distributed.checkpoint,
-then SHA-256 of every file, metadata, rename) and `load_checkpoint` (verify every file, then
-read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
-optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
-fsynced as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
+A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of state) on
+1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours: `save_checkpoint` (every
+rank writes its canonical pieces through torch.distributed.checkpoint, then SHA-256 of every file,
+metadata, rename) and `load_checkpoint` (verify every file, then read model and optimizer state; the
+SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
+optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout), fsynced
+as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
 `--ckpt-format torch_dist`'s save (no digests: Megatron-LM records none) and our load of it (file
 lengths checked against `.metadata`, then read). megatron-core 0.16.1 (its own environment,
 tests/mcore_oracle/driver.py, skipped when it cannot be installed): the same model built as its
 GPTModel on the same ranks, after one AdamW step, `dist_checkpointing.save` of model + optimizer +
-common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the
-model's and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`;
-loads read from the page cache (the files were just written).
+common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the model's
+and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`; loads read from
+the page cache (the files were just written).
 
 Then the training loop's blocked time: `--loop-iterations` iterations of the same model on
 `--loop-ranks` ranks, saving every `--loop-interval` through `CheckpointSaver` as pretrain does
@@ -125,8 +125,8 @@ def measure(rank: int, root: str, repeat: int) -> dict:
     for _ in range(repeat):
         times["save"].append(_timed(lambda: save_checkpoint(ours, 1, trainer)))
         info = checkpoint_to_load(run)
-        times["load"].append(_timed(lambda: load_checkpoint(info, trainer, run.checkpoint)))
-        times["verify"].append(_timed(lambda: verify_files(info.directory, info.metadata["files"])))
+        times["load"].append(_timed(lambda info=info: load_checkpoint(info, trainer, run.checkpoint)))
+        times["verify"].append(_timed(lambda info=info: verify_files(info.directory, info.metadata["files"])))
         times["torch_save"].append(_timed(lambda: _durable_torch_save(state, own)))
 
         def torch_load():
@@ -138,7 +138,7 @@ def measure(rank: int, root: str, repeat: int) -> dict:
         megatron_info = checkpoint_to_load(megatron_run)  # checks the file lengths
         times["td_load"].append(
             _timed(
-                lambda: (
+                lambda megatron_info=megatron_info: (
                     checkpoint_to_load(megatron_run),
                     load_checkpoint(megatron_info, trainer, megatron_run.checkpoint),
                 )

@@ -205,7 +205,8 @@ def main() -> int:
             print(
                 f"| {dp} | {name} | {r['step'] * 1e3:.1f} | {r['step'] / base[name.split(',')[0][-4:]]:.2f} | "
                 f"{r['state']:,} | {r['state'] / r['params']:.3f} ({full / shards:.3f}) | {r['kept']:,} | "
-                f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} | {_gathers(r, args.iters)} |"
+                f"{sent_bytes(r['counts'], dp) / 2**20:.2f} MiB ({kinds}) | {r['wait'] * 1e3:.1f} | "
+                f"{_gathers(r, args.iters)} |"
             )
     return 0
 

@@ -94,7 +94,8 @@ def main() -> int:
                 e = ring_bytes(expected) if kind == "ring total" else expected.get(kind, 0)
                 exact &= c == e
                 print(
-                    f"{tp:>3} {'yes' if sp else 'no':>3} {kind:>15} {c:>14,} {e:>15,} {c / e if e else float('nan'):>7.3f}"
+                    f"{tp:>3} {'yes' if sp else 'no':>3} {kind:>15} {c:>14,} {e:>15,} "
+                    f"{c / e if e else float('nan'):>7.3f}"
                 )
     print("counted volume equals the analytic volume" if exact else "MISMATCH between counted and analytic volume")
     return 0 if exact else 1

@@ -123,7 +123,8 @@ def _lazy_piece(rule, reader: SafetensorsReader, progress) -> TensorPiece:
 
 def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
     """Convert; returns the pretrain command line for the result."""
-    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    with open(os.path.join(load_dir, "config.json")) as handle:
+        cfg = json.load(handle)
     family = family_of(cfg)
     args = family.model_args(cfg)
     config = model_config(args, tp)
@@ -217,7 +218,8 @@ def torch_dist_source(load_dir: str) -> Source:
 
 def hf_source(load_dir: str) -> Source:
     """A Hugging Face model under our canonical names (each tensor converted when read)."""
-    cfg = json.load(open(os.path.join(load_dir, "config.json")))
+    with open(os.path.join(load_dir, "config.json")) as handle:
+        cfg = json.load(handle)
     family = family_of(cfg)
     args = family.model_args(cfg)
     reader = SafetensorsReader(load_dir)
