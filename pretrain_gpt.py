@@ -5,7 +5,7 @@ torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 2 --hidden-size 64 ... 
 
 import sys
 
-from megatron.training.arguments import GPT_DEFAULTS
+from megatron.training.arguments.parser import GPT_DEFAULTS
 from megatron.training.pretrain import main
 
 if __name__ == "__main__":

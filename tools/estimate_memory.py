@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
-from megatron.training.arguments import GPT_DEFAULTS, build_parser  # noqa: E402
+from megatron.training.arguments.parser import GPT_DEFAULTS, build_parser  # noqa: E402
 from megatron.training.memory_check import (  # noqa: E402
     allowance_warning,
     device_memory_bytes,

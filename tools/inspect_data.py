@@ -22,8 +22,8 @@ if ROOT not in sys.path:
 
 from megatron.data.builder import build_datasets  # noqa: E402
 from megatron.data.tokenizers import build_tokenizer  # noqa: E402
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
-from megatron.training.data_args import add_data_arguments, data_config_from_args  # noqa: E402
+from megatron.training.arguments.data import add_data_arguments, data_config_from_args  # noqa: E402
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 
 
 def parse_range(text: str) -> range:

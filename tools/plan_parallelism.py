@@ -71,7 +71,7 @@ from megatron.core.memory.planner import (  # noqa: E402
     plan_sharded,
 )
 from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
-from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
+from megatron.training.arguments.parser import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.memory_check import (  # noqa: E402
     GIB,
     device_memory_bytes,

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 1 << 14

@@ -11,16 +11,16 @@ from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
 from megatron.core.transformer.config import TransformerConfig
 from megatron.data.config import DataConfig
-from megatron.training.batch_schedule import BatchSizeSchedule
-from megatron.training.checkpoint_args import CheckpointConfig
-from megatron.training.eval_args import EvalConfig
-from megatron.training.logging_args import LoggingConfig
-from megatron.training.parallel_args import (
+from megatron.training.arguments.checkpoint import CheckpointConfig
+from megatron.training.arguments.evaluation import EvalConfig
+from megatron.training.arguments.logging import LoggingConfig
+from megatron.training.arguments.parallel import (
     rank_order_from_args,
     reshard_after_forward_from_args,
     sharding_strategy_from_args,
     unsharded_grad_accumulation_from_args,
 )
+from megatron.training.batch_schedule import BatchSizeSchedule
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
 from megatron.core.memory.hardware import DEVICES
 from megatron.core.memory.layout import MemoryLayout
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentError, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, ArgumentError, parse_run_config
 
 GIB = float(1 << 30)
 FAMILIES = {"gpt": GPT_DEFAULTS, "llama": LLAMA_DEFAULTS}

@@ -1,4 +1,5 @@
-"""Entry point shared by pretrain_gpt.py and pretrain_llama.py."""
+"""Entry point shared by pretrain_gpt.py and pretrain_llama.py, and the training loop (`train`) it runs:
+iterations of the Trainer with logging, profiling, saves, validation and the exit conditions."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import AgreedError
-from megatron.training.arguments import parse_run_config
-from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint
-from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error
+from megatron.training.arguments.parser import parse_run_config
+from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint
 from megatron.training.evaluation import Validation
 from megatron.training.heartbeat import Heartbeat
 from megatron.training.initialize import (
@@ -28,7 +28,7 @@ from megatron.training.memory_check import check_memory
 from megatron.training.offload_run import check_offload_budget
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_control import RunControl
-from megatron.training.training import Trainer, timed_step
+from megatron.training.trainer import Trainer, timed_step
 
 
 def _precision(run) -> str:
@@ -193,7 +193,7 @@ def _failure(error: BaseException) -> str:
 
 
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Exit status 0, or 2 with one error line for an expected error (megatron.training.cli_errors)."""
+    """Exit status 0, or 2 with one error line for an expected error (megatron.training.arguments.errors)."""
     rank, world_size, local_rank = launch_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:

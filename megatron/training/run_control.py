@@ -20,7 +20,7 @@ import torch.distributed as dist
 class RunControl:
     def __init__(self, config, save, device, start_time: float | None = None):
         """`config`: CheckpointConfig; `save(iteration)`: saves a checkpoint (a collective; with
-        --async-save it returns once the write has started, see checkpoint_saver);
+        --async-save it returns once the write has started, see checkpoint/save.py);
         `device`: where the exit flags are all-reduced (the backend's device)."""
         self.config, self.save, self.device = config, save, device
         self.start_time = time.monotonic() if start_time is None else start_time

@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.microbatch import Microbatch
 from megatron.core.transformer.model_fields import model_record
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
-from megatron.training.checkpoint_formats import checkpoint_to_load, load_checkpoint, save_megatron_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.schedules import ActionKind
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.trainer import Trainer
 
 BASE = [
     "--num-layers",

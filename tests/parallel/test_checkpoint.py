@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError
-from megatron.core.tensor_parallel.sharding import initialize_
-from megatron.training import checkpointing
-from megatron.training.arguments import parse_run_config
-from megatron.training.checkpoint_args import CheckpointConfig
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.core.tensor_parallel.initialization import initialize_
+from megatron.training.arguments.checkpoint import CheckpointConfig
+from megatron.training.arguments.parser import parse_run_config
+from megatron.training.checkpoint import canonical, checkpoint_to_load, load_checkpoint, save_checkpoint, state
 from megatron.training.run_control import RunControl
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
 
@@ -71,7 +70,7 @@ def _save(rank: int, root: str) -> dict:
         _randomize(trainer)
         trainer.forward_backward(1)  # advance the dropout streams so saved RNG states are not the initial ones
         save_checkpoint(os.path.join(root, model), 3, trainer)
-        rng[model] = checkpointing._rng_states(trainer)
+        rng[model] = state.rng_states(trainer)
     return rng
 
 
@@ -88,7 +87,7 @@ def _load(rank: int, root: str, layout: list[str]) -> dict:
         iteration, _ = load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
         assert iteration == 3
         mismatches += [f"{model} {name}" for name, w in _weights(trainer).items() if not torch.equal(w, expected[name])]
-        rng[model] = checkpointing._rng_states(trainer)
+        rng[model] = state.rng_states(trainer)
     return {"mismatches": mismatches, "rng": rng}
 
 
@@ -124,18 +123,18 @@ def _save_twice(rank: int, root: str) -> None:
 
 def _crash_during_save(rank: int, root: str) -> None:
     trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
-    original = checkpointing.digest_files
+    original = canonical.digest_files
 
     def crash(*args):
         raise RuntimeError("simulated crash")
 
-    checkpointing.digest_files = crash
+    canonical.digest_files = crash
     try:
         save_checkpoint(root, 3, trainer)
     except RuntimeError:
         pass
     finally:
-        checkpointing.digest_files = original
+        canonical.digest_files = original
 
 
 def _crash_at_rename(rank: int, root: str) -> None:
@@ -148,13 +147,13 @@ def _crash_at_rename(rank: int, root: str) -> None:
             raise RuntimeError("simulated crash at the directory rename")
         original(src, dst)
 
-    checkpointing.os.replace = crash
+    canonical.os.replace = crash
     try:
         save_checkpoint(root, 4, trainer)
     except RuntimeError:  # only rank 0 renames: it meets the others at the save's closing barrier
         dist.barrier()
     finally:
-        checkpointing.os.replace = original
+        canonical.os.replace = original
 
 
 def _load_error(rank: int, root: str, extra: list[str]) -> str | None:
@@ -181,11 +180,11 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
     assert run_distributed(1, _bf16_master_weights, root)[0], "bf16 master weights must follow the loaded model"
 
     run_distributed(2, _crash_during_save, root)  # the tracker still names iteration 2, which loads
-    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert Path(root, "latest_checkpointed_iteration.txt").read_text() == "2"
     assert os.path.isdir(os.path.join(root, "iter_0000003.tmp"))
     assert run_distributed(2, _load_error, root, [])[0] is None
     run_distributed(2, _crash_at_rename, root)  # the tracker is written only after the rename
-    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert Path(root, "latest_checkpointed_iteration.txt").read_text() == "2"
     assert run_distributed(2, _load_error, root, [])[0] is None
 
     assert "--hidden-size 64, the flags give 32" in _error(root, ["--hidden-size", "32", "--num-attention-heads", "4"])
@@ -212,9 +211,9 @@ def test_bad_checkpoints_stop_with_one_line_and_the_previous_one_survives(tmp_pa
         handle.write("1")
     assert run_distributed(2, _load_error, root, [])[0] is None
     metadata = os.path.join(root, "iter_0000001", "metadata.json")
-    record = json.load(open(metadata))
+    record = json.loads(Path(metadata).read_text())
     record["contents"].remove("optimizer")  # as a converted model
-    json.dump(record, open(metadata, "w"))
+    Path(metadata).write_text(json.dumps(record))
     assert "holds no optimizer state; pass --no-load-optim" in _refusal(root, [])
 
 
@@ -272,11 +271,12 @@ def test_load_of_a_file_or_a_megatron_tracker_is_refused(tmp_path):
     assert _refusal(str(file), []) == f"--load {file}: is a file; pass the directory given to --save"
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     os.makedirs(tmp_path / "iter_0000005")
-    json.dump(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
-        open(tmp_path / "iter_0000005" / "metadata.json", "w"),
+    (tmp_path / "iter_0000005" / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
     )
-    assert "a Megatron-LM torch_dist checkpoint" in _refusal(str(tmp_path), [])
+    with pytest.raises(CheckpointError) as error:  # our format's reader; --load reads it as Megatron-LM's
+        canonical.find_checkpoint(str(tmp_path))
+    assert "a Megatron-LM torch_dist checkpoint" in str(error.value)
 
 
 def _signal_control(rank: int, root: str) -> tuple:
@@ -336,7 +336,7 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     assert f"> saving {ckpt}/iter_0000004.tmp in the background" in resumed.stdout
     assert f"> saved {ckpt}/iter_0000004 (written in the background)" in resumed.stdout
     assert "iteration        4/       4" in resumed.stdout and "iteration        3/" not in resumed.stdout
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
+    assert Path(ckpt, "latest_checkpointed_iteration.txt").read_text() == "4"
     refused = _pretrain("--train-iters", "4", "--load", ckpt, "--no-load-optim", "--num-layers", "4")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [

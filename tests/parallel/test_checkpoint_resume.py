@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from megatron.core.checkpointing import write_pieces
 from megatron.data.batches import microbatch_indices
-from megatron.training import checkpoint_saver
-from megatron.training.arguments import parse_run_config
-from megatron.training.checkpoint_saver import CheckpointSaver
-from megatron.training.checkpointing import TRACKER, checkpoint_to_load, load_checkpoint, save_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import parse_run_config
+from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import save as checkpoint_saver
+from megatron.training.checkpoint.directory import TRACKER
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags
 
@@ -248,7 +248,8 @@ def _async_saves(rank: int, root: str) -> dict:
         checkpoint_saver.write_pieces = write_pieces
     finalized = _tracker(root)
     directory = os.path.join(root, "iter_0000003")
-    recorded = sorted(json.load(open(os.path.join(directory, "metadata.json")))["files"])
+    with open(os.path.join(directory, "metadata.json")) as handle:
+        recorded = sorted(json.load(handle)["files"])
     on_disk = sorted(set(os.listdir(directory)) - {"metadata.json"})
     resumed = _resumed(model, flags, root)
     saver.save(5)  # a crash before finalizing: the writer finishes, nothing finalizes the save

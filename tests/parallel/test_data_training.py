@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, parse_run_config
 from megatron.training.evaluation import evaluate
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tests.cli import BPE, GPT2_BPE, explain, run_cli
 from tests.distributed import run_distributed
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.initialize import free_port
 from tests.cli import ROOT, TINY_LLAMA
 
@@ -42,7 +42,7 @@ def _start(rank: int, port: int, log) -> subprocess.Popen:
 
 def test_a_frozen_peer_ends_the_waiting_rank_within_the_bound(tmp_path):
     port = free_port()
-    logs = [open(tmp_path / f"rank{r}.log", "w+") for r in range(2)]
+    logs = [open(tmp_path / f"rank{r}.log", "w+") for r in range(2)]  # noqa: SIM115 - closed in the finally block
     ranks = [_start(r, port, logs[r]) for r in range(2)]
     try:
         deadline = time.monotonic() + 120

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import parse_run_config
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import parse_run_config
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, seed_key, train
 

@@ -11,17 +11,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError, TensorPiece, read_pieces, saved_tensors
-from megatron.training.arguments import parse_run_config
-from megatron.training.checkpoint_formats import (
-    MEGATRON,
-    OURS,
-    checkpoint_to_load,
-    detect_checkpoint_format,
-    load_checkpoint,
-    save_megatron_checkpoint,
-)
-from megatron.training.checkpointing import save_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import parse_run_config
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint.directory import MEGATRON, OURS, detect_checkpoint_format
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
+from megatron.training.trainer import Trainer
 from tests.cli import TINY_LLAMA, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params
@@ -178,7 +172,7 @@ def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatc
     import sys
     import types
 
-    from megatron.training.checkpoint_formats import read_common
+    from megatron.training.checkpoint.torch_dist import read_common
 
     module = types.ModuleType("megatron.core.not_ours")
 

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from megatron.core.tensor_parallel.sharding import xavier_bound
+from megatron.core.tensor_parallel.initialization import xavier_bound
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_matches_one_process, train_many
 
@@ -96,7 +96,7 @@ def _trainer_and_eager_weights(rank: int) -> list[tuple[str, bool]]:
     """The trainer initialises each parameter in its buffer (deferred); a model built eagerly and
     initialised by `initialize_parameters` must hold the very same values, whatever the strategy."""
     from megatron.core.models.stages import build_model_chunks
-    from megatron.core.tensor_parallel.sharding import initialize_parameters
+    from megatron.core.tensor_parallel.initialization import initialize_parameters
     from tests.parallel.layouts import build_trainer
 
     out = []

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.models.gpt_model import GPTModel
+from megatron.core.tensor_parallel.initialization import initialize_parameters
 from megatron.core.tensor_parallel.random import RNGTracker
-from megatron.core.tensor_parallel.sharding import initialize_parameters
-from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, parse_run_config
 from megatron.training.datasets import build_run_datasets
 from tests.cli import run_cli
 from tests.distributed import run_distributed

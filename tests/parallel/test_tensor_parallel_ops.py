@@ -12,8 +12,8 @@ from megatron.core.memory.layout import MemoryLayout
 from megatron.core.memory.transients import Dims, split_backward_bytes
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.initialization import initialize_parameters
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
-from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 from tests.distributed import run_distributed

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.schedules import ActionKind
-from megatron.training.arguments import parse_run_config
+from megatron.training.arguments.parser import parse_run_config
 from megatron.training.iteration_log import IterationLog
-from megatron.training.training import Trainer, timed_step
+from megatron.training.trainer import Trainer, timed_step
 from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import model_flags, named_params, train

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

@@ -14,7 +14,7 @@ import pytest
 from megatron.data.builder import build_datasets
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.tokenizers import build_tokenizer
-from megatron.training.data_args import add_data_arguments, data_config_from_args
+from megatron.training.arguments.data import add_data_arguments, data_config_from_args
 from tests.cli import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint
-from megatron.training.training import Trainer
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tools.checkpoint.convert import main as convert
 
@@ -159,7 +159,8 @@ def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path,
     back = str(tmp_path / f"{family}_back")
     assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
     original = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    index = json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"]
+    with open(os.path.join(back, "model.safetensors.index.json")) as handle:
+        index = json.load(handle)["weight_map"]
     restored = {}
     for file in set(index.values()):
         restored.update(safetensors_torch.load_file(os.path.join(back, file)))
@@ -211,9 +212,11 @@ def test_bad_conversion_inputs_are_one_line_errors(tmp_path, capsys):
         == 2
     )
     assert "--num-layers (2)" in capsys.readouterr().err
-    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    with open(os.path.join(hf_dir, "config.json")) as handle:
+        config = json.load(handle)
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0}
-    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
+    with open(os.path.join(hf_dir, "config.json"), "w") as handle:
+        json.dump(config, handle)
     assert (
         convert(["--loader", "hf", "--saver", "canonical", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "y")])
         == 2

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from megatron.core.tensor_parallel import sharding
-from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, initialize_, make_param, use_init_method
+from megatron.core.tensor_parallel import initialization
+from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, initialize_, make_param, use_init_method
 
 TPS = (1, 2, 4, 8)
 
@@ -32,8 +32,8 @@ def local(spec: InitSpec, shard: ShardSpec, seed: int = 7, name: str = "w", dtyp
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 8 x 4 so that small shapes cross many tile boundaries (rows and columns)."""
-    monkeypatch.setattr(sharding, "TILE_COLUMNS", 4)
-    monkeypatch.setattr(sharding, "TILE_ELEMENTS", 32)
+    monkeypatch.setattr(initialization, "TILE_COLUMNS", 4)
+    monkeypatch.setattr(initialization, "TILE_ELEMENTS", 32)
 
 
 def _shapes(seed: int, count: int = 6):
@@ -151,8 +151,8 @@ def test_scratch_is_one_tile(monkeypatch):
         sizes.append(out.numel())
         return out
 
-    monkeypatch.setattr(sharding.torch, "empty", recording_empty)
+    monkeypatch.setattr(initialization.torch, "empty", recording_empty)
     out = make_param((1024, 4096), InitSpec((8192, 4096), shard=ShardSpec(0, 8, 3)), torch.float32, "cpu")
     sizes.clear()
     initialize_(out, out.init_spec, 0, "w")
-    assert sizes == [sharding.TILE_ELEMENTS]
+    assert sizes == [initialization.TILE_ELEMENTS]

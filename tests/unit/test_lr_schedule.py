@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megatron.core.optimizer.lr_schedule import LRSchedule
-from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, parse_run_config
 from megatron.training.batch_schedule import BatchSizeSchedule, parse_step_schedule
 
 TINY = [

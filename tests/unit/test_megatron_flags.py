@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import GPT_DEFAULTS, build_parser, parse_run_config
-from megatron.training.megatron_compat import NO_OP_FLAGS, NO_OP_GROUP, classify
+from megatron.training.arguments.megatron_flags import NO_OP_FLAGS, NO_OP_GROUP, classify
+from megatron.training.arguments.parser import GPT_DEFAULTS, build_parser, parse_run_config
 
 FLAGS_FILE = Path(__file__).resolve().parents[1] / "data" / "megatron_flags.txt"
 TINY = [

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import GPT_DEFAULTS, build_parser, parse_run_config
-from megatron.training.megatron_compat import compatibility_table
+from megatron.training.arguments.megatron_flags import compatibility_table
+from megatron.training.arguments.parser import GPT_DEFAULTS, build_parser, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = ROOT / "data" / "tokenizers" / "gpt2-bpe"

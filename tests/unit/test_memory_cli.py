@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.core.memory import estimate_memory
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.memory_check import (
     GIB,
     check_estimate,

@@ -13,8 +13,8 @@ import pytest
 
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.model_fields import MODEL_FIELDS, RUNTIME_FIELDS
-from megatron.training.arguments import GPT_DEFAULTS, parse_run_config
-from megatron.training.megatron_lm_args import args_mismatch, config_fields, megatron_args
+from megatron.training.arguments.parser import GPT_DEFAULTS, parse_run_config
+from megatron.training.checkpoint.torch_dist_args import args_mismatch, config_fields, megatron_args
 from tests.cli import ROOT
 
 BASE = [

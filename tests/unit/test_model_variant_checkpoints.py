@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors
-from megatron.core.tensor_parallel.sharding import initialize_
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
-from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
-from megatron.training.training import Trainer
+from megatron.core.tensor_parallel.initialization import initialize_
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
+from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tools.checkpoint.convert import main as convert
 
@@ -137,7 +137,8 @@ def test_variant_resume_and_export(variant, tmp_path, capsys):
         assert not os.path.exists(hf_dir)
         return
     assert status == 0, err
-    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    with open(os.path.join(hf_dir, "config.json")) as handle:
+        config = json.load(handle)
     assert config["model_type"] == export and config["dtype"] == "float32"
     torch.testing.assert_close(_hf_logits(hf_dir), ours, atol=1e-5, rtol=0)
 
@@ -167,9 +168,11 @@ def test_a_saved_tensor_is_never_dropped_even_without_a_record(tmp_path):
     root = str(tmp_path / "ckpt")
     run_distributed(1, _save_random_model, "llama", ["--qk-layernorm"], root)
     metadata = os.path.join(root, "iter_0000001", "metadata.json")
-    record = json.load(open(metadata))
+    with open(metadata) as handle:
+        record = json.load(handle)
     del record["model"]["qk_layernorm"]
-    json.dump(record, open(metadata, "w"))
+    with open(metadata, "w") as handle:
+        json.dump(record, handle)
     message = run_distributed(1, _load_without_record, root)[0]
     assert message.startswith(
         f"{root}/iter_0000001: 4 saved model tensors have no place in the flags' model, "

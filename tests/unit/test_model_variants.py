@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.norm import Norm
 from megatron.core.transformer.rotary import apply_rotary, llama3_scaled, rotary_frequencies
-from megatron.training.arguments import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from tests.distributed import run_distributed
 
 TINY = [

@@ -3,21 +3,20 @@
 
     python tools/bench/checkpoint.py [--repeat 2] [--dir /tmp]
 
-A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of
-state) on 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours:
-`save_checkpoint` (every rank writes its canonical pieces through torch.distributed.checkpoint,
-then SHA-256 of every file, metadata, rename) and `load_checkpoint` (verify every file, then
-read model and optimizer state; the SHA-256 check alone is shown as "verify"). Baseline: every rank
-`torch.save`s its own parameters and
-optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout),
-fsynced as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
+A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of state) on
+1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours: `save_checkpoint` (every
+rank writes its canonical pieces through torch.distributed.checkpoint, then SHA-256 of every file,
+metadata, rename) and `load_checkpoint` (verify every file, then read model and optimizer state; the
+SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
+optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout), fsynced
+as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
 `--ckpt-format torch_dist`'s save (no digests: Megatron-LM records none) and our load of it (file
 lengths checked against `.metadata`, then read). megatron-core 0.16.1 (its own environment,
 tests/mcore_oracle/driver.py, skipped when it cannot be installed): the same model built as its
 GPTModel on the same ranks, after one AdamW step, `dist_checkpointing.save` of model + optimizer +
-common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the
-model's and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`;
-loads read from the page cache (the files were just written).
+common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the model's
+and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`; loads read from
+the page cache (the files were just written).
 
 Then the training loop's blocked time: `--loop-iterations` iterations of the same model on
 `--loop-ranks` ranks, saving every `--loop-interval` through `CheckpointSaver` as pretrain does
@@ -45,17 +44,15 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.checkpointing import verify_files  # noqa: E402
 from megatron.core.transformer.model_fields import model_record  # noqa: E402
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
-from megatron.training.checkpoint_formats import checkpoint_to_load as any_checkpoint_to_load  # noqa: E402
-from megatron.training.checkpoint_formats import load_checkpoint as any_load_checkpoint  # noqa: E402
-from megatron.training.checkpoint_formats import save_megatron_checkpoint  # noqa: E402
-from megatron.training.checkpoint_saver import CheckpointSaver  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.checkpoint import (  # noqa: E402
+    CheckpointSaver,
     checkpoint_to_load,
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.training.training import Trainer  # noqa: E402
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 FLAGS = [
     "--num-layers",
@@ -141,8 +138,8 @@ def measure(rank: int, root: str, repeat: int) -> dict:
 
         # the load includes finding the checkpoint (which checks the file lengths), as a resume does
         def megatron_load():
-            info = any_checkpoint_to_load(megatron_run)
-            any_load_checkpoint(info, trainer, megatron_run.checkpoint)
+            info = checkpoint_to_load(megatron_run)
+            load_checkpoint(info, trainer, megatron_run.checkpoint)
 
         times["td_load"].append(_timed(megatron_load))
     dist.barrier()

@@ -34,8 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers  # noqa: E402
 from megatron.core.distributed.param_and_grad_buffer import Bucket  # noqa: E402
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
-from megatron.training.training import Trainer  # noqa: E402
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 FLAGS = [
     "--num-layers",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, initialize_, seed_for  # noqa: E402
+from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, initialize_, seed_for  # noqa: E402
 
 MIB = float(1 << 20)
 LIBC = ctypes.CDLL("libc.so.6")

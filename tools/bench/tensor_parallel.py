@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron.core.tensor_parallel.initialization import initialize_parameters  # noqa: E402
 from megatron.core.tensor_parallel.mappings import COMM_STATS  # noqa: E402
 from megatron.core.tensor_parallel.random import RNGTracker  # noqa: E402
-from megatron.core.tensor_parallel.sharding import initialize_parameters  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.layer import TransformerLayer  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402

@@ -26,11 +26,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.core.models.gpt_model import GPTModel  # noqa: E402
+from megatron.core.tensor_parallel.initialization import initialize_parameters  # noqa: E402
 from megatron.core.tensor_parallel.random import RNGTracker  # noqa: E402
-from megatron.core.tensor_parallel.sharding import initialize_parameters  # noqa: E402
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.initialize import free_port  # noqa: E402
-from megatron.training.training import Trainer  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 
 class BareLoop:

@@ -48,18 +48,17 @@ from megatron.core.checkpointing.megatron_lm import our_tensors, to_megatron  # 
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
-from megatron.training.checkpoint_formats import (  # noqa: E402
+from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
+from megatron.training.checkpoint.canonical import commit_checkpoint, find_checkpoint  # noqa: E402
+from megatron.training.checkpoint.directory import MEGATRON, detect_checkpoint_format  # noqa: E402
+from megatron.training.checkpoint.hugging_face import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
+from megatron.training.checkpoint.hugging_face_files import SafetensorsReader, read_json, write_hf_files  # noqa: E402
+from megatron.training.checkpoint.torch_dist import (  # noqa: E402
     CHECKPOINT_VERSION,
-    MEGATRON,
-    detect_checkpoint_format,
     megatron_checkpoint_info,
     publish_megatron_checkpoint,
 )
-from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
-from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
-from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
-from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
-from tools.checkpoint.hf_io import SafetensorsReader, read_json, write_hf_files  # noqa: E402
+from megatron.training.checkpoint.torch_dist_args import config_fields, megatron_args  # noqa: E402
 
 # HF tensors that carry no weights of their own (buffers, tied copies)
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")

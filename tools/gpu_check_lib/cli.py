@@ -66,7 +66,7 @@ def _run_section(report, name: str, fn) -> None:
 
 
 def main(argv=None) -> int:
-    from megatron.training.cli_errors import report_error
+    from megatron.training.arguments.errors import report_error
 
     try:
         args = parse(sys.argv[1:] if argv is None else argv)

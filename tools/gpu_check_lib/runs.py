@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
+from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.initialize import choose_backend, init_distributed, launch_environment
-from megatron.training.training import Trainer
+from megatron.training.trainer import Trainer
 from tools.gpu_check_lib.report import NA
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.tensor_parallel.sharding import held_ranges
+from megatron.core.tensor_parallel.initialization import held_ranges
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core.distributed.bucket_layout import STRATEGIES, default_bucket_size
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.distributed.param_gather import BucketHooks
-from megatron.core.tensor_parallel.sharding import is_deferred
+from megatron.core.tensor_parallel.initialization import is_deferred
 from megatron.core.tensor_parallel.weight_grads import WeightGradQueue
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, STRATEGIES, BufferLayout
 from megatron.core.distributed.transient import TransientBuffer
-from megatron.core.tensor_parallel.sharding import initialize_, is_deferred
+from megatron.core.tensor_parallel.initialization import initialize_, is_deferred
 
 
 class Bucket:

@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from megatron.core.context_parallel.sharding import positions as cp_positions
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.initialization import InitSpec, make_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.sharding import InitSpec, make_param
 from megatron.core.transformer.attention import document_mask
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.layer import hidden_dropout

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
+from megatron.core.tensor_parallel.initialization import use_init_method
 from megatron.core.tensor_parallel.random import RNGTracker
-from megatron.core.tensor_parallel.sharding import use_init_method
 
 
 def build_model_chunks(

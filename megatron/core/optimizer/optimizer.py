@@ -1,6 +1,6 @@
 """AdamW over fp32 master weights in flat shards, with global-norm clipping and loss scaling.
 
-The optimizer in three parts (see DESIGN.md):
+The optimizer in three parts (see docs/architecture.md):
 1. gradient preparation (`grad_preparation`): unscale and inf check, global norm, clipping;
 2. state and step (`adamw.ShardedAdamW`): AdamW on one flat fp32 shard per bucket;
 3. parameter sync (`param_sync.ParamSync`): copy back in the model dtype, all-gather.

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, make_param
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -18,7 +19,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.sharding import InitSpec, ShardSpec, make_param
 from megatron.core.tensor_parallel.weight_grads import WeightGrad, sequence_input
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.tensor_parallel.sharding import RANDOM_KINDS
+from megatron.core.tensor_parallel.initialization import RANDOM_KINDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.normalization import layer_norm, rms_norm
-from megatron.core.tensor_parallel.sharding import InitSpec, make_param
+from megatron.core.tensor_parallel.initialization import InitSpec, make_param
 
 
 class Norm(torch.nn.Module):

@@ -15,7 +15,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     async_save: bool = False
-    ckpt_format: str = "canonical"  # ours; "torch_dist": Megatron-LM's (see checkpoint_formats.py)
+    ckpt_format: str = "canonical"  # ours; "torch_dist": Megatron-LM's (see checkpoint/torch_dist.py)
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None

@@ -1,4 +1,6 @@
-"""The training loop's saves: synchronous, or written in the background with --async-save.
+"""The one save entry point: `save_checkpoint` writes the run's --ckpt-format (ours, canonical.py, or
+Megatron-LM's torch_dist, torch_dist.py); `CheckpointSaver` makes the training loop's saves with it, or
+in the background with --async-save (ours only).
 
 An asynchronous save blocks training only to copy this rank's pieces (model, optimizer state,
 RNG states) to host memory. A writer thread then writes the copies into `iter_NNNNNNN.tmp`
@@ -22,8 +24,20 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.checkpointing import CheckpointError, digest_share, write_pieces
-from megatron.training.checkpoint_formats import save_megatron_checkpoint
-from megatron.training.checkpointing import checkpoint_contents, prepare_staging, publish_checkpoint, save_checkpoint
+from megatron.training.checkpoint.canonical import commit_checkpoint, publish_checkpoint
+from megatron.training.checkpoint.directory import MEGATRON, prepare_staging
+from megatron.training.checkpoint.state import checkpoint_contents
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
+
+
+def save_checkpoint(root: str, iteration: int, trainer, log_window: dict | None = None) -> str:
+    """Save model, optimizer state, RNG states and the data position after `iteration` (and the
+    log's open window) as `<root>/iter_NNNNNNN` in the run's --ckpt-format (a collective: every rank
+    writes its own pieces). Megatron-LM's format has no place for RNG states or the log window.
+    Returns the directory."""
+    if trainer.run.checkpoint.ckpt_format == MEGATRON:
+        return save_megatron_checkpoint(root, iteration, trainer)
+    return commit_checkpoint(root, iteration, *checkpoint_contents(trainer, iteration, log_window=log_window))
 
 
 def _in_background(fn, *args) -> Future:
@@ -67,10 +81,7 @@ class CheckpointSaver:
     def save(self, iteration: int) -> None:
         window = self.log_window() if self.log_window is not None else None
         if self.group is None:
-            if self.trainer.run.checkpoint.ckpt_format == "torch_dist":  # Megatron-LM's format has no place for it
-                self.emit(f"> saved {save_megatron_checkpoint(self.root, iteration, self.trainer)}")
-            else:
-                self.emit(f"> saved {save_checkpoint(self.root, iteration, self.trainer, window)}")
+            self.emit(f"> saved {save_checkpoint(self.root, iteration, self.trainer, window)}")
             return
         self.finish()  # one save in flight at a time
         pieces, metadata = checkpoint_contents(self.trainer, iteration, log_window=window)

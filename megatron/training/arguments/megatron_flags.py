@@ -1,6 +1,6 @@
 """Megatron-LM flags that are not features here: accepted with a note, or refused by name.
 
-Every flag of Megatron-LM's `arguments.py` is supported (the other `*_args.py` modules), a
+Every flag of Megatron-LM's `arguments.py` is supported (the flag-group modules beside this one), a
 no-op or refused, never "unrecognized" (tests/data/megatron_flags.txt is the list). The line
 between the two kinds here: a flag whose absence changes only speed, logging detail or how
 Megatron's own code is organised is accepted and listed at start-up, never silently; a flag
@@ -32,84 +32,139 @@ class NoOp(NamedTuple):
 _NO_OP = {
     "our GPTModel is the only model implementation": "--use-mcore-models --transformer-impl V",
     "the flash kernel is chosen by --attention-backend": "--use-flash-attn --flash-attention-version V",
-    "there is no TransformerEngine or TorchScript here; the kernels are fixed": "--fused-residual-rmsnorm --use-transformer-engine-op-fuser --use-te-activation-func --no-persist-layer-norm "
-    "--disable-jit-fuser --use-grouped-gemm-for-dense-mlp",
-    "gradients always accumulate into fp32 main_grad buffers": "--accumulate-allreduce-grads-in-fp32 "
-    "--ddp-param-name-patterns-for-fp32-local-accumulation V...",
-    "gradients are reduced in fp32 here (more precise, twice the bytes)": "--grad-reduce-in-bf16 --ddp-reduce-scatter-with-fp32-accumulation",
+    "there is no TransformerEngine or TorchScript here; the kernels are fixed": (
+        "--fused-residual-rmsnorm --use-transformer-engine-op-fuser --use-te-activation-func --no-persist-layer-norm "
+        "--disable-jit-fuser --use-grouped-gemm-for-dense-mlp"
+    ),
+    "gradients always accumulate into fp32 main_grad buffers": (
+        "--accumulate-allreduce-grads-in-fp32 --ddp-param-name-patterns-for-fp32-local-accumulation V..."
+    ),
+    "gradients are reduced in fp32 here (more precise, twice the bytes)": (
+        "--grad-reduce-in-bf16 --ddp-reduce-scatter-with-fp32-accumulation"
+    ),
     "attention's softmax always accumulates in fp32 here": "--attention-softmax-in-fp32",
     "attention scores are fp32 here, where scaling them by 1/layer and back cancels": "--apply-query-key-layer-scaling",
-    "the vocab-parallel cross-entropy is already one pass over the logits": "--cross-entropy-loss-fusion --cross-entropy-fusion-impl V",
+    "the vocab-parallel cross-entropy is already one pass over the logits": (
+        "--cross-entropy-loss-fusion --cross-entropy-fusion-impl V"
+    ),
     "the loss is always the mean over the global batch's unmasked tokens": "--calculate-per-token-loss",
     "no mask is ever built: the kernels apply causality": "--no-create-attention-mask-in-dataloader",
     "the .bin files are always memory-mapped (numpy.memmap)": "--no-mmap-bin-files",
-    "only used by --tokenizer-type TikTokenizer, which is not built here": "--tiktoken-pattern V --tiktoken-num-special-tokens V",
-    "training reads token ids: the tokenizer only gives the vocabulary size and the EOD id": "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --use-gigatoken "
-    "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
-    "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
-    "dataset-building speed options; the indices built are the same": "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V "
-    "--per-dataset-sequences-path V",
+    "only used by --tokenizer-type TikTokenizer, which is not built here": (
+        "--tiktoken-pattern V --tiktoken-num-special-tokens V"
+    ),
+    "training reads token ids: the tokenizer only gives the vocabulary size and the EOD id": (
+        "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --use-gigatoken "
+        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces"
+    ),
+    "dataset-building speed options; the indices built are the same": (
+        "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V "
+        "--per-dataset-sequences-path V"
+    ),
     "object storage (MSC, s3://) is not read here": "--disable-msc --object-storage-cache-path V",
-    "Python's garbage collector is left as it is": "--manual-gc --manual-gc-interval V --no-manual-gc-eval --disable-manual-gc-eval",
+    "Python's garbage collector is left as it is": (
+        "--manual-gc --manual-gc-interval V --no-manual-gc-eval --disable-manual-gc-eval"
+    ),
     "the CUDA cache is not emptied between iterations": "--empty-unused-memory-level V",
-    "no CUDA graphs here": "--enable-cuda-graph --external-cuda-graph --cuda-graph-impl V --cuda-graph-warmup-steps V "
-    "--cuda-graph-scope V... --cuda-graph-modules V... --optimizer-cuda-graph",
+    "no CUDA graphs here": (
+        "--enable-cuda-graph --external-cuda-graph --cuda-graph-impl V --cuda-graph-warmup-steps V --cuda-graph-scope "
+        "V... --cuda-graph-modules V... --optimizer-cuda-graph"
+    ),
     "dropout draws from our own per-rank generator streams": "--te-rng-tracker",
-    "TransformerEngine's userbuffer overlap of tensor-parallel communication is not used": "--tp-comm-overlap --tp-comm-overlap-cfg V --tp-comm-bootstrap-backend V --tp-comm-overlap-rs-dgrad "
-    "--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad "
-    "--no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag --no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs "
-    "--no-tp-comm-split-ag --disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs",
-    "pipeline sends and weight-gradient timing follow our own schedule": "--delay-wgrad-compute --defer-embedding-wgrad-compute --wgrad-deferral-limit V "
-    "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication --use-ring-exchange-p2p "
-    "--pipeline-model-parallel-comm-backend V",
-    "collective tuning (buckets, NCCL options, streams, alignment, host syncs) that leaves the result unchanged": "--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather "
-    "--overlap-param-gather-with-optimizer-step --ddp-pad-buckets-for-high-nccl-busbw --ddp-average-in-collective "
-    "--create-all-gather-group --use-nccl-ub --disable-symmetric-registration --use-sharp --sharp-enabled-group V "
-    "--high-priority-stream-groups V... --nccl-communicator-config-path V --disable-gloo-process-groups "
-    "--train-sync-interval V",
+    "TransformerEngine's userbuffer overlap of tensor-parallel communication is not used": (
+        "--tp-comm-overlap --tp-comm-overlap-cfg V --tp-comm-bootstrap-backend V --tp-comm-overlap-rs-dgrad "
+        "--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad "
+        "--no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag --no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs "
+        "--no-tp-comm-split-ag --disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs"
+    ),
+    "pipeline sends and weight-gradient timing follow our own schedule": (
+        "--delay-wgrad-compute --defer-embedding-wgrad-compute --wgrad-deferral-limit V "
+        "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication --use-ring-exchange-p2p "
+        "--pipeline-model-parallel-comm-backend V"
+    ),
+    "collective tuning (buckets, NCCL options, streams, alignment, host syncs) that leaves the result unchanged": (
+        "--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather "
+        "--overlap-param-gather-with-optimizer-step --ddp-pad-buckets-for-high-nccl-busbw --ddp-average-in-collective "
+        "--create-all-gather-group --use-nccl-ub --disable-symmetric-registration --use-sharp --sharp-enabled-group V "
+        "--high-priority-stream-groups V... --nccl-communicator-config-path V --disable-gloo-process-groups "
+        "--train-sync-interval V"
+    ),
     "gradient buckets are sized by --ddp-bucket-size": "--ddp-num-buckets V",
-    "one distributed-optimizer instance spans the data-parallel group (Megatron's default)": "--num-distributed-optimizer-instances 1",
+    "one distributed-optimizer instance spans the data-parallel group (Megatron's default)": (
+        "--num-distributed-optimizer-instances 1"
+    ),
     "ranks come from torchrun's environment": "--local-rank V",
     "one process-group timeout here: --distributed-timeout-minutes": "--distributed-timeout-seconds-after-init V",
-    "NCCL's flight recorder is left to the TORCH_NCCL_* environment variables": "--flight-recorder-dump-path V --flight-recorder-trace-buffer-size V --no-flight-recorder-dump-on-timeout "
-    "--disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace "
-    "--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active "
-    "--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec",
-    "initial values are the same on any device and parallel layout here": "--use-cpu-initialization --init-model-with-meta-device",
+    "NCCL's flight recorder is left to the TORCH_NCCL_* environment variables": (
+        "--flight-recorder-dump-path V --flight-recorder-trace-buffer-size V --no-flight-recorder-dump-on-timeout "
+        "--disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace "
+        "--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active "
+        "--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec"
+    ),
+    "initial values are the same on any device and parallel layout here": (
+        "--use-cpu-initialization --init-model-with-meta-device"
+    ),
     "parameters are always initialised (--load then overwrites them)": "--no-initialization",
-    "an implementation detail of Megatron's code with no counterpart here": "--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding --enable-experimental "
-    "--onnx-safe V",
-    "no per-phase timers; the log line has the iteration time": "--timing-log-level V --timing-log-option V --no-barrier-with-level-1-timing",
+    "an implementation detail of Megatron's code with no counterpart here": (
+        "--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding --enable-experimental "
+        "--onnx-safe V"
+    ),
+    "no per-phase timers; the log line has the iteration time": (
+        "--timing-log-level V --timing-log-option V --no-barrier-with-level-1-timing"
+    ),
     "the log line always shows throughput": "--log-throughput",
-    "a logging or debug output not written here": "--log-progress --tensorboard-log-interval V --tensorboard-queue-size V --no-log-loss-scale-to-tensorboard "
-    "--disable-log-loss-scale-to-tensorboard --log-memory-interval V --log-device-memory-used "
-    "--log-max-attention-logit --logging-level V --log-energy --config-logger-dir V --wandb-entity V "
-    "--result-rejected-tracker-filename V --dump-param-to-param-group-map V",
-    "no telemetry (OpenTelemetry, one-logger) here": "--otel-enabled --otel-service-name V --otel-span-groups V --no-one-logger --one-logger-project V "
-    "--one-logger-run-name V --one-logger-async --app-tag-run-name V --app-tag-run-version V",
+    "a logging or debug output not written here": (
+        "--log-progress --tensorboard-log-interval V --tensorboard-queue-size V --no-log-loss-scale-to-tensorboard "
+        "--disable-log-loss-scale-to-tensorboard --log-memory-interval V --log-device-memory-used "
+        "--log-max-attention-logit --logging-level V --log-energy --config-logger-dir V --wandb-entity V "
+        "--result-rejected-tracker-filename V --dump-param-to-param-group-map V"
+    ),
+    "no telemetry (OpenTelemetry, one-logger) here": (
+        "--otel-enabled --otel-service-name V --otel-span-groups V --no-one-logger --one-logger-project V "
+        "--one-logger-run-name V --one-logger-async --app-tag-run-name V --app-tag-run-version V"
+    ),
     "--profile always writes a torch.profiler trace": "--use-pytorch-profiler",
-    "a profiler option not implemented here (--profile writes a torch.profiler trace)": "--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra "
-    "--record-shapes --nvtx-ranges --record-memory-history --memory-snapshot-path V",
-    "no health checks or re-run engine here (results are not re-validated)": "--rerun-mode V --check-for-large-grads --check-for-spiky-loss --no-check-for-nan-in-loss-and-grad "
-    "--check-weight-hash-across-dp-replicas-interval V --gpu-sniff-test-interval V",
+    "a profiler option not implemented here (--profile writes a torch.profiler trace)": (
+        "--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra "
+        "--record-shapes --nvtx-ranges --record-memory-history --memory-snapshot-path V"
+    ),
+    "no health checks or re-run engine here (results are not re-validated)": (
+        "--rerun-mode V --check-for-large-grads --check-for-spiky-loss --no-check-for-nan-in-loss-and-grad "
+        "--check-weight-hash-across-dp-replicas-interval V --gpu-sniff-test-interval V"
+    ),
     "--exit-signal-handler catches SIGTERM only": "--exit-signal SIGTERM",
-    "signals end the run as Python's defaults do; --exit-signal-handler saves first": "--exit-signal-handler-for-training --exit-signal-handler-for-dataloader",
-    "the global batch size never changes: one that does not divide stops with one line": "--decrease-batch-size-if-needed",
-    "the learning-rate schedule always comes from the command line": "--override-opt-param-scheduler --override-opt_param-scheduler",
-    "how torch_dist files are written and read: ours have one layout, loadable into any parallel layout": "--use-dist-ckpt --dist-ckpt-format torch_dist --auto-detect-ckpt-format --ckpt-fully-parallel-save "
-    "--no-ckpt-fully-parallel-save --ckpt-fully-parallel-load --ckpt-fully-parallel-load-exchange-algo V "
-    "--ckpt-fully-parallel-load-per-rank-objects --ckpt-fully-parallel-save-process-group V "
-    "--ckpt-fully-parallel-load-process-group V --ckpt-assume-constant-structure --ckpt-pg-tensors-cache-path V "
-    "--ckpt-pg-tensors-cache-create --no-ckpt-load-validate-sharding-integrity "
-    "--disable-ckpt-load-validate-sharding-integrity --dist-ckpt-strictness V --dist-ckpt-workers V "
-    "--dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable "
-    "--distrib-optim-fully-reshardable-mem-efficient --ckpt-drop-redundant-extra-state",
-    "--async-save here writes from one background thread per rank, staged in host memory": "--async-strategy V --use-persistent-ckpt-worker --async-ckpt-cpu-priority V --async-ckpt-io-priority V "
-    "--async-ckpt-use-cpu-shm",
+    "signals end the run as Python's defaults do; --exit-signal-handler saves first": (
+        "--exit-signal-handler-for-training --exit-signal-handler-for-dataloader"
+    ),
+    "the global batch size never changes: one that does not divide stops with one line": (
+        "--decrease-batch-size-if-needed"
+    ),
+    "the learning-rate schedule always comes from the command line": (
+        "--override-opt-param-scheduler --override-opt_param-scheduler"
+    ),
+    "how torch_dist files are written and read: ours have one layout, loadable into any parallel layout": (
+        "--use-dist-ckpt --dist-ckpt-format torch_dist --auto-detect-ckpt-format --ckpt-fully-parallel-save "
+        "--no-ckpt-fully-parallel-save --ckpt-fully-parallel-load --ckpt-fully-parallel-load-exchange-algo V "
+        "--ckpt-fully-parallel-load-per-rank-objects --ckpt-fully-parallel-save-process-group V "
+        "--ckpt-fully-parallel-load-process-group V --ckpt-assume-constant-structure --ckpt-pg-tensors-cache-path V "
+        "--ckpt-pg-tensors-cache-create --no-ckpt-load-validate-sharding-integrity "
+        "--disable-ckpt-load-validate-sharding-integrity --dist-ckpt-strictness V --dist-ckpt-workers V "
+        "--dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable "
+        "--distrib-optim-fully-reshardable-mem-efficient --ckpt-drop-redundant-extra-state"
+    ),
+    "--async-save here writes from one background thread per rank, staged in host memory": (
+        "--async-strategy V --use-persistent-ckpt-worker --async-ckpt-cpu-priority V --async-ckpt-io-priority V "
+        "--async-ckpt-use-cpu-shm"
+    ),
     "checkpoints always hold the optimizer and RNG states": "--no-save-optim --no-save-rng",
-    "checkpoints hold no tokenizer files or arguments here": "--no-save-tokenizer-assets --disable-save-tokenizer-assets --no-use-tokenizer-model-from-checkpoint-args "
-    "--disable-use-tokenizer-model-from-checkpoint-args",
-    "the offloaded step is always torch's fused CPU AdamW, overlapped, on pinned host buffers": "--use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params",
+    "checkpoints hold no tokenizer files or arguments here": (
+        "--no-save-tokenizer-assets --disable-save-tokenizer-assets --no-use-tokenizer-model-from-checkpoint-args "
+        "--disable-use-tokenizer-model-from-checkpoint-args"
+    ),
+    "the offloaded step is always torch's fused CPU AdamW, overlapped, on pinned host buffers": (
+        "--use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params"
+    ),
     "Adam with decoupled weight decay is the only optimizer here": "--optimizer adam",
     "samples are read once, in the dataset's shuffled order (Megatron's single loader)": "--dataloader-type single",
     "the rotary embedding is plain RoPE (YaRN is not built)": "--rope-type rope",
@@ -118,7 +173,7 @@ _NO_OP = {
     "selective recompute recomputes core attention": "--recompute-modules core_attn...",
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
-BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model_args.py)
+BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model.py)
 NO_OP_GROUP = "Megatron flags with no effect here"
 
 # family -> (reason, exact flags, prefixes); the first family that matches a flag names it

@@ -1,6 +1,6 @@
 """Megatron-style command line -> typed config dataclasses. Nothing else reads argparse.
 
-Each flag group lives in its own module (`*_args.py`) with the function that turns it into
+Each flag group lives in its own module of this package with the function that turns it into
 a config; this module composes them, holds the GPT/Llama defaults and validates the whole.
 """
 
@@ -13,28 +13,28 @@ import torch
 
 from megatron.data.config import DataConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.training.checkpoint_args import add_checkpoint_arguments, checkpoint_config_from_args
-from megatron.training.config import ParallelConfig, RunConfig
-from megatron.training.data_args import add_data_arguments, data_config_from_args
-from megatron.training.eval_args import add_eval_arguments, eval_config_from_args
-from megatron.training.logging_args import add_logging_arguments, logging_config_from_args
-from megatron.training.megatron_compat import (
+from megatron.training.arguments.checkpoint import add_checkpoint_arguments, checkpoint_config_from_args
+from megatron.training.arguments.data import add_data_arguments, data_config_from_args
+from megatron.training.arguments.evaluation import add_eval_arguments, eval_config_from_args
+from megatron.training.arguments.logging import add_logging_arguments, logging_config_from_args
+from megatron.training.arguments.megatron_flags import (
     add_no_op_arguments,
     no_op_notes,
     refuse_out_of_scope,
     strip_fusion_toggles,
 )
-from megatron.training.model_args import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
-from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
-from megatron.training.optimizer_args import (
+from megatron.training.arguments.model import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
+from megatron.training.arguments.offload import add_offload_arguments, offload_config_from_args
+from megatron.training.arguments.optimizer import (
     DEFAULT_LR,
     add_optimizer_arguments,
     decoupled_schedule_from_args,
     lr_schedule_from_args,
     optimizer_config_from_args,
 )
-from megatron.training.parallel_args import add_parallel_arguments
-from megatron.training.training_args import add_training_arguments, training_config_from_args
+from megatron.training.arguments.parallel import add_parallel_arguments
+from megatron.training.arguments.training import add_training_arguments, training_config_from_args
+from megatron.training.config import ParallelConfig, RunConfig
 
 GPT_DEFAULTS = dict(
     normalization="LayerNorm",

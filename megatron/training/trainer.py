@@ -1,4 +1,5 @@
-"""The training loop: build the model chunks of this rank, then step them iteration by iteration."""
+"""The trainer: this rank's model chunks, buffers, optimizer and data, and one training iteration of them
+(the loop that repeats it is `pretrain.train`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, StepStats, reduced_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
-from megatron.core.tensor_parallel.sharding import deferred_initialization, is_deferred
+from megatron.core.tensor_parallel.initialization import deferred_initialization, is_deferred
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.optimizer.config import OFFLOAD_POLICIES, OffloadConfig
-from megatron.training.parallel_args import sharding_strategy_from_args
+from megatron.training.arguments.parallel import sharding_strategy_from_args
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""How a parameter relates to its full-size tensor: its shard and its initialisation.
+"""Layout-independent initialisation: a parameter's full-size initial value, and the shard of it a rank holds.
 
 Every parameter carries an `InitSpec` (attribute `param.init_spec`). Its initial
 value is defined at full size and is the same in every parallel layout; a rank

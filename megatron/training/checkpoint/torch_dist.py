@@ -1,4 +1,4 @@
-"""Our checkpoints and Megatron-LM's `torch_dist` ones: which a directory holds, and the latter in and out.
+"""Megatron-LM's `torch_dist` checkpoints, read (`--load`) and written (`--ckpt-format torch_dist`).
 
 A Megatron-LM checkpoint (`--load` of a directory that Megatron-LM or `--ckpt-format torch_dist`
 wrote) is read with plain torch.distributed.checkpoint, in any of our layouts:
@@ -9,7 +9,7 @@ wrote) is read with plain torch.distributed.checkpoint, in any of our layouts:
   samples (`args.consumed_train_samples`) and the scheduler's position (`num_steps`, in samples
   as ours);
 - `common.pt` is unpickled with stand-ins for megatron classes (it is never imported). Its
-  `args` are compared with our flags (megatron_lm_args), and every `.distcp` file must be as
+  `args` are compared with our flags (torch_dist_args.py), and every `.distcp` file must be as
   long as `.metadata` says (Megatron-LM records no digests), before anything is read.
 Not read: RNG states (Megatron's generators are not ours) and the distributed optimizer's
 bucket-layout form (`optimizer.distributed.*`, refused by name: pass --no-load-optim).
@@ -29,15 +29,26 @@ import os
 import pickle
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
 from megatron.core.checkpointing.megatron_lm import VOCABULARY, extra_state_objects, to_megatron, vocabulary_padding
-from megatron.training import checkpointing as ours
-from megatron.training.megatron_lm_args import args_mismatch, megatron_args
+from megatron.training.checkpoint.directory import (
+    MEGATRON,
+    METADATA,
+    TRACKER,
+    CheckpointInfo,
+    barrier,
+    global_rank,
+    iteration_dir,
+    prepare_staging,
+    read_text,
+    replace_checkpoint,
+    write_text,
+)
+from megatron.training.checkpoint.state import checkpoint_contents
+from megatron.training.checkpoint.torch_dist_args import args_mismatch, megatron_args
 
-OURS, MEGATRON = "ours", "torch_dist"
 COMMON = "common.pt"
 MEGATRON_METADATA = {
     "sharded_backend": "torch_dist",
@@ -46,24 +57,6 @@ MEGATRON_METADATA = {
     "common_backend_version": 1,
 }
 CHECKPOINT_VERSION = 3.0
-
-
-def detect_checkpoint_format(root: str) -> str | None:
-    """OURS, MEGATRON (Megatron-LM's torch_dist), or None: no tracker, or no readable metadata.json
-    in the checkpoint it names (the caller reports what is wrong)."""
-    tracker = os.path.join(root, ours.TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        return None
-    try:
-        record = json.load(open(os.path.join(ours.iteration_dir(root, int(text)), ours.METADATA)))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("sharded_backend") == "torch_dist":
-        return MEGATRON
-    return OURS if "format" in record else None
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -155,7 +148,7 @@ def _step(optimizer_state) -> int | None:
 
 
 def megatron_metadata(directory: str) -> dict:
-    """Our checkpoint metadata (see checkpointing.py) for a Megatron-LM checkpoint, plus its `args`
+    """Our checkpoint metadata (see canonical.py) for a Megatron-LM checkpoint, plus its `args`
     (`megatron_args`) and the rows of its vocabulary tensors (`vocab_rows`)."""
     common = read_common(directory)
     args = common.get("args")
@@ -185,7 +178,7 @@ def megatron_metadata(directory: str) -> dict:
     }
 
 
-def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -> ours.CheckpointInfo:
+def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> CheckpointInfo:
     """Refuse (one line) a Megatron-LM checkpoint of another model, or without the optimizer state the
     flags ask for; returns `info` with a note when vocabulary padding rows are left out."""
     metadata = info.metadata
@@ -213,15 +206,15 @@ def check_megatron_compatible(info: ours.CheckpointInfo, model_config, config) -
             f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
             "not loaded",
         )
-    return ours.CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
+    return CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
 
 
-def megatron_checkpoint_info(root: str) -> ours.CheckpointInfo:
+def megatron_checkpoint_info(root: str) -> CheckpointInfo:
     """The Megatron-LM checkpoint `root`'s tracker names, its files checked against `.metadata`."""
-    iteration = int(open(os.path.join(root, ours.TRACKER)).read().strip())
-    directory = ours.iteration_dir(root, iteration)
+    iteration = int(read_text(os.path.join(root, TRACKER)))
+    directory = iteration_dir(root, iteration)
     check_file_lengths(directory)
-    return ours.CheckpointInfo(directory, iteration, megatron_metadata(directory), (), MEGATRON)
+    return CheckpointInfo(directory, iteration, megatron_metadata(directory), (), MEGATRON)
 
 
 # Megatron's scheduler state -> our LRSchedule field
@@ -249,29 +242,20 @@ def schedule_note(saved: dict, schedule) -> str | None:
     return f"> the checkpoint's LR schedule differs from the flags', which are used: {', '.join(differ)}"
 
 
-def checkpoint_to_load(run) -> ours.CheckpointInfo | None:
-    """As checkpointing.checkpoint_to_load, for either format."""
-    if run.checkpoint.load is None or detect_checkpoint_format(run.checkpoint.load) != MEGATRON:
-        return ours.checkpoint_to_load(run)
-    info = check_megatron_compatible(megatron_checkpoint_info(run.checkpoint.load), run.model, run.checkpoint)
-    if run.checkpoint.finetune:
+def megatron_checkpoint_to_load(root: str, run) -> CheckpointInfo:
+    """The Megatron-LM checkpoint `root`'s tracker names, checked against the run's flags (one line when
+    it does not fit), with a note when its LR schedule differs from the flags' and the optimizer state
+    is loaded."""
+    info = check_megatron_compatible(megatron_checkpoint_info(root), run.model, run.checkpoint)
+    if run.checkpoint.finetune or run.checkpoint.no_load_optim:
         return info
-    note = None if run.checkpoint.no_load_optim else schedule_note(info.metadata["scheduler"], run.lr_schedule)
-    info = dataclasses.replace(info, notes=info.notes + (note,)) if note else info
-    return ours.continue_data_position(info, run)
+    note = schedule_note(info.metadata["scheduler"], run.lr_schedule)
+    return dataclasses.replace(info, notes=info.notes + (note,)) if note else info
 
 
 def stored_as_megatron(num_layers: int, vocab_rows: int | None):
     """Our pieces -> the same data as pieces of Megatron-LM's tensors."""
     return lambda pieces: [to_megatron(p, num_layers, vocab_rows) for p in pieces]
-
-
-def load_checkpoint(info: ours.CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
-    """As checkpointing.load_checkpoint, for either format."""
-    if info.format != MEGATRON:
-        return ours.load_checkpoint(info, trainer, config)
-    stored = stored_as_megatron(trainer.run.model.num_layers, info.metadata["vocab_rows"])
-    return ours.load_checkpoint(info, trainer, config, stored=stored)
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
@@ -365,22 +349,21 @@ def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config,
     Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
     padded = config.padded_vocab_size
     megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
-    staging = ours.prepare_staging(root, iteration)
+    staging = prepare_staging(root, iteration)
     write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
-    final = ours.iteration_dir(root, iteration)
-    if ours.global_rank() == 0:
+    final = iteration_dir(root, iteration)
+    if global_rank() == 0:
         torch.save(common, os.path.join(staging, COMMON))
-        ours.write_text(os.path.join(staging, ours.METADATA), json.dumps(MEGATRON_METADATA))
-        ours.replace_checkpoint(staging, final, root, iteration)
-    if dist.is_initialized():
-        dist.barrier()
+        write_text(os.path.join(staging, METADATA), json.dumps(MEGATRON_METADATA))
+        replace_checkpoint(staging, final, root, iteration)
+    barrier()
     return final
 
 
 def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
     `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
-    pieces, metadata = ours.checkpoint_contents(trainer, iteration, rng=False)
+    pieces, metadata = checkpoint_contents(trainer, iteration, rng=False)
     return publish_megatron_checkpoint(
         root, iteration, pieces, trainer.run.model, megatron_common(trainer, iteration, metadata)
     )

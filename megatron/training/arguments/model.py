@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.transformer.config import TransformerConfig
-from megatron.training.parallel_args import cp_comm_type_from_args
+from megatron.training.arguments.parallel import cp_comm_type_from_args
 
 # Megatron's --attention-backend choices onto our paths (the start-up log says which one runs): its
 # fused kernels (flash, cuDNN "fused") -> our flash kernel where it can run, the torch path elsewhere

@@ -38,7 +38,7 @@ class SafetensorsReader:
         self.directory = directory
         self.handles = {}
         if files is None:
-            files = {name: SINGLE for name in self._open(SINGLE).keys()}  # noqa: SIM118 (safe_open is not iterable)
+            files = dict.fromkeys(self._open(SINGLE).keys(), SINGLE)
         self.files = files
 
     def _open(self, file: str):

@@ -1,0 +1,152 @@
+"""The one load entry point, for every format --load reads: ours (canonical.py) and Megatron-LM's
+torch_dist (torch_dist.py).
+
+`checkpoint_to_load(run)` finds the checkpoint --load names and checks it against the flags before
+any process group exists (and before the datasets are sized: the batch schedule continues from the
+saved sample count); `load_checkpoint(info, trainer, config)` then reads it into the trainer (a
+collective). Either format's model and optimizer state load into any layout; RNG states only into
+the layout that saved them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from megatron.core.checkpointing import (
+    CheckpointError,
+    TensorPiece,
+    model_pieces,
+    read_pieces,
+    saved_tensors,
+    verify_files,
+)
+from megatron.training.checkpoint.canonical import check_compatible, find_checkpoint
+from megatron.training.checkpoint.directory import MEGATRON, OURS, TRACKER, CheckpointInfo, detect_checkpoint_format
+from megatron.training.checkpoint.state import (
+    MODEL_AS_MASTER,
+    SAVED_MASTER,
+    consumed_samples,
+    layout_of,
+    named_parameters,
+    optimizer_pieces,
+    rng_states,
+    set_rng_states,
+)
+from megatron.training.checkpoint.torch_dist import megatron_checkpoint_to_load, stored_as_megatron
+
+
+def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
+    """The data order is a function of the samples consumed. When the flags' batch sizes reach another
+    count at the checkpoint's iteration (--global-batch-size or its ramp-up changed), the run continues
+    from the saved count, as Megatron does: the batch schedule restarts there, and the learning-rate
+    clock from its saved value (from 0 when the optimizer state is not loaded, as Megatron's scheduler)."""
+    saved, expected = info.metadata["consumed_samples"], consumed_samples(run, info.iteration)
+    if saved == expected:
+        return info
+    fresh = run.checkpoint.no_load_optim
+    updates = 0 if fresh else info.metadata["optimizer"]["step"]
+    clock = 0 if fresh else info.metadata.get("update_samples", saved)  # absent: written before batch changes
+    run.training.batch_schedule.resume_at(info.iteration, saved, updates, clock)
+    note = (
+        f"> {info.directory}: {saved} samples consumed by iteration {info.iteration} (the flags' batch sizes "
+        f"would give {expected}); continuing from sample {saved} at global batch size "
+        f"{run.training.batch_schedule.at(saved)}"
+    )
+    return dataclasses.replace(info, notes=info.notes + (note,))
+
+
+def checkpoint_to_load(run) -> CheckpointInfo | None:
+    """The checkpoint --load names, in either format, checked against the flags; None without --load
+    or when it holds no checkpoint yet (a fresh start, noted in `run.notes`)."""
+    load = run.checkpoint.load
+    if load is None:
+        return None
+    if detect_checkpoint_format(load) == MEGATRON:
+        info = megatron_checkpoint_to_load(load, run)
+    else:
+        info = find_checkpoint(load)
+        if info is None:
+            state = "does not exist yet" if not os.path.isdir(load) else f"holds no {TRACKER}"
+            run.notes.append(f"> note: --load {load} {state}: no checkpoint found, training starts from scratch")
+            return None
+        info = check_compatible(info, run.model, run.checkpoint)
+    return info if run.checkpoint.finetune else continue_data_position(info, run)
+
+
+def _as_stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
+    return pieces
+
+
+def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
+    """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
+    saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
+    saved = info.metadata["optimizer"]
+    separate = not all(shard.aliased for shard in trainer.optimizer.shards)  # low precision or offloaded
+    if saved["master_weights"]:
+        master = SAVED_MASTER
+    else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
+        master = MODEL_AS_MASTER if separate else None
+    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
+    trainer.optimizer.load_scalar_state(saved)
+
+
+def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]) -> None:
+    """A model tensor of the checkpoint that no rank's model reads (a flag that adds tensors left out,
+    e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
+    wanted = {piece.name for piece in pieces}
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, wanted)
+        wanted = set().union(*gathered)
+    unused = sorted(
+        name
+        for name in saved_tensors(info.directory)
+        if not name.startswith(("optimizer.", "rng.")) and name not in wanted
+    )
+    if unused:
+        raise CheckpointError(
+            f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
+            f"model, e.g. {unused[0]} (a flag that adds tensors is missing)"
+        )
+
+
+def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
+    """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
+    from, lines for the log). Our files are verified against their digests, and every saved model
+    tensor is matched to a parameter, before anything is read (Megatron-LM's files were checked against
+    their `.metadata` when found)."""
+    if info.format == OURS:
+        verify_files(info.directory, info.metadata["files"])
+        stored = _as_stored
+    else:  # our pieces -> the same data as pieces of Megatron-LM's tensors
+        stored = stored_as_megatron(trainer.run.model.num_layers, info.metadata["vocab_rows"])
+    trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
+    pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
+    _refuse_unused_model_tensors(info, pieces)
+    read_pieces(pieces, info.directory)
+    for chunk in trainer.chunks:
+        chunk.params_written()
+    notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
+    if config.finetune or config.no_load_optim:
+        trainer.optimizer.reload_master_weights()
+        notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
+    else:
+        _load_optimizer(info, trainer, stored)
+    if config.finetune:
+        return 0, notes + ["> --finetune: model only; starting at iteration 0"]
+    if config.no_load_rng:
+        notes.append("> --no-load-rng: RNG states not loaded")
+    elif "rng" not in info.metadata["contents"]:
+        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
+    elif info.metadata["layout"] != layout_of(trainer):
+        notes.append(
+            f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
+        )
+    else:
+        states = rng_states(trainer)
+        read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)
+        set_rng_states(trainer, states)
+    return info.iteration, notes
