@@ -165,8 +165,17 @@ def test_cli_resumes_a_torch_dist_checkpoint_and_refuses_one_of_another_model(tm
     assert len(printed_losses(resumed.stdout)) == 1  # iteration 2 only: it continued after iteration 1
 
 
-def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatch):
-    """Megatron-LM's args hold its enums and configs: common.pt unpickles with stand-ins for them."""
+# How a Python pickles an enum member: 3.11 by name (getattr(cls, name)), 3.10 and 3.12+ by value (cls(value)).
+ENUM_PICKLE_FORMS = {
+    "by-name": lambda member: (getattr, (type(member), member.name)),
+    "by-value": lambda member: (type(member), (member.value,)),
+}
+
+
+@pytest.mark.parametrize("form", list(ENUM_PICKLE_FORMS))
+def test_common_pt_with_megatron_classes_reads_without_them(form, tmp_path, monkeypatch):
+    """Megatron-LM's args hold its enums and configs: common.pt unpickles with stand-ins for them,
+    whichever way the saving Python pickled an enum member (each form written explicitly)."""
     import argparse
     import enum
     import sys
@@ -179,6 +188,9 @@ def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatc
     class AttnBackend(enum.Enum):
         auto = 5
 
+        def __reduce_ex__(self, protocol):
+            return ENUM_PICKLE_FORMS[form](self)
+
     AttnBackend.__module__, AttnBackend.__qualname__ = "megatron.core.not_ours", "AttnBackend"
     module.AttnBackend = AttnBackend
     monkeypatch.setitem(sys.modules, "megatron.core.not_ours", module)
@@ -188,7 +200,9 @@ def test_common_pt_with_megatron_classes_reads_without_them(tmp_path, monkeypatc
     common = read_common(str(tmp_path))
     assert common["iteration"] == 7 and common["args"].hidden_size == 32
     assert common["args"].params_dtype == torch.bfloat16
-    assert type(common["args"].attention_backend).__name__ == "AttnBackend"
+    backend = common["args"].attention_backend
+    assert type(backend).__name__ == "AttnBackend"
+    assert (backend.name if form == "by-name" else backend.args) == ("auto" if form == "by-name" else (5,))
     (tmp_path / "common.pt").write_bytes(b"not a pickle")
     with pytest.raises(CheckpointError, match="common.pt: unreadable"):
         read_common(str(tmp_path))

@@ -62,7 +62,21 @@ CHECKPOINT_VERSION = 3.0
 # ---- reading ---------------------------------------------------------------------------------------------
 
 
-class _Opaque:
+class _OpaqueType(type):
+    """The type of the stand-ins: `getattr(StandIn, "auto")` makes a stand-in member named "auto".
+
+    Python 3.11 pickles an enum member by name (`getattr(AttnBackend, "auto")` when unpickled),
+    3.10 and 3.12+ by value (`AttnBackend(5)`); Megatron-LM's args hold such members."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        member = cls.__new__(cls)
+        member.name = name
+        return member
+
+
+class _Opaque(metaclass=_OpaqueType):
     """Stands in for a class of megatron's in common.pt (enums, configs): holds what was pickled."""
 
     def __init__(self, *args, **kwargs):
