@@ -10,7 +10,7 @@ batch, recomputation, replicated or distributed optimizer) for the given GPUs an
 batch, drops layouts whose worst-rank memory estimate is above 80% of device memory
 (Fujii et al.'s margin: a recommendation keeps it; the start-up check refuses only what
 certainly cannot fit, and the summary says how many dropped layouts it would still
-start), ranks the rest by a projected step time (megatron/core/memory/step_time.py,
+start), ranks the rest by a projected step time (megatron/planning/step_time.py,
 calibrated on published runs: docs/planner.md) and prints the top ones with their model
 TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
@@ -58,9 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD  # noqa: E402
-from megatron.core.memory.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
-from megatron.core.memory.planner import (  # noqa: E402
+from megatron.planning.budget import GIB, device_memory_bytes  # noqa: E402
+from megatron.planning.estimator import DEFAULT_THRESHOLD  # noqa: E402
+from megatron.planning.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
+from megatron.planning.planner import (  # noqa: E402
     RECOMPUTE,
     Search,
     enumerate_layouts,
@@ -70,15 +71,10 @@ from megatron.core.memory.planner import (  # noqa: E402
     plan_offload,
     plan_sharded,
 )
-from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
+from megatron.planning.startup_check import refusal  # noqa: E402
+from megatron.planning.step_time import Overlap, Projection  # noqa: E402
 from megatron.training.arguments import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
-from megatron.training.memory_check import (  # noqa: E402
-    GIB,
-    device_memory_bytes,
-    refusal,
-    run_config_for_tool,
-    tool_parser,
-)
+from megatron.training.tool_command_line import run_config_for_tool, tool_parser  # noqa: E402
 
 PROG = "tools/plan_parallelism.py"
 

@@ -24,8 +24,7 @@ from megatron.training.initialize import (
 )
 from megatron.training.iteration_log import IterationLog
 from megatron.training.kernel_paths import kernel_paths
-from megatron.training.memory_check import check_memory
-from megatron.training.offload_run import check_offload_budget
+from megatron.training.memory_check import check_memory, check_offload_budget
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_control import RunControl
 from megatron.training.training import Trainer, timed_step

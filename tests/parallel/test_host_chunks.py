@@ -28,8 +28,8 @@ import re
 
 import pytest
 
-from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
+from megatron.planning.estimator import estimate_memory
 from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, explain, run_cli, torchrun_matching_one_rank
 from tests.distributed import run_distributed

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.transient import TransientBuffer
-from megatron.core.memory.estimator import estimate_memory
+from megatron.planning.estimator import estimate_memory
 from megatron.training.arguments import parse_run_config
 from megatron.training.checkpointing import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.memory_check import layout_from_run

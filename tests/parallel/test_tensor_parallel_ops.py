@@ -8,14 +8,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.transients import Dims, split_backward_bytes
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
 from megatron.core.tensor_parallel.sharding import initialize_parameters
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.transients import Dims, split_backward_bytes
 from tests.distributed import run_distributed
 
 WORLD = 2

@@ -9,16 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core.memory import estimate_memory
+from megatron.planning import estimate_memory
+from megatron.planning.budget import GIB
+from megatron.planning.startup_check import check_estimate
 from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
-from megatron.training.memory_check import (
-    GIB,
-    check_estimate,
-    check_memory,
-    layout_from_run,
-    parse_tool_command_line,
-    tool_parser,
-)
+from megatron.training.memory_check import check_memory, layout_from_run
+from megatron.training.tool_command_line import parse_tool_command_line, tool_parser
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_7B = [

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.memory import MemoryLayout, estimate_memory
-from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from tests.distributed import run_distributed
 
 LLAMA = dict(

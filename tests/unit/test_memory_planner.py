@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout, estimate_memory
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
-from megatron.core.memory.step_time import bubble_units, step_time
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.hardware import Hardware
+from megatron.planning.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
+from megatron.planning.step_time import bubble_units, step_time
 
 MODEL = TransformerConfig(
     num_layers=8,

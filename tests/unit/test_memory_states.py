@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import ModelChunk, chunk_shapes, numel
-from megatron.core.memory.step_time import dp_collectives
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout
+from megatron.planning.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
+from megatron.planning.parameters import ModelChunk, chunk_shapes, numel
+from megatron.planning.step_time import dp_collectives
 
 CONFIG = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
 SHAPES = [(256, 64), (64,), (1024, 64), (64, 256)]

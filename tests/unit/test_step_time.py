@@ -6,15 +6,17 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory.comm_volume import (
+from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout
+from megatron.planning.comm_volume import (
     cp_bytes_per_layer,
     dp_bytes,
     group_bandwidth,
     p2p_bytes,
     tp_bytes_per_layer,
 )
-from megatron.core.memory.compute_cost import (
+from megatron.planning.compute_cost import (
     Calibration,
     attention_time,
     elementwise_bytes,
@@ -22,9 +24,9 @@ from megatron.core.memory.compute_cost import (
     gemm_seconds,
     layer_time,
 )
-from megatron.core.memory.hardware import DEVICES, Hardware
-from megatron.core.memory.planner import Search, enumerate_layouts, stage_splits
-from megatron.core.memory.step_time import (
+from megatron.planning.hardware import DEVICES, Hardware
+from megatron.planning.planner import Search, enumerate_layouts, stage_splits
+from megatron.planning.step_time import (
     Overlap,
     Projection,
     data_parallel_seconds,
@@ -36,8 +38,6 @@ from megatron.core.memory.step_time import (
     step_time,
     transfer_seconds,
 )
-from megatron.core.pipeline_parallel.simulate import simulate
-from megatron.core.transformer.config import TransformerConfig
 from tools.bench.planner_calibration import evaluate_all, print_table, summary
 
 A100 = DEVICES["a100-80gb"]

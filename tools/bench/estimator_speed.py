@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from megatron.core.memory import MemoryLayout, estimate_memory  # noqa: E402
-from megatron.core.memory.planner import Search, enumerate_layouts, plan  # noqa: E402
-from megatron.core.memory.step_time import Hardware  # noqa: E402
-from megatron.core.memory.trace import trace_cache_clear, traces_run  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
+from megatron.planning import MemoryLayout, estimate_memory  # noqa: E402
+from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E402
+from megatron.planning.step_time import Hardware  # noqa: E402
+from megatron.planning.trace import trace_cache_clear, traces_run  # noqa: E402
 
 GIB = 1 << 30
 LLAMA_405B = TransformerConfig(

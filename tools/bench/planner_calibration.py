@@ -22,12 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.core.memory.compute_cost import Calibration  # noqa: E402
-from megatron.core.memory.estimator import estimate_memory  # noqa: E402
-from megatron.core.memory.hardware import DEVICES  # noqa: E402
-from megatron.core.memory.planner import Search, enumerate_layouts, plan  # noqa: E402
-from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
-from megatron.training.memory_check import GIB, layout_from_run, run_config_for_tool  # noqa: E402
+from megatron.planning.budget import GIB  # noqa: E402
+from megatron.planning.compute_cost import Calibration  # noqa: E402
+from megatron.planning.estimator import estimate_memory  # noqa: E402
+from megatron.planning.hardware import DEVICES  # noqa: E402
+from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E402
+from megatron.planning.step_time import Overlap, Projection  # noqa: E402
+from megatron.training.memory_check import layout_from_run  # noqa: E402
+from megatron.training.tool_command_line import run_config_for_tool  # noqa: E402
 from tools.bench.published_runs import RUNS  # noqa: E402
 
 PROG = "tools/bench/planner_calibration.py"

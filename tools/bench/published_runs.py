@@ -34,10 +34,10 @@ MCORE = "Megatron-Core r0.8 weak scaling (Megatron-LM README, images/model_table
 class PublishedRun:
     name: str
     source: str
-    device: str  # a preset of megatron/core/memory/hardware.py
+    device: str  # a preset of megatron/planning/hardware.py
     num_gpus: int
     flags: tuple[str, ...]  # pretrain_gpt.py flags of the run
-    attention: str  # the attention kernel it ran (megatron/core/memory/kernels.py names)
+    attention: str  # the attention kernel it ran (megatron/planning/kernels.py names)
     metric: str  # "hardware" (recomputation counted) or "model" TFLOP/s per GPU
     tflops: float
     overlap_grad_reduce: bool

@@ -4,7 +4,7 @@ Parameter shapes and saved activations traced from our modules with fake tensors
 the rest arithmetic on TransformerConfig + MemoryLayout; see docs/memory.md.
 """
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, RankEstimate, estimate_memory
-from megatron.core.memory.layout import MemoryLayout
+from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate, RankEstimate, estimate_memory
+from megatron.planning.layout import MemoryLayout
 
 __all__ = ["DEFAULT_THRESHOLD", "MemoryEstimate", "MemoryLayout", "RankEstimate", "estimate_memory"]

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from megatron.core.memory.inflight import rank_in_flight
-from megatron.core.memory.kernels import KernelChoice, resolve_kernels
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
-from megatron.core.memory.trace import Setting, chunk_saved
-from megatron.core.memory.transients import (
+from megatron.planning.inflight import rank_in_flight
+from megatron.planning.kernels import KernelChoice, resolve_kernels
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.model_states import chunk_buffer, model_states, optimizer_step_temporary
+from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
+from megatron.planning.trace import Setting, chunk_saved
+from megatron.planning.transients import (
     Allowances,
     Dims,
     Transients,

@@ -19,13 +19,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.offload import fraction_that_fits
-from megatron.core.memory.step_time import Projection, StepTime
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
+from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.planning.hardware import Hardware
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.offload import fraction_that_fits
+from megatron.planning.step_time import Projection, StepTime
 
 RECOMPUTE = {
     "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),

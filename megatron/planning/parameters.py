@@ -11,9 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.core.memory.trace import chunk_parameter_shapes
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
 from megatron.core.transformer.config import padded_vocab_size
+from megatron.planning.trace import chunk_parameter_shapes
 
 Shape = tuple[int, ...]
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.parameters import padded_vocab
+from megatron.planning.kernels import dtype_bytes
+from megatron.planning.parameters import padded_vocab
 
 FP32 = 4
 FRAGMENTATION_FRACTION = 0.10

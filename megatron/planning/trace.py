@@ -39,12 +39,12 @@ import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernels.dispatch import estimating_for
-from megatron.core.memory.cuda_ops import CudaOps
-from megatron.core.memory.fake_dist import FakeGroup, fake_collectives
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning.cuda_ops import CudaOps
+from megatron.planning.fake_dist import FakeGroup, fake_collectives
 
 LAYER_PREFIX = "decoder.layers."
 

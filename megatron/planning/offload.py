@@ -18,20 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.distributed.placement import Placement, forward_order, host_elements, part_bytes, static_placement
-
-
-def shard_numels(buffers: list) -> list[int]:
-    """This rank's shard of each bucket (build_shards' order)."""
-    return [bucket.shard_numel for b in buffers for bucket in b.buckets]
-
-
-def chunk_placement(buffers: list, optimizer: float, grads: float = 0.0, params: float = 0.0) -> Placement:
-    """What the trainer's static policy places on host for these fractions, on `buffers` (the
-    BufferLayouts of the rank's chunks)."""
-    if not optimizer:
-        return Placement()
-    return static_placement(forward_order(buffers), shard_numels(buffers), optimizer, grads, params)
+from megatron.core.distributed.placement import chunk_placement, host_elements, part_bytes, shard_numels
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ import functools
 from dataclasses import dataclass
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout, default_bucket_size
-from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.offload import chunk_placement, state_bytes
-from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
+from megatron.core.distributed.placement import chunk_placement
+from megatron.planning.kernels import dtype_bytes
+from megatron.planning.offload import state_bytes
+from megatron.planning.parameters import chunk_shapes, numel, shared_embedding_index
 
 STEP_TEMPORARIES = 2  # fp32 shard-sized tensors alive at once in ShardedAdamW.step
 UNSHARDED_BUCKETS = 3  # whole buckets of one kind alive at once under optim_grads(_params), see above

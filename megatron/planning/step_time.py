@@ -2,7 +2,7 @@
 
 Per microbatch and model chunk, on the pipeline rank with the most work (layers, plus the
 output layer on the last rank), the forward F and backward B are the sum of:
-computation (megatron/core/memory/compute_cost.py: GEMMs by shape, attention, elementwise
+computation (megatron/planning/compute_cost.py: GEMMs by shape, attention, elementwise
 by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
 (comm_volume.py volumes at the tp group's bandwidth; not overlapped) and the context-
 parallel ring (overlapped with the attention it feeds: only what exceeds it counts).
@@ -23,20 +23,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields
 
-from megatron.core.memory.comm_volume import (
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
+from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.transformer.flops import flops_per_iteration
+from megatron.planning.comm_volume import (
     cp_bytes_per_layer,
     dp_bytes,
     group_bandwidth,
     p2p_bytes,
     tp_bytes_per_layer,
 )
-from megatron.core.memory.compute_cost import Calibration, PassTime, layer_time, output_layer_time
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.kernels import dtype_bytes, resolve_kernels
-from megatron.core.memory.parameters import padded_vocab, total_parameters
-from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
-from megatron.core.pipeline_parallel.simulate import simulate
-from megatron.core.transformer.flops import flops_per_iteration
+from megatron.planning.compute_cost import Calibration, PassTime, layer_time, output_layer_time
+from megatron.planning.hardware import Hardware
+from megatron.planning.kernels import dtype_bytes, resolve_kernels
+from megatron.planning.parameters import padded_vocab, total_parameters
 
 # Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
 OPTIMIZER_BYTES_PER_PARAMETER = 38
