@@ -149,7 +149,7 @@ class KernelPaths:
     def attention_line(self) -> str:
         """The start-up log's attention path (the kernel's path, or why SDPA runs instead)."""
         if self.attention == "sdpa":
-            return f"torch scaled_dot_product_attention ({self.sdpa_reason})"
+            return f"torch scaled_dot_product_attention {self.sdpa_reason}"
         return self.attention_kernel.line
 
 
@@ -185,7 +185,7 @@ def kernel_paths(
     if document_mask:
         return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)")
     if attention_dropout > 0.0:
-        return KernelPaths("sdpa", attention_kernel, norm, "attention dropout > 0")
+        return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)")
     return KernelPaths("flash_attention", attention_kernel, norm)
 
 

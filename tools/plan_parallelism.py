@@ -136,22 +136,23 @@ OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
 def _stages(lay) -> str:
     """first/last stage layers of an uneven split ('=': that stage gets the even share), else '-'."""
-    if lay.first_stage_layers is None and lay.last_stage_layers is None:
+    if lay.parallel.first_stage_layers is None and lay.parallel.last_stage_layers is None:
         return "-"
-    return f"{lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}"
+    return f"{lay.parallel.first_stage_layers or '='}/{lay.parallel.last_stage_layers or '='}"
 
 
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
+    par = lay.parallel
     row = (
-        f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
+        f"{rank:4d} {par.tp:3d} {par.cp:3d} {par.pp:3d} {par.virtual_stages:3d} {par.dp:4d} "
         f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-        f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
+        f"{SHARDING_CELLS[lay.parallel.ddp.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
         f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
         f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}"
     )
-    if lay.offload_fraction:
-        row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
+    if lay.offload_fractions.optimizer:
+        row += f" {lay.offload_fractions.optimizer:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
     return row
 
 
@@ -162,19 +163,19 @@ def _max_host_bytes(c) -> int:
 def _json(c, why: str | None = None) -> dict:
     lay, est, t = c.layout, c.estimate, c.time
     return {
-        "tp": lay.tp,
-        "cp": lay.cp,
-        "pp": lay.pp,
-        "virtual_stages": lay.virtual_stages,
-        "dp": lay.dp,
+        "tp": lay.parallel.tp,
+        "cp": lay.parallel.cp,
+        "pp": lay.parallel.pp,
+        "virtual_stages": lay.parallel.virtual_stages,
+        "dp": lay.parallel.dp,
         "micro_batch_size": lay.micro_batch_size,
         "num_microbatches": lay.num_microbatches,
-        "decoder_first_pipeline_num_layers": lay.first_stage_layers,
-        "decoder_last_pipeline_num_layers": lay.last_stage_layers,
+        "decoder_first_pipeline_num_layers": lay.parallel.first_stage_layers,
+        "decoder_last_pipeline_num_layers": lay.parallel.last_stage_layers,
         "recompute": c.recompute,
-        "distributed_optimizer": lay.distributed_optimizer,
-        "sharding_strategy": lay.sharding_strategy,
-        "offload_fraction": lay.offload_fraction,
+        "distributed_optimizer": lay.parallel.ddp.use_distributed_optimizer,
+        "sharding_strategy": lay.parallel.ddp.sharding_strategy,
+        "offload_fraction": lay.offload_fractions.optimizer,
         "max_host_bytes": _max_host_bytes(c),
         "max_certain_bytes": est.max_certain_bytes,
         "max_total_bytes": est.max_total_bytes,
@@ -332,10 +333,10 @@ def main(argv: list[str]) -> int:
         print(
             f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
             f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
-            f"{sharded[0].layout.sharding_strategy} for the first"
+            f"{sharded[0].layout.parallel.ddp.sharding_strategy} for the first"
         )
     if offloaded:
-        best = offloaded[0].layout.offload_fraction
+        best = offloaded[0].layout.offload_fractions.optimizer
         print(
             f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
             f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
@@ -362,9 +363,7 @@ def main(argv: list[str]) -> int:
 def _one_layout(layouts) -> bool:
     """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
     replicated one)."""
-    shapes = {
-        dataclasses.replace(lay, distributed_optimizer=False, sharding_strategy="no_shard") for _, lay, _ in layouts
-    }
+    shapes = {tuple(lay.replicated().to_dict().items()) for _, lay, _ in layouts}
     return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
 
 
@@ -376,7 +375,7 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
         print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
     print(HEADER)
-    for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
+    for rank, candidate in enumerate(candidates, start=1):
         print(_row(rank, candidate, device_bytes))
     for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
         if args.explain:

@@ -63,13 +63,13 @@ def chunk_buffer(config, layout, chunk) -> BufferLayout:
     """The bucket layout of `chunk`'s buffers, as ModelChunkBuffers builds it: parameters in
     reverse order (the order backward produces their gradients), the embedding tied across
     stages in a bucket of its own, sharded over dp x cp with the distributed optimizer."""
-    numels = tuple(numel(s) for s in chunk_shapes(config, layout.tp, chunk))
-    replicas = layout.dp * layout.cp
+    numels = tuple(numel(s) for s in chunk_shapes(config, layout.parallel.tp, chunk))
+    replicas = layout.parallel.dp * layout.parallel.cp
     return _buffer_layout(
         numels,
         shared_embedding_index(config, layout, chunk),
-        layout.bucket_size or default_bucket_size(replicas),
-        replicas if layout.distributed_optimizer else 1,
+        layout.parallel.ddp.bucket_size or default_bucket_size(replicas),
+        replicas if layout.parallel.ddp.use_distributed_optimizer else 1,
     )
 
 
@@ -94,16 +94,18 @@ def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
 
 def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
     """Whole buckets besides the persistent shards, at the peak of forward/backward (see above)."""
-    if not layout.shards_grads:
+    if not layout.parallel.ddp.shards_grads:
         return 0
     largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
-    held = int(not config.untie_embeddings_and_output_weights and layout.stages == 1)
+    held = int(not config.untie_embeddings_and_output_weights and layout.parallel.stages == 1)
     grads = (
-        sum(b.numel for b in buffers) if layout.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest
-    ) * layout.grad_dtype_bytes
-    if not layout.shards_params:
+        sum(b.numel for b in buffers)
+        if layout.parallel.ddp.unsharded_grad_accumulation
+        else (UNSHARDED_BUCKETS + held) * largest
+    ) * layout.parallel.ddp.grad_dtype.itemsize
+    if not layout.parallel.ddp.shards_params:
         return grads
-    if not layout.reshards_params:
+    if not layout.parallel.ddp.reshard_after_forward:
         return grads + sum(b.numel for b in buffers) * dtype_bytes(config.params_dtype)
     return grads + (UNSHARDED_BUCKETS + held) * largest * dtype_bytes(config.params_dtype)
 

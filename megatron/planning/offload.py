@@ -36,13 +36,13 @@ def _on_device(numels: list[int], on_host: frozenset) -> int:
 def state_bytes(buffers: list, layout, weight_bytes: int) -> StateBytes:
     """Device bytes of weights, gradients and optimizer state, and the host slab's bytes."""
     numels = shard_numels(buffers)
-    placement = chunk_placement(
-        buffers, layout.offload_fraction, layout.grad_offload_fraction, layout.param_offload_fraction
-    )
+    placement = chunk_placement(buffers, *layout.offload_fractions)
     padded = sum(b.numel for b in buffers)
     optimizer = _on_device(numels, placement.optimizer) * part_bytes(weight_bytes, False, False).optimizer
-    weights = (_on_device(numels, placement.params) if layout.shards_params else padded) * weight_bytes
-    grads = (_on_device(numels, placement.grads) if layout.shards_grads else padded) * layout.grad_dtype_bytes
+    weights = (_on_device(numels, placement.params) if layout.parallel.ddp.shards_params else padded) * weight_bytes
+    grads = (
+        _on_device(numels, placement.grads) if layout.parallel.ddp.shards_grads else padded
+    ) * layout.parallel.ddp.grad_dtype.itemsize
     return StateBytes(weights, grads, optimizer, 4 * host_elements(numels, placement, weight_bytes))
 
 

@@ -38,14 +38,14 @@ def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     for c, layer_ids in enumerate(
         stage_layer_ids(
             config.num_layers,
-            layout.pp,
-            layout.virtual_stages,
+            layout.parallel.pp,
+            layout.parallel.virtual_stages,
             pp_rank,
-            layout.first_stage_layers,
-            layout.last_stage_layers,
+            layout.parallel.first_stage_layers,
+            layout.parallel.last_stage_layers,
         )
     ):
-        first, last = layout.chunk_position(pp_rank, c)
+        first, last = layout.parallel.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
 
@@ -59,7 +59,7 @@ def shared_embedding_index(config, layout, chunk: ModelChunk) -> int | None:
     embedding or the last stage's output-layer copy), which our buffers put in a bucket of its own."""
     if config.untie_embeddings_and_output_weights or chunk.pre_process == chunk.post_process:
         return None
-    return 0 if chunk.pre_process else len(chunk_shapes(config, layout.tp, chunk)) - 1
+    return 0 if chunk.pre_process else len(chunk_shapes(config, layout.parallel.tp, chunk)) - 1
 
 
 def numel(shape: Shape) -> int:

@@ -90,9 +90,9 @@ def refusal(estimate: MemoryEstimate, device_bytes: int) -> str:
 
 
 def _offload_hint(layout: MemoryLayout) -> str:
-    if layout.offload_fraction == 1.0:
+    if layout.offload_fractions.optimizer == 1.0:
         return "all of it is already on host"
-    if layout.offload_fraction:
+    if layout.offload_fractions.optimizer:
         return "raise --optimizer-offload-fraction"
     return "--use-distributed-optimizer --optimizer-cpu-offload"
 

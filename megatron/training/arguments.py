@@ -14,7 +14,7 @@ import torch
 from megatron.data.config import DataConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.training.checkpoint_args import add_checkpoint_arguments, checkpoint_config_from_args
-from megatron.training.config import ParallelConfig, RunConfig
+from megatron.training.config import RunConfig, parallel_config_from_args
 from megatron.training.data_args import add_data_arguments, data_config_from_args
 from megatron.training.eval_args import add_eval_arguments, eval_config_from_args
 from megatron.training.logging_args import add_logging_arguments, logging_config_from_args
@@ -132,7 +132,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     argv, fusion_toggles = strip_fusion_toggles(argv)
     args = build_parser(defaults, prog).parse_args(argv)
     data = _data_config(args)
-    parallel = ParallelConfig.from_args(args, world_size)
+    parallel = parallel_config_from_args(args, world_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     model = transformer_config_from_args(args, parallel, dtype)
     parallel.validate_layers(model.num_layers)

@@ -15,47 +15,15 @@ from megatron.planning.startup_check import check_fit, offload_budget_refusal
 
 
 def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None = None) -> MemoryLayout:
-    """The layout `run` trains with; `distributed_optimizer` overrides its --use-distributed-optimizer
-    (None: keep it), to compare the two optimizers on one run (the replicated one without offload).
-    --offload-policy auto is estimated as full offload (every part the strategy can move on host):
-    the best case, so the start-up check refuses only a run that cannot fit even then."""
-    par, training, offload = run.parallel, run.training, run.optimizer.offload
-    ddp = par.ddp
-    sharded = ddp.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
-    strategy = "no_shard" if not sharded else ddp.sharding_strategy if ddp.sharding_strategy != "no_shard" else "optim"
-    offloaded = offload.enabled and sharded
-    auto = offloaded and offload.policy == "auto"
-    fractions = (
-        (1.0, float(strategy in ("optim_grads", "optim_grads_params")), float(strategy == "optim_grads_params"))
-        if auto
-        else (offload.fraction, offload.grad_fraction, offload.param_fraction)
-        if offloaded
-        else (0.0, 0.0, 0.0)
+    """What the estimate reads of `run` on `device_type`: its own parallel config and offload
+    settings and its batch sizes. `distributed_optimizer` overrides --use-distributed-optimizer
+    (None: keep it), to compare the two optimizers on one run (the replicated one without offload)."""
+    layout = MemoryLayout(
+        run.parallel, run.training.micro_batch_size, run.training.num_microbatches, run.optimizer.offload, device_type
     )
-    return MemoryLayout(
-        tp=par.tp,
-        cp=par.cp,
-        pp=par.pp,
-        dp=par.dp,
-        virtual_stages=par.virtual_stages,
-        microbatch_group_size=par.microbatch_group_size,
-        micro_batch_size=training.micro_batch_size,
-        num_microbatches=training.num_microbatches,
-        distributed_optimizer=sharded,
-        bucket_size=ddp.bucket_size,
-        first_stage_layers=par.first_stage_layers,
-        last_stage_layers=par.last_stage_layers,
-        offload_fraction=fractions[0],
-        grad_offload_fraction=fractions[1],
-        param_offload_fraction=fractions[2],
-        offload_auto=auto,
-        grad_dtype_bytes=ddp.grad_dtype.itemsize,
-        device_type=device_type,
-        split_backward=par.split_backward,
-        sharding_strategy=strategy,
-        reshard_after_forward=ddp.reshard_after_forward,
-        unsharded_grad_accumulation=ddp.unsharded_grad_accumulation and strategy != "optim",
-    )
+    if distributed_optimizer is None:
+        return layout
+    return layout.with_ddp(use_distributed_optimizer=True) if distributed_optimizer else layout.replicated()
 
 
 def check_memory(

@@ -44,10 +44,9 @@ def place_chunks(run, pp_rank: int, buffers: list, device: torch.device) -> tupl
     layouts = [buffer.layout for buffer in buffers]
     if offload.policy == "static":
         return chunk_placement(layouts, offload.fraction, offload.grad_fraction, offload.param_fraction), None
-    layout = layout_from_run(run, device.type)
-    fixed = estimate_memory(run.model, layout).ranks[pp_rank].total_bytes
-    weight_bytes = run.model.params_dtype.itemsize
-    costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
+    fixed = estimate_memory(run.model, layout_from_run(run, device.type)).ranks[pp_rank].total_bytes
+    weight_bytes, ddp = run.model.params_dtype.itemsize, run.parallel.ddp
+    costs = part_bytes(weight_bytes, ddp.shards_grads, ddp.shards_params, ddp.grad_dtype.itemsize)
     decision = auto_placement(
         forward_order(layouts),
         shard_numels(layouts),

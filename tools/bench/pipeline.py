@@ -51,8 +51,8 @@ from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkB
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
 from megatron.core.pipeline_parallel.executor import COMPUTE_SPANS, PipelineExecutor, PipelineSpec  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import build_schedule  # noqa: E402
-from megatron.core.pipeline_parallel.simulate import analytic_bubble_fraction  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.planning.pipeline_simulator import analytic_bubble_fraction  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 LOSS_RTOL = 1e-5
@@ -425,7 +425,8 @@ def report(args, results: list) -> bool:
         f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
         f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
         f"1 thread/rank; ours with{'' if args.gradient_accumulation_fusion else 'out'} gradient accumulation "
-        f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} timed steps each, alternating; "
+        f"fusion{', split backward' if args.split_backward else ''}; {args.warmup} warm-up + {args.iters} "
+        f"timed steps each, alternating; "
         f"median of {MEASURES[args.clock]}"
     )
     ok = True
@@ -457,7 +458,8 @@ def report(args, results: list) -> bool:
             ours, theirs = times[(name, "ours")], times[(name, "torch")]
             pooled[name] += _paired(times, name)
             ratio = (
-                f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} {med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
+                f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} "
+                f"{med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
                 f"{(1 + bubble[inter]) / (1 + bubble[one]):>8.3f}"
                 if name == inter
                 else ""
@@ -476,7 +478,8 @@ def report(args, results: list) -> bool:
     if args.clock == "wall":
         _print_breakdown(results, (one, inter))
     print(
-        f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), over p={','.join(map(str, args.pp))} "
+        f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), "
+        f"over p={','.join(map(str, args.pp))} "
         f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
         f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
         f"{inter} {statistics.median(pooled[inter]):.3f}"
@@ -485,7 +488,10 @@ def report(args, results: list) -> bool:
 
 
 def _print_breakdown(results: list, names: tuple) -> None:
-    header = f"{'p':>2} {'m':>3} {'schedule':<16} {'side':<6} {'rank':>4} {'compute':>8} {'post':>6} {'wait':>6} {'other':>6}"
+    header = (
+        f"{'p':>2} {'m':>3} {'schedule':<16} {'side':<6} {'rank':>4} "
+        f"{'compute':>8} {'post':>6} {'wait':>6} {'other':>6}"
+    )
     print(
         "where each rank's step time goes, ms (median over the timed steps; other = step time of the slowest "
         "rank minus the rest)"
