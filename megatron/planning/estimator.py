@@ -181,13 +181,12 @@ def _with_attention(config, attention: str):
 def estimate_rank(
     config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances, pp_rank: int
 ) -> RankEstimate:
+    par = layout.parallel
     chunks = rank_chunks(config, layout, pp_rank)
-    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, layout.parallel.tp, c))), default=0)
+    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, par.tp, c))), default=0)
     buffers = [chunk_buffer(config, layout, c) for c in chunks]
     states = model_states(config, layout, buffers)
-    setting = Setting(
-        layout.parallel.tp, layout.parallel.cp, layout.micro_batch_size, layout.device_type, kernels.attention
-    )
+    setting = Setting(par.tp, par.cp, layout.micro_batch_size, layout.device_type, kernels.attention)
     traced = _with_attention(config, kernels.attention)
     activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, len(c.layer_ids)) for c in chunks]
     dims = Dims.of(config, layout)
@@ -203,22 +202,18 @@ def estimate_rank(
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),
     )
-    split = (
-        max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks)
-        if layout.parallel.split_backward
-        else 0
-    )
+    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
     transients = estimate_transients(
         dims,
         layout,
         allowances,
         p2p_extra=inflight.p2p_extra_bytes,
         split_bytes=split,
-        cp_bytes=cp_attention_bytes(dims, layout.parallel.cp, config.cp_comm_type),
+        cp_bytes=cp_attention_bytes(dims, par.cp, config.cp_comm_type),
         largest=largest,
         activations=inflight.activations_bytes,
     )
-    has_copy = tied and layout.parallel.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
+    has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
     after = after_backward_temporary(
         dims, layout, optimizer_step_temporary(buffers, layout.offload_fractions.optimizer), has_copy
     )

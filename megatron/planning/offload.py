@@ -39,10 +39,9 @@ def state_bytes(buffers: list, layout, weight_bytes: int) -> StateBytes:
     placement = chunk_placement(buffers, *layout.offload_fractions)
     padded = sum(b.numel for b in buffers)
     optimizer = _on_device(numels, placement.optimizer) * part_bytes(weight_bytes, False, False).optimizer
-    weights = (_on_device(numels, placement.params) if layout.parallel.ddp.shards_params else padded) * weight_bytes
-    grads = (
-        _on_device(numels, placement.grads) if layout.parallel.ddp.shards_grads else padded
-    ) * layout.parallel.ddp.grad_dtype.itemsize
+    ddp = layout.parallel.ddp
+    weights = (_on_device(numels, placement.params) if ddp.shards_params else padded) * weight_bytes
+    grads = (_on_device(numels, placement.grads) if ddp.shards_grads else padded) * ddp.grad_dtype.itemsize
     return StateBytes(weights, grads, optimizer, 4 * host_elements(numels, placement, weight_bytes))
 
 

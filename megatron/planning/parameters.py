@@ -34,18 +34,13 @@ class ModelChunk:
 
 def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
-    chunks = []
+    chunks, par = [], layout.parallel
     for c, layer_ids in enumerate(
         stage_layer_ids(
-            config.num_layers,
-            layout.parallel.pp,
-            layout.parallel.virtual_stages,
-            pp_rank,
-            layout.parallel.first_stage_layers,
-            layout.parallel.last_stage_layers,
+            config.num_layers, par.pp, par.virtual_stages, pp_rank, par.first_stage_layers, par.last_stage_layers
         )
     ):
-        first, last = layout.parallel.chunk_position(pp_rank, c)
+        first, last = par.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
 

@@ -247,36 +247,29 @@ def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention:
             backward.total + recompute.total + tp_bwd + cp_bwd,
         )
 
-    counts = layer_counts(
-        config.num_layers, layout.parallel.pp, layout.parallel.first_stage_layers, layout.parallel.last_stage_layers
-    )
-    return max(
-        (work(n, r == layout.parallel.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s
-    )
+    par = layout.parallel
+    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+    return max((work(n, r == par.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
 
 
 def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
     """One pipeline send between neighbouring stages (tp x cp x dp ranks apart)."""
-    if layout.parallel.pp == 1:
+    par = layout.parallel
+    if par.pp == 1:
         return 0.0
-    tokens = layout.micro_batch_size * config.seq_length // layout.parallel.cp
-    volume = p2p_bytes(
-        tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.parallel.tp, config.sequence_parallel
-    )
-    return volume / (
-        group_bandwidth(hw, 2, layout.parallel.tp * layout.parallel.cp * layout.parallel.dp) * cal.comm_efficiency
-    )
+    tokens = layout.micro_batch_size * config.seq_length // par.cp
+    volume = p2p_bytes(tokens, config.hidden_size, dtype_bytes(config.params_dtype), par.tp, config.sequence_parallel)
+    return volume / (group_bandwidth(hw, 2, par.tp * par.cp * par.dp) * cal.comm_efficiency)
 
 
 def rank_parameters(config, layout) -> float:
     """Parameters of the pipeline rank holding the most (its layers and an embedding or output layer)."""
-    embedding = padded_vocab(config, layout.parallel.tp) * config.hidden_size
+    par = layout.parallel
+    embedding = padded_vocab(config, par.tp) * config.hidden_size
     embeddings = 2 if config.untie_embeddings_and_output_weights else 1
-    per_layer = (total_parameters(config, layout.parallel.tp) - embeddings * embedding) / config.num_layers
-    counts = layer_counts(
-        config.num_layers, layout.parallel.pp, layout.parallel.first_stage_layers, layout.parallel.last_stage_layers
-    )
-    return (max(counts) * per_layer + embedding) / layout.parallel.tp
+    per_layer = (total_parameters(config, par.tp) - embeddings * embedding) / config.num_layers
+    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+    return (max(counts) * per_layer + embedding) / par.tp
 
 
 def dp_collectives(layout) -> tuple[int, int]:
@@ -285,9 +278,9 @@ def dp_collectives(layout) -> tuple[int, int]:
     parameters gathered before a microbatch's forward and again before its backward (once a step
     when they stay gathered between them under pipeline parallelism); gradients accumulated
     unsharded are reduce-scattered once per step."""
-    m = layout.num_microbatches
-    return (m if layout.parallel.ddp.shards_grads and not layout.parallel.ddp.unsharded_grad_accumulation else 1), (
-        2 * m if layout.parallel.ddp.shards_params and layout.parallel.ddp.reshard_after_forward else 1
+    m, ddp = layout.num_microbatches, layout.parallel.ddp
+    return (m if ddp.shards_grads and not ddp.unsharded_grad_accumulation else 1), (
+        2 * m if ddp.shards_params and ddp.reshard_after_forward else 1
     )
 
 
@@ -310,16 +303,17 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
 
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
-    d = layout.parallel.dp * layout.parallel.cp
+    par = layout.parallel
+    d = par.dp * par.cp
     grad, gather = dp_bytes(
         rank_parameters(config, layout),
         d,
-        layout.parallel.ddp.grad_dtype.itemsize,
+        par.ddp.grad_dtype.itemsize,
         dtype_bytes(config.params_dtype),
-        layout.parallel.ddp.use_distributed_optimizer,
+        par.ddp.use_distributed_optimizer,
         *dp_collectives(layout),
     )
-    bandwidth = group_bandwidth(hw, d, layout.parallel.tp) * cal.comm_efficiency
+    bandwidth = group_bandwidth(hw, d, par.tp) * cal.comm_efficiency
     return grad / bandwidth, gather / bandwidth
 
 
@@ -331,15 +325,16 @@ def step_time(
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "auto",
 ) -> StepTime:
-    """Project one iteration of `config` (split for layout.parallel.tp / cp) trained with `layout` on `hw`.
+    """Project one iteration of `config` (split for the layout's tp / cp) trained with `layout` on `hw`.
     `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
-    pp, v, m = layout.parallel.pp, layout.parallel.virtual_stages, layout.num_microbatches
+    par = layout.parallel
+    pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
     idle = pipeline_idle(
-        pp, v, m, layout.parallel.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
+        pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
     )
-    bubble = bubble_units(pp, v, m, layout.parallel.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
+    bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
     bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
@@ -349,17 +344,15 @@ def step_time(
     reductions, gathers = dp_collectives(layout)
     exposed_grad = (
         reductions * max(0.0, grad_s / reductions - work.backward_s)
-        if overlap.grad_reduce or layout.parallel.ddp.shards_grads
+        if overlap.grad_reduce or par.ddp.shards_grads
         else grad_s
     )
     exposed_gather = (
         gathers * max(0.0, gather_s / gathers - work.forward_s)
-        if overlap.param_gather or layout.parallel.ddp.shards_params
+        if overlap.param_gather or par.ddp.shards_params
         else gather_s
     )
-    shard = rank_parameters(config, layout) / (
-        layout.parallel.dp * layout.parallel.cp if layout.parallel.ddp.use_distributed_optimizer else 1
-    )
+    shard = rank_parameters(config, layout) / (par.dp * par.cp if par.ddp.use_distributed_optimizer else 1)
     optimizer = (
         shard
         * (1.0 - layout.offload_fractions.optimizer)
@@ -372,7 +365,7 @@ def step_time(
         max(host_traffic_bytes(config, layout)) / (hw.host_link_gbps * 1e9) - m * (work.forward_s + work.backward_s),
     )
 
-    global_batch = layout.micro_batch_size * layout.parallel.dp * m
+    global_batch = layout.micro_batch_size * par.dp * m
     model = flops_per_iteration(config, global_batch)
     extra = recompute_forward_flops(config, global_batch * config.seq_length, config.num_layers)
     forward, backward = work.forward, work.backward
@@ -394,7 +387,7 @@ def step_time(
         model_flops=model,
         hardware_flops=model + extra,
         tokens=global_batch * config.seq_length,
-        world_size=layout.parallel.world_size,
+        world_size=par.world_size,
     )
 
 
