@@ -88,7 +88,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{l}" for _, l, m in CASES])
+@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{lay}" for _, lay, m in CASES])
 def test_distributed_optimizer_matches_one_process(results, world, layout, model):
     reference = results[("reference", model)][0]
     assert reference["grad_norms"][0] > 0.3, "clipping must be active"

@@ -142,8 +142,8 @@ def _interleaved_group_size(p: int, v: int, m: int, group_size: int | None) -> i
         )
     if 0 < m % g < p:
         raise ValueError(
-            f"{m} microbatches in groups of {g} (--microbatch-group-size-per-virtual-pipeline-stage) leave a last group "
-            f"of {m % g} < {p} (--pipeline-model-parallel-size); make the number of microbatches "
+            f"{m} microbatches in groups of {g} (--microbatch-group-size-per-virtual-pipeline-stage) leave a last "
+            f"group of {m % g} < {p} (--pipeline-model-parallel-size); make the number of microbatches "
             f"(--global-batch-size / (--micro-batch-size * data-parallel size)) a multiple of the group size "
             f"or pick a group size that leaves >= {p}"
         )
