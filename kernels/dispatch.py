@@ -6,10 +6,15 @@
     interpreter is on (TRITON_INTERPRET=1 before triton is imported); anything else raises;
   * 'auto'   runs Triton when it can (triton importable, tensors on CUDA, shape and dtype
     supported by the kernel) and the torch reference otherwise.
+
+`kernel_paths` is the one decision of which path each op of a model takes on a device type:
+the layers run it, the start-up log prints it, the memory estimate traces it (for a device
+elsewhere, as if Triton were installed: `assume_triton`). A shape-only call (fake tensors)
+launches nothing, so it chooses as on its device with Triton installed.
 """
 
-import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -43,28 +48,6 @@ HAS_TRITON = triton is not None
 INTERPRETER = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-_estimated_device_type = None  # set by `estimating_for` while the memory estimator traces a run
-
-
-@contextlib.contextmanager
-def estimating_for(device_type):
-    """Within: calls on shape-only tensors choose their path as they would on `device_type`
-    with Triton installed (on CPU: with the interpreter on). The memory estimator traces runs
-    with fake CPU tensors, so that each op saves for backward what it saves on the device the
-    estimate is for, whether or not this process could launch the kernel."""
-    global _estimated_device_type
-    saved, _estimated_device_type = _estimated_device_type, device_type
-    try:
-        yield
-    finally:
-        _estimated_device_type = saved
-
-
-def device_of(t):
-    """The device a kernel call on `t` dispatches for (see `estimating_for`)."""
-    return torch.device(_estimated_device_type) if _estimated_device_type and is_fake(t) else t.device
-
-
 def shape_only(t) -> bool:
     """True for fake tensors (shapes and dtypes, no data): kernels allocate their outputs and
     save for backward as on a real call, but launch nothing."""
@@ -76,34 +59,62 @@ def check_impl(impl):
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _environment_reason(impl, device):
-    """Why `impl` cannot run Triton on `device`, or None if it can."""
-    estimating = _estimated_device_type is not None  # a shape-only trace: as if Triton could run
-    if not HAS_TRITON and not estimating:
+def _environment_reason(impl, device_type, assume_triton):
+    """Why `impl` cannot run Triton on `device_type`, or None if it can. `assume_triton`: as if
+    Triton were installed (on CPU: the interpreter on), for a run elsewhere or a shape-only call."""
+    if not HAS_TRITON and not assume_triton:
         return "triton is not installed"
-    kind = torch.device(device).type
-    if kind == "cuda":
+    if device_type == "cuda":
         return None
-    if kind != "cpu":
-        return f"no Triton kernels for device type {kind!r}"
+    if device_type != "cpu":
+        return f"no Triton kernels for device type {device_type!r}"
     if impl == "auto":
         return "tensors on CPU"
-    if INTERPRETER or estimating:
+    if INTERPRETER or assume_triton:
         return None
     return "tensors on CPU and TRITON_INTERPRET=1 was not set before importing triton"
 
 
-def use_triton(impl, device, unsupported=None):
-    """Resolve `impl` for one call: True to run the Triton kernel, False for the torch reference.
+@dataclass(frozen=True)
+class OpPath:
+    """One op's path: `impl` ('triton' or 'torch') is what the op is called with; `line` says why
+    for the start-up log ('triton', 'triton (interpreter)', 'torch (tensors on CPU)', or
+    'error (...)' where a forced Triton kernel cannot run: called with 'triton', it raises)."""
 
-    `unsupported` is the kernel's own reason it cannot take these inputs (a head dim, a dtype,
-    a hidden size), or None. 'auto' falls back to torch on any reason; 'triton' raises:
-    RuntimeError when the environment cannot run Triton, ValueError when the inputs are unsupported.
-    """
+    impl: str
+    line: str
+
+    @property
+    def error(self) -> str | None:
+        return self.line[len("error (") : -1] if self.line.startswith("error") else None
+
+    @property
+    def runs_triton(self) -> bool:
+        return self.impl == "triton" and self.error is None
+
+
+def op_path(impl, device_type, unsupported=None, assume_triton=False) -> OpPath:
+    """Resolve `impl` for one op on `device_type`. `unsupported` is the kernel's own reason it cannot
+    take these inputs (a head dim, a dtype, a hidden size), or None. 'auto' falls back to torch on
+    any reason; 'triton' stays 'triton' with an error line."""
+    check_impl(impl)
+    if impl == "torch":
+        return OpPath("torch", "torch (impl='torch')")
+    reason = _environment_reason(impl, device_type, assume_triton) or unsupported
+    if reason is not None:
+        return OpPath("torch", f"torch ({reason})") if impl == "auto" else OpPath("triton", f"error ({reason})")
+    return OpPath("triton", "triton (interpreter)" if device_type == "cpu" else "triton")
+
+
+def use_triton(impl, t, unsupported=None):
+    """Resolve `impl` for one call on tensor `t`: True to run the Triton kernel, False for the torch
+    reference. A shape-only `t` launches nothing, so it chooses as on its device with Triton
+    installed. 'triton' raises where it cannot run: RuntimeError when the environment cannot run
+    Triton, ValueError when the inputs are unsupported."""
     check_impl(impl)
     if impl == "torch":
         return False
-    env_reason = _environment_reason(impl, device)
+    env_reason = _environment_reason(impl, t.device.type, shape_only(t))
     if impl == "auto":
         return env_reason is None and unsupported is None
     if env_reason is not None:
@@ -116,13 +127,66 @@ def use_triton(impl, device, unsupported=None):
 def kernel_path(impl, device, unsupported=None):
     """One line for the start-up log saying which path a call with `impl` on `device` takes,
     e.g. 'triton', 'triton (interpreter)', 'torch (tensors on CPU)'."""
-    check_impl(impl)
-    if impl == "torch":
-        return "torch (impl='torch')"
-    reason = _environment_reason(impl, device) or unsupported
-    if reason is not None:
-        return f"torch ({reason})" if impl == "auto" else f"error ({reason})"
-    return "triton (interpreter)" if torch.device(device).type == "cpu" else "triton"
+    return op_path(impl, torch.device(device).type, unsupported).line
+
+
+ATTENTION_PATHS = ("ring", "flash_attention", "sdpa")
+
+
+@dataclass(frozen=True)
+class KernelPaths:
+    """Which path each op of a model takes. `attention`: 'ring' (context parallelism, whose blocks
+    run `attention_kernel`), 'flash_attention' (our kernel or its torch reference, by
+    `attention_kernel`), or 'sdpa' (torch's scaled_dot_product_attention: attention dropout or a
+    document mask, which the kernel does not have). `norm`: the normalization kernels' path."""
+
+    attention: str
+    attention_kernel: OpPath
+    norm: OpPath
+    sdpa_reason: str = ""
+
+    @property
+    def attention_line(self) -> str:
+        """The start-up log's attention path (the kernel's path, or why SDPA runs instead)."""
+        if self.attention == "sdpa":
+            return f"torch scaled_dot_product_attention {self.sdpa_reason}"
+        return self.attention_kernel.line
+
+
+def kernel_paths(
+    device_type,
+    *,
+    attention_impl,
+    norm_impl,
+    head_dim,
+    hidden_size,
+    dtype,
+    attention_dropout=0.0,
+    context_parallel=False,
+    document_mask=False,
+    assume_triton=False,
+) -> KernelPaths:
+    """The one decision of which path each op takes on `device_type`, for the layers, the start-up
+    log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend and
+    --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
+    probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
+    `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
+    CPU: the interpreter on), for an estimate of a run elsewhere."""
+    # the kernel modules import this one: their own rules are looked up when deciding
+    from kernels.flash_attention import unsupported_reason as attention_unsupported
+    from kernels.normalization import unsupported_reason as norm_unsupported
+
+    attention_kernel = op_path(
+        attention_impl, device_type, attention_unsupported(head_dim, dtype, device_type), assume_triton
+    )
+    norm = op_path(norm_impl, device_type, norm_unsupported(hidden_size, dtype), assume_triton)
+    if context_parallel:
+        return KernelPaths("ring", attention_kernel, norm)
+    if document_mask:
+        return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)")
+    if attention_dropout > 0.0:
+        return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)")
+    return KernelPaths("flash_attention", attention_kernel, norm)
 
 
 def empty(shape, dtype, device):

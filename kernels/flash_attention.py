@@ -15,6 +15,7 @@ Scores are computed in base 2 (the softmax scale folded with log2(e)) so exp2 ca
 Each loop runs in up to three ranges: blocks that need the causal/bounds mask and the blocks
 between them that do not, so the mask costs nothing away from the diagonal and the ragged end.
 """
+# ruff: noqa: E741 (the kernels name their tensors O, as the FlashAttention papers do)
 
 import math
 
@@ -519,8 +520,7 @@ def flash_attention_torch(q, k, v, causal=True, softmax_scale=None):
 def flash_attention(q, k, v, causal=True, softmax_scale=None, impl="auto"):
     """softmax(q k^T * scale) v per head; q [b, s_q, h, d], k/v [b, s_k, h_kv, d] -> [b, s_q, h, d]."""
     _check_inputs(q, k, v)
-    device = dispatch.device_of(q)
-    if dispatch.use_triton(impl, device, unsupported_reason(q.shape[-1], q.dtype, device)):
+    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))[0]
     return flash_attention_torch(q, k, v, causal, softmax_scale)
 
@@ -544,8 +544,7 @@ def flash_attention_block(q, k, v, causal, softmax_scale=None, impl="auto"):
     fp32). Both outputs are differentiable, so context parallelism can merge blocks with
     `merge_attention_blocks` and backpropagate through the merge."""
     _check_inputs(q, k, v)
-    device = dispatch.device_of(q)
-    if dispatch.use_triton(impl, device, unsupported_reason(q.shape[-1], q.dtype, device)):
+    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_torch(q, k, v, causal, softmax_scale)
 
@@ -578,8 +577,7 @@ def flash_attention_block_backward(q, k, v, out, lse, dout, causal, softmax_scal
     of the global softmax and delta = rowsum(dout * out) the global one, so the per-block gradients
     of a context-parallel ring add up to the exact gradients without keeping any block's output."""
     _check_inputs(q, k, v)
-    device = dispatch.device_of(q)
-    if dispatch.use_triton(impl, device, unsupported_reason(q.shape[-1], q.dtype, device)):
+    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         q, k, v, out, lse, dout = (t.contiguous() for t in (q, k, v, out, lse, dout))
         return _attn_backward(q, k, v, out, lse, dout, None, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_backward_torch(q, k, v, out, lse, dout, causal, softmax_scale)

@@ -275,7 +275,7 @@ def _norm(x, weight, bias, eps, impl, residual, is_rms):
         raise ValueError(f"weight/bias must have shape {tuple(x.shape[-1:])}, got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-    if dispatch.use_triton(impl, dispatch.device_of(x), unsupported_reason(x.shape[-1], x.dtype)):
+    if dispatch.use_triton(impl, x, unsupported_reason(x.shape[-1], x.dtype)):
         return _NormFn.apply(x, weight, bias, residual, eps, is_rms)
     if is_rms:
         return rms_norm_torch(x, weight, eps, residual)

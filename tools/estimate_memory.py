@@ -33,17 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
+from megatron.planning.budget import device_memory_bytes  # noqa: E402
+from megatron.planning.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
+from megatron.planning.startup_check import allowance_warning, format_table, refusal  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, build_parser  # noqa: E402
-from megatron.training.memory_check import (  # noqa: E402
-    allowance_warning,
-    device_memory_bytes,
-    format_table,
-    layout_from_run,
-    parse_tool_command_line,
-    refusal,
-    tool_parser,
-)
+from megatron.training.arguments.tool_command_line import parse_tool_command_line, tool_parser  # noqa: E402
+from megatron.training.memory_check import layout_from_run  # noqa: E402
 
 PROG = "tools/estimate_memory.py"
 

@@ -10,7 +10,7 @@ batch, recomputation, replicated or distributed optimizer) for the given GPUs an
 batch, drops layouts whose worst-rank memory estimate is above 80% of device memory
 (Fujii et al.'s margin: a recommendation keeps it; the start-up check refuses only what
 certainly cannot fit, and the summary says how many dropped layouts it would still
-start), ranks the rest by a projected step time (megatron/core/memory/step_time.py,
+start), ranks the rest by a projected step time (megatron/planning/step_time.py,
 calibrated on published runs: docs/planner.md) and prints the top ones with their model
 TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
@@ -58,9 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD  # noqa: E402
-from megatron.core.memory.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
-from megatron.core.memory.planner import (  # noqa: E402
+from megatron.planning.budget import GIB, device_memory_bytes  # noqa: E402
+from megatron.planning.estimator import DEFAULT_THRESHOLD  # noqa: E402
+from megatron.planning.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
+from megatron.planning.planner import (  # noqa: E402
     RECOMPUTE,
     Search,
     enumerate_layouts,
@@ -70,15 +71,10 @@ from megatron.core.memory.planner import (  # noqa: E402
     plan_offload,
     plan_sharded,
 )
-from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
+from megatron.planning.startup_check import refusal  # noqa: E402
+from megatron.planning.step_time import Overlap, Projection  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
-from megatron.training.memory_check import (  # noqa: E402
-    GIB,
-    device_memory_bytes,
-    refusal,
-    run_config_for_tool,
-    tool_parser,
-)
+from megatron.training.arguments.tool_command_line import run_config_for_tool, tool_parser  # noqa: E402
 
 PROG = "tools/plan_parallelism.py"
 
@@ -140,22 +136,23 @@ OFFLOAD_HEADER = HEADER + "  offload  host GiB"
 
 def _stages(lay) -> str:
     """first/last stage layers of an uneven split ('=': that stage gets the even share), else '-'."""
-    if lay.first_stage_layers is None and lay.last_stage_layers is None:
+    if lay.parallel.first_stage_layers is None and lay.parallel.last_stage_layers is None:
         return "-"
-    return f"{lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}"
+    return f"{lay.parallel.first_stage_layers or '='}/{lay.parallel.last_stage_layers or '='}"
 
 
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
+    par = lay.parallel
     row = (
-        f"{rank:4d} {lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual_stages:3d} {lay.dp:4d} "
+        f"{rank:4d} {par.tp:3d} {par.cp:3d} {par.pp:3d} {par.virtual_stages:3d} {par.dp:4d} "
         f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
-        f"{SHARDING_CELLS[lay.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
+        f"{SHARDING_CELLS[lay.parallel.ddp.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
         f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
         f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}"
     )
-    if lay.offload_fraction:
-        row += f" {lay.offload_fraction:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
+    if lay.offload_fractions.optimizer:
+        row += f" {lay.offload_fractions.optimizer:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
     return row
 
 
@@ -166,19 +163,19 @@ def _max_host_bytes(c) -> int:
 def _json(c, why: str | None = None) -> dict:
     lay, est, t = c.layout, c.estimate, c.time
     return {
-        "tp": lay.tp,
-        "cp": lay.cp,
-        "pp": lay.pp,
-        "virtual_stages": lay.virtual_stages,
-        "dp": lay.dp,
+        "tp": lay.parallel.tp,
+        "cp": lay.parallel.cp,
+        "pp": lay.parallel.pp,
+        "virtual_stages": lay.parallel.virtual_stages,
+        "dp": lay.parallel.dp,
         "micro_batch_size": lay.micro_batch_size,
         "num_microbatches": lay.num_microbatches,
-        "decoder_first_pipeline_num_layers": lay.first_stage_layers,
-        "decoder_last_pipeline_num_layers": lay.last_stage_layers,
+        "decoder_first_pipeline_num_layers": lay.parallel.first_stage_layers,
+        "decoder_last_pipeline_num_layers": lay.parallel.last_stage_layers,
         "recompute": c.recompute,
-        "distributed_optimizer": lay.distributed_optimizer,
-        "sharding_strategy": lay.sharding_strategy,
-        "offload_fraction": lay.offload_fraction,
+        "distributed_optimizer": lay.parallel.ddp.use_distributed_optimizer,
+        "sharding_strategy": lay.parallel.ddp.sharding_strategy,
+        "offload_fraction": lay.offload_fractions.optimizer,
         "max_host_bytes": _max_host_bytes(c),
         "max_certain_bytes": est.max_certain_bytes,
         "max_total_bytes": est.max_total_bytes,
@@ -336,10 +333,10 @@ def main(argv: list[str]) -> int:
         print(
             f"> no layout fits with replicated or distributed-optimizer buffers; with gradients (dist-opt: grads) "
             f"or parameters too (params) sharded these do: --use-megatron-fsdp --data-parallel-sharding-strategy "
-            f"{sharded[0].layout.sharding_strategy} for the first"
+            f"{sharded[0].layout.parallel.ddp.sharding_strategy} for the first"
         )
     if offloaded:
-        best = offloaded[0].layout.offload_fraction
+        best = offloaded[0].layout.offload_fractions.optimizer
         print(
             f"> no layout fits without offload; with the offload optimizer these do, least offloaded first (host "
             f"GiB: per rank, the worst): --use-distributed-optimizer --optimizer-cpu-offload "
@@ -366,9 +363,7 @@ def main(argv: list[str]) -> int:
 def _one_layout(layouts) -> bool:
     """Whether the enumerated layouts differ at most in the optimizer (which no flag restricts to the
     replicated one)."""
-    shapes = {
-        dataclasses.replace(lay, distributed_optimizer=False, sharding_strategy="no_shard") for _, lay, _ in layouts
-    }
+    shapes = {tuple(lay.replicated().to_dict().items()) for _, lay, _ in layouts}
     return len(shapes) == 1 and len({name for _, _, name in layouts}) == 1
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron.core.pipeline_parallel.schedules import ActionKind  # noqa: E402
-from megatron.core.pipeline_parallel.simulate import (  # noqa: E402
+from megatron.planning.pipeline_simulator import (  # noqa: E402
     Timeline,
     analytic_bubble_fraction,
     bubble_fraction,

@@ -1,4 +1,5 @@
-"""Run-level config dataclasses: parallel layout and the training loop's settings."""
+"""Run-level config: the parallel layout from the command line (the dataclass is
+megatron/core/parallel_config.py), the training loop's settings, the whole run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import dataclass, field
 from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.lr_schedule import LRSchedule
-from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
-from megatron.core.pipeline_parallel.layer_split import layers_per_rank, stage_layer_ids
+from megatron.core.parallel_config import ParallelConfig
+from megatron.core.parallel_state import ParallelDims
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank
 from megatron.core.transformer.config import TransformerConfig
 from megatron.data.config import DataConfig
 from megatron.training.arguments.checkpoint import CheckpointConfig
@@ -23,107 +25,80 @@ from megatron.training.arguments.parallel import (
 from megatron.training.batch_schedule import BatchSizeSchedule
 
 
-@dataclass
-class ParallelConfig:
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    virtual_stages: int
-    microbatch_group_size: int | None
-    backend: str | None
-    timeout_minutes: int
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
-    split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
-    heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
-
-    @classmethod
-    def from_args(cls, args, world_size: int) -> ParallelConfig:
-        dims = ParallelDims.from_world(
-            world_size,
-            tp=args.tensor_model_parallel_size,
-            cp=args.context_parallel_size,
-            pp=args.pipeline_model_parallel_size,
-            order=rank_order_from_args(args),
+def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
+    """The parallel layout of Megatron's flags (one ValueError line naming the flag if invalid)."""
+    dims = ParallelDims.from_world(
+        world_size,
+        tp=args.tensor_model_parallel_size,
+        cp=args.context_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        order=rank_order_from_args(args),
+    )
+    virtual = _virtual_stages(args, dims.pp)
+    if args.distributed_timeout_minutes < 1:
+        raise ValueError("--distributed-timeout-minutes must be >= 1")
+    if not args.heartbeat_timeout_seconds >= 0:
+        raise ValueError(f"--heartbeat-timeout-seconds must be >= 0 (0 disables), got {args.heartbeat_timeout_seconds}")
+    if args.split_backward and dims.pp == 1:
+        raise ValueError(
+            "--split-backward only changes pipeline schedules: it needs --pipeline-model-parallel-size > 1"
         )
-        virtual = cls._virtual_stages(args, dims.pp)
-        if args.distributed_timeout_minutes < 1:
-            raise ValueError("--distributed-timeout-minutes must be >= 1")
-        if not args.heartbeat_timeout_seconds >= 0:
-            raise ValueError(
-                f"--heartbeat-timeout-seconds must be >= 0 (0 disables), got {args.heartbeat_timeout_seconds}"
-            )
-        if args.split_backward and dims.pp == 1:
-            raise ValueError(
-                "--split-backward only changes pipeline schedules: it needs --pipeline-model-parallel-size > 1"
-            )
-        ddp = DDPConfig(
-            bucket_size=args.ddp_bucket_size,
-            sharding_strategy=sharding_strategy_from_args(args),
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather,
-            reshard_after_forward=reshard_after_forward_from_args(args, dims.pp),
-            unsharded_grad_accumulation=unsharded_grad_accumulation_from_args(args),
-        )
-        return cls(
-            tp=dims.tp,
-            cp=dims.cp,
-            pp=dims.pp,
-            dp=dims.dp,
-            virtual_stages=virtual,
-            microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
-            backend=args.distributed_backend,
-            timeout_minutes=args.distributed_timeout_minutes,
-            ddp=ddp,
-            first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers,
-            rank_order=dims.order,
-            split_backward=args.split_backward,
-            heartbeat_timeout=args.heartbeat_timeout_seconds,
-        )
+    ddp = DDPConfig(
+        bucket_size=args.ddp_bucket_size,
+        sharding_strategy=sharding_strategy_from_args(args),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        reshard_after_forward=reshard_after_forward_from_args(args, dims.pp),
+        unsharded_grad_accumulation=unsharded_grad_accumulation_from_args(args),
+    )
+    return ParallelConfig(
+        tp=dims.tp,
+        cp=dims.cp,
+        pp=dims.pp,
+        dp=dims.dp,
+        virtual_stages=virtual,
+        microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+        backend=args.distributed_backend,
+        timeout_minutes=args.distributed_timeout_minutes,
+        ddp=ddp,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
+        rank_order=dims.order,
+        split_backward=args.split_backward,
+        heartbeat_timeout=args.heartbeat_timeout_seconds,
+    )
 
-    @staticmethod
-    def _virtual_stages(args, pp: int) -> int:
-        per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-        if per_stage is not None and per_rank is not None:
-            raise ValueError(
-                "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
-            )
-        if per_stage is None and per_rank is None:
-            return 1
-        if pp == 1:
-            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        if per_rank is not None:
-            if per_rank < 1:
-                raise ValueError("--num-virtual-stages-per-pipeline-rank must be >= 1")
-            return per_rank
-        if per_stage < 1:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        counts = layers_per_rank(
-            args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+
+def _virtual_stages(args, pp: int) -> int:
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    if per_stage is not None and per_rank is not None:
+        raise ValueError(
+            "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
         )
-        if len(set(counts)) > 1:
-            raise ValueError(
-                "--num-layers-per-virtual-pipeline-stage needs equal layers per pipeline rank; with "
-                "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank"
-            )
-        if counts[0] % per_stage:
-            raise ValueError(
-                f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
-                f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})"
-            )
-        return counts[0] // per_stage
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order)
-
-    def validate_layers(self, num_layers: int) -> None:
-        """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""
-        stage_layer_ids(num_layers, self.pp, self.virtual_stages, 0, self.first_stage_layers, self.last_stage_layers)
+    if per_stage is None and per_rank is None:
+        return 1
+    if pp == 1:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if per_rank is not None:
+        if per_rank < 1:
+            raise ValueError("--num-virtual-stages-per-pipeline-rank must be >= 1")
+        return per_rank
+    if per_stage < 1:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+    counts = layers_per_rank(
+        args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    )
+    if len(set(counts)) > 1:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage needs equal layers per pipeline rank; with "
+            "--decoder-first/last-pipeline-num-layers use --num-virtual-stages-per-pipeline-rank"
+        )
+    if counts[0] % per_stage:
+        raise ValueError(
+            f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) must be a "
+            f"multiple of --num-layers-per-virtual-pipeline-stage ({per_stage})"
+        )
+    return counts[0] // per_stage
 
 
 @dataclass

@@ -24,32 +24,32 @@ from megatron.core.distributed.placement import (
     AutoDecision,
     Placement,
     auto_placement,
+    chunk_placement,
     forward_order,
     part_bytes,
-    static_placement,
+    shard_numels,
 )
-from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
-from megatron.training.memory_check import device_memory_bytes, host_memory_bytes, layout_from_run
+from megatron.planning.budget import device_memory_bytes, host_memory_bytes
+from megatron.planning.estimator import estimate_memory
+from megatron.training.memory_check import layout_from_run
 
 MIB = float(1 << 20)
 
 
-def chunk_placement(run, pp_rank: int, buffers: list, device: torch.device) -> tuple[Placement, AutoDecision | None]:
+def place_chunks(run, pp_rank: int, buffers: list, device: torch.device) -> tuple[Placement, AutoDecision | None]:
     """The placement of this rank's chunks (`buffers`: its ParamAndGradBuffers, not yet placed)
     and, with the auto policy, the decision that chose it."""
     offload = run.optimizer.offload
-    order = forward_order(buffers)
-    numels = [bucket.param_shard.numel() for buffer in buffers for bucket in buffer.buckets]
+    layouts = [buffer.layout for buffer in buffers]
     if offload.policy == "static":
-        return static_placement(order, numels, offload.fraction, offload.grad_fraction, offload.param_fraction), None
-    layout = layout_from_run(run, device.type)
-    fixed = estimate_memory(run.model, layout).ranks[pp_rank].total_bytes
-    weight_bytes = run.model.params_dtype.itemsize
-    costs = part_bytes(weight_bytes, layout.shards_grads, layout.shards_params, layout.grad_dtype_bytes)
+        return chunk_placement(layouts, offload.fraction, offload.grad_fraction, offload.param_fraction), None
+    fixed = estimate_memory(run.model, layout_from_run(run, device.type)).ranks[pp_rank].total_bytes
+    weight_bytes, ddp = run.model.params_dtype.itemsize, run.parallel.ddp
+    costs = part_bytes(weight_bytes, ddp.shards_grads, ddp.shards_params, ddp.grad_dtype.itemsize)
     decision = auto_placement(
-        order,
-        numels,
+        forward_order(layouts),
+        shard_numels(layouts),
         costs,
         device_memory_bytes(device, run.training.device_memory_gb),
         fixed,
@@ -99,22 +99,3 @@ def offload_line(optimizer) -> str:
             f"{100 * fetches.hit_rate:.0f}%, waited {1000 * fetches.wait_seconds / steps:.1f} ms/iter"
         )
     return line
-
-
-def check_offload_budget(run, device: torch.device) -> None:
-    """Refuse (ValueError, one line) a device budget that cannot hold a rank even with the whole
-    optimizer state on host: weights, gradient buffers and saved activations stay on the device."""
-    budget = device_memory_bytes(device, run.training.device_memory_gb)
-    if not run.optimizer.offload.enabled or budget is None:
-        return
-    estimate = estimate_memory(run.model, layout_from_run(run, device.type))
-    rank = max(estimate.ranks, key=lambda r: r.certain_bytes - r.optimizer_bytes)
-    needed = rank.certain_bytes - rank.optimizer_bytes
-    if needed > budget:
-        raise ValueError(
-            f"device memory {budget / MIB:.1f} MiB (--device-memory-gb or the device's) cannot hold pipeline rank "
-            f"{rank.pp_rank} even with all optimizer state on host: weights {rank.weights_bytes / MIB:.1f} + gradients "
-            f"{rank.grads_bytes / MIB:.1f} + saved activations {rank.activations_bytes / MIB:.1f} = "
-            f"{needed / MIB:.1f} MiB; raise tensor/pipeline parallelism, recompute activations or lower "
-            f"--micro-batch-size"
-        )

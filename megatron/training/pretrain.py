@@ -23,9 +23,8 @@ from megatron.training.initialize import (
     select_device,
 )
 from megatron.training.iteration_log import IterationLog
-from megatron.training.kernel_paths import kernel_paths
-from megatron.training.memory_check import check_memory
-from megatron.training.offload_run import check_offload_budget
+from megatron.training.kernel_paths import startup_kernel_paths
+from megatron.training.memory_check import check_memory, check_offload_budget
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_control import RunControl
 from megatron.training.trainer import Trainer, timed_step
@@ -153,7 +152,9 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     run = parse_run_config(argv, defaults, world_size, prog)
     device = select_device(local_rank)
     backend = choose_backend(run.parallel.backend, device)
-    paths = kernel_paths(run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask)
+    paths = startup_kernel_paths(
+        run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask
+    )
     check_offload_budget(run, device)
     memory_lines = check_memory(
         run, device, run.training.device_memory_gb, run.training.skip_memory_check, run.training.host_memory_gb

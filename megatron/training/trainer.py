@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.initialization import deferred_initialization
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
-from megatron.training.offload_run import chunk_placement, keep_gathered_buckets
+from megatron.training.offload_run import keep_gathered_buckets, place_chunks
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Trainer:
         host = None
         if run.optimizer.offload.enabled:
             buffers = [chunk.buffer for chunk in self.chunks]
-            placement, self.placement_decision = chunk_placement(run, self.mesh.pp_rank, buffers, device)
+            placement, self.placement_decision = place_chunks(run, self.mesh.pp_rank, buffers, device)
             host = HostChunks(buffers, placement, device)
             keep_gathered_buckets(self.chunks, self.placement_decision, parallel.pp)
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh, host)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN
-from megatron.core.memory.estimator import estimate_memory
 from megatron.core.transformer.norm import Norm
+from megatron.planning.estimator import estimate_memory
 from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, torchrun_matching_one_rank
 from tests.distributed import run_distributed

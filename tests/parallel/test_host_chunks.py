@@ -9,18 +9,17 @@ with tied embeddings, Llama), TP2 x SP x DP2 (Llama) and PP2 (v2) x DP2 (GPT), c
 iterations, the iteration-1 grad norm and the parameters after 5 steps match one process (1e-5).
 
 Per rank, after the first step: the device bytes of weights, gradients and optimizer state and
-the host slab equal the memory estimator's for the static layouts; under auto the placement
-is partial and the parts it kept on the device are the bytes it decided. In one step the
-parameter shards fetched from host are 2 per microbatch for each host-resident parameter
-chunk without pipelining (forward and backward gathers) and 1 per step under PP (kept
-gathered from forward to backward), the gradient copies to host one reduce-scattered shard per
-microbatch for each host-resident gradient chunk, and some gathers were started ahead.
-A run saved with every shard on host resumes bit for bit so, and continues without offload at
-TP2 as the uninterrupted run does. Where the auto placement leaves device room over, each forward keeps
-gathered buckets for its
-backward within it (fewer all-gathers than two per bucket per microbatch) and the run still
-matches one process. torchrun with 2 ranks prints the one-rank losses and the host traffic; a host budget below the
-slab is one line.
+the host slab equal the memory estimator's for the static layouts; under auto the placement is
+partial and the parts it kept on the device are the bytes it decided. In one step the parameter
+shards fetched from host are 2 per microbatch for each host-resident parameter chunk without
+pipelining (forward and backward gathers) and 1 per step under PP (kept gathered from forward to
+backward), the gradient copies to host one reduce-scattered shard per microbatch for each
+host-resident gradient chunk, and some gathers were started ahead. A run saved with every shard
+on host resumes bit for bit so, and continues without offload at TP2 as the uninterrupted run
+does. Where the auto placement leaves device room over, each forward keeps gathered buckets for
+its backward within it (fewer all-gathers than two per bucket per microbatch) and the run still
+matches one process. torchrun with 2 ranks prints the one-rank losses and the host traffic; a
+host budget below the slab is one line.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ import re
 
 import pytest
 
-from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
+from megatron.planning.estimator import estimate_memory
 from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, explain, run_cli, torchrun_matching_one_rank
 from tests.distributed import run_distributed

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron.core.memory.estimator import estimate_memory
 from megatron.core.optimizer.offload import placement_bytes
+from megatron.planning.estimator import estimate_memory
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 from megatron.training.memory_check import layout_from_run
 from tests.cli import TINY_LLAMA, run_cli, torchrun_matching_one_rank

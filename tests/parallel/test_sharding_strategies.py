@@ -1,27 +1,27 @@
 """Megatron-FSDP's sharding strategies on our buckets reproduce the one-process run.
 
-optim_grads (no whole fp32 gradient buffer: each bucket reduce-scattered per microbatch into
-the rank's shard) and optim_grads_params (parameters sharded too, gathered around each use) at
-DP2 (optim_grads with --overlap-param-gather; optim_grads_params also with half the optimizer
-chunks offloaded to the CPU step), DP4, TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual stages)
-x DP2, CP2 x DP2 and TP2 x SP x PP2 (v2) x DP2 on 8 ranks, GPT (tied embeddings) and Llama, fp32, several
-microbatches, clipping active, buckets small enough that parameters straddle shards: the loss
-of 5 iterations, the iteration-1 grad norm and the parameters after 5 steps match the one-process
-run (1e-5). After the last step each rank's buffers hold exactly 1/(dp x cp) of the padded
-gradients in fp32, and of the parameters under optim_grads_params: the memory estimator's
-weights, gradients and optimizer bytes for the rank, exactly. bf16 and fp16 track the
-one-process run of their precision; an inf in one rank's gradient shard skips the fp16 step
-everywhere. The payload of each collective in one step is the analytic volume: per microbatch
-one reduce-scatter of the gradients, and, for optim_grads_params (where a forward holds at
-most a quarter of the buckets gathered at once), two all-gathers of the
-parameters per microbatch without pipelining (forward, backward) and one per step with it
-(parameters stay gathered from a microbatch's forward to its backward; two per microbatch with
---reshard-params-after-forward, also checked for equivalence, with --split-backward); optim_grads gathers
-the parameters once, after the step; with --unsharded-grad-accumulation the gradients are
-reduce-scattered once per step (and optim_grads_params with it matches one process). A run saved
-under optim_grads or optim_grads_params resumes bit for bit under it, and one saved under
-optim_grads_params continues under optim_grads at TP2 as the uninterrupted run does. torchrun with 2 ranks
-prints the one-rank losses and what the strategy keeps.
+optim_grads (no whole fp32 gradient buffer: each bucket reduce-scattered per microbatch into the
+rank's shard) and optim_grads_params (parameters sharded too, gathered around each use) at DP2
+(optim_grads with --overlap-param-gather; optim_grads_params also with half the optimizer chunks
+offloaded to the CPU step), DP4, TP2 x DP2 with SP (and full recomputation), PP2 (2 virtual
+stages) x DP2, CP2 x DP2 and TP2 x SP x PP2 (v2) x DP2 on 8 ranks, GPT (tied embeddings) and
+Llama, fp32, several microbatches, clipping active, buckets small enough that parameters
+straddle shards: the loss of 5 iterations, the iteration-1 grad norm and the parameters after 5
+steps match the one-process run (1e-5). After the last step each rank's buffers hold exactly
+1/(dp x cp) of the padded gradients in fp32, and of the parameters under optim_grads_params: the
+memory estimator's weights, gradients and optimizer bytes for the rank, exactly. bf16 and fp16
+track the one-process run of their precision; an inf in one rank's gradient shard skips the fp16
+step everywhere. The payload of each collective in one step is the analytic volume: per
+microbatch one reduce-scatter of the gradients, and, for optim_grads_params (where a forward
+holds at most a quarter of the buckets gathered at once), two all-gathers of the parameters per
+microbatch without pipelining (forward, backward) and one per step with it (parameters stay
+gathered from a microbatch's forward to its backward; two per microbatch with
+--reshard-params-after-forward, also checked for equivalence, with --split-backward);
+optim_grads gathers the parameters once, after the step; with --unsharded-grad-accumulation the
+gradients are reduce-scattered once per step (and optim_grads_params with it matches one
+process). A run saved under optim_grads or optim_grads_params resumes bit for bit under it, and
+one saved under optim_grads_params continues under optim_grads at TP2 as the uninterrupted run
+does. torchrun with 2 ranks prints the one-rank losses and what the strategy keeps.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.transient import TransientBuffer
-from megatron.core.memory.estimator import estimate_memory
+from megatron.planning.estimator import estimate_memory
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint, save_checkpoint
 from megatron.training.memory_check import layout_from_run
@@ -161,7 +161,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{layout}" for _, layout, m in CASES])
+@pytest.mark.parametrize("world,layout,model", CASES, ids=[f"{m}-{lay}" for _, lay, m in CASES])
 def test_strategy_matches_one_process(results, world, layout, model):
     reference = results[("reference", model)]
     assert reference["grad_norms"][0] > 0.3, "clipping must be active"

@@ -8,14 +8,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.transients import Dims, split_backward_bytes
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.initialization import initialize_parameters
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.transients import Dims, split_backward_bytes
 from tests.distributed import run_distributed
 
 WORLD = 2
@@ -277,7 +278,7 @@ def check_split_backward_queue_bytes(rank):
                 w.grad_out.untyped_storage().data_ptr(): w.grad_out.untyped_storage().nbytes()
                 for w in chunk.weight_grads.pending
             }
-            dims = Dims.of(config, MemoryLayout(tp=WORLD, micro_batch_size=3))
+            dims = Dims.of(config, MemoryLayout(ParallelConfig(tp=WORLD), micro_batch_size=3))
             assert sum(queued.values()) == split_backward_bytes(dims, config, layers=1), (sp, llama, queued)
             chunk.compute_weight_grads()
 

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory.inflight import peaks
-from megatron.core.memory.kernels import resolve_kernels
-from megatron.core.memory.trace import Setting, chunk_saved
 from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning.inflight import peaks
+from megatron.planning.kernels import resolve_kernels
+from megatron.planning.trace import Setting, chunk_saved
 
 S, B, H, A, G, D, F = 4096, 2, 4096, 32, 8, 128, 14336
 LLAMA = TransformerConfig(

@@ -9,16 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core.memory import estimate_memory
+from megatron.planning import estimate_memory
+from megatron.planning.budget import GIB
+from megatron.planning.startup_check import check_estimate
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
-from megatron.training.memory_check import (
-    GIB,
-    check_estimate,
-    check_memory,
-    layout_from_run,
-    parse_tool_command_line,
-    tool_parser,
-)
+from megatron.training.arguments.tool_command_line import parse_tool_command_line, tool_parser
+from megatron.training.memory_check import check_memory, layout_from_run
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_7B = [
@@ -185,7 +181,7 @@ def test_exit_1_when_refused(capsys):
 def _llama31_estimate(layout_flags):
     args, run = parse_tool_command_line(tool_parser("test", ""), LLAMA31_8B + layout_flags)
     layout = layout_from_run(run, "cuda")
-    assert layout.distributed_optimizer
+    assert layout.parallel.ddp.use_distributed_optimizer
     return estimate_memory(run.model, layout), int(args.device_memory_gb * GIB)
 
 
@@ -437,8 +433,13 @@ def test_start_up_table_follows_the_run():
         world=8,
     )
     layout = layout_from_run(run, "cpu")
-    assert (layout.cp, layout.dp, layout.distributed_optimizer, layout.bucket_size) == (2, 2, True, 1000)
-    assert (layout.first_stage_layers, layout.last_stage_layers) == (1, None)
+    assert (
+        layout.parallel.cp,
+        layout.parallel.dp,
+        layout.parallel.ddp.use_distributed_optimizer,
+        layout.parallel.ddp.bucket_size,
+    ) == (2, 2, True, 1000)
+    assert (layout.parallel.first_stage_layers, layout.parallel.last_stage_layers) == (1, None)
     assert "distributed optimizer" in check_memory(run, torch.device("cpu"), None, skip=False)[0]
     sharded = estimate_memory(run.model, layout)
     replicated = estimate_memory(run.model, layout_from_run(run, "cpu", distributed_optimizer=False))
@@ -461,7 +462,10 @@ def test_start_up_check_counts_offloaded_state_on_host():
         check_memory(_run(base + ["--use-distributed-optimizer"]), torch.device("cpu"), 48.0, skip=False)
     full = _run(base + OFFLOAD)
     layout = layout_from_run(full, "cuda")
-    assert (layout.offload_fraction, layout.offload_auto) == (1.0, False) and "offload 1" in layout.describe()
+    assert (layout.offload_fractions.optimizer, layout.offload_auto) == (
+        1.0,
+        False,
+    ) and "offload 1" in layout.describe()
     rank = estimate_memory(full.model, layout).ranks[0]
     assert rank.optimizer_bytes == 0 and rank.host_bytes == 16 * rank.parameters
     assert rank.certain_bytes == rank.weights_bytes + rank.grads_bytes + rank.activations_bytes < 48 * GIB

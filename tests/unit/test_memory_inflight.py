@@ -2,9 +2,9 @@
 
 import pytest
 
-from megatron.core.memory.inflight import _rank_profiles, equivalent_microbatches, peaks, profiles, rank_profiles
 from megatron.core.pipeline_parallel.schedules import build_schedule
-from megatron.core.pipeline_parallel.simulate import peak_in_flight
+from megatron.planning.inflight import _rank_profiles, equivalent_microbatches, peaks, profiles, rank_profiles
+from megatron.planning.pipeline_simulator import peak_in_flight
 
 GRID = [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p + (1 if v == 1 else 0))]
 

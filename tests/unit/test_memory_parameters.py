@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.memory import MemoryLayout, estimate_memory
-from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from megatron.core.models.gpt_model import GPTModel
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from tests.distributed import run_distributed
 
 LLAMA = dict(
@@ -70,7 +71,7 @@ def test_vocabulary_is_padded_per_tp():
 def test_pipeline_ranks_sum_to_total_plus_tied_copy():
     """Untied: pipeline ranks add up to the model. Tied across stages: the last stage holds a copy."""
     for config in (LLAMA2_7B, GPT_SMALL):
-        layout = MemoryLayout(pp=4, virtual_stages=1)
+        layout = MemoryLayout(ParallelConfig(pp=4, virtual_stages=1))
         per_rank = [r.parameters for r in estimate_memory(config, layout).ranks]
         tied_copy = 0 if config.untie_embeddings_and_output_weights else config.padded_vocab_size * 64
         assert sum(per_rank) == total_parameters(config) + tied_copy
@@ -122,7 +123,9 @@ def test_shapes_equal_our_model_on_every_rank(tp):
     also with --add-qkv-bias, --qk-layernorm and uneven pipeline splits."""
     built = run_distributed(tp, _model_numels, CASES)
     for index, (config, pp, v, first, last) in enumerate(CASES):
-        layout = MemoryLayout(tp=tp, pp=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last)
+        layout = MemoryLayout(
+            ParallelConfig(tp=tp, pp=pp, virtual_stages=v, first_stage_layers=first, last_stage_layers=last)
+        )
         config = dataclasses.replace(config, tensor_model_parallel_size=tp)
         estimated = [
             [[numel(s) for s in chunk_shapes(config, tp, c)] for c in rank_chunks(config, layout, r)] for r in range(pp)
@@ -132,11 +135,11 @@ def test_shapes_equal_our_model_on_every_rank(tp):
 
 
 def test_chunks_follow_stage_layout():
-    layout = MemoryLayout(pp=2, virtual_stages=2)
+    layout = MemoryLayout(ParallelConfig(pp=2, virtual_stages=2))
     chunks = rank_chunks(GPT_SMALL, layout, 1)
     assert [c.layer_ids for c in chunks] == [(1,), (3,)]
     assert [(c.pre_process, c.post_process) for c in chunks] == [(False, False), (False, True)]
     with pytest.raises(ValueError, match="divisible"):
-        rank_chunks(GPT_SMALL, MemoryLayout(pp=3), 0)
-    uneven = MemoryLayout(pp=3, first_stage_layers=2)
+        rank_chunks(GPT_SMALL, MemoryLayout(ParallelConfig(pp=3)), 0)
+    uneven = MemoryLayout(ParallelConfig(pp=3, first_stage_layers=2))
     assert [[c.layer_ids for c in rank_chunks(GPT_SMALL, uneven, r)] for r in range(3)] == [[(0, 1)], [(2,)], [(3,)]]

@@ -5,12 +5,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout, estimate_memory
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
-from megatron.core.memory.step_time import bubble_units, step_time
-from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.optimizer.config import OffloadConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.hardware import Hardware
+from megatron.planning.pipeline_simulator import simulate
+from megatron.planning.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
+from megatron.planning.step_time import bubble_units, step_time
 
 MODEL = TransformerConfig(
     num_layers=8,
@@ -47,18 +49,18 @@ def test_step_time_components():
     assert (one.tp_comm_s, one.dp_comm_s, one.bubble_s) == (0.0, 0.0, 0.0)
     tp = step_time(
         dataclasses.replace(MODEL, tensor_model_parallel_size=2, sequence_parallel=True),
-        MemoryLayout(tp=2, num_microbatches=8),
+        MemoryLayout(ParallelConfig(tp=2), num_microbatches=8),
     )
     assert tp.tp_comm_s > 0 and one.compute_s / 2 < tp.compute_s < one.compute_s  # smaller GEMMs, same launches
-    pp = step_time(MODEL, MemoryLayout(pp=4, num_microbatches=8))
-    vpp = step_time(MODEL, MemoryLayout(pp=4, virtual_stages=2, num_microbatches=8))
+    pp = step_time(MODEL, MemoryLayout(ParallelConfig(pp=4), num_microbatches=8))
+    vpp = step_time(MODEL, MemoryLayout(ParallelConfig(pp=4, virtual_stages=2), num_microbatches=8))
     assert vpp.bubble_s == pytest.approx(pp.bubble_s / 2, rel=0.05)  # p2p time is per chunk, not halved
     full = step_time(
         dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
         MemoryLayout(num_microbatches=8),
     )
     assert full.compute_s > one.compute_s
-    dp = step_time(MODEL, MemoryLayout(dp=8, num_microbatches=1))
+    dp = step_time(MODEL, MemoryLayout(ParallelConfig(dp=8), num_microbatches=1))
     assert dp.dp_comm_total_s > 0 and dp.dp_comm_s == 0  # hidden behind the backward (--overlap-grad-reduce)
 
 
@@ -66,24 +68,24 @@ def test_enumeration_is_valid_and_complete():
     layouts = list(enumerate_layouts(MODEL, 8, 32, Search(micro_batch_sizes=(1, 2)), Hardware()))
     assert layouts
     for config, layout, _name in layouts:
-        assert layout.world_size == 8
-        assert config.tensor_model_parallel_size == layout.tp
-        assert config.sequence_parallel == (layout.tp > 1)
-        assert 32 % (layout.micro_batch_size * layout.dp) == 0
-        assert config.num_layers % layout.stages == 0
-        assert config.context_parallel_size == layout.cp
-        assert config.seq_length % (2 * layout.cp * layout.tp) == 0
-    shapes = {(lay.tp, lay.cp, lay.pp, lay.virtual_stages) for _, lay, _ in layouts}
+        assert layout.parallel.world_size == 8
+        assert config.tensor_model_parallel_size == layout.parallel.tp
+        assert config.sequence_parallel == (layout.parallel.tp > 1)
+        assert 32 % (layout.micro_batch_size * layout.parallel.dp) == 0
+        assert config.num_layers % layout.parallel.stages == 0
+        assert config.context_parallel_size == layout.parallel.cp
+        assert config.seq_length % (2 * layout.parallel.cp * layout.parallel.tp) == 0
+    shapes = {(lay.parallel.tp, lay.parallel.cp, lay.parallel.pp, lay.parallel.virtual_stages) for _, lay, _ in layouts}
     assert {(1, 1, 1, 1), (8, 1, 1, 1), (2, 1, 4, 2), (1, 1, 8, 1), (1, 8, 1, 1), (2, 2, 2, 1)} <= shapes
-    assert {lay.distributed_optimizer for _, lay, _ in layouts} == {False, True}
+    assert {lay.parallel.ddp.use_distributed_optimizer for _, lay, _ in layouts} == {False, True}
 
 
 def test_cp_only_where_the_sequence_splits_and_without_attention_dropout():
     search = Search(tps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(False,))
     short = dataclasses.replace(MODEL, seq_length=12)  # 2 x cp chunks: cp 1, 2, 3, 6 divide; 4 does not
-    assert sorted(lay.cp for _, lay, _ in enumerate_layouts(short, 12, 12, search, Hardware())) == [1, 2, 3, 6]
+    assert sorted(lay.parallel.cp for _, lay, _ in enumerate_layouts(short, 12, 12, search, Hardware())) == [1, 2, 3, 6]
     dropout = dataclasses.replace(MODEL, attention_dropout=0.1)
-    assert {lay.cp for _, lay, _ in enumerate_layouts(dropout, 8, 8, search, Hardware())} == {1}
+    assert {lay.parallel.cp for _, lay, _ in enumerate_layouts(dropout, 8, 8, search, Hardware())} == {1}
 
 
 def test_plan_drops_what_does_not_fit_and_sorts_by_time():
@@ -115,10 +117,11 @@ def test_search_restrictions():
         tps=(2,), cps=(1,), pps=(2,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(True,)
     )
     layouts = list(enumerate_layouts(MODEL, 8, 32, search, Hardware()))
-    assert {(lay.tp, lay.pp, lay.dp, lay.distributed_optimizer, name) for _, lay, name in layouts} == {
-        (2, 2, 2, True, "none")
-    }
-    assert {lay.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}
+    assert {
+        (lay.parallel.tp, lay.parallel.pp, lay.parallel.dp, lay.parallel.ddp.use_distributed_optimizer, name)
+        for _, lay, name in layouts
+    } == {(2, 2, 2, True, "none")}
+    assert {lay.parallel.virtual_stages for _, lay, _ in layouts} == {1, 2, 4}
 
 
 ONE = Search(tps=(1,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("full",))
@@ -132,12 +135,15 @@ def test_plan_offload_proposes_the_smallest_fraction_that_fits():
     assert plan(MODEL, 1, 8, device, search=ONE)[0] == []
     (candidate,) = plan_offload(MODEL, 1, 8, device, search=ONE)
     layout, estimate = candidate.layout, candidate.estimate
-    assert layout.distributed_optimizer and 0 < layout.offload_fraction < 1
+    assert layout.parallel.ddp.use_distributed_optimizer and 0 < layout.offload_fractions.optimizer < 1
     assert estimate.fits(device) and estimate.ranks[0].host_bytes > 0
-    need = offload_needed(estimate_memory(candidate.config, dataclasses.replace(layout, offload_fraction=0.0)), device)
-    assert 0 < need <= layout.offload_fraction
-    below = dataclasses.replace(layout, offload_fraction=round(layout.offload_fraction - 0.01, 2))
-    assert below.offload_fraction < need or not estimate_memory(candidate.config, below).fits(device)
+    need = offload_needed(
+        estimate_memory(candidate.config, dataclasses.replace(layout, offload=OffloadConfig())), device
+    )
+    assert 0 < need <= layout.offload_fractions.optimizer
+    fraction = round(layout.offload_fractions.optimizer - 0.01, 2)
+    below = dataclasses.replace(layout, offload=OffloadConfig(enabled=True, fraction=fraction))
+    assert below.offload_fractions.optimizer < need or not estimate_memory(candidate.config, below).fits(device)
     assert plan_offload(MODEL, 1, 8, GIB, search=ONE) == []  # weights, gradients and activations alone do not fit
 
 
@@ -146,11 +152,11 @@ def test_smallest_offload_rounds_up_to_whole_chunks():
     chunks; the proposal is the first 0.01 step whose chunks fit."""
     search = dataclasses.replace(ONE, distributed_optimizer=(True,))
     ((config, layout, _),) = enumerate_layouts(MODEL, 1, 8, search, Hardware())
-    layout = dataclasses.replace(layout, bucket_size=40_000_000)
+    layout = layout.with_ddp(bucket_size=40_000_000)
     plain = estimate_memory(config, layout)
     rank = plain.ranks[0]
     device = int((rank.total_bytes - rank.optimizer_bytes / 3) / 0.8)  # needs a third offloaded, by bytes
     need = offload_needed(plain, device)
     assert need == pytest.approx(1 / 3, rel=1e-6)
     estimate = smallest_offload(config, layout, need, device)
-    assert estimate.fits(device) and estimate.layout.offload_fraction > 0.34
+    assert estimate.fits(device) and estimate.layout.offload_fractions.optimizer > 0.34

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import ModelChunk, chunk_shapes, numel
-from megatron.core.memory.step_time import dp_collectives
+from megatron.core.distributed.model_chunk_buffers import DDPConfig
+from megatron.core.optimizer.config import OffloadConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout
+from megatron.planning.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
+from megatron.planning.parameters import ModelChunk, chunk_shapes, numel
+from megatron.planning.step_time import dp_collectives
 
 CONFIG = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32)
 SHAPES = [(256, 64), (64,), (1024, 64), (64, 256)]
@@ -21,9 +24,10 @@ def buffer(shards=1, bucket_size=10**8):
     return BufferLayout([(str(i), numel(s), False) for i, s in enumerate(SHAPES)], bucket_size, shards, SHARD_ALIGN)
 
 
-def states(dtype, shards=1, bucket_size=10**8, **layout):
+def states(dtype, shards=1, bucket_size=10**8, parallel=None, offload=None, device_type="cuda"):
     config = dataclasses.replace(CONFIG, params_dtype=dtype)
-    return model_states(config, MemoryLayout(**layout), [buffer(shards, bucket_size)])
+    layout = MemoryLayout(parallel or ParallelConfig(), offload=offload or OffloadConfig(), device_type=device_type)
+    return model_states(config, layout, [buffer(shards, bucket_size)])
 
 
 def test_fp32_weights_are_their_own_master():
@@ -66,11 +70,13 @@ def test_every_bucket_is_padded():
 def test_chunk_buffer_follows_the_run():
     """dp x cp shards with the distributed optimizer; the tied embedding of a first stage in its own bucket."""
     first = ModelChunk(0, (0,), True, False)
-    layout = MemoryLayout(dp=2, cp=2, pp=2, distributed_optimizer=True, bucket_size=10**8)
+    layout = MemoryLayout(
+        ParallelConfig(dp=2, cp=2, pp=2, ddp=DDPConfig(bucket_size=10**8, use_distributed_optimizer=True))
+    )
     built = chunk_buffer(CONFIG, layout, first)
     assert built.shards == 4 and len(built.buckets) == 2
     assert built.buckets[-1].numel == -(-numel(chunk_shapes(CONFIG, 1, first)[0]) // 256) * 256
-    assert len(chunk_buffer(CONFIG, MemoryLayout(dp=2), ModelChunk(0, (0, 1), True, True)).buckets) == 1
+    assert len(chunk_buffer(CONFIG, MemoryLayout(ParallelConfig(dp=2)), ModelChunk(0, (0, 1), True, True)).buckets) == 1
 
 
 @pytest.mark.parametrize("dtype,on_device", [(torch.float32, 8), (torch.bfloat16, 12)])
@@ -79,17 +85,17 @@ def test_offload_moves_whole_chunks_to_host(dtype, on_device):
     the static policy offloads the chunks the forward reaches last (the first bucket, which holds the
     last parameters), nearest to the fraction; weights and gradients never move."""
 
-    def offloaded(fraction, **layout):
-        return states(
-            dtype, shards=2, bucket_size=20_000, dp=2, distributed_optimizer=True, offload_fraction=fraction, **layout
-        )
+    def offloaded(fraction, policy="static"):
+        parallel = ParallelConfig(dp=2, ddp=DDPConfig(use_distributed_optimizer=True))
+        offload = OffloadConfig(enabled=bool(fraction) or policy == "auto", fraction=fraction, policy=policy)
+        return states(dtype, shards=2, bucket_size=20_000, parallel=parallel, offload=offload)
 
     first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
     plain, full, half = offloaded(0.0), offloaded(1.0), offloaded(0.5)
     assert (plain.optimizer_bytes, plain.host_bytes) == (on_device * (first + second), 0)
     assert (full.optimizer_bytes, full.host_bytes) == (0, 16 * (first + second))
     assert first > second and (half.optimizer_bytes, half.host_bytes) == (on_device * second, 16 * first)
-    assert offloaded(1.0, offload_auto=True) == full
+    assert offloaded(1.0, policy="auto") == full
     assert (half.weights_bytes, half.grads_bytes) == (plain.weights_bytes, plain.grads_bytes)
 
 
@@ -100,16 +106,9 @@ def test_host_resident_gradients_and_parameters():
     staging slots of the largest host gradient shard (fp32)."""
 
     def placed(optimizer, grads, params):
-        return states(
-            torch.bfloat16,
-            shards=2,
-            bucket_size=20_000,
-            dp=2,
-            sharding_strategy="optim_grads_params",
-            offload_fraction=optimizer,
-            grad_offload_fraction=grads,
-            param_offload_fraction=params,
-        )
+        parallel = ParallelConfig(dp=2, ddp=DDPConfig(sharding_strategy="optim_grads_params"))
+        offload = OffloadConfig(enabled=True, fraction=optimizer, grad_fraction=grads, param_fraction=params)
+        return states(torch.bfloat16, shards=2, bucket_size=20_000, parallel=parallel, offload=offload)
 
     first, second = (buffer(2, 20_000).buckets[i].shard_numel for i in (0, 1))
     full = placed(1.0, 1.0, 1.0)
@@ -118,11 +117,14 @@ def test_host_resident_gradients_and_parameters():
     half = placed(1.0, 0.5, 0.5)  # the first chunk in backward order is the last the forward uses
     assert (half.weights_bytes, half.grads_bytes, half.optimizer_bytes) == (2 * second, 4 * second, 0)
     assert half.host_bytes == 16 * (first + second) + 2 * first + 2 * 4 * first
-    with pytest.raises(ValueError, match="need param_offload_fraction <= grad_offload_fraction"):
+    with pytest.raises(ValueError, match="need --param-offload-fraction"):
         placed(1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="grad_offload_fraction needs a strategy that shards gradients"):
         states(
-            torch.bfloat16, shards=2, dp=2, distributed_optimizer=True, offload_fraction=1.0, grad_offload_fraction=1.0
+            torch.bfloat16,
+            shards=2,
+            parallel=ParallelConfig(dp=2, ddp=DDPConfig(use_distributed_optimizer=True)),
+            offload=OffloadConfig(enabled=True, fraction=1.0, grad_fraction=1.0),
         )
 
 
@@ -144,19 +146,22 @@ def test_optimizer_step_temporaries():
 
 def test_layout_validation():
     with pytest.raises(ValueError, match="tp must be >= 1"):
-        MemoryLayout(tp=0)
+        ParallelConfig(tp=0)
     with pytest.raises(ValueError, match="pipeline-parallel size > 1"):
-        MemoryLayout(virtual_stages=2)
-    with pytest.raises(ValueError, match="offload_fraction must be in"):
-        MemoryLayout(offload_fraction=1.5, distributed_optimizer=True)
+        ParallelConfig(virtual_stages=2)
+    with pytest.raises(ValueError, match="offload-fraction must be in"):
+        OffloadConfig(enabled=True, fraction=1.5)
     with pytest.raises(ValueError, match="offload needs the distributed optimizer"):
-        MemoryLayout(offload_fraction=0.5)
-    with pytest.raises(ValueError, match="estimated as full offload"):
-        MemoryLayout(offload_fraction=0.5, offload_auto=True, distributed_optimizer=True)
+        MemoryLayout(offload=OffloadConfig(enabled=True, fraction=0.5))
     with pytest.raises(ValueError, match="device_type"):
         MemoryLayout(device_type="tpu")
-    with pytest.raises(ValueError, match="bucket_size"):
-        MemoryLayout(bucket_size=0)
+    with pytest.raises(ValueError, match="bucket-size"):
+        DDPConfig(bucket_size=0)
+
+
+def sharded(d, pp, strategy, reshard_after_forward):
+    ddp = DDPConfig(sharding_strategy=strategy, reshard_after_forward=reshard_after_forward)
+    return ParallelConfig(dp=d, pp=pp, ddp=ddp)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
@@ -169,7 +174,7 @@ def test_sharding_strategies_keep_shards_and_gather_whole_buckets(strategy, pp):
     parallelism every bucket's weights stay gathered through the step."""
     d = 4
     padded = -(-N // (d * SHARD_ALIGN)) * d * SHARD_ALIGN
-    s = states(torch.bfloat16, shards=d, dp=d, pp=pp, sharding_strategy=strategy)
+    s = states(torch.bfloat16, shards=d, parallel=sharded(d, pp, strategy, reshard_after_forward=pp == 1))
     grads_sharded, params_sharded = strategy != "optim", strategy == "optim_grads_params"
     assert s.weights_bytes == 2 * padded // (d if params_sharded else 1)
     assert s.grads_bytes == 4 * padded // (d if grads_sharded else 1)
@@ -178,17 +183,18 @@ def test_sharding_strategies_keep_shards_and_gather_whole_buckets(strategy, pp):
     whole_grads = held * 4 * padded if grads_sharded else 0
     whole_params = (2 * padded if pp > 1 else held * 2 * padded) if params_sharded else 0
     assert s.gathered_bytes == whole_grads + whole_params
-    resharded = states(torch.bfloat16, shards=d, dp=d, pp=pp, sharding_strategy=strategy, reshard_after_forward=True)
+    resharded = states(torch.bfloat16, shards=d, parallel=sharded(d, pp, strategy, reshard_after_forward=True))
     assert resharded.gathered_bytes == whole_grads + (held * 2 * padded if params_sharded else 0)
-    assert MemoryLayout(dp=d, sharding_strategy=strategy).distributed_optimizer
-    assert MemoryLayout(dp=d, distributed_optimizer=True).sharding_strategy == "optim"
+    assert DDPConfig(sharding_strategy=strategy).use_distributed_optimizer
+    assert DDPConfig(use_distributed_optimizer=True).sharding_strategy == "optim"
 
 
 def test_unsharded_grad_accumulation_holds_every_whole_gradient_and_reduces_once():
     buffers = [buffer(shards=2, bucket_size=20_000)]
-    layout = MemoryLayout(dp=2, sharding_strategy="optim_grads", num_microbatches=4, unsharded_grad_accumulation=True)
+    ddp = DDPConfig(sharding_strategy="optim_grads", unsharded_grad_accumulation=True)
+    layout = MemoryLayout(ParallelConfig(dp=2, ddp=ddp), num_microbatches=4)
     assert gathered_bytes(CONFIG, layout, buffers) == 4 * buffers[0].numel
     assert dp_collectives(layout) == (1, 1)
-    assert dp_collectives(dataclasses.replace(layout, unsharded_grad_accumulation=False)) == (4, 1)
-    with pytest.raises(ValueError, match="unsharded_grad_accumulation needs a strategy that shards gradients"):
-        MemoryLayout(dp=2, distributed_optimizer=True, unsharded_grad_accumulation=True)
+    assert dp_collectives(layout.with_ddp(unsharded_grad_accumulation=False)) == (4, 1)
+    with pytest.raises(ValueError, match="unsharded-grad-accumulation applies to the optim_grads"):
+        DDPConfig(use_distributed_optimizer=True, unsharded_grad_accumulation=True)

@@ -1,7 +1,7 @@
 """The estimate follows the model code: an option added to the modules only shows up in it.
 
 A test-only option (every transformer layer normalises its output once more) is patched into
-TransformerLayer, nothing in megatron/core/memory/ changes, and the estimate grows by that
+TransformerLayer, nothing in megatron/planning/ changes, and the estimate grows by that
 norm's weight and by what it saves for backward; on CPU the traced bytes equal the bytes a
 real forward of the patched model saves.
 """
@@ -11,14 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout, estimate_memory, trace
-from megatron.core.memory.fake_dist import FakeGroup, fake_collectives
-from megatron.core.memory.trace import trace_cache_clear
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import TransformerLayer
 from megatron.core.transformer.norm import Norm
+from megatron.planning import MemoryLayout, estimate_memory, trace
+from megatron.planning.fake_dist import FakeGroup, fake_collectives
+from megatron.planning.trace import trace_cache_clear
 
 B, S, H, LAYERS = 2, 32, 64, 2
 LLAMA = TransformerConfig(

@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel.schedules import (
     num_warmup_microbatches,
     peer_rank,
 )
-from megatron.core.pipeline_parallel.simulate import (
+from megatron.planning.pipeline_simulator import (
     ScheduleError,
     analytic_bubble_fraction,
     bubble_fraction,

@@ -6,15 +6,19 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core.memory import MemoryLayout
-from megatron.core.memory.comm_volume import (
+from megatron.core.distributed.model_chunk_buffers import DDPConfig
+from megatron.core.optimizer.config import OffloadConfig
+from megatron.core.parallel_config import ParallelConfig
+from megatron.core.transformer.config import TransformerConfig
+from megatron.planning import MemoryLayout
+from megatron.planning.comm_volume import (
     cp_bytes_per_layer,
     dp_bytes,
     group_bandwidth,
     p2p_bytes,
     tp_bytes_per_layer,
 )
-from megatron.core.memory.compute_cost import (
+from megatron.planning.compute_cost import (
     Calibration,
     attention_time,
     elementwise_bytes,
@@ -22,9 +26,10 @@ from megatron.core.memory.compute_cost import (
     gemm_seconds,
     layer_time,
 )
-from megatron.core.memory.hardware import DEVICES, Hardware
-from megatron.core.memory.planner import Search, enumerate_layouts, stage_splits
-from megatron.core.memory.step_time import (
+from megatron.planning.hardware import DEVICES, Hardware
+from megatron.planning.pipeline_simulator import simulate
+from megatron.planning.planner import Search, enumerate_layouts, stage_splits
+from megatron.planning.step_time import (
     Overlap,
     Projection,
     data_parallel_seconds,
@@ -36,8 +41,6 @@ from megatron.core.memory.step_time import (
     step_time,
     transfer_seconds,
 )
-from megatron.core.pipeline_parallel.simulate import simulate
-from megatron.core.transformer.config import TransformerConfig
 from tools.bench.planner_calibration import evaluate_all, print_table, summary
 
 A100 = DEVICES["a100-80gb"]
@@ -85,7 +88,7 @@ def test_model_communication_is_volume_over_bandwidth():
     """tp: forward + backward collectives of every layer of every microbatch; dp: the gradient
     all-reduce (replicated optimizer) with nothing hidden when the overlap is off."""
     config = _split(GPT_1_7B, tp=4)
-    layout = MemoryLayout(tp=4, dp=4, micro_batch_size=2, num_microbatches=3)
+    layout = MemoryLayout(ParallelConfig(tp=4, dp=4), micro_batch_size=2, num_microbatches=3)
     t = step_time(config, layout, A100, CAL, Overlap(grad_reduce=False))
     per_layer = tp_bytes_per_layer(2 * 2048, 2304, 2, 4) / (300e9 * CAL.comm_efficiency)
     assert t.tp_comm_s == pytest.approx(3 * 24 * 2 * per_layer)
@@ -104,7 +107,7 @@ def test_pipeline_time_is_the_simulators():
         exact = simulate(p, v, m, forward_time=1.0, backward_time=2.5, transfer_time=0.2).makespan
         assert pipeline_seconds(p, v, m, None, 1.0, 2.5, 0.2) == pytest.approx(exact, rel=1e-12)
     config = _split(GPT_1_7B, tp=2)
-    layout = MemoryLayout(tp=2, pp=4, virtual_stages=2, dp=1, micro_batch_size=1, num_microbatches=8)
+    layout = MemoryLayout(ParallelConfig(tp=2, pp=4, virtual_stages=2, dp=1), micro_batch_size=1, num_microbatches=8)
     t = step_time(config, layout, A100, CAL)
     work = slowest_rank_work(config, layout, A100, CAL)
     f, b, transfer = work.forward_s / 2, work.backward_s / 2, transfer_seconds(config, layout, A100, CAL)
@@ -197,11 +200,13 @@ def test_more_tensor_parallelism_costs_communication():
     a tp group that leaves the node pays the network."""
     times = []
     for tp in (1, 2, 4, 8):
-        layout = MemoryLayout(tp=tp, dp=8 // tp, micro_batch_size=4, num_microbatches=32 // (8 // tp) // 4)
+        layout = MemoryLayout(
+            ParallelConfig(tp=tp, dp=8 // tp), micro_batch_size=4, num_microbatches=32 // (8 // tp) // 4
+        )
         times.append(step_time(_split(GPT_1_7B, tp=tp), layout, A100, CAL))
     assert [t.tp_comm_s for t in times] == sorted(t.tp_comm_s for t in times) and times[0].tp_comm_s == 0
     assert [t.total_s for t in times] == sorted(t.total_s for t in times)
-    layout = MemoryLayout(tp=8, dp=1, micro_batch_size=4, num_microbatches=8)
+    layout = MemoryLayout(ParallelConfig(tp=8, dp=1), micro_batch_size=4, num_microbatches=8)
     small_nodes = step_time(_split(GPT_1_7B, tp=8), layout, dataclasses.replace(A100, gpus_per_node=4), CAL)
     nvlink = step_time(_split(GPT_1_7B, tp=8), layout, A100, CAL).tp_comm_s
     assert small_nodes.tp_comm_s == pytest.approx(3 * nvlink)  # 4 adapters x 25 GB/s instead of 300 GB/s
@@ -214,18 +219,24 @@ def test_uneven_stages_are_candidates_and_relieve_the_last_stage():
         tps=(1,), cps=(1,), pps=(4,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(True,)
     )
     splits = {
-        (lay.first_stage_layers, lay.last_stage_layers)
+        (lay.parallel.first_stage_layers, lay.parallel.last_stage_layers)
         for _, lay, _ in enumerate_layouts(dataclasses.replace(GPT_1_7B, num_layers=30), 4, 8, search, A100)
     }
     assert (None, None) not in splits and splits  # 30 layers on 4 stages: only uneven splits
     big_vocab = dataclasses.replace(GPT_1_7B, num_layers=8, vocab_size=256000)
-    even = MemoryLayout(pp=2, num_microbatches=8)
-    lighter_last = dataclasses.replace(even, first_stage_layers=5, last_stage_layers=3)
+    even = MemoryLayout(ParallelConfig(pp=2), num_microbatches=8)
+    lighter_last = dataclasses.replace(
+        even, parallel=dataclasses.replace(even.parallel, first_stage_layers=5, last_stage_layers=3)
+    )
     assert step_time(big_vocab, lighter_last, A100, CAL).total_s < step_time(big_vocab, even, A100, CAL).total_s
 
 
 def test_data_parallel_group_spans_nodes():
-    layout = MemoryLayout(tp=8, dp=4, micro_batch_size=1, num_microbatches=1, distributed_optimizer=True)
+    layout = MemoryLayout(
+        ParallelConfig(tp=8, dp=4, ddp=DDPConfig(use_distributed_optimizer=True)),
+        micro_batch_size=1,
+        num_microbatches=1,
+    )
     grad, gather = data_parallel_seconds(_split(GPT_1_7B, tp=8), layout, A100, CAL)
     assert grad == pytest.approx(2 * gather)  # fp32 gradients, fp16 parameters, one adapter each
 
@@ -247,11 +258,15 @@ def test_host_traffic_of_host_resident_chunks():
     gradient shard receives every microbatch's reduce-scattered gradient; a host parameter shard
     goes up at every gather (2 per microbatch without PP)."""
     config = dataclasses.replace(GPT_1_7B, params_dtype=torch.bfloat16)
-    layout = MemoryLayout(dp=2, sharding_strategy="optim_grads_params", num_microbatches=4, offload_fraction=1.0)
+    layout = MemoryLayout(
+        ParallelConfig(dp=2, ddp=DDPConfig(sharding_strategy="optim_grads_params")),
+        num_microbatches=4,
+        offload=OffloadConfig(enabled=True, fraction=1.0),
+    )
     shard = rank_parameters(config, layout) / 2
     assert host_traffic_bytes(config, layout) == (4 * shard, 2 * shard)
-    resident = dataclasses.replace(layout, grad_offload_fraction=1.0, param_offload_fraction=1.0)
+    resident = dataclasses.replace(layout, offload=OffloadConfig(enabled=True, grad_fraction=1.0, param_fraction=1.0))
     assert host_traffic_bytes(config, resident) == (4 * 4 * shard, 2 * 8 * shard)
-    assert host_traffic_bytes(config, dataclasses.replace(layout, offload_fraction=0.0)) == (0.0, 0.0)
+    assert host_traffic_bytes(config, dataclasses.replace(layout, offload=OffloadConfig())) == (0.0, 0.0)
     slow = Hardware(host_link_gbps=1.0)
     assert step_time(config, resident, slow).host_s > 0 == step_time(config, layout).host_s

@@ -27,11 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from megatron.core.memory import MemoryLayout, estimate_memory  # noqa: E402
-from megatron.core.memory.planner import Search, enumerate_layouts, plan  # noqa: E402
-from megatron.core.memory.step_time import Hardware  # noqa: E402
-from megatron.core.memory.trace import trace_cache_clear, traces_run  # noqa: E402
+from megatron.core.distributed.model_chunk_buffers import DDPConfig  # noqa: E402
+from megatron.core.parallel_config import ParallelConfig  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
+from megatron.planning import MemoryLayout, estimate_memory  # noqa: E402
+from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E402
+from megatron.planning.step_time import Hardware  # noqa: E402
+from megatron.planning.trace import trace_cache_clear, traces_run  # noqa: E402
 
 GIB = 1 << 30
 LLAMA_405B = TransformerConfig(
@@ -68,16 +70,10 @@ def start_up() -> float:
 
 def one_layout() -> tuple[float, float, float]:
     config = TransformerConfig(**{**LLAMA_405B.__dict__, "tensor_model_parallel_size": TP, "sequence_parallel": True})
-    layout = MemoryLayout(
-        tp=TP,
-        pp=PP,
-        dp=DP,
-        micro_batch_size=1,
-        num_microbatches=128,
-        distributed_optimizer=True,
-        first_stage_layers=7,
-        last_stage_layers=7,
+    parallel = ParallelConfig(
+        tp=TP, pp=PP, dp=DP, ddp=DDPConfig(use_distributed_optimizer=True), first_stage_layers=7, last_stage_layers=7
     )
+    layout = MemoryLayout(parallel, micro_batch_size=1, num_microbatches=128)
     trace_cache_clear()
     started = time.perf_counter()
     estimate = estimate_memory(config, layout)

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.distributed.param_and_grad_buffer import Bucket  # noqa: E402
 from megatron.core.distributed.placement import AUTO_MARGIN  # noqa: E402
-from megatron.core.memory.estimator import estimate_memory  # noqa: E402
+from megatron.planning.estimator import estimate_memory  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402

@@ -48,12 +48,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.core.distributed.placement import auto_placement, forward_order, part_bytes  # noqa: E402
-from megatron.core.memory.estimator import estimate_memory  # noqa: E402
-from megatron.core.memory.model_states import chunk_buffer  # noqa: E402
-from megatron.core.memory.offload import shard_numels  # noqa: E402
-from megatron.core.memory.parameters import rank_chunks  # noqa: E402
-from megatron.training.memory_check import layout_from_run, run_config_for_tool  # noqa: E402
+from megatron.core.distributed.placement import (  # noqa: E402
+    auto_placement,
+    forward_order,
+    part_bytes,
+    shard_numels,  # noqa: E402
+)
+from megatron.planning.estimator import estimate_memory  # noqa: E402
+from megatron.planning.model_states import chunk_buffer  # noqa: E402
+from megatron.planning.parameters import rank_chunks  # noqa: E402
+from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
+from megatron.training.memory_check import layout_from_run  # noqa: E402
 
 GIB = float(1 << 30)
 WIDTHS = tuple(range(256, 16385, 128))

@@ -51,8 +51,8 @@ from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkB
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
 from megatron.core.pipeline_parallel.executor import COMPUTE_SPANS, PipelineExecutor, PipelineSpec  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import build_schedule  # noqa: E402
-from megatron.core.pipeline_parallel.simulate import analytic_bubble_fraction  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.planning.pipeline_simulator import analytic_bubble_fraction  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 LOSS_RTOL = 1e-5

@@ -22,12 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.core.memory.compute_cost import Calibration  # noqa: E402
-from megatron.core.memory.estimator import estimate_memory  # noqa: E402
-from megatron.core.memory.hardware import DEVICES  # noqa: E402
-from megatron.core.memory.planner import Search, enumerate_layouts, plan  # noqa: E402
-from megatron.core.memory.step_time import Overlap, Projection  # noqa: E402
-from megatron.training.memory_check import GIB, layout_from_run, run_config_for_tool  # noqa: E402
+from megatron.planning.budget import GIB  # noqa: E402
+from megatron.planning.compute_cost import Calibration  # noqa: E402
+from megatron.planning.estimator import estimate_memory  # noqa: E402
+from megatron.planning.hardware import DEVICES  # noqa: E402
+from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E402
+from megatron.planning.step_time import DEFAULT_CALIBRATION, Overlap, Projection  # noqa: E402
+from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
+from megatron.training.memory_check import layout_from_run  # noqa: E402
 from tools.bench.published_runs import RUNS  # noqa: E402
 
 PROG = "tools/bench/planner_calibration.py"
@@ -70,7 +72,7 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
     flags = list(run.flags) + (["--micro-batch-size", "1"] if run.searched else [])
     config = run_config_for_tool(flags, "gpt", run.num_gpus, PROG)
     if not run.searched:
-        layout = dataclasses.replace(layout_from_run(config, "cuda"), grad_dtype_bytes=run.grad_bytes)
+        layout = layout_from_run(config, "cuda").with_ddp(grad_dtype=run.grad_dtype)
         layouts = [(config.model, layout)]
     else:
         par = config.parallel
@@ -82,7 +84,7 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
             recompute=("none",),
             distributed_optimizer=(True,),
             stage_splits=((None, None),),
-            grad_dtype_bytes=run.grad_bytes,
+            grad_dtype=run.grad_dtype,
             max_virtual_stages=config.model.num_layers,
         )
         layouts = [
@@ -106,7 +108,7 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
     return tuple(out)
 
 
-def evaluate(run, cal: Calibration = Calibration()) -> Outcome:
+def evaluate(run, cal: Calibration = DEFAULT_CALIBRATION) -> Outcome:
     """Predict one published run: its own layout, or the planner's pick (the fastest that fits under
     the planner's margin) where the source leaves micro batch and virtual stages open."""
     projection = projection_for(run, cal)
@@ -118,7 +120,7 @@ def evaluate(run, cal: Calibration = Calibration()) -> Outcome:
     return Outcome(run, layout, time, fits, certain, gib)
 
 
-def evaluate_all(cal: Calibration = Calibration(), runs=RUNS) -> list[Outcome]:
+def evaluate_all(cal: Calibration = DEFAULT_CALIBRATION, runs=RUNS) -> list[Outcome]:
     return [evaluate(run, cal) for run in runs]
 
 
@@ -135,7 +137,7 @@ GRID = {
 }
 
 
-def fit(start: Calibration = Calibration(), passes: int = 2, runs=RUNS) -> Calibration:
+def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS) -> Calibration:
     """Coordinate descent over GRID: each constant in turn takes the grid value with the smallest
     (mean |error|, max |error|) over `runs`, the others held; `passes` rounds."""
     best, score = start, summary(evaluate_all(start, runs))
@@ -152,7 +154,8 @@ def fit(start: Calibration = Calibration(), passes: int = 2, runs=RUNS) -> Calib
 
 
 def _layout_text(lay) -> str:
-    text = f"t{lay.tp} p{lay.pp} d{lay.dp} v{lay.virtual_stages} mbs{lay.micro_batch_size} m{lay.num_microbatches}"
+    par = lay.parallel
+    text = f"t{par.tp} p{par.pp} d{par.dp} v{par.virtual_stages} mbs{lay.micro_batch_size} m{lay.num_microbatches}"
     return text
 
 

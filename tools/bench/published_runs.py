@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 SC21 = "Megatron-LM SC21 Table 1 (examples/sc21/run_table_1.sh)"
 MCORE = "Megatron-Core r0.8 weak scaling (Megatron-LM README, images/model_table.png)"
 
@@ -34,16 +36,16 @@ MCORE = "Megatron-Core r0.8 weak scaling (Megatron-LM README, images/model_table
 class PublishedRun:
     name: str
     source: str
-    device: str  # a preset of megatron/core/memory/hardware.py
+    device: str  # a preset of megatron/planning/hardware.py
     num_gpus: int
     flags: tuple[str, ...]  # pretrain_gpt.py flags of the run
-    attention: str  # the attention kernel it ran (megatron/core/memory/kernels.py names)
+    attention: str  # the attention kernel it ran (megatron/planning/kernels.py names)
     metric: str  # "hardware" (recomputation counted) or "model" TFLOP/s per GPU
     tflops: float
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     searched: bool = False  # micro batch and virtual stages not published: the planner picks them
-    grad_bytes: int = 4  # gradient buffer element: Megatron-Core's default holds bf16 gradients
+    grad_dtype: torch.dtype = torch.float32  # gradient buffer element: Megatron-Core's default holds bf16 gradients
 
 
 def _sc21(name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, tflops, layers_per_virtual=None):
@@ -135,7 +137,7 @@ def _mcore(name, layers, hidden, heads, tp, pp, gbs, tflops):
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         searched=True,
-        grad_bytes=2,
+        grad_dtype=torch.bfloat16,
     )
 
 

@@ -1,27 +1,29 @@
-"""What the GPU check borrows from modules that are being moved: each import is made here, once.
+"""What the GPU check takes from the planning side: device presets, the estimate, the fit rules.
 
-- `HARDWARE_MODULE`: the device presets (megatron/core/memory/hardware.py today, megatron/planning/
-  after the move): `device_preset` reads them;
-- `estimate_run`: the memory estimate through the function the start-up check uses
-  (megatron/training/memory_check.py over megatron/core/memory/*), and that check's decision;
+- `device_preset`: the preset of megatron/planning/hardware.py matching the CUDA device;
+- `estimate_run`: the memory estimate as the start-up check makes it (megatron/training/memory_check.py
+  over megatron/planning/), and that check's decision;
 - `size_rule`: tools/bench/max_model_size.py's rule for what fits (member flags, device bytes).
-Fix a moved module's path in this file only.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
 
-HARDWARE_MODULE = "megatron.core.memory.hardware"
+from megatron.planning.budget import host_memory_bytes
+from megatron.planning.estimator import estimate_memory
+from megatron.planning.hardware import DEVICES
+from megatron.planning.startup_check import check_estimate
+from megatron.training.memory_check import layout_from_run
+
+PRESETS_FILE = "megatron/planning/hardware.py"
 
 
 def device_preset(name: str, total_bytes: int) -> tuple[str | None, object | None, str]:
     """(preset key, Hardware, note) of the project's preset matching the CUDA device name
     (torch.cuda.get_device_name) and its memory; (None, None, why) when none matches."""
-    devices = importlib.import_module(HARDWARE_MODULE).DEVICES
     lower = name.lower()
     if "h200" in lower:
         key = "h200"
@@ -30,11 +32,11 @@ def device_preset(name: str, total_bytes: int) -> tuple[str | None, object | Non
     elif "a100" in lower:
         key = "a100-80gb" if total_bytes > 48 * (1 << 30) else "a100-40gb"
     else:
-        return None, None, f"no preset in {HARDWARE_MODULE} matches {name!r}: MFU not computed"
-    note = f"preset {key} of {HARDWARE_MODULE}: dense bf16 peak {devices[key].peak_tflops:g} TFLOP/s"
+        return None, None, f"no preset in {PRESETS_FILE} matches {name!r}: MFU not computed"
+    note = f"preset {key} of {PRESETS_FILE}: dense bf16 peak {DEVICES[key].peak_tflops:g} TFLOP/s"
     if "pcie" in lower or "nvl" in lower:
         note += " (an SXM figure; this device is a PCIe/NVL part with a lower peak: MFU reads low)"
-    return key, devices[key], note
+    return key, DEVICES[key], note
 
 
 @dataclass
@@ -52,9 +54,6 @@ def estimate_run(run, device: torch.device, device_bytes: int | None) -> Estimat
     """The estimate of pipeline rank 0 of `run` on `device` as pretrain_*.py's start-up check makes it,
     and that check's decision against `device_bytes` (its device part only: the host part is
     compared by the callers with what they measure)."""
-    from megatron.core.memory.estimator import estimate_memory
-    from megatron.training.memory_check import check_estimate, layout_from_run
-
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     rank = estimate.worst_rank
     try:
@@ -67,8 +66,6 @@ def estimate_run(run, device: torch.device, device_bytes: int | None) -> Estimat
 
 def host_budget(device: torch.device) -> int | None:
     """The start-up check's host budget of one rank: MemAvailable on CUDA, None (not limited) elsewhere."""
-    from megatron.training.memory_check import host_memory_bytes
-
     return host_memory_bytes(device, None)
 
 

@@ -82,6 +82,14 @@ class DDPConfig:
                 "--overlap-param-gather needs --use-distributed-optimizer (replicated parameters are never gathered)"
             )
 
+    @property
+    def shards_grads(self) -> bool:
+        return self.sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_params(self) -> bool:
+        return self.sharding_strategy == "optim_grads_params"
+
 
 class ModelChunkBuffers(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, config: DDPConfig, dp_cp_group, init_seed: int | None = None):

@@ -83,6 +83,18 @@ def static_placement(
     return Placement(*(chunks_at_end(order, numels, f) for f in (optimizer, grads, params)))
 
 
+def shard_numels(layouts: list) -> list[int]:
+    """This rank's shard of each bucket, in build_shards' order (`layouts`: the BufferLayouts of
+    the rank's chunks, a ParamAndGradBuffer's `.layout` or the estimator's own)."""
+    return [bucket.shard_numel for layout in layouts for bucket in layout.buckets]
+
+
+def chunk_placement(layouts: list, optimizer: float, grads: float = 0.0, params: float = 0.0) -> Placement:
+    """What the static policy places on host for these fractions on a rank's chunks (`layouts`:
+    their BufferLayouts): the one placement the trainer runs and the memory estimate counts."""
+    return static_placement(forward_order(layouts), shard_numels(layouts), optimizer, grads, params)
+
+
 @dataclass(frozen=True)
 class PartBytes:
     """Device bytes per element of each part when it stays on the device; 0 for a part that

@@ -25,7 +25,7 @@ only per direction but across directions: when p == 2 both neighbours are one
 rank, and a batch may hold a forward and a backward message to it; they are
 listed forward first on both sides, so the lists work whether the transport
 matches by tag or only by posting order (NCCL). Within a step the order is
-SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD. `simulate.py` checks
+SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD. `megatron/planning/pipeline_simulator.py` checks
 on the lists that they match up, cannot deadlock even under NCCL's strictest
 reading (a rank's batches run one after another, each completing only when all
 its transfers have met their peers), and computes their bubble.
@@ -142,9 +142,8 @@ def _interleaved_group_size(p: int, v: int, m: int, group_size: int | None) -> i
         )
     if 0 < m % g < p:
         raise ValueError(
-            f"{m} microbatches in groups of {g} (--microbatch-group-size-per-virtual-pipeline-stage) "
-            "leave a last group "
-            f"of {m % g} < {p} (--pipeline-model-parallel-size); make the number of microbatches "
+            f"{m} microbatches in groups of {g} (--microbatch-group-size-per-virtual-pipeline-stage) leave a last "
+            f"group of {m % g} < {p} (--pipeline-model-parallel-size); make the number of microbatches "
             f"(--global-batch-size / (--micro-batch-size * data-parallel size)) a multiple of the group size "
             f"or pick a group size that leaves >= {p}"
         )

@@ -30,25 +30,24 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
 
 
-def core_attention(
-    q, k, v, dropout_p: float, backend: str, cp_group=None, cp_comm_type: str = "p2p", attention_mask=None
-):
+def core_attention(q, k, v, dropout_p: float, paths, cp_group=None, cp_comm_type: str = "p2p", attention_mask=None):
     """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
 
-    Without dropout: the flash-attention kernel or its torch reference (`backend`). The
-    kernel has no dropout, so attention dropout runs torch's SDPA (validated at start-up).
-    With a context-parallel group of size > 1 the sequence is this rank's load-balanced
-    share and attention runs across the cp ranks (no dropout there, refused at start-up).
-    `attention_mask` (`document_mask`) replaces the causal mask; the kernel has no document
-    boundaries, so SDPA runs it (--attention-backend triton and cp are refused at start-up).
+    `paths` (kernels/dispatch.py `KernelPaths`, for this call's dropout, mask and cp group) says
+    which runs: across the cp ranks on this rank's load-balanced share of the sequence ("ring",
+    no dropout there: refused at start-up); the flash-attention kernel or its torch reference
+    ("flash_attention"); or torch's SDPA ("sdpa"): the kernel has no dropout and no document
+    boundaries (`attention_mask`, `document_mask`; --attention-backend triton and cp with it are
+    refused at start-up).
     """
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+    impl = paths.attention_kernel.impl
+    if paths.attention == "ring":
         out = context_parallel_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group, comm_type=cp_comm_type, impl=backend
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group, comm_type=cp_comm_type, impl=impl
         )
         return out.transpose(0, 1)
-    if dropout_p == 0.0 and attention_mask is None:
-        out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=backend)
+    if paths.attention == "flash_attention":
+        out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=impl)
         return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
@@ -101,16 +100,14 @@ class SelfAttention(torch.nn.Module):
 
     def _attend(self, q, k, v, attention_mask):
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        paths = self.config.kernel_paths(
+            q.device.type,
+            attention_dropout=dropout_p,
+            context_parallel=self.cp_group is not None and dist.get_world_size(self.cp_group) > 1,
+            document_mask=attention_mask is not None,
+        )
         attend = functools.partial(
-            core_attention,
-            q,
-            k,
-            v,
-            dropout_p,
-            self.config.attention_backend,
-            self.cp_group,
-            self.config.cp_comm_type,
-            attention_mask,
+            core_attention, q, k, v, dropout_p, paths, self.cp_group, self.config.cp_comm_type, attention_mask
         )
         if dropout_p == 0.0:
             return attend()

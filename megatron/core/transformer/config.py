@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import KernelPaths, kernel_paths
 from megatron.core.tensor_parallel.initialization import RANDOM_KINDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -196,6 +197,32 @@ class TransformerConfig:
                 f"--attention-dropout {self.attention_dropout} is not supported with "
                 f"--context-parallel-size {cp} (the ring attention has no dropout); use 0"
             )
+
+    def kernel_paths(
+        self,
+        device_type: str,
+        *,
+        attention_dropout: float | None = None,
+        context_parallel: bool | None = None,
+        document_mask: bool = False,
+        norm_width: int | None = None,
+        assume_triton: bool = False,
+    ) -> KernelPaths:
+        """Which path each op of this model takes on `device_type` (kernels/dispatch.py `kernel_paths`).
+        None: the config's own attention dropout, context parallelism (cp > 1) and normalized width
+        (hidden_size)."""
+        return kernel_paths(
+            device_type,
+            attention_impl=self.attention_backend,
+            norm_impl=self.normalization_impl,
+            head_dim=self.kv_channels,
+            hidden_size=self.hidden_size if norm_width is None else norm_width,
+            dtype=self.params_dtype,
+            attention_dropout=self.attention_dropout if attention_dropout is None else attention_dropout,
+            context_parallel=self.context_parallel_size > 1 if context_parallel is None else context_parallel,
+            document_mask=document_mask,
+            assume_triton=assume_triton,
+        )
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,5 +1,5 @@
 """LayerNorm / RMSNorm modules; the math runs in the fused Triton kernel or the torch reference
-(`--normalization-impl`, see kernels/normalization.py)."""
+(`--normalization-impl`; the path is kernels/dispatch.py `kernel_paths`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Norm(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int, device=None, sum_grads_over_tp: bool = False):
         super().__init__()
-        self.kind, self.eps, self.impl = config.normalization, config.norm_epsilon, config.normalization_impl
+        self.config, self.kind, self.eps = config, config.normalization, config.norm_epsilon
         self.zero_centered = config.layernorm_zero_centered_gamma
         attrs = {"sequence_parallel": config.sequence_parallel or sum_grads_over_tp}
         scale_init = "zeros" if self.zero_centered else "ones"
@@ -34,6 +34,7 @@ class Norm(torch.nn.Module):
 
     def forward(self, x):
         weight = self.weight + 1 if self.zero_centered else self.weight
+        impl = self.config.kernel_paths(x.device.type, norm_width=x.shape[-1]).norm.impl
         if self.kind == "RMSNorm":
-            return rms_norm(x, weight, self.eps, impl=self.impl)
-        return layer_norm(x, weight, self.bias, self.eps, impl=self.impl)
+            return rms_norm(x, weight, self.eps, impl=impl)
+        return layer_norm(x, weight, self.bias, self.eps, impl=impl)

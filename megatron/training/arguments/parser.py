@@ -34,7 +34,7 @@ from megatron.training.arguments.optimizer import (
 )
 from megatron.training.arguments.parallel import add_parallel_arguments
 from megatron.training.arguments.training import add_training_arguments, training_config_from_args
-from megatron.training.config import ParallelConfig, RunConfig
+from megatron.training.config import RunConfig, parallel_config_from_args
 
 GPT_DEFAULTS = dict(
     normalization="LayerNorm",
@@ -132,7 +132,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     argv, fusion_toggles = strip_fusion_toggles(argv)
     args = build_parser(defaults, prog).parse_args(argv)
     data = _data_config(args)
-    parallel = ParallelConfig.from_args(args, world_size)
+    parallel = parallel_config_from_args(args, world_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     model = transformer_config_from_args(args, parallel, dtype)
     parallel.validate_layers(model.num_layers)

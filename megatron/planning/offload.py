@@ -18,20 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.distributed.placement import Placement, forward_order, host_elements, part_bytes, static_placement
-
-
-def shard_numels(buffers: list) -> list[int]:
-    """This rank's shard of each bucket (build_shards' order)."""
-    return [bucket.shard_numel for b in buffers for bucket in b.buckets]
-
-
-def chunk_placement(buffers: list, optimizer: float, grads: float = 0.0, params: float = 0.0) -> Placement:
-    """What the trainer's static policy places on host for these fractions, on `buffers` (the
-    BufferLayouts of the rank's chunks)."""
-    if not optimizer:
-        return Placement()
-    return static_placement(forward_order(buffers), shard_numels(buffers), optimizer, grads, params)
+from megatron.core.distributed.placement import chunk_placement, host_elements, part_bytes, shard_numels
 
 
 @dataclass(frozen=True)
@@ -49,13 +36,12 @@ def _on_device(numels: list[int], on_host: frozenset) -> int:
 def state_bytes(buffers: list, layout, weight_bytes: int) -> StateBytes:
     """Device bytes of weights, gradients and optimizer state, and the host slab's bytes."""
     numels = shard_numels(buffers)
-    placement = chunk_placement(
-        buffers, layout.offload_fraction, layout.grad_offload_fraction, layout.param_offload_fraction
-    )
+    placement = chunk_placement(buffers, *layout.offload_fractions)
     padded = sum(b.numel for b in buffers)
     optimizer = _on_device(numels, placement.optimizer) * part_bytes(weight_bytes, False, False).optimizer
-    weights = (_on_device(numels, placement.params) if layout.shards_params else padded) * weight_bytes
-    grads = (_on_device(numels, placement.grads) if layout.shards_grads else padded) * layout.grad_dtype_bytes
+    ddp = layout.parallel.ddp
+    weights = (_on_device(numels, placement.params) if ddp.shards_params else padded) * weight_bytes
+    grads = (_on_device(numels, placement.grads) if ddp.shards_grads else padded) * ddp.grad_dtype.itemsize
     return StateBytes(weights, grads, optimizer, 4 * host_elements(numels, placement, weight_bytes))
 
 

@@ -1,11 +1,11 @@
 """What the CUDA versions of torch's device-dependent ops save, for a trace on a CPU-only machine.
 
 The estimate of a CUDA run traces our modules with fake CPU tensors (torch built without CUDA
-cannot even make fake CUDA tensors). Our own kernels then take their CUDA path through
-`kernels.dispatch.estimating_for("cuda")`; the few torch ops whose CUDA kernels save other
-tensors than their CPU ones are swapped here, for the duration of the trace, for the CUDA
-kernel's autograd signature (what it saves, in which dtype and shape), following
-`KernelChoice` (kernels.py):
+cannot even make fake CUDA tensors). Our own kernels then take their CUDA path: the traced
+config names the paths `kernels.dispatch.kernel_paths` chooses on CUDA (trace.py); the few
+torch ops whose CUDA kernels save other tensors than their CPU ones are swapped here, for the
+duration of the trace, for the CUDA kernel's autograd signature (what it saves, in which dtype
+and shape), following `KernelChoice` (kernels.py):
 
 - `F.dropout`: CUDA's fused dropout saves a bool mask (CPU: a noise tensor of the input dtype);
   torch's own `native_dropout` is that op;

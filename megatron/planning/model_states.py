@@ -36,9 +36,10 @@ import functools
 from dataclasses import dataclass
 
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, BufferLayout, default_bucket_size
-from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.offload import chunk_placement, state_bytes
-from megatron.core.memory.parameters import chunk_shapes, numel, shared_embedding_index
+from megatron.core.distributed.placement import chunk_placement, shard_numels
+from megatron.planning.kernels import dtype_bytes
+from megatron.planning.offload import state_bytes
+from megatron.planning.parameters import chunk_shapes, numel, shared_embedding_index
 
 STEP_TEMPORARIES = 2  # fp32 shard-sized tensors alive at once in ShardedAdamW.step
 UNSHARDED_BUCKETS = 3  # whole buckets of one kind alive at once under optim_grads(_params), see above
@@ -62,13 +63,14 @@ def chunk_buffer(config, layout, chunk) -> BufferLayout:
     """The bucket layout of `chunk`'s buffers, as ModelChunkBuffers builds it: parameters in
     reverse order (the order backward produces their gradients), the embedding tied across
     stages in a bucket of its own, sharded over dp x cp with the distributed optimizer."""
-    numels = tuple(numel(s) for s in chunk_shapes(config, layout.tp, chunk))
-    replicas = layout.dp * layout.cp
+    par = layout.parallel
+    numels = tuple(numel(s) for s in chunk_shapes(config, par.tp, chunk))
+    replicas = par.dp * par.cp
     return _buffer_layout(
         numels,
         shared_embedding_index(config, layout, chunk),
-        layout.bucket_size or default_bucket_size(replicas),
-        replicas if layout.distributed_optimizer else 1,
+        par.ddp.bucket_size or default_bucket_size(replicas),
+        replicas if par.ddp.use_distributed_optimizer else 1,
     )
 
 
@@ -93,16 +95,17 @@ def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
 
 def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
     """Whole buckets besides the persistent shards, at the peak of forward/backward (see above)."""
-    if not layout.shards_grads:
+    ddp = layout.parallel.ddp
+    if not ddp.shards_grads:
         return 0
     largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
-    held = int(not config.untie_embeddings_and_output_weights and layout.stages == 1)
+    held = int(not config.untie_embeddings_and_output_weights and layout.parallel.stages == 1)
     grads = (
-        sum(b.numel for b in buffers) if layout.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest
-    ) * layout.grad_dtype_bytes
-    if not layout.shards_params:
+        sum(b.numel for b in buffers) if ddp.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest
+    ) * ddp.grad_dtype.itemsize
+    if not ddp.shards_params:
         return grads
-    if not layout.reshards_params:
+    if not ddp.reshard_after_forward:
         return grads + sum(b.numel for b in buffers) * dtype_bytes(config.params_dtype)
     return grads + (UNSHARDED_BUCKETS + held) * largest * dtype_bytes(config.params_dtype)
 
@@ -117,6 +120,5 @@ def optimizer_step_temporary(buffers: list[BufferLayout], offload_fraction: floa
     place or on scalars, and the parameter sync copies in place. Offloaded shards step on the CPU.
     """
     host = chunk_placement(buffers, offload_fraction).optimizer
-    shards = [bucket.shard_numel for b in buffers for bucket in b.buckets]
-    largest = max((n for i, n in enumerate(shards) if i not in host), default=0)
+    largest = max((n for i, n in enumerate(shard_numels(buffers)) if i not in host), default=0)
     return STEP_TEMPORARIES * 4 * largest

@@ -111,6 +111,10 @@ def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) ->
 
 def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int, shared_bytes: list[int]) -> InFlight:
     states = rank_profiles(
-        layout.pp, layout.virtual_stages, layout.num_microbatches, pp_rank, layout.microbatch_group_size
+        layout.parallel.pp,
+        layout.parallel.virtual_stages,
+        layout.num_microbatches,
+        pp_rank,
+        layout.parallel.microbatch_group_size,
     )
     return peaks(states, chunk_bytes, p2p_bytes, shared_bytes)

@@ -19,13 +19,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.core.memory.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.offload import fraction_that_fits
-from megatron.core.memory.step_time import Projection, StepTime
+import torch
+
+from megatron.core.distributed.model_chunk_buffers import DDPConfig
+from megatron.core.optimizer.config import OffloadConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
+from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.planning.hardware import Hardware
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.offload import fraction_that_fits
+from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime
 
 RECOMPUTE = {
     "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
@@ -57,7 +62,7 @@ class Search:
     distributed_optimizer: tuple[bool, ...] = (False, True)
     device_type: str = "cuda"
     stage_splits: tuple[tuple[int | None, int | None], ...] | None = None  # (first, last) stage layers
-    grad_dtype_bytes: int = 4  # our trainer's fp32 gradient buffers; 2 describes a run with bf16 ones
+    grad_dtype: torch.dtype = torch.float32  # our trainer's gradient buffers; bf16 describes a run with bf16 ones
 
 
 def _divisors(n: int) -> list[int]:
@@ -134,27 +139,23 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 except ValueError:  # tp does not divide the heads, groups or ffn; the sequence does not split
                     continue
                 for sharded in search.distributed_optimizer:
-                    yield (
-                        cfg,
-                        MemoryLayout(
-                            tp=tp,
-                            cp=cp,
-                            pp=pp,
-                            dp=dp,
-                            virtual_stages=v,
-                            micro_batch_size=mbs,
-                            num_microbatches=m,
-                            distributed_optimizer=sharded,
-                            first_stage_layers=first,
-                            last_stage_layers=last,
-                            grad_dtype_bytes=search.grad_dtype_bytes,
-                            device_type=search.device_type,
-                        ),
-                        name,
+                    ddp = DDPConfig(grad_dtype=search.grad_dtype, use_distributed_optimizer=sharded)
+                    parallel = ParallelConfig(
+                        tp=tp,
+                        cp=cp,
+                        pp=pp,
+                        dp=dp,
+                        virtual_stages=v,
+                        ddp=dataclasses.replace(ddp, reshard_after_forward=pp == 1),  # the trainer's default
+                        first_stage_layers=first,
+                        last_stage_layers=last,
                     )
+                    yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
 
 
-def evaluate_layout(config, layout: MemoryLayout, recompute: str, projection: Projection = Projection()) -> Candidate:
+def evaluate_layout(
+    config, layout: MemoryLayout, recompute: str, projection: Projection = DEFAULT_PROJECTION
+) -> Candidate:
     """One layout's memory estimate and projected step time, whether it fits or not."""
     return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
 
@@ -166,7 +167,7 @@ def plan(
     device_bytes: int,
     *,
     search: Search = Search(),
-    projection: Projection = Projection(),
+    projection: Projection = DEFAULT_PROJECTION,
     threshold: float = DEFAULT_THRESHOLD,
 ) -> tuple[list[Candidate], int, int]:
     """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
@@ -196,7 +197,7 @@ def plan_sharded(
     device_bytes: int,
     *,
     search: Search = Search(),
-    projection: Projection = Projection(),
+    projection: Projection = DEFAULT_PROJECTION,
     threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
@@ -206,10 +207,10 @@ def plan_sharded(
     search = dataclasses.replace(search, distributed_optimizer=(True,))
     proposals = []
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
-        if layout.dp * layout.cp == 1:
+        if layout.parallel.dp * layout.parallel.cp == 1:
             continue
         for strategy in SHARDED_STRATEGIES:
-            sharded = dataclasses.replace(layout, sharding_strategy=strategy)
+            sharded = layout.with_ddp(sharding_strategy=strategy)
             estimate = estimate_memory(cfg, sharded)
             if estimate.fits(device_bytes, threshold):
                 proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
@@ -234,7 +235,8 @@ def smallest_offload(
     itself can fall short by up to half a chunk; above it, a bisection (more offload never adds bytes)."""
 
     def at(percent: int) -> MemoryEstimate:
-        return estimate_memory(config, dataclasses.replace(layout, offload_fraction=percent / 100))
+        offload = OffloadConfig(enabled=True, fraction=percent / 100)
+        return estimate_memory(config, dataclasses.replace(layout, offload=offload))
 
     first = math.ceil(100 * need - 1e-9)
     best = at(first)
@@ -258,7 +260,7 @@ def plan_offload(
     device_bytes: int,
     *,
     search: Search = Search(),
-    projection: Projection = Projection(),
+    projection: Projection = DEFAULT_PROJECTION,
     threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
@@ -279,21 +281,15 @@ def plan_offload(
             proposals.append(Candidate(cfg, estimate.layout, name, estimate, time))
         if len(proposals) == top:
             break
-    proposals.sort(key=lambda c: (c.layout.offload_fraction, c.time.total_s))
+    proposals.sort(key=lambda c: (c.layout.offload_fractions.optimizer, c.time.total_s))
     return proposals
 
 
 def host_resident(layout: MemoryLayout) -> MemoryLayout:
     """`layout` under optim_grads_params with --offload-policy auto: estimated with every
     parameter, gradient and optimizer shard on host."""
-    return dataclasses.replace(
-        layout,
-        sharding_strategy="optim_grads_params",
-        offload_fraction=1.0,
-        grad_offload_fraction=1.0,
-        param_offload_fraction=1.0,
-        offload_auto=True,
-    )
+    sharded = layout.with_ddp(sharding_strategy="optim_grads_params")
+    return dataclasses.replace(sharded, offload=OffloadConfig(enabled=True, policy="auto"))
 
 
 def plan_host_resident(
@@ -303,7 +299,7 @@ def plan_host_resident(
     device_bytes: int,
     *,
     search: Search = Search(),
-    projection: Projection = Projection(),
+    projection: Projection = DEFAULT_PROJECTION,
     threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:

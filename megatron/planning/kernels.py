@@ -1,7 +1,7 @@
 """Which kernel runs each memory-relevant op on the device the estimate is for.
 
-The choice follows the dispatch of our layers (kernels/dispatch.py `use_triton`, with the
-kernels' own `unsupported_reason`), assuming Triton is installed on CUDA machines. It is
+Our layers' paths are kernels/dispatch.py `kernel_paths` (assuming Triton is installed: on CPU,
+the interpreter on); what is added here is the kernel torch's SDPA picks inside. It is
 reported with every estimate (`--json` "kernels"), and it tells the trace (trace.py) which
 SDPA kernel a CUDA run would pick (cuda_ops.py); what each kernel saves comes from tracing it.
 
@@ -23,9 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.flash_attention import unsupported_reason as attention_unsupported
-from kernels.normalization import unsupported_reason as norm_unsupported
-
 ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 
 
@@ -42,37 +39,28 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _triton_runs(impl: str, device_type: str) -> bool:
-    """dispatch.use_triton's environment rule: 'auto' on CUDA only; 'triton' also in the CPU interpreter."""
-    return impl != "torch" and (device_type == "cuda" or impl == "triton")
-
-
-def _auto_attention(config, device_type: str) -> str:
+def _sdpa_kernel(config, device_type: str, dropout: bool) -> str:
+    """The kernel torch's SDPA picks inside (the dispatch's "sdpa" path, or the flash-attention
+    kernel's torch reference)."""
     dtype, d = config.params_dtype, config.kv_channels
-    if config.context_parallel_size > 1:
-        return "ring"
-    if (
-        config.attention_dropout == 0.0
-        and _triton_runs(config.attention_backend, device_type)
-        and attention_unsupported(d, dtype, device_type) is None
-    ):
-        return "triton"
     if device_type == "cpu":
-        return "flash" if config.attention_dropout == 0.0 else "math"
+        return "math" if dropout else "flash"
     if dtype in (torch.float16, torch.bfloat16):
         return "flash" if d <= 256 and d % 8 == 0 else "math"
     return "math" if config.num_query_groups != config.num_attention_heads else "efficient"
 
 
 def resolve_kernels(config, device_type: str, attention: str = "auto") -> KernelChoice:
-    """The kernels our code runs for `config` on `device_type` during training."""
+    """The kernels our code runs for `config` on `device_type` during training (with Triton installed)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation must be one of {', '.join(ATTENTION_IMPLS)}, got {attention!r}")
-    triton_norm = (
-        _triton_runs(config.normalization_impl, device_type)
-        and norm_unsupported(config.hidden_size, config.params_dtype) is None
-    )
-    return KernelChoice(
-        attention=_auto_attention(config, device_type) if attention == "auto" else attention,
-        norm="triton" if triton_norm else "torch",
-    )
+    paths = config.kernel_paths(device_type, assume_triton=True)
+    if attention != "auto":
+        chosen = attention
+    elif paths.attention == "ring":
+        chosen = "ring"
+    elif paths.attention == "flash_attention" and paths.attention_kernel.runs_triton:
+        chosen = "triton"
+    else:
+        chosen = _sdpa_kernel(config, device_type, paths.attention == "sdpa")
+    return KernelChoice(attention=chosen, norm="triton" if paths.norm.runs_triton else "torch")

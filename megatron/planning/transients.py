@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.memory.kernels import dtype_bytes
-from megatron.core.memory.parameters import padded_vocab
+from megatron.planning.kernels import dtype_bytes
+from megatron.planning.parameters import padded_vocab
 
 FP32 = 4
 FRAGMENTATION_FRACTION = 0.10
@@ -63,7 +63,7 @@ class Dims:
 
     @classmethod
     def of(cls, config, layout) -> Dims:
-        tp, s = layout.tp, config.seq_length // layout.cp
+        tp, s = layout.parallel.tp, config.seq_length // layout.parallel.cp
         sp = config.sequence_parallel and tp > 1
         return cls(
             b=layout.micro_batch_size,
@@ -168,7 +168,7 @@ def largest_temporary(
 def after_backward_temporary(dims: Dims, layout, optimizer_step: int, has_embedding_copy: bool) -> int:
     """The larger of the optimizer step's temporaries and the tied-embedding gradient
     all-reduce's flattened copy (finalize_model_grads concatenates the gradients)."""
-    tied_copy = dims.vocab * dims.h * layout.grad_dtype_bytes if has_embedding_copy else 0
+    tied_copy = dims.vocab * dims.h * layout.parallel.ddp.grad_dtype.itemsize if has_embedding_copy else 0
     return max(optimizer_step, tied_copy)
 
 
@@ -197,7 +197,7 @@ def estimate_transients(
     largest: tuple[int, str],
     activations: int,
 ) -> Transients:
-    tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.tp > 1 else 0
+    tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.parallel.tp > 1 else 0
     dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0]
     return Transients(
         p2p_bytes=p2p_extra,

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.kernels import dtype_bytes
+from megatron.planning.hardware import Hardware
+from megatron.planning.kernels import dtype_bytes
 
 UNFUSED = ("math", "efficient")
 

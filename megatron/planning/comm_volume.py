@@ -9,7 +9,7 @@ pipeline neighbours (stride tp cp dp).
 
 from __future__ import annotations
 
-from megatron.core.memory.hardware import Hardware
+from megatron.planning.hardware import Hardware
 
 
 def ring_share(n: int) -> float:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from megatron.core.memory.inflight import rank_in_flight
-from megatron.core.memory.kernels import KernelChoice, resolve_kernels
-from megatron.core.memory.layout import MemoryLayout
-from megatron.core.memory.model_states import chunk_buffer, model_states, optimizer_step_temporary
-from megatron.core.memory.parameters import chunk_shapes, numel, rank_chunks, total_parameters
-from megatron.core.memory.trace import Setting, chunk_saved
-from megatron.core.memory.transients import (
+from megatron.planning.inflight import rank_in_flight
+from megatron.planning.kernels import KernelChoice, resolve_kernels
+from megatron.planning.layout import MemoryLayout
+from megatron.planning.model_states import chunk_buffer, model_states, optimizer_step_temporary
+from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
+from megatron.planning.trace import Setting, chunk_saved
+from megatron.planning.transients import (
     Allowances,
     Dims,
     Transients,
@@ -161,7 +161,7 @@ class MemoryEstimate:
             "threshold": threshold,
             "fits": None if device_bytes is None else self.fits(device_bytes, threshold),
             "would_refuse": self.would_refuse(device_bytes),
-            "layout": asdict(self.layout),
+            "layout": self.layout.to_dict(),
             "kernels": asdict(self.kernels),
         }
 
@@ -181,11 +181,12 @@ def _with_attention(config, attention: str):
 def estimate_rank(
     config, layout: MemoryLayout, kernels: KernelChoice, allowances: Allowances, pp_rank: int
 ) -> RankEstimate:
+    par = layout.parallel
     chunks = rank_chunks(config, layout, pp_rank)
-    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, layout.tp, c))), default=0)
+    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, par.tp, c))), default=0)
     buffers = [chunk_buffer(config, layout, c) for c in chunks]
     states = model_states(config, layout, buffers)
-    setting = Setting(layout.tp, layout.cp, layout.micro_batch_size, layout.device_type, kernels.attention)
+    setting = Setting(par.tp, par.cp, layout.micro_batch_size, layout.device_type, kernels.attention)
     traced = _with_attention(config, kernels.attention)
     activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, len(c.layer_ids)) for c in chunks]
     dims = Dims.of(config, layout)
@@ -201,19 +202,21 @@ def estimate_rank(
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),
     )
-    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if layout.split_backward else 0
+    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
     transients = estimate_transients(
         dims,
         layout,
         allowances,
         p2p_extra=inflight.p2p_extra_bytes,
         split_bytes=split,
-        cp_bytes=cp_attention_bytes(dims, layout.cp, config.cp_comm_type),
+        cp_bytes=cp_attention_bytes(dims, par.cp, config.cp_comm_type),
         largest=largest,
         activations=inflight.activations_bytes,
     )
-    has_copy = tied and layout.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
-    after = after_backward_temporary(dims, layout, optimizer_step_temporary(buffers, layout.offload_fraction), has_copy)
+    has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
+    after = after_backward_temporary(
+        dims, layout, optimizer_step_temporary(buffers, layout.offload_fractions.optimizer), has_copy
+    )
     return RankEstimate(
         pp_rank=pp_rank,
         parameters=states.parameters,
@@ -235,17 +238,14 @@ def estimate_memory(
     config, layout: MemoryLayout, *, attention: str = "auto", allowances: Allowances | None = None
 ) -> MemoryEstimate:
     """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
-    if config.tensor_model_parallel_size != layout.tp:
+    tp, cp = layout.parallel.tp, layout.parallel.cp
+    if config.tensor_model_parallel_size != tp:
         raise ValueError(
-            f"the model config is split for tp={config.tensor_model_parallel_size} but the layout has tp={layout.tp}"
+            f"the model config is split for tp={config.tensor_model_parallel_size} but the layout has tp={tp}"
         )
-    if config.context_parallel_size != layout.cp:
-        raise ValueError(
-            f"the model config is split for cp={config.context_parallel_size} but the layout has cp={layout.cp}"
-        )
+    if config.context_parallel_size != cp:
+        raise ValueError(f"the model config is split for cp={config.context_parallel_size} but the layout has cp={cp}")
     kernels = resolve_kernels(config, layout.device_type, attention)
     allowances = allowances or Allowances.default(layout.device_type)
-    ranks = tuple(estimate_rank(config, layout, kernels, allowances, r) for r in range(layout.pp))
-    return MemoryEstimate(
-        ranks=ranks, total_parameters=total_parameters(config, layout.tp), kernels=kernels, layout=layout
-    )
+    ranks = tuple(estimate_rank(config, layout, kernels, allowances, r) for r in range(layout.parallel.pp))
+    return MemoryEstimate(ranks=ranks, total_parameters=total_parameters(config, tp), kernels=kernels, layout=layout)

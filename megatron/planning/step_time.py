@@ -2,7 +2,7 @@
 
 Per microbatch and model chunk, on the pipeline rank with the most work (layers, plus the
 output layer on the last rank), the forward F and backward B are the sum of:
-computation (megatron/core/memory/compute_cost.py: GEMMs by shape, attention, elementwise
+computation (megatron/planning/compute_cost.py: GEMMs by shape, attention, elementwise
 by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
 (comm_volume.py volumes at the tp group's bandwidth; not overlapped) and the context-
 parallel ring (overlapped with the attention it feeds: only what exceeds it counts).
@@ -23,20 +23,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields
 
-from megatron.core.memory.comm_volume import (
+from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
+from megatron.core.transformer.flops import flops_per_iteration
+from megatron.planning.comm_volume import (
     cp_bytes_per_layer,
     dp_bytes,
     group_bandwidth,
     p2p_bytes,
     tp_bytes_per_layer,
 )
-from megatron.core.memory.compute_cost import Calibration, PassTime, layer_time, output_layer_time
-from megatron.core.memory.hardware import Hardware
-from megatron.core.memory.kernels import dtype_bytes, resolve_kernels
-from megatron.core.memory.parameters import padded_vocab, total_parameters
-from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
-from megatron.core.pipeline_parallel.simulate import simulate
-from megatron.core.transformer.flops import flops_per_iteration
+from megatron.planning.compute_cost import Calibration, PassTime, layer_time, output_layer_time
+from megatron.planning.hardware import Hardware
+from megatron.planning.kernels import dtype_bytes, resolve_kernels
+from megatron.planning.parameters import padded_vocab, total_parameters
+from megatron.planning.pipeline_simulator import simulate
 
 # Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
 OPTIMIZER_BYTES_PER_PARAMETER = 38
@@ -48,6 +48,9 @@ class Overlap:
 
     grad_reduce: bool = True  # --overlap-grad-reduce (default on)
     param_gather: bool = False  # --overlap-param-gather (distributed optimizer only)
+
+
+DEFAULT_HARDWARE, DEFAULT_CALIBRATION, DEFAULT_OVERLAP = Hardware(), Calibration(), Overlap()
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ def _recomputed(config, forward: PassTime, layers: int) -> PassTime:
 def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention: str = "auto") -> RankWork:
     """One microbatch through the pipeline rank with the most work (its layers, and the output layer
     on the last rank: uneven first/last stages move that balance)."""
-    tp, cp = layout.tp, layout.cp
+    tp, cp = layout.parallel.tp, layout.parallel.cp
     element = dtype_bytes(config.params_dtype)
     tokens = layout.micro_batch_size * config.seq_length // cp
     kernel = resolve_kernels(config, layout.device_type, attention).attention
@@ -244,28 +247,29 @@ def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention:
             backward.total + recompute.total + tp_bwd + cp_bwd,
         )
 
-    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
-    return max((work(n, r == layout.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+    par = layout.parallel
+    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+    return max((work(n, r == par.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
 
 
 def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
     """One pipeline send between neighbouring stages (tp x cp x dp ranks apart)."""
-    if layout.pp == 1:
+    par = layout.parallel
+    if par.pp == 1:
         return 0.0
-    tokens = layout.micro_batch_size * config.seq_length // layout.cp
-    volume = p2p_bytes(
-        tokens, config.hidden_size, dtype_bytes(config.params_dtype), layout.tp, config.sequence_parallel
-    )
-    return volume / (group_bandwidth(hw, 2, layout.tp * layout.cp * layout.dp) * cal.comm_efficiency)
+    tokens = layout.micro_batch_size * config.seq_length // par.cp
+    volume = p2p_bytes(tokens, config.hidden_size, dtype_bytes(config.params_dtype), par.tp, config.sequence_parallel)
+    return volume / (group_bandwidth(hw, 2, par.tp * par.cp * par.dp) * cal.comm_efficiency)
 
 
 def rank_parameters(config, layout) -> float:
     """Parameters of the pipeline rank holding the most (its layers and an embedding or output layer)."""
-    embedding = padded_vocab(config, layout.tp) * config.hidden_size
+    par = layout.parallel
+    embedding = padded_vocab(config, par.tp) * config.hidden_size
     embeddings = 2 if config.untie_embeddings_and_output_weights else 1
-    per_layer = (total_parameters(config, layout.tp) - embeddings * embedding) / config.num_layers
-    counts = layer_counts(config.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
-    return (max(counts) * per_layer + embedding) / layout.tp
+    per_layer = (total_parameters(config, par.tp) - embeddings * embedding) / config.num_layers
+    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+    return (max(counts) * per_layer + embedding) / par.tp
 
 
 def dp_collectives(layout) -> tuple[int, int]:
@@ -274,9 +278,9 @@ def dp_collectives(layout) -> tuple[int, int]:
     parameters gathered before a microbatch's forward and again before its backward (once a step
     when they stay gathered between them under pipeline parallelism); gradients accumulated
     unsharded are reduce-scattered once per step."""
-    m = layout.num_microbatches
-    return (m if layout.shards_grads and not layout.unsharded_grad_accumulation else 1), (
-        2 * m if layout.shards_params and layout.reshards_params else 1
+    m, ddp = layout.num_microbatches, layout.parallel.ddp
+    return (m if ddp.shards_grads and not ddp.unsharded_grad_accumulation else 1), (
+        2 * m if ddp.shards_params and ddp.reshard_after_forward else 1
     )
 
 
@@ -286,12 +290,12 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
     gradient down and its updated weights up once a step (neither when that part is itself on
     host); host gradient shards receive each reduce-scattered gradient (once a step when
     accumulated unsharded); host parameter shards are copied up at every gather."""
-    if not layout.offload_fraction:
+    if not layout.offload_fractions.optimizer:
         return 0.0, 0.0
-    shard = rank_parameters(config, layout) / (layout.dp * layout.cp)
-    weight, grad = dtype_bytes(config.params_dtype), layout.grad_dtype_bytes
+    shard = rank_parameters(config, layout) / (layout.parallel.dp * layout.parallel.cp)
+    weight, grad = dtype_bytes(config.params_dtype), layout.parallel.ddp.grad_dtype.itemsize
     reductions, gathers = dp_collectives(layout)
-    opt, grads, params = layout.offload_fraction, layout.grad_offload_fraction, layout.param_offload_fraction
+    opt, grads, params = layout.offload_fractions
     down = shard * ((opt - grads) * grad + grads * grad * reductions)
     up = shard * ((opt - params) * weight + params * weight * gathers)
     return down, up
@@ -299,36 +303,38 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
 
 def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
-    d = layout.dp * layout.cp
+    par = layout.parallel
+    d = par.dp * par.cp
     grad, gather = dp_bytes(
         rank_parameters(config, layout),
         d,
-        layout.grad_dtype_bytes,
+        par.ddp.grad_dtype.itemsize,
         dtype_bytes(config.params_dtype),
-        layout.distributed_optimizer,
+        par.ddp.use_distributed_optimizer,
         *dp_collectives(layout),
     )
-    bandwidth = group_bandwidth(hw, d, layout.tp) * cal.comm_efficiency
+    bandwidth = group_bandwidth(hw, d, par.tp) * cal.comm_efficiency
     return grad / bandwidth, gather / bandwidth
 
 
 def step_time(
     config,
     layout,
-    hw: Hardware = Hardware(),
-    cal: Calibration = Calibration(),
-    overlap: Overlap = Overlap(),
+    hw: Hardware = DEFAULT_HARDWARE,
+    cal: Calibration = DEFAULT_CALIBRATION,
+    overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "auto",
 ) -> StepTime:
-    """Project one iteration of `config` (split for layout.tp / cp) trained with `layout` on `hw`.
+    """Project one iteration of `config` (split for the layout's tp / cp) trained with `layout` on `hw`.
     `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
-    pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    par = layout.parallel
+    pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
     idle = pipeline_idle(
-        pp, v, m, layout.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
+        pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
     )
-    bubble = bubble_units(pp, v, m, layout.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
+    bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
     bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
@@ -338,18 +344,18 @@ def step_time(
     reductions, gathers = dp_collectives(layout)
     exposed_grad = (
         reductions * max(0.0, grad_s / reductions - work.backward_s)
-        if overlap.grad_reduce or layout.shards_grads
+        if overlap.grad_reduce or par.ddp.shards_grads
         else grad_s
     )
     exposed_gather = (
         gathers * max(0.0, gather_s / gathers - work.forward_s)
-        if overlap.param_gather or layout.shards_params
+        if overlap.param_gather or par.ddp.shards_params
         else gather_s
     )
-    shard = rank_parameters(config, layout) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
+    shard = rank_parameters(config, layout) / (par.dp * par.cp if par.ddp.use_distributed_optimizer else 1)
     optimizer = (
         shard
-        * (1.0 - layout.offload_fraction)
+        * (1.0 - layout.offload_fractions.optimizer)
         * OPTIMIZER_BYTES_PER_PARAMETER
         / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
     )
@@ -359,7 +365,7 @@ def step_time(
         max(host_traffic_bytes(config, layout)) / (hw.host_link_gbps * 1e9) - m * (work.forward_s + work.backward_s),
     )
 
-    global_batch = layout.micro_batch_size * layout.dp * m
+    global_batch = layout.micro_batch_size * par.dp * m
     model = flops_per_iteration(config, global_batch)
     extra = recompute_forward_flops(config, global_batch * config.seq_length, config.num_layers)
     forward, backward = work.forward, work.backward
@@ -381,7 +387,7 @@ def step_time(
         model_flops=model,
         hardware_flops=model + extra,
         tokens=global_batch * config.seq_length,
-        world_size=layout.world_size,
+        world_size=par.world_size,
     )
 
 
@@ -390,10 +396,13 @@ class Projection:
     """Everything `step_time` needs besides the model and the layout: the cluster, the model's
     constants, the data-parallel overlap and the attention kernel ("auto": the trainer's)."""
 
-    hw: Hardware = Hardware()
-    cal: Calibration = Calibration()
-    overlap: Overlap = Overlap()
+    hw: Hardware = DEFAULT_HARDWARE
+    cal: Calibration = DEFAULT_CALIBRATION
+    overlap: Overlap = DEFAULT_OVERLAP
     attention: str = "auto"
 
     def __call__(self, config, layout) -> StepTime:
         return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention)
+
+
+DEFAULT_PROJECTION = Projection()

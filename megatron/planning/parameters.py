@@ -11,9 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.core.memory.trace import chunk_parameter_shapes
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
 from megatron.core.transformer.config import padded_vocab_size
+from megatron.planning.trace import chunk_parameter_shapes
 
 Shape = tuple[int, ...]
 
@@ -34,18 +34,13 @@ class ModelChunk:
 
 def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
-    chunks = []
+    chunks, par = [], layout.parallel
     for c, layer_ids in enumerate(
         stage_layer_ids(
-            config.num_layers,
-            layout.pp,
-            layout.virtual_stages,
-            pp_rank,
-            layout.first_stage_layers,
-            layout.last_stage_layers,
+            config.num_layers, par.pp, par.virtual_stages, pp_rank, par.first_stage_layers, par.last_stage_layers
         )
     ):
-        first, last = layout.chunk_position(pp_rank, c)
+        first, last = par.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks
 
@@ -59,7 +54,7 @@ def shared_embedding_index(config, layout, chunk: ModelChunk) -> int | None:
     embedding or the last stage's output-layer copy), which our buffers put in a bucket of its own."""
     if config.untie_embeddings_and_output_weights or chunk.pre_process == chunk.post_process:
         return None
-    return 0 if chunk.pre_process else len(chunk_shapes(config, layout.tp, chunk)) - 1
+    return 0 if chunk.pre_process else len(chunk_shapes(config, layout.parallel.tp, chunk)) - 1
 
 
 def numel(shape: Shape) -> int:

@@ -12,9 +12,10 @@ that is a module buffer (the positions of learned position embeddings) is the sa
 microbatch and is reported apart (`shared_bytes`). A forward is enough: saved tensors are
 packed during the forward only, and backward allocates transients (transients.py).
 
-For a CUDA estimate the trace's fake CPU tensors dispatch as on CUDA: our Triton kernels
-through `kernels.dispatch.estimating_for` (shape-only: outputs allocated and saved, nothing
-launched), torch's device-dependent ops through cuda_ops.py.
+For a CUDA estimate the trace's fake CPU tensors dispatch as on CUDA: the traced config names
+the paths kernels/dispatch.py `kernel_paths` chooses there (`_for_device`; our Triton kernels
+run shape-only: outputs allocated and saved, nothing launched), torch's device-dependent ops
+through cuda_ops.py.
 
 Speed: layers of one configuration are identical, so a chunk is never traced whole. It is
 cut into pieces: the embedding, its layers in units (`_units`: one layer, or one recomputed
@@ -38,13 +39,12 @@ import torch
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernels.dispatch import estimating_for
-from megatron.core.memory.cuda_ops import CudaOps
-from megatron.core.memory.fake_dist import FakeGroup, fake_collectives
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
+from megatron.planning.cuda_ops import CudaOps
+from megatron.planning.fake_dist import FakeGroup, fake_collectives
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -141,7 +141,6 @@ def _fake_run(device_type: str, attention: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(fake_collectives())
-        stack.enter_context(estimating_for(device_type))
         if device_type == "cuda":
             stack.enter_context(CudaOps(attention))
         yield
@@ -252,11 +251,20 @@ def _residual_bytes(config: TransformerConfig, setting: Setting) -> int:
     return rows * setting.micro_batch_size * config.hidden_size * config.params_dtype.itemsize
 
 
+def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfig:
+    """`config` with the attention and normalization paths a run on `device_type` takes (with Triton
+    installed), so that the trace's fake CPU tensors run them."""
+    paths = config.kernel_paths(device_type, assume_triton=True)
+    return dataclasses.replace(
+        config, attention_backend=paths.attention_kernel.impl, normalization_impl=paths.norm.impl
+    )
+
+
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
     """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
     own tensors, each storage passed between two pieces once when either keeps it (a received input
     is kept by the executor in any case), and the block's shared inputs once."""
-    return _chunk_saved(_key(config), setting, pre, post, n_layers)
+    return _chunk_saved(_key(_for_device(config, setting.device_type)), setting, pre, post, n_layers)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -1,0 +1,60 @@
+"""The parallel layout of a run: mesh sizes, pipeline split and schedule, the DDP settings.
+
+Built from the command line by megatron/training/config.py `parallel_config_from_args`; read
+by the trainer and by the memory estimate and planner (megatron/planning/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.core.distributed.model_chunk_buffers import DDPConfig
+from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
+from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    microbatch_group_size: int | None = None
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    timeout_minutes: int = 10
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
+    split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
+    heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "pp", "dp", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError("virtual pipeline stages need a pipeline-parallel size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: pipeline ranks x virtual stages per rank."""
+        return self.pp * self.virtual_stages
+
+    def chunk_position(self, pp_rank: int, chunk: int) -> tuple[bool, bool]:
+        """(first stage?, last stage?) of local model chunk `chunk` on pipeline rank `pp_rank`."""
+        stage = chunk * self.pp + pp_rank
+        return stage == 0, stage == self.stages - 1
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order)
+
+    def validate_layers(self, num_layers: int) -> None:
+        """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""
+        stage_layer_ids(num_layers, self.pp, self.virtual_stages, 0, self.first_stage_layers, self.last_stage_layers)
