@@ -134,11 +134,13 @@ def test_tokens_outside_the_vocabulary_stop_every_rank_with_one_line(tmp_path):
     prefix = str(tmp_path / "ids")
     with IndexedDatasetWriter(prefix, token_dtype(1000)) as writer:
         for start in range(0, 400, 40):
-            writer.add_document(50 + np.arange(start, start + 40) % 100)  # every id outside a vocabulary of 50
+            writer.add_document(
+                51 + np.arange(start, start + 40) % 100
+            )  # all outside --vocab-size 50: ids 0-49, EOD 50
     for error in run_distributed(2, _vocabulary_too_small, prefix):
         assert re.fullmatch(
             rf"{re.escape(prefix)}\.bin: token id \d+ \(in train sample \d+\) is outside the "
-            r"tokenizer's vocabulary of 50 ids; was it preprocessed with another tokenizer\?",
+            r"tokenizer's vocabulary of 51 ids; was it preprocessed with another tokenizer\?",
             error,
         ), error
 
