@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from . import dispatch
-from .dispatch import jit, tl
+from . import triton_support
+from .triton_support import jit, tl
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -383,8 +383,8 @@ def _launch_options(kernel, head_dim, dtype):
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        COMPUTE=dispatch.compute_dtype(dtype),
-        PRECISION=dispatch.dot_precision(dtype),
+        COMPUTE=triton_support.compute_dtype(dtype),
+        PRECISION=triton_support.dot_precision(dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -398,11 +398,11 @@ def _attn_forward(q, k, v, causal, softmax_scale):
     """Launch the forward kernel on contiguous q, k, v; returns (out, lse)."""
     batch, s_q, n_heads, head_dim = q.shape
     s_k, n_kv_heads = k.shape[1], k.shape[2]
-    out = dispatch.empty(q.shape, q.dtype, q.device)
-    lse = dispatch.empty((batch, n_heads, s_q), torch.float32, q.device)
+    out = triton_support.empty(q.shape, q.dtype, q.device)
+    lse = triton_support.empty((batch, n_heads, s_q), torch.float32, q.device)
     opts = _launch_options("fwd", head_dim, q.dtype)
     grid = (_cdiv(s_q, opts["BLOCK_M"]), batch * n_heads)
-    if dispatch.shape_only(q):
+    if triton_support.shape_only(q):
         return out, lse
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e), CAUSAL=causal, **opts
@@ -414,9 +414,9 @@ def _attn_backward(q, k, v, out, lse, dout, dlse, causal, softmax_scale):
     """Launch the backward kernels on contiguous tensors; dlse may be None. Returns (dq, dk, dv)."""
     batch, s_q, n_heads, head_dim = q.shape
     s_k, n_kv_heads = k.shape[1], k.shape[2]
-    delta = dispatch.empty((batch, n_heads, s_q), torch.float32, q.device)
-    if dispatch.shape_only(q):
-        return tuple(dispatch.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+    delta = triton_support.empty((batch, n_heads, s_q), torch.float32, q.device)
+    if triton_support.shape_only(q):
+        return tuple(triton_support.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     _bwd_preprocess_kernel[(_cdiv(s_q, _PREPROCESS_BLOCK_M), batch * n_heads)](
         out,
         dout,
@@ -430,7 +430,7 @@ def _attn_backward(q, k, v, out, lse, dout, dlse, causal, softmax_scale):
         num_warps=_PREPROCESS_WARPS,
     )
 
-    dq, dk, dv = (dispatch.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+    dq, dk, dv = (triton_support.empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     scalars = (s_q, s_k, n_heads, n_kv_heads, softmax_scale * math.log2(math.e), softmax_scale)
     opts = _launch_options("dkdv", head_dim, q.dtype)
     _attn_bwd_dkdv_kernel[(_cdiv(s_k, opts["BLOCK_N"]), batch * n_kv_heads)](
@@ -485,7 +485,7 @@ def unsupported_reason(head_dim, dtype, device):
     fp32 runs only under the interpreter: on a GPU an exact ('ieee') fp32 tl.dot has no tensor
     core path and spills registers at every tile size tried, so CUDA fp32 goes to torch.
     """
-    if dtype not in dispatch.TRITON_DTYPES or (dtype == torch.float32 and torch.device(device).type == "cuda"):
+    if dtype not in triton_support.TRITON_DTYPES or (dtype == torch.float32 and torch.device(device).type == "cuda"):
         return f"flash_attention Triton kernel runs fp16 and bf16 on GPU (fp32 only in the interpreter), got {dtype}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return (
@@ -497,7 +497,7 @@ def unsupported_reason(head_dim, dtype, device):
 
 def attention_path(impl, device, head_dim, dtype):
     """Start-up log line: which attention path runs for this model."""
-    return dispatch.kernel_path(impl, device, unsupported_reason(head_dim, dtype, device))
+    return triton_support.kernel_path(impl, device, unsupported_reason(head_dim, dtype, device))
 
 
 def _default_scale(q, softmax_scale):
@@ -520,7 +520,7 @@ def flash_attention_torch(q, k, v, causal=True, softmax_scale=None):
 def flash_attention(q, k, v, causal=True, softmax_scale=None, impl="auto"):
     """softmax(q k^T * scale) v per head; q [b, s_q, h, d], k/v [b, s_k, h_kv, d] -> [b, s_q, h, d]."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if triton_support.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))[0]
     return flash_attention_torch(q, k, v, causal, softmax_scale)
 
@@ -544,7 +544,7 @@ def flash_attention_block(q, k, v, causal, softmax_scale=None, impl="auto"):
     fp32). Both outputs are differentiable, so context parallelism can merge blocks with
     `merge_attention_blocks` and backpropagate through the merge."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if triton_support.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         return _FlashAttentionFn.apply(q, k, v, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_torch(q, k, v, causal, softmax_scale)
 
@@ -577,7 +577,7 @@ def flash_attention_block_backward(q, k, v, out, lse, dout, causal, softmax_scal
     of the global softmax and delta = rowsum(dout * out) the global one, so the per-block gradients
     of a context-parallel ring add up to the exact gradients without keeping any block's output."""
     _check_inputs(q, k, v)
-    if dispatch.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
+    if triton_support.use_triton(impl, q, unsupported_reason(q.shape[-1], q.dtype, q.device)):
         q, k, v, out, lse, dout = (t.contiguous() for t in (q, k, v, out, lse, dout))
         return _attn_backward(q, k, v, out, lse, dout, None, causal, _default_scale(q, softmax_scale))
     return flash_attention_block_backward_torch(q, k, v, out, lse, dout, causal, softmax_scale)

@@ -13,8 +13,8 @@ writing dX per row and keeping its dW/dB partial sums in registers; the partials
 
 import torch
 
-from . import dispatch
-from .dispatch import jit, tl
+from . import triton_support
+from .triton_support import jit, tl
 
 MAX_HIDDEN = 16384
 
@@ -139,11 +139,11 @@ def _backward_programs(n_rows, device):
 def _norm_forward(x, residual, weight, bias, eps, is_rms):
     """x, residual: contiguous [rows, hidden]. Returns (y, h or None, mean or None, rstd)."""
     n_rows, n_cols = x.shape
-    y = dispatch.empty(x.shape, x.dtype, x.device)
-    h = None if residual is None else dispatch.empty(x.shape, residual.dtype, x.device)
-    mean = None if is_rms else dispatch.empty((n_rows,), torch.float32, x.device)
-    rstd = dispatch.empty((n_rows,), torch.float32, x.device)
-    if dispatch.shape_only(x):
+    y = triton_support.empty(x.shape, x.dtype, x.device)
+    h = None if residual is None else triton_support.empty(x.shape, residual.dtype, x.device)
+    mean = None if is_rms else triton_support.empty((n_rows,), torch.float32, x.device)
+    rstd = triton_support.empty((n_rows,), torch.float32, x.device)
+    if triton_support.shape_only(x):
         return y, h, mean, rstd
     block_n, num_warps = _launch_config(n_cols)
     _norm_fwd_kernel[(n_rows,)](
@@ -171,11 +171,11 @@ def _norm_backward(x, weight, has_bias, dy, dres, mean, rstd, is_rms):
     Returns (dx, dw, db or None), the weight gradients in fp32."""
     n_rows, n_cols = x.shape
     n_programs, rows_per_program = _backward_programs(n_rows, x.device)
-    dx = dispatch.empty(x.shape, x.dtype, x.device)
-    dw_part = dispatch.empty((n_programs, n_cols), torch.float32, x.device)
-    db_part = dispatch.empty((n_programs, n_cols), torch.float32, x.device) if has_bias else None
+    dx = triton_support.empty(x.shape, x.dtype, x.device)
+    dw_part = triton_support.empty((n_programs, n_cols), torch.float32, x.device)
+    db_part = triton_support.empty((n_programs, n_cols), torch.float32, x.device) if has_bias else None
     block_n, num_warps = _launch_config(n_cols)
-    if not dispatch.shape_only(x):
+    if not triton_support.shape_only(x):
         _norm_bwd_kernel[(n_programs,)](
             x,
             weight,
@@ -230,7 +230,7 @@ class _NormFn(torch.autograd.Function):
 
 def unsupported_reason(hidden_size, dtype):
     """Why the Triton kernels cannot take this hidden size / dtype, or None if they can."""
-    if dtype not in dispatch.TRITON_DTYPES:
+    if dtype not in triton_support.TRITON_DTYPES:
         return f"normalization Triton kernels support fp16, bf16 and fp32, got {dtype}"
     if hidden_size > MAX_HIDDEN:
         return f"normalization Triton kernels support hidden sizes up to {MAX_HIDDEN}, got {hidden_size}"
@@ -239,7 +239,7 @@ def unsupported_reason(hidden_size, dtype):
 
 def norm_path(impl, device, hidden_size, dtype):
     """Start-up log line: which normalization path runs for this model."""
-    return dispatch.kernel_path(impl, device, unsupported_reason(hidden_size, dtype))
+    return triton_support.kernel_path(impl, device, unsupported_reason(hidden_size, dtype))
 
 
 def _add_residual(x, residual):
@@ -275,7 +275,7 @@ def _norm(x, weight, bias, eps, impl, residual, is_rms):
         raise ValueError(f"weight/bias must have shape {tuple(x.shape[-1:])}, got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-    if dispatch.use_triton(impl, x, unsupported_reason(x.shape[-1], x.dtype)):
+    if triton_support.use_triton(impl, x, unsupported_reason(x.shape[-1], x.dtype)):
         return _NormFn.apply(x, weight, bias, residual, eps, is_rms)
     if is_rms:
         return rms_norm_torch(x, weight, eps, residual)

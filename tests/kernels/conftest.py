@@ -3,13 +3,15 @@
 import pytest
 import torch
 
-from kernels import dispatch
+from kernels import triton_support
 
 
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     monkeypatch.setattr(
-        dispatch, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+        triton_support,
+        "empty",
+        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
     )
 
 

@@ -127,11 +127,11 @@ def _compile_all():
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    from kernels import dispatch
     from kernels import flash_attention as fa
     from kernels import normalization as nm
+    from kernels import triton_support
 
-    assert not dispatch.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
+    assert not triton_support.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
     kernels = {
         name: obj
         for module in (fa, nm)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import dispatch
 from kernels import flash_attention as fa
+from kernels import triton_support
 from tests.kernels.checks import TOL, assert_close
 
 pytest.importorskip("triton")
@@ -112,7 +112,7 @@ def test_impl_strings_are_validated():
         with pytest.raises(ValueError, match="impl must be one of"):
             fa.flash_attention(q, k, v, impl=bad)
     with pytest.raises(ValueError, match="impl must be one of"):
-        dispatch.kernel_path("fast", "cpu")
+        triton_support.kernel_path("fast", "cpu")
 
 
 def test_auto_on_cpu_runs_the_torch_reference(monkeypatch, seed):
@@ -126,9 +126,9 @@ def test_auto_on_cpu_runs_the_torch_reference(monkeypatch, seed):
     )
     out, lse = fa.flash_attention_block(q, k, v, causal=True, impl="auto")
     assert lse.shape == (1, 4, 20)
-    assert dispatch.kernel_path("auto", "cpu") == "torch (tensors on CPU)"
-    assert dispatch.kernel_path("triton", "cpu") == "triton (interpreter)"
-    assert dispatch.kernel_path("torch", "cuda") == "torch (impl='torch')"
+    assert triton_support.kernel_path("auto", "cpu") == "torch (tensors on CPU)"
+    assert triton_support.kernel_path("triton", "cpu") == "triton (interpreter)"
+    assert triton_support.kernel_path("torch", "cuda") == "torch (impl='torch')"
 
 
 def test_unsupported_inputs_are_refused_by_triton_and_routed_to_torch_by_auto():
@@ -151,7 +151,7 @@ def test_mismatched_shapes_are_refused():
 
 
 def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
-    monkeypatch.setattr(dispatch, "INTERPRETER", False)
+    monkeypatch.setattr(triton_support, "INTERPRETER", False)
     q, k, v = qkv(1, 16, 16, 2, 2, 64, torch.float32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         fa.flash_attention(q, k, v, impl="triton")
@@ -162,11 +162,12 @@ def test_kernels_import_and_fall_back_without_triton():
 import sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
 import torch
-from kernels import dispatch, flash_attention as fa, normalization as nm
+from kernels import flash_attention as fa, normalization as nm, triton_support
 q = torch.randn(1, 8, 2, 16)
 assert fa.flash_attention(q, q, q, impl="auto").shape == q.shape
 assert nm.rms_norm(q, torch.ones(16), 1e-5).shape == q.shape
-assert dispatch.kernel_path("auto", "cuda") == "torch (triton is not installed)", dispatch.kernel_path("auto", "cuda")
+path = triton_support.kernel_path("auto", "cuda")
+assert path == "torch (triton is not installed)", path
 try:
     nm.layer_norm(q, torch.ones(16), None, 1e-5, impl="triton")
 except RuntimeError as e:

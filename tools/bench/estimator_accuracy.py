@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from kernels.dispatch import INTERPRETER  # noqa: E402
+from kernels.triton_support import INTERPRETER  # noqa: E402
 from megatron.planning.estimator import estimate_memory  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402

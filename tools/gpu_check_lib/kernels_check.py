@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.dispatch import kernel_path
 from kernels.flash_attention import flash_attention, flash_attention_torch
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import layer_norm, layer_norm_torch, rms_norm, rms_norm_torch
 from kernels.normalization import unsupported_reason as norm_unsupported
+from kernels.triton_support import kernel_path
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import error_line
 

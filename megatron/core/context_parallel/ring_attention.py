@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from kernels import dispatch
+from kernels import triton_support
 from kernels.flash_attention import flash_attention_block, flash_attention_block_backward, merge_attention_blocks
 from megatron.core.context_parallel.comm import Ring, all_gather, group_rank, group_size, reduce_scatter
 from megatron.core.context_parallel.sharding import chunk_ids
@@ -124,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, impl):
-        if dispatch.shape_only(q):
+        if triton_support.shape_only(q):
             return _save_for_backward(ctx, _shape_only_accumulator(q), q, k, v, group, scale, impl)
         cp, me = group_size(group), group_rank(group)
         ring = Ring(group) if cp > 1 else None
@@ -173,7 +173,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, impl):
-        if dispatch.shape_only(q):
+        if triton_support.shape_only(q):
             return _save_for_backward(ctx, _shape_only_accumulator(q), q, k, v, group, scale, impl)
         cp, me = group_size(group), group_rank(group)
         acc = [None, None]
@@ -205,7 +205,7 @@ def context_parallel_attention(q, k, v, cp_group, comm_type="p2p", impl="auto", 
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
-    dispatch.check_impl(impl)
+    triton_support.check_impl(impl)
     # checked here, before any rank posts a transfer, rather than by the first block call
     if (
         q.dim() != 4
