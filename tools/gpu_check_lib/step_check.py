@@ -8,7 +8,7 @@ import time
 import torch
 
 from megatron.core.transformer.flops import flops_per_iteration
-from megatron.training.kernel_paths import kernel_paths
+from megatron.training.kernel_paths import startup_kernel_paths
 from tools.gpu_check_lib.bare_llama import BareLoop
 from tools.gpu_check_lib.env import estimate_run
 from tools.gpu_check_lib.report import NA
@@ -100,7 +100,7 @@ def check_step(report, ctx, peak) -> None:
         f"{tokens} tokens per iteration; TFLOP/s: megatron/core/transformer/flops.py (the log line's)",
         f"MFU: TFLOP/s / the dense bf16 peak: {peak[1]}",
         "our kernels as the start-up log names them: "
-        + "; ".join(f"{k} {v}" for k, v in kernel_paths(run.model, ctx.device).items())
+        + "; ".join(f"{k} {v}" for k, v in startup_kernel_paths(run.model, ctx.device).items())
         + "; the loop is pretrain.train's without its log line, validation and checkpoints",
         "vs bare: bare step time / ours (above 1: ours faster); host syncs: set_sync_debug_mode('warn') warnings per "
         f"timed iteration (the README expects 1 for ours: the grad norm); where: {', '.join(ours.sync_sites) or '-'}",
