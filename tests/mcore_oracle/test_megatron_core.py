@@ -11,9 +11,12 @@ from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same 
 and its next two training steps (the second after an update with the loaded optimizer state) the
 losses and grad norms of ours. All within 1e-5.
 
-Both vocabularies (128) need no padding. A third Llama with 120 tokens, padded to 128 rows in
-the checkpoint, is saved at tp 2 and loaded at tp 1: its logits over the real vocabulary are
-compared, not its loss (Megatron's softmax also spans the padding columns; ours masks them).
+The GPT and the first Llama (128 tokens) need no vocabulary padding. A third model, the Llama
+with 120 tokens, is padded to 128 rows at tp 1 and tp 2 (--make-vocab-size-divisible-by 64): its
+8 padding rows are initialised, take part in the softmax and are trained in megatron-core as in
+ours, and it goes through everything the others do (logits over the real vocabulary, loss, 5 steps
+from the same initial weights, steps 3-5 after a resume) and is the Llama ours saves for
+megatron-core, padding rows trained.
 """
 
 from __future__ import annotations
@@ -92,11 +95,11 @@ MODELS = {
 }
 PADDED = "llama_vocab_120"
 MODELS[PADDED] = (LLAMA_DEFAULTS, MODELS["llama"][1][:-1] + ["120"])
-TRAINED = ("gpt", "llama")
+TRAINED = ("gpt", "llama", PADDED)
 LAYOUTS = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
 # (model, saved tp, our layout) whose state after step 5 we save as torch_dist: the tied GPT from two
 # pipeline stages, the Llama from two tp ranks
-SAVED_BY_US = (("gpt", 1, "pp2"), ("llama", 2, "tp2"))
+SAVED_BY_US = (("gpt", 1, "pp2"), (PADDED, 2, "tp2"))
 OPTIMIZER = {
     "lr": 1e-3,
     "min_lr": 1e-4,
@@ -135,18 +138,7 @@ def saved_by_megatron_core(tmp_path_factory):
     tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
     batch = str(directory / "batch.pt")
     torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
-    padded = directory / f"{PADDED}_tp2"
-    jobs = [
-        _job(
-            PADDED,
-            2,
-            batch,
-            [
-                {"op": "save", "root": str(padded / "initial"), "iteration": 0},
-                {"op": "forward", "out": str(padded / "logits.pt")},
-            ],
-        )
-    ]
+    jobs = []
     for model in TRAINED:
         for tp in (1, 2):
             out = directory / f"{model}_tp{tp}"
@@ -219,8 +211,7 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
     """For every model, saving tp and layout: logits of the initial checkpoint, 5 steps from it,
     steps 3-5 from the trained one; then a torch_dist save of the tp2 Llama after those steps."""
     batch = torch.load(batch_file)
-    trainer, _ = _load(PADDED, "tp1", os.path.join(directory, f"{PADDED}_tp2", "initial"), batch, ["--no-load-optim"])
-    results = {PADDED: _logits_and_loss(trainer, batch)[0]}
+    results = {}
     for model in TRAINED:
         for tp in (1, 2):
             saved = os.path.join(directory, f"{model}_tp{tp}")
@@ -247,8 +238,6 @@ def _close(ours, theirs, what: str) -> None:
 def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_in_megatron_core(saved_by_megatron_core):
     directory, batch_file = saved_by_megatron_core
     results = run_distributed(2, _ours, str(directory), batch_file)[-1]  # the last rank holds the logits
-    reference = torch.load(directory / f"{PADDED}_tp2" / "logits.pt")
-    _close(results[PADDED], reference["logits"], "vocabulary padded to 128 rows, saved at tp2, loaded at tp1: logits")
     for model in TRAINED:
         for tp in (1, 2):
             saved = directory / f"{model}_tp{tp}"
@@ -268,7 +257,7 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                     _close(ours["steps"][key], steps[key], case + f": 5 steps' {key}")
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
     # megatron-core loads our torch_dist saves (model and optimizer): the Llama at tp 1 and tp 2, the GPT at tp 1
-    loads = [("llama", "tp2", 1), ("llama", "tp2", 2), ("gpt", "pp2", 1)]
+    loads = [(PADDED, "tp2", 1), (PADDED, "tp2", 2), ("gpt", "pp2", 1)]
     jobs = [
         _job(
             model,

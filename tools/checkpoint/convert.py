@@ -77,9 +77,23 @@ from megatron.training.checkpoint.torch_dist_args import config_fields, megatron
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def model_config(args: dict, tp: int = 1) -> TransformerConfig:
-    """Our TransformerConfig for converted `args`; raises ValueError (one line) for a bad tp."""
-    return TransformerConfig(**args, tensor_model_parallel_size=tp)
+@dataclass(frozen=True)
+class Target:
+    """The layout a conversion is for: its sizes, and how it pads the vocabulary (rows the source
+    lacks drawn from `seed`)."""
+
+    tp: int = 1
+    pp: int = 1
+    make_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+
+    def config(self, args: dict) -> TransformerConfig:
+        """Our TransformerConfig for converted `args`; raises ValueError (one line) for a bad tp or pp."""
+        config = TransformerConfig(
+            **args, tensor_model_parallel_size=self.tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by
+        )
+        layers_per_rank(config.num_layers, self.pp)
+        return config
 
 
 def padded_vocabulary(config: TransformerConfig, where: str, saved: int, seed: int, exact: bool):
@@ -111,7 +125,7 @@ def fit_vocabulary(tensors: dict, config: TransformerConfig, where: str, seed: i
     return {name: fit(name, tensor) for name, tensor in tensors.items()}
 
 
-def command_line(args: dict, tp: int, pp: int, load: str) -> str:
+def command_line(args: dict, target: Target, load: str) -> str:
     """The pretrain command (script and every recorded model flag) that runs the converted model."""
     llama_like = (
         args["swiglu"]
@@ -134,10 +148,12 @@ def command_line(args: dict, tp: int, pp: int, load: str) -> str:
         f"{args['attention_dropout']}",
         "--hidden-dropout",
         f"{args['hidden_dropout']}",
+        "--make-vocab-size-divisible-by",
+        str(target.make_vocab_size_divisible_by),
         "--tensor-model-parallel-size",
-        str(tp),
+        str(target.tp),
         "--pipeline-model-parallel-size",
-        str(pp),
+        str(target.pp),
         "--load",
         load,
         "--finetune",
@@ -163,13 +179,12 @@ def _lazy_piece(rule, reader: SafetensorsReader, progress, fit) -> TensorPiece:
     return TensorPiece(rule.ours, shape, (0,) * len(shape), shape, inputs[0].dtype, produce)
 
 
-def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int, seed: int) -> str:
+def hf_to_canonical(load_dir: str, save_dir: str, target: Target) -> str:
     """Convert; returns the pretrain command line for the result."""
     cfg = read_json(os.path.join(load_dir, "config.json"))
     family = family_of(cfg)
     args = family.model_args(cfg)
-    config = model_config(args, tp)
-    layers_per_rank(args["num_layers"], pp)
+    config = target.config(args)
     note = getattr(family, "approximation_note", lambda c: None)(cfg)
     if note:
         print(note, file=sys.stderr)
@@ -179,7 +194,7 @@ def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int, seed: int) -
     unmapped = [n for n in reader.names() if n not in used and not IGNORED.search(n) and n != "lm_head.weight"]
     if unmapped:
         raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
-    fit, note = padded_vocabulary(config, load_dir, config.vocab_size, seed, exact=False)
+    fit, note = padded_vocabulary(config, load_dir, config.vocab_size, target.seed, exact=False)
     if note:
         print(note, file=sys.stderr)
     with tqdm(total=len(rules), desc="hf -> canonical", unit="tensor") as progress:
@@ -196,7 +211,7 @@ def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int, seed: int) -
                 "source": load_dir,
             },
         )
-    return command_line(args, tp, pp, save_dir)
+    return command_line(args, target, save_dir)
 
 
 def _layer_of(name: str) -> int:
@@ -320,11 +335,10 @@ def to_hf(source: Source, save_dir: str) -> None:
         write_hf_files(save_dir, [reader(groups[key]) for key in sorted(groups)], hf_config, progress)
 
 
-def to_canonical(source: Source, save_dir: str, tp: int, pp: int, seed: int, where: str) -> str:
+def to_canonical(source: Source, save_dir: str, target: Target, where: str) -> str:
     """Write the source's model as our checkpoint; returns the pretrain command line for it."""
-    config = model_config(source.args, tp)
-    layers_per_rank(config.num_layers, pp)
-    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, seed, exact=False)
+    config = target.config(source.args)
+    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, target.seed, exact=False)
     pieces = [TensorPiece.whole(name, t) for name, t in tensors.items()]
     commit_checkpoint(
         save_dir,
@@ -332,17 +346,16 @@ def to_canonical(source: Source, save_dir: str, tp: int, pp: int, seed: int, whe
         pieces,
         {"consumed_samples": 0, "model": model_record(config), "layout": None, "contents": ["model"]},
     )
-    return command_line(source.args, tp, pp, save_dir)
+    return command_line(source.args, target, save_dir)
 
 
-def to_torch_dist(source: Source, save_dir: str, tp: int, pp: int, seed: int, where: str) -> None:
+def to_torch_dist(source: Source, save_dir: str, target: Target, where: str) -> None:
     """Write the source's model as Megatron-LM's torch_dist checkpoint (iteration 0, no optimizer
     state: Megatron-LM continues from it with --finetune or --no-load-optim --no-load-rng)."""
-    config = model_config(source.args, tp)
-    layers_per_rank(config.num_layers, pp)
-    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, seed, exact=True)
+    config = target.config(source.args)
+    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, target.seed, exact=True)
     common = {
-        "args": megatron_args(config, iteration=0, consumed_samples=0, tp=tp, pp=pp, extra={}),
+        "args": megatron_args(config, iteration=0, consumed_samples=0, tp=target.tp, pp=target.pp, extra={}),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": 0,
     }
@@ -363,6 +376,12 @@ def parse_args(argv):
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="the target pads the vocabulary to a multiple of this x its tp (Megatron's flag)",
+    )
     parser.add_argument(
         "--seed", type=int, default=1234, help="draws vocabulary padding rows the source lacks (Megatron's default)"
     )
@@ -386,9 +405,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
     try:
-        tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        target = Target(
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+            args.make_vocab_size_divisible_by,
+            args.seed,
+        )
         if args.loader == "hf" and args.saver == "canonical":  # lazily, a layer at a time
-            line = hf_to_canonical(args.load_dir, args.save_dir, tp, pp, args.seed)
+            line = hf_to_canonical(args.load_dir, args.save_dir, target)
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
             return 0
         source = SOURCES[args.loader](args.load_dir)
@@ -396,13 +420,14 @@ def main(argv=None) -> int:
             to_hf(source, args.save_dir)
             print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
         elif args.saver == "canonical":
-            line = to_canonical(source, args.save_dir, tp, pp, args.seed, args.load_dir)
+            line = to_canonical(source, args.save_dir, target, args.load_dir)
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
         else:
-            to_torch_dist(source, args.save_dir, tp, pp, args.seed, args.load_dir)
+            to_torch_dist(source, args.save_dir, target, args.load_dir)
             print(
                 f"saved {args.save_dir} (Megatron-LM loads it with --ckpt-format torch_dist --finetune, at "
-                f"--tensor-model-parallel-size {tp})"
+                f"--tensor-model-parallel-size {target.tp} --make-vocab-size-divisible-by "
+                f"{target.make_vocab_size_divisible_by})"
             )
     except EXPECTED_ERRORS as error:
         return report_error(error)
