@@ -71,10 +71,13 @@ def rows_note(where: str, saved: int | None, rows: int, vocab_size: int) -> str 
 
 def resized_rows(tensor: torch.Tensor, rows: int, spec: InitSpec, seed: int, name: str) -> torch.Tensor:
     """The whole vocabulary tensor `tensor` with `rows` rows: cut, or extended by the initial values of
-    the rows it lacks (`spec`: the parameter's full InitSpec at `rows` rows, drawn from `seed`)."""
+    the rows it lacks (`spec`: the parameter's full InitSpec at `rows` rows, drawn from `seed`). A meta
+    tensor (shape only) gives one."""
     if tensor.shape[0] >= rows:
         return tensor[:rows]
-    out = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    out = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if tensor.is_meta:
+        return out
     initialize_(out, spec, seed, name)
     out[: tensor.shape[0]] = tensor
     return out
