@@ -4,7 +4,8 @@ megatron-core 0.16.1 (its own environment, tests/mcore_oracle/driver.py) builds 
 (LayerNorm, learned positions, GELU, biases, tied) and a Llama-style (RMSNorm, RoPE, SwiGLU, GQA,
 untied) GPTModel at tp 1 and tp 2, saves it before training and again after 2 steps of its own
 optimizer (AdamW, clipping, warm-up + cosine), and records its logits and 5 steps on one batch.
-We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss; 5 steps from
+We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss (and, at tp 1
+and tp 2, the same gradients of the vocabulary tensors, padding rows included); 5 steps from
 the untrained checkpoint, and steps 3-5 from the one with optimizer state, give megatron-core's
 losses and grad norms. Then ours saves --ckpt-format torch_dist (the Llama from tp 2, the tied GPT
 from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same logits and loss,
@@ -150,6 +151,7 @@ def saved_by_megatron_core(tmp_path_factory):
                     [
                         {"op": "save", "root": str(out / "initial"), "iteration": 0},
                         {"op": "forward", "out": str(out / "logits.pt")},
+                        {"op": "grads", "out": str(out / "grads.pt")},
                         {"op": "train", "iters": 2, "out": str(out / "steps_1_2.json")},
                         {"op": "save", "root": str(out / "trained"), "iteration": 2},
                         {"op": "train", "iters": 3, "out": str(out / "steps_3_5.json")},
@@ -189,6 +191,20 @@ def _logits_and_loss(trainer, batch: dict):
         return module(hidden), module(hidden, batch["labels"])
 
 
+def _vocabulary_grads(trainer) -> dict:
+    """The gradients of iteration 1 of the vocabulary tensors, whole (gathered over tp, padding rows
+    included), of a one-stage trainer."""
+    trainer.chunks[0].module.train()
+    trainer.forward_backward(1)
+    grads = {}
+    for name, param in trainer.chunks[0].module.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            parts = [torch.empty_like(param.main_grad) for _ in range(trainer.mesh.tp_size)]
+            dist.all_gather(parts, param.main_grad.contiguous(), group=trainer.mesh.tp_group)
+            grads[name] = torch.cat(parts)
+    return grads
+
+
 def _train(trainer, first: int, last: int) -> dict:
     trainer.chunks[0].module.train()
     losses, norms = [], []
@@ -208,7 +224,8 @@ def _load(model: str, layout: str, root: str, batch: dict, extra: list[str]):
 
 
 def _ours(rank: int, directory: str, batch_file: str) -> dict:
-    """For every model, saving tp and layout: logits of the initial checkpoint, 5 steps from it,
+    """For every model, saving tp and layout: logits of the initial checkpoint, the vocabulary tensors'
+    gradients of one backward from it (one-stage layouts), 5 steps from it,
     steps 3-5 from the trained one; then a torch_dist save of the tp2 Llama after those steps."""
     batch = torch.load(batch_file)
     results = {}
@@ -218,10 +235,17 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
             for layout in LAYOUTS:
                 trainer, _ = _load(model, layout, os.path.join(saved, "initial"), batch, ["--no-load-optim"])
                 logits, loss = _logits_and_loss(trainer, batch)
+                grads = _vocabulary_grads(trainer) if trainer.mesh.pp_size == 1 else None
                 steps = _train(trainer, 1, 5)
                 trainer, iteration = _load(model, layout, os.path.join(saved, "trained"), batch, [])
                 resumed = _train(trainer, iteration + 1, 5)
-                results[(model, tp, layout)] = {"logits": logits, "loss": loss, "steps": steps, "resumed": resumed}
+                results[(model, tp, layout)] = {
+                    "logits": logits,
+                    "loss": loss,
+                    "grads": grads,
+                    "steps": steps,
+                    "resumed": resumed,
+                }
                 if (model, tp, layout) in SAVED_BY_US:  # our torch_dist save, for megatron-core to load
                     save_megatron_checkpoint(os.path.join(directory, f"ours_{model}_{layout}"), 5, trainer)
                     results[("saved", model, layout)] = _logits_and_loss(trainer, batch)
@@ -241,7 +265,7 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
     for model in TRAINED:
         for tp in (1, 2):
             saved = directory / f"{model}_tp{tp}"
-            reference = torch.load(saved / "logits.pt")
+            reference, reference_grads = torch.load(saved / "logits.pt"), torch.load(saved / "grads.pt")
             steps = {
                 k: a + b
                 for (k, a), b in zip(
@@ -253,6 +277,8 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                 case, ours = f"{model} saved at tp{tp}, loaded at {layout}", results[(model, tp, layout)]
                 _close(ours["logits"], reference["logits"], case + ": logits")
                 _close(ours["loss"], reference["loss"], case + ": loss")
+                for name, grad in (ours["grads"] or {}).items():  # one-stage layouts
+                    _close(grad, reference_grads[name], case + f": iteration 1 gradient of {name}")
                 for key in ("loss", "grad_norm"):
                     _close(ours["steps"][key], steps[key], case + f": 5 steps' {key}")
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
