@@ -17,7 +17,8 @@ with 120 tokens, is padded to 128 rows at tp 1 and tp 2 (--make-vocab-size-divis
 8 padding rows are initialised, take part in the softmax and are trained in megatron-core as in
 ours, and it goes through everything the others do (logits over the real vocabulary, loss, 5 steps
 from the same initial weights, steps 3-5 after a resume) and is the Llama ours saves for
-megatron-core, padding rows trained.
+megatron-core, padding rows trained. Last, our fresh run of it (our initialisation, padding rows
+included) saved before its first step: megatron-core's 5 steps from those weights are ours.
 """
 
 from __future__ import annotations
@@ -250,6 +251,10 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
                     save_megatron_checkpoint(os.path.join(directory, f"ours_{model}_{layout}"), 5, trainer)
                     results[("saved", model, layout)] = _logits_and_loss(trainer, batch)
                     results[("steps 6-7", model, layout)] = _train(trainer, 6, 7)
+    trainer = Trainer(_run(PADDED, LAYOUTS["tp2"], dist.get_world_size()), torch.device("cpu"))  # a fresh run
+    _feed(trainer, batch)
+    save_megatron_checkpoint(os.path.join(directory, "ours_fresh"), 0, trainer)
+    results["fresh"] = _train(trainer, 1, 5)
     return results
 
 
@@ -284,7 +289,16 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
     # megatron-core loads our torch_dist saves (model and optimizer): the Llama at tp 1 and tp 2, the GPT at tp 1
     loads = [(PADDED, "tp2", 1), (PADDED, "tp2", 2), ("gpt", "pp2", 1)]
-    jobs = [
+    fresh = _job(
+        PADDED,
+        1,
+        batch_file,
+        [
+            {"op": "load", "root": str(directory / "ours_fresh"), "optimizer": False},
+            {"op": "train", "iters": 5, "out": str(directory / "ours_fresh_steps_in_mcore.json")},
+        ],
+    )
+    jobs = [fresh] + [
         _job(
             model,
             tp,
@@ -298,6 +312,11 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
         for model, layout, tp in loads
     ]
     run_oracle(jobs, directory)
+    steps = json.loads((directory / "ours_fresh_steps_in_mcore.json").read_text())
+    for key in ("loss", "grad_norm"):  # our initial weights, padding rows included, trained by megatron-core
+        _close(
+            results["fresh"][key], steps[key], f"our fresh padded Llama at tp2, trained by megatron-core at tp1: {key}"
+        )
     for model, layout, tp in loads:
         logits, loss = results[("saved", model, layout)]
         theirs = torch.load(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")
