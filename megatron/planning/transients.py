@@ -16,7 +16,7 @@ code allocates and are NOT validated by measurement yet:
 - dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
   in place (NCCL's own buffers are in the runtime allowance);
 - the largest temporary during forward/backward, the max of: the last stage's
-  logits (and their fp32 / vocabulary-masked copies in the cross entropy), a
+  logits (and their fp32 copy in the cross entropy when they are bf16/fp16), a
   weight gradient before it is added to `main_grad` (with gradient accumulation
   fusion the layer's placeholder of the same size; two of them for an
   embedding tied within one stage: the output layer's gradient waits for the
@@ -115,11 +115,10 @@ class Transients:
         return sum(self.components().values())
 
 
-def logits_temporary(dims: Dims, vocab_size: int) -> int:
-    """Output-layer logits [s, b, V/t] in the weight dtype, plus the cross entropy's fp32
-    copy when it must cast or mask padding columns (the softmax itself is saved)."""
-    padded = dims.vocab * dims.tp != vocab_size
-    extra = FP32 if dims.p != FP32 or padded else 0
+def logits_temporary(dims: Dims) -> int:
+    """Output-layer logits [s, b, V/t] (V padded) in the weight dtype, plus the cross entropy's fp32
+    copy when it must cast them (the softmax itself is saved; padding columns are part of it)."""
+    extra = FP32 if dims.p != FP32 else 0
     return dims.s * dims.b * dims.vocab * (dims.p + extra)
 
 
@@ -160,7 +159,7 @@ def largest_temporary(
         "recomputation": recompute_working,
     }
     if has_last:
-        candidates["logits"] = logits_temporary(dims, config.vocab_size)
+        candidates["logits"] = logits_temporary(dims)
     name = max(candidates, key=candidates.get)
     return candidates[name], name
 

@@ -10,6 +10,8 @@ parallel), "model": our model args (TransformerConfig field names, as our checkp
 "ops": [...]}. The ops run in order on every rank:
 - {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
+- {"op": "grads", "out": F}: one backward of the batch's mean loss, no step; rank 0 writes the
+  gradients of the vocabulary tensors (gathered over tp, padding rows included) to F;
 - {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
 - {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
   optimizer and scheduler) as Megatron-LM's --load does;
@@ -212,6 +214,23 @@ class Oracle:
             record["grad_norm"].append(float(grad_norm))
         if dist.get_rank() == 0:
             json.dump(record, open(out, "w"))
+
+    def grads(self, out: str) -> None:
+        self.model.zero_grad_buffer()
+        self.loss().float().mean().backward()
+        self.model.finish_grad_sync()
+        params = dict(self.model.module.named_parameters())
+        grads = {}
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if name in params:
+                local = params[name].main_grad.contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.spec["tp"])]
+                dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+                grads[name] = torch.cat(parts)
+        if dist.get_rank() == 0:
+            torch.save(grads, out)
+        self.model.zero_grad_buffer()
+        dist.barrier()
 
     def sharded_state(self, optimizer: bool, loading: bool = False) -> dict:
         """Model and optimizer as dist_checkpointing sees them; `loading` creates the optimizer's

@@ -4,16 +4,21 @@ megatron-core 0.16.1 (its own environment, tests/mcore_oracle/driver.py) builds 
 (LayerNorm, learned positions, GELU, biases, tied) and a Llama-style (RMSNorm, RoPE, SwiGLU, GQA,
 untied) GPTModel at tp 1 and tp 2, saves it before training and again after 2 steps of its own
 optimizer (AdamW, clipping, warm-up + cosine), and records its logits and 5 steps on one batch.
-We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss; 5 steps from
+We load those checkpoints at tp 1 (dp 2), tp 2 and pp 2: the same logits and loss (and, at tp 1
+and tp 2, the same gradients of the vocabulary tensors, padding rows included); 5 steps from
 the untrained checkpoint, and steps 3-5 from the one with optimizer state, give megatron-core's
 losses and grad norms. Then ours saves --ckpt-format torch_dist (the Llama from tp 2, the tied GPT
 from two pipeline stages) and megatron-core loads it at tp 1 and tp 2: the same logits and loss,
 and its next two training steps (the second after an update with the loaded optimizer state) the
 losses and grad norms of ours. All within 1e-5.
 
-Both vocabularies (128) need no padding. A third Llama with 120 tokens, padded to 128 rows in
-the checkpoint, is saved at tp 2 and loaded at tp 1: its logits over the real vocabulary are
-compared, not its loss (Megatron's softmax also spans the padding columns; ours masks them).
+The GPT and the first Llama (128 tokens) need no vocabulary padding. A third model, the Llama
+with 120 tokens, is padded to 128 rows at tp 1 and tp 2 (--make-vocab-size-divisible-by 64): its
+8 padding rows are initialised, take part in the softmax and are trained in megatron-core as in
+ours, and it goes through everything the others do (logits over the real vocabulary, loss, 5 steps
+from the same initial weights, steps 3-5 after a resume) and is the Llama ours saves for
+megatron-core, padding rows trained. Last, our fresh run of it (our initialisation, padding rows
+included) saved before its first step: megatron-core's 5 steps from those weights are ours.
 """
 
 from __future__ import annotations
@@ -92,11 +97,11 @@ MODELS = {
 }
 PADDED = "llama_vocab_120"
 MODELS[PADDED] = (LLAMA_DEFAULTS, MODELS["llama"][1][:-1] + ["120"])
-TRAINED = ("gpt", "llama")
+TRAINED = ("gpt", "llama", PADDED)
 LAYOUTS = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
 # (model, saved tp, our layout) whose state after step 5 we save as torch_dist: the tied GPT from two
 # pipeline stages, the Llama from two tp ranks
-SAVED_BY_US = (("gpt", 1, "pp2"), ("llama", 2, "tp2"))
+SAVED_BY_US = (("gpt", 1, "pp2"), (PADDED, 2, "tp2"))
 OPTIMIZER = {
     "lr": 1e-3,
     "min_lr": 1e-4,
@@ -135,18 +140,7 @@ def saved_by_megatron_core(tmp_path_factory):
     tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
     batch = str(directory / "batch.pt")
     torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
-    padded = directory / f"{PADDED}_tp2"
-    jobs = [
-        _job(
-            PADDED,
-            2,
-            batch,
-            [
-                {"op": "save", "root": str(padded / "initial"), "iteration": 0},
-                {"op": "forward", "out": str(padded / "logits.pt")},
-            ],
-        )
-    ]
+    jobs = []
     for model in TRAINED:
         for tp in (1, 2):
             out = directory / f"{model}_tp{tp}"
@@ -158,6 +152,7 @@ def saved_by_megatron_core(tmp_path_factory):
                     [
                         {"op": "save", "root": str(out / "initial"), "iteration": 0},
                         {"op": "forward", "out": str(out / "logits.pt")},
+                        {"op": "grads", "out": str(out / "grads.pt")},
                         {"op": "train", "iters": 2, "out": str(out / "steps_1_2.json")},
                         {"op": "save", "root": str(out / "trained"), "iteration": 2},
                         {"op": "train", "iters": 3, "out": str(out / "steps_3_5.json")},
@@ -197,6 +192,20 @@ def _logits_and_loss(trainer, batch: dict):
         return module(hidden), module(hidden, batch["labels"])
 
 
+def _vocabulary_grads(trainer) -> dict:
+    """The gradients of iteration 1 of the vocabulary tensors, whole (gathered over tp, padding rows
+    included), of a one-stage trainer."""
+    trainer.chunks[0].module.train()
+    trainer.forward_backward(1)
+    grads = {}
+    for name, param in trainer.chunks[0].module.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            parts = [torch.empty_like(param.main_grad) for _ in range(trainer.mesh.tp_size)]
+            dist.all_gather(parts, param.main_grad.contiguous(), group=trainer.mesh.tp_group)
+            grads[name] = torch.cat(parts)
+    return grads
+
+
 def _train(trainer, first: int, last: int) -> dict:
     trainer.chunks[0].module.train()
     losses, norms = [], []
@@ -216,25 +225,36 @@ def _load(model: str, layout: str, root: str, batch: dict, extra: list[str]):
 
 
 def _ours(rank: int, directory: str, batch_file: str) -> dict:
-    """For every model, saving tp and layout: logits of the initial checkpoint, 5 steps from it,
+    """For every model, saving tp and layout: logits of the initial checkpoint, the vocabulary tensors'
+    gradients of one backward from it (one-stage layouts), 5 steps from it,
     steps 3-5 from the trained one; then a torch_dist save of the tp2 Llama after those steps."""
     batch = torch.load(batch_file)
-    trainer, _ = _load(PADDED, "tp1", os.path.join(directory, f"{PADDED}_tp2", "initial"), batch, ["--no-load-optim"])
-    results = {PADDED: _logits_and_loss(trainer, batch)[0]}
+    results = {}
     for model in TRAINED:
         for tp in (1, 2):
             saved = os.path.join(directory, f"{model}_tp{tp}")
             for layout in LAYOUTS:
                 trainer, _ = _load(model, layout, os.path.join(saved, "initial"), batch, ["--no-load-optim"])
                 logits, loss = _logits_and_loss(trainer, batch)
+                grads = _vocabulary_grads(trainer) if trainer.mesh.pp_size == 1 else None
                 steps = _train(trainer, 1, 5)
                 trainer, iteration = _load(model, layout, os.path.join(saved, "trained"), batch, [])
                 resumed = _train(trainer, iteration + 1, 5)
-                results[(model, tp, layout)] = {"logits": logits, "loss": loss, "steps": steps, "resumed": resumed}
+                results[(model, tp, layout)] = {
+                    "logits": logits,
+                    "loss": loss,
+                    "grads": grads,
+                    "steps": steps,
+                    "resumed": resumed,
+                }
                 if (model, tp, layout) in SAVED_BY_US:  # our torch_dist save, for megatron-core to load
                     save_megatron_checkpoint(os.path.join(directory, f"ours_{model}_{layout}"), 5, trainer)
                     results[("saved", model, layout)] = _logits_and_loss(trainer, batch)
                     results[("steps 6-7", model, layout)] = _train(trainer, 6, 7)
+    trainer = Trainer(_run(PADDED, LAYOUTS["tp2"], dist.get_world_size()), torch.device("cpu"))  # a fresh run
+    _feed(trainer, batch)
+    save_megatron_checkpoint(os.path.join(directory, "ours_fresh"), 0, trainer)
+    results["fresh"] = _train(trainer, 1, 5)
     return results
 
 
@@ -247,12 +267,10 @@ def _close(ours, theirs, what: str) -> None:
 def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_in_megatron_core(saved_by_megatron_core):
     directory, batch_file = saved_by_megatron_core
     results = run_distributed(2, _ours, str(directory), batch_file)[-1]  # the last rank holds the logits
-    reference = torch.load(directory / f"{PADDED}_tp2" / "logits.pt")
-    _close(results[PADDED], reference["logits"], "vocabulary padded to 128 rows, saved at tp2, loaded at tp1: logits")
     for model in TRAINED:
         for tp in (1, 2):
             saved = directory / f"{model}_tp{tp}"
-            reference = torch.load(saved / "logits.pt")
+            reference, reference_grads = torch.load(saved / "logits.pt"), torch.load(saved / "grads.pt")
             steps = {
                 k: a + b
                 for (k, a), b in zip(
@@ -264,12 +282,23 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
                 case, ours = f"{model} saved at tp{tp}, loaded at {layout}", results[(model, tp, layout)]
                 _close(ours["logits"], reference["logits"], case + ": logits")
                 _close(ours["loss"], reference["loss"], case + ": loss")
+                for name, grad in (ours["grads"] or {}).items():  # one-stage layouts
+                    _close(grad, reference_grads[name], case + f": iteration 1 gradient of {name}")
                 for key in ("loss", "grad_norm"):
                     _close(ours["steps"][key], steps[key], case + f": 5 steps' {key}")
                     _close(ours["resumed"][key], steps[key][2:], case + f": steps 3-5 {key} after the resume")
     # megatron-core loads our torch_dist saves (model and optimizer): the Llama at tp 1 and tp 2, the GPT at tp 1
-    loads = [("llama", "tp2", 1), ("llama", "tp2", 2), ("gpt", "pp2", 1)]
-    jobs = [
+    loads = [(PADDED, "tp2", 1), (PADDED, "tp2", 2), ("gpt", "pp2", 1)]
+    fresh = _job(
+        PADDED,
+        1,
+        batch_file,
+        [
+            {"op": "load", "root": str(directory / "ours_fresh"), "optimizer": False},
+            {"op": "train", "iters": 5, "out": str(directory / "ours_fresh_steps_in_mcore.json")},
+        ],
+    )
+    jobs = [fresh] + [
         _job(
             model,
             tp,
@@ -283,6 +312,11 @@ def test_megatron_core_checkpoints_load_and_train_in_our_layouts_and_ours_load_i
         for model, layout, tp in loads
     ]
     run_oracle(jobs, directory)
+    steps = json.loads((directory / "ours_fresh_steps_in_mcore.json").read_text())
+    for key in ("loss", "grad_norm"):  # our initial weights, padding rows included, trained by megatron-core
+        _close(
+            results["fresh"][key], steps[key], f"our fresh padded Llama at tp2, trained by megatron-core at tp1: {key}"
+        )
     for model, layout, tp in loads:
         logits, loss = results[("saved", model, layout)]
         theirs = torch.load(directory / f"ours_{model}_{layout}_in_mcore_tp{tp}.pt")

@@ -84,7 +84,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(t, b[name]) for name, t in a.items())
 
 
-def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
+def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path, capsys):
     root = str(tmp_path)
     assert run_distributed(2, _round_trip, root) == [[], []]
     assert detect_checkpoint_format(os.path.join(root, "megatron")) == MEGATRON
@@ -123,11 +123,26 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
                 megatron,
                 "--target-tensor-parallel-size",
                 "2",
+                "--make-vocab-size-divisible-by",  # the saving run's (layouts.BASE): the same padded rows
+                "32",
             ]
         )
         == 0
     )  # mcore: the old name of canonical
     assert _same(_model_tensors(megatron, 0), _model_tensors(os.path.join(root, "megatron"), 2))
+    # for Megatron-LM's default padding at tp 2 (256 rows): the 128 saved rows, then new rows drawn as
+    # Megatron initialises padding, with a note
+    wider = os.path.join(root, "padded_wider")
+    capsys.readouterr()
+    argv = ["--loader", "canonical", "--saver", "torch_dist", "--load-dir", canonical, "--save-dir", wider]
+    assert convert(argv + ["--target-tensor-parallel-size", "2"]) == 0
+    assert (
+        f"> note: {canonical}: vocabulary rows 128..255 are not in the checkpoint (128 rows;" in capsys.readouterr().err
+    )
+    saved, padded = _model_tensors(canonical, 0), _model_tensors(wider, 0)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert padded[name].shape[0] == 256 and torch.equal(padded[name][:128], saved[name]), name
+        assert abs(padded[name][128:].std().item() - 0.02) < 0.002, name  # --init-method-std
 
     def refusal(extra: list[str]) -> str:
         defaults, argv = model_flags("llama", extra + ["--load", os.path.join(root, "megatron")])

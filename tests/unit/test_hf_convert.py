@@ -3,13 +3,18 @@
 A tiny LlamaForCausalLM (GQA, untied, vocabulary not a multiple of 128) and a tiny
 GPT2LMHeadModel (tied, biases, learned positions) are built from configs in fp32,
 saved, converted to our checkpoint and loaded -- with the printed command line --
-into our model at one rank and at TP=2 x PP=2: logits and loss on the same tokens
-match transformers' within 1e-5. Converting back gives every original tensor
-bit for bit, and transformers loads the result.
+into our model at one rank and at TP=2 x PP=2. The import pads the vocabulary (100 tokens) as
+Megatron does at the target tp (256 rows at tp 2), the padding rows drawn as Megatron initialises
+them; both runs pad to 128 rows (--make-vocab-size-divisible-by 64: the load drops rows 128-255,
+saying so). Logits over the real vocabulary match transformers' within 1e-5, and the loss, whose
+softmax spans the padding as Megatron's does, matches transformers' model given the same 28
+padding rows. Converting back strips the padding (saying so) and gives every original tensor bit
+for bit, and transformers loads the result.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -22,12 +27,14 @@ from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, par
 from megatron.training.checkpoint import checkpoint_to_load, load_checkpoint
 from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
+from tools.checkpoint.convert import canonical_source
 from tools.checkpoint.convert import main as convert
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SEQ, VOCAB = 16, 100
+PADDED = 128  # --make-vocab-size-divisible-by 64 at tp 1 and tp 2
 
 
 def _llama():
@@ -74,7 +81,20 @@ def _hf_reference(model):
     inputs, labels = _samples()
     with torch.no_grad():
         logits = model.eval()(inputs).logits
-    return logits, F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
+    return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+
+
+def _with_padding(model, ours: str):
+    """The transformers model given the checkpoint's first PADDED vocabulary rows (Megatron's padding
+    after the real ones), in its embedding and, untied, its output layer."""
+    source = canonical_source(ours)
+    names = [n for n in ("embedding.word_embeddings.weight", "output_layer.weight") if n in source.saved]
+    rows = {name: tensor[:PADDED] for name, tensor in source.read(names).items()}
+    model.resize_token_embeddings(PADDED)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(rows[names[0]])
+        model.get_output_embeddings().weight.copy_(rows[names[-1]])
+    return model
 
 
 def _converted(family: str, tmp_path, tp: int = 1, pp: int = 1):
@@ -142,10 +162,13 @@ def _evaluate(rank: int, script: str, flags: list[str]):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path, capsys):
     model, hf_dir, ours = _converted(family, tmp_path, tp=2, pp=2)
-    command = _printed_command(capsys)
-    script, flags = command[0], command[1:]
+    out, err = capsys.readouterr()
+    assert f"> note: {hf_dir}: vocabulary rows 100..255 are not in the checkpoint (100 rows;" in err, err
+    command = out.strip().splitlines()[-1].split()
+    script, flags = command[0], command[1:] + ["--make-vocab-size-divisible-by", "64"]
     assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
-    hf_logits, hf_loss = _hf_reference(model)
+    hf_logits, _ = _hf_reference(model)
+    _, hf_loss = _hf_reference(_with_padding(copy.deepcopy(model), ours))
 
     one = flags.copy()
     one[one.index("--tensor-model-parallel-size") + 1] = "1"
@@ -158,6 +181,7 @@ def test_hf_to_ours_matches_transformers_and_back_is_identical(family, tmp_path,
 
     back = str(tmp_path / f"{family}_back")
     assert convert(["--loader", "canonical", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    assert "> note: vocabulary rows 100..255 (Megatron's padding) not exported" in capsys.readouterr().err
     original = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
     with open(os.path.join(back, "model.safetensors.index.json")) as handle:
         index = json.load(handle)["weight_map"]

@@ -68,18 +68,24 @@ def test_llama_shapes_at_default_tiles():
 
 
 @pytest.mark.parametrize("kind", ["normal", "xavier_uniform"])
-def test_padding_rows_are_zero_and_padding_does_not_change_the_values(small_tiles, kind):
-    """The padded vocabulary depends on tp; the real rows (and Xavier's bound) must not."""
+def test_padding_rows_are_drawn_and_padding_to_more_rows_keeps_the_first(small_tiles, kind):
+    """The padded vocabulary depends on tp; the real rows (and Xavier's bound) must not. The padding
+    rows are drawn like the real ones (Megatron trains them), one row per generator, so a layout that
+    pads to more rows has the same first padding rows."""
     vocab, width = 50, 6
-    unpadded = full(InitSpec((vocab, width), kind=kind, valid_rows=vocab))
+    unpadded = full(InitSpec((vocab, width), kind=kind, real_rows=vocab))
+    tallest = full(InitSpec((vocab + 8 * 8 * max(TPS), width), kind=kind, real_rows=vocab))
     for tp in TPS:
         padded_rows = -(-vocab // (8 * tp)) * 8 * tp
-        spec = InitSpec((padded_rows, width), kind=kind, valid_rows=vocab)
+        spec = InitSpec((padded_rows, width), kind=kind, real_rows=vocab)
         reference = full(spec)
-        assert torch.equal(reference[:vocab], unpadded) and not reference[vocab:].any()
+        assert torch.equal(reference[:vocab], unpadded) and torch.equal(reference, tallest[:padded_rows])
+        assert reference[vocab:].abs().min() > 0 and len(reference[vocab:].unique()) == reference[vocab:].numel()
         for rank in range(tp):
             shard = ShardSpec(dim=0, num_shards=tp, rank=rank)
             assert torch.equal(local(spec, shard), shard.shard(reference))
+    if kind == "normal":  # the std of every other row (InitSpec's default 0.02)
+        assert abs(tallest[vocab:].std().item() - 0.02) < 0.002
 
 
 def test_names_seeds_and_tiles_differ(small_tiles):

@@ -13,8 +13,13 @@ config.json), `canonical` (ours: what --save writes by default), `torch_dist` (M
 sharded checkpoint, as Megatron-LM and `--ckpt-format torch_dist` write it). `mcore`, this
 tool's old name for `canonical`, still works (it never meant Megatron-LM's format).
 Canonical checkpoints are layout-independent, so the target sizes are only validated against
-the model and appear in the printed command line; a torch_dist save pads the vocabulary as
-Megatron-LM does at the target tensor-parallel size. The model only (no optimizer state),
+the model and appear in the printed command line. Vocabulary tensors: a Hugging Face export
+holds the real vocabulary (`vocab_size` rows, Megatron's padding stripped); a canonical or
+torch_dist save holds the rows Megatron pads to at the target tensor-parallel size
+(--make-vocab-size-divisible-by x tp), the rows the source lacks drawn as Megatron initialises
+padding (from --seed, normal with the model's init_method_std); a canonical save keeps any
+further trained rows of the source, a torch_dist save drops them. Each is one note line. The
+model only (no optimizer state),
 in one process: from HF about one layer in memory at a time (tensors are read lazily and
 written as they are converted), from and to torch_dist the whole model. The saved HF
 directory loads with `AutoModelForCausalLM.from_pretrained`. Exit status 2 with one error
@@ -45,7 +50,15 @@ from megatron.core.checkpointing import (  # noqa: E402
     verify_files,
 )
 from megatron.core.checkpointing.megatron_lm import our_tensors, to_megatron  # noqa: E402
+from megatron.core.checkpointing.vocabulary import (  # noqa: E402
+    VOCABULARY,
+    is_vocabulary,
+    resized_rows,
+    rows_note,
+    saved_vocab_rows,
+)
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank  # noqa: E402
+from megatron.core.tensor_parallel.initialization import InitSpec  # noqa: E402
 from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  # noqa: E402
 from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
@@ -64,12 +77,55 @@ from megatron.training.checkpoint.torch_dist_args import config_fields, megatron
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def model_config(args: dict, tp: int = 1) -> TransformerConfig:
-    """Our TransformerConfig for converted `args`; raises ValueError (one line) for a bad tp."""
-    return TransformerConfig(**args, tensor_model_parallel_size=tp)
+@dataclass(frozen=True)
+class Target:
+    """The layout a conversion is for: its sizes, and how it pads the vocabulary (rows the source
+    lacks drawn from `seed`)."""
+
+    tp: int = 1
+    pp: int = 1
+    make_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+
+    def config(self, args: dict) -> TransformerConfig:
+        """Our TransformerConfig for converted `args`; raises ValueError (one line) for a bad tp or pp."""
+        config = TransformerConfig(
+            **args, tensor_model_parallel_size=self.tp, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by
+        )
+        layers_per_rank(config.num_layers, self.pp)
+        return config
 
 
-def command_line(args: dict, tp: int, pp: int, load: str) -> str:
+def padded_vocabulary(config: TransformerConfig, where: str, saved: int, seed: int, exact: bool):
+    """A function (name, whole tensor) -> the tensor with the vocabulary rows of `config`'s layout
+    (`saved`: the source's rows; `exact`: cut surplus trained rows too, else keep them), and a note
+    line (None: nothing changes). Added rows are drawn as Megatron initialises padding."""
+    rows = config.padded_vocab_size
+    if saved == rows or (saved > rows and not exact):
+        return (lambda name, tensor: tensor), None
+    spec = InitSpec(
+        (rows, config.hidden_size), kind=config.init_method, std=config.init_method_std, real_rows=config.vocab_size
+    )
+
+    def fit(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return resized_rows(tensor, rows, spec, seed, name) if is_vocabulary(name) else tensor
+
+    return fit, rows_note(where, saved, rows, config.vocab_size)
+
+
+def fit_vocabulary(tensors: dict, config: TransformerConfig, where: str, seed: int, exact: bool) -> dict:
+    """`tensors` (our names -> whole tensors) with vocabulary tensors of `config`'s padded size (see
+    `padded_vocabulary`); the note, if any, printed."""
+    saved = saved_vocab_rows({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    if saved is None:
+        return tensors
+    fit, note = padded_vocabulary(config, where, saved, seed, exact)
+    if note:
+        print(note, file=sys.stderr)
+    return {name: fit(name, tensor) for name, tensor in tensors.items()}
+
+
+def command_line(args: dict, target: Target, load: str) -> str:
     """The pretrain command (script and every recorded model flag) that runs the converted model."""
     llama_like = (
         args["swiglu"]
@@ -92,10 +148,12 @@ def command_line(args: dict, tp: int, pp: int, load: str) -> str:
         f"{args['attention_dropout']}",
         "--hidden-dropout",
         f"{args['hidden_dropout']}",
+        "--make-vocab-size-divisible-by",
+        str(target.make_vocab_size_divisible_by),
         "--tensor-model-parallel-size",
-        str(tp),
+        str(target.tp),
         "--pipeline-model-parallel-size",
-        str(pp),
+        str(target.pp),
         "--load",
         load,
         "--finetune",
@@ -108,25 +166,25 @@ def _hf_prefix(family, reader: SafetensorsReader) -> str:
     return "transformer." if family is GPT2 and "transformer.wte.weight" in reader else ""
 
 
-def _lazy_piece(rule, reader: SafetensorsReader, progress) -> TensorPiece:
-    """A piece whose tensor is read and converted only when DCP writes it."""
+def _lazy_piece(rule, reader: SafetensorsReader, progress, fit) -> TensorPiece:
+    """A piece whose tensor is read and converted (`fit`: name, tensor -> the vocabulary rows the
+    target has) only when DCP writes it."""
     inputs = [torch.empty(reader.shape(n), dtype=reader.dtype(n), device="meta") for n in rule.hf]
-    shape = tuple(rule.to_ours(*inputs).shape)
+    shape = tuple(fit(rule.ours, rule.to_ours(*inputs)).shape)
 
     def produce():
         progress.update(1)
-        return rule.to_ours(*(reader.get(n) for n in rule.hf))
+        return fit(rule.ours, rule.to_ours(*(reader.get(n) for n in rule.hf)))
 
     return TensorPiece(rule.ours, shape, (0,) * len(shape), shape, inputs[0].dtype, produce)
 
 
-def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
+def hf_to_canonical(load_dir: str, save_dir: str, target: Target) -> str:
     """Convert; returns the pretrain command line for the result."""
     cfg = read_json(os.path.join(load_dir, "config.json"))
     family = family_of(cfg)
     args = family.model_args(cfg)
-    config = model_config(args, tp)
-    layers_per_rank(args["num_layers"], pp)
+    config = target.config(args)
     note = getattr(family, "approximation_note", lambda c: None)(cfg)
     if note:
         print(note, file=sys.stderr)
@@ -136,8 +194,11 @@ def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
     unmapped = [n for n in reader.names() if n not in used and not IGNORED.search(n) and n != "lm_head.weight"]
     if unmapped:
         raise ConfigError(f"{load_dir}: {len(unmapped)} tensors have no mapping, e.g. {unmapped[0]}")
+    fit, note = padded_vocabulary(config, load_dir, config.vocab_size, target.seed, exact=False)
+    if note:
+        print(note, file=sys.stderr)
     with tqdm(total=len(rules), desc="hf -> canonical", unit="tensor") as progress:
-        pieces = [_lazy_piece(rule, reader, progress) for rule in rules]
+        pieces = [_lazy_piece(rule, reader, progress, fit) for rule in rules]
         commit_checkpoint(
             save_dir,
             0,
@@ -150,7 +211,7 @@ def hf_to_canonical(load_dir: str, save_dir: str, tp: int, pp: int) -> str:
                 "source": load_dir,
             },
         )
-    return command_line(args, tp, pp, save_dir)
+    return command_line(args, target, save_dir)
 
 
 def _layer_of(name: str) -> int:
@@ -196,16 +257,13 @@ def torch_dist_source(load_dir: str) -> Source:
         ours: (shape, dtype)
         for name, (shape, dtype) in saved_tensors(info.directory).items()
         if not name.startswith("optimizer.")
-        for ours, shape in our_tensors(name, shape, config.vocab_size)
+        for ours, shape in our_tensors(name, shape)
     }
 
     def read(names):
         tensors = {name: torch.empty(saved[name][0], dtype=saved[name][1]) for name in names}
         read_pieces(
-            [
-                to_megatron(TensorPiece.whole(name, t), config.num_layers, info.metadata["vocab_rows"])
-                for name, t in tensors.items()
-            ],
+            [to_megatron(TensorPiece.whole(name, t), config.num_layers) for name, t in tensors.items()],
             info.directory,
         )
         return tensors
@@ -256,10 +314,20 @@ def to_hf(source: Source, save_dir: str) -> None:
     for rule in rules:
         groups.setdefault(_layer_of(rule.ours), []).append(rule)
 
+    vocab_size = args["vocab_size"]
+    saved = saved_vocab_rows(source.saved)
+    if saved is not None and saved > vocab_size:
+        print(
+            f"> note: vocabulary rows {vocab_size}..{saved - 1} (Megatron's padding) not exported: "
+            f"transformers' model holds vocab_size {vocab_size} rows",
+            file=sys.stderr,
+        )
+
     def reader(group_rules):
         def read() -> dict:
             tensors = source.read([r.ours for r in group_rules])
-            return {n: t for r in group_rules for n, t in zip(r.hf, r.to_hf(tensors[r.ours]))}
+            real = {n: t[:vocab_size] if n in VOCABULARY else t for n, t in tensors.items()}
+            return {n: t for r in group_rules for n, t in zip(r.hf, r.to_hf(real[r.ours]))}
 
         return read
 
@@ -267,11 +335,10 @@ def to_hf(source: Source, save_dir: str) -> None:
         write_hf_files(save_dir, [reader(groups[key]) for key in sorted(groups)], hf_config, progress)
 
 
-def to_canonical(source: Source, save_dir: str, tp: int, pp: int) -> str:
+def to_canonical(source: Source, save_dir: str, target: Target, where: str) -> str:
     """Write the source's model as our checkpoint; returns the pretrain command line for it."""
-    config = model_config(source.args, tp)
-    layers_per_rank(config.num_layers, pp)
-    tensors = source.read(sorted(source.saved))
+    config = target.config(source.args)
+    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, target.seed, exact=False)
     pieces = [TensorPiece.whole(name, t) for name, t in tensors.items()]
     commit_checkpoint(
         save_dir,
@@ -279,17 +346,16 @@ def to_canonical(source: Source, save_dir: str, tp: int, pp: int) -> str:
         pieces,
         {"consumed_samples": 0, "model": model_record(config), "layout": None, "contents": ["model"]},
     )
-    return command_line(source.args, tp, pp, save_dir)
+    return command_line(source.args, target, save_dir)
 
 
-def to_torch_dist(source: Source, save_dir: str, tp: int, pp: int) -> None:
+def to_torch_dist(source: Source, save_dir: str, target: Target, where: str) -> None:
     """Write the source's model as Megatron-LM's torch_dist checkpoint (iteration 0, no optimizer
     state: Megatron-LM continues from it with --finetune or --no-load-optim --no-load-rng)."""
-    config = model_config(source.args, tp)
-    layers_per_rank(config.num_layers, pp)
-    tensors = source.read(sorted(source.saved))
+    config = target.config(source.args)
+    tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, target.seed, exact=True)
     common = {
-        "args": megatron_args(config, iteration=0, consumed_samples=0, tp=tp, pp=pp, extra={}),
+        "args": megatron_args(config, iteration=0, consumed_samples=0, tp=target.tp, pp=target.pp, extra={}),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": 0,
     }
@@ -310,6 +376,15 @@ def parse_args(argv):
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="the target pads the vocabulary to a multiple of this x its tp (Megatron's flag)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="draws vocabulary padding rows the source lacks (Megatron's default)"
+    )
     args = parser.parse_args(argv)
     for flag in ("loader", "saver"):
         if getattr(args, flag) == "mcore":
@@ -330,9 +405,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
     try:
-        tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        target = Target(
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+            args.make_vocab_size_divisible_by,
+            args.seed,
+        )
         if args.loader == "hf" and args.saver == "canonical":  # lazily, a layer at a time
-            line = hf_to_canonical(args.load_dir, args.save_dir, tp, pp)
+            line = hf_to_canonical(args.load_dir, args.save_dir, target)
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
             return 0
         source = SOURCES[args.loader](args.load_dir)
@@ -340,13 +420,14 @@ def main(argv=None) -> int:
             to_hf(source, args.save_dir)
             print(f"saved {args.save_dir} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
         elif args.saver == "canonical":
-            line = to_canonical(source, args.save_dir, tp, pp)
+            line = to_canonical(source, args.save_dir, target, args.load_dir)
             print(f"saved {args.save_dir}; train or evaluate it with:\n  {line}")
         else:
-            to_torch_dist(source, args.save_dir, tp, pp)
+            to_torch_dist(source, args.save_dir, target, args.load_dir)
             print(
                 f"saved {args.save_dir} (Megatron-LM loads it with --ckpt-format torch_dist --finetune, at "
-                f"--tensor-model-parallel-size {tp})"
+                f"--tensor-model-parallel-size {target.tp} --make-vocab-size-divisible-by "
+                f"{target.make_vocab_size_divisible_by})"
             )
     except EXPECTED_ERRORS as error:
         return report_error(error)

@@ -2,24 +2,21 @@
 
 Megatron-LM (megatron-core's `dist_checkpointing`, torch_dist backend) stores the same
 canonical tensors as we do (QKV rows per query group, SwiGLU fc1 = [gate; up], one tensor
-whatever the tp) with four differences, all mapped here piece by piece:
+whatever the tp) with three differences, all mapped here piece by piece:
 - layers are stacked: `decoder.layers.<i>.<rest>` of ours is the index `i` of the leading
   dimension of `decoder.layers.<rest>`, whose shape is (num_layers, *ours);
 - layer norms are named after the linear layer they precede
   (`input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`,
   `pre_mlp_layernorm.*` -> `mlp.linear_fc1.layer_norm_*`);
-- vocabulary tensors keep their padding rows (the padded size depends on the saving tp):
-  our pieces cover the real rows of a taller global tensor, and a save adds the padding rows;
 - optimizer state is `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model name>`.
-A tied embedding is stored once (no `output_layer.weight`), as ours.
+A tied embedding is stored once (no `output_layer.weight`), as ours. Vocabulary tensors keep
+their padding rows on both sides (a layout padding to another size: `vocabulary.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-
-import torch
 
 from megatron.core.checkpointing.pieces import TensorPiece
 
@@ -29,7 +26,6 @@ NORM_NAMES = {
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
 STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
-VOCABULARY = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER = re.compile(r"optimizer\.(\w+)\.(.*)")
 
 
@@ -54,11 +50,9 @@ def megatron_name(name: str) -> tuple[str, int | None]:
     return f"{prefix}decoder.layers.{rest}", int(match.group(1))
 
 
-def our_tensors(name: str, shape: tuple[int, ...], vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+def our_tensors(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """Our canonical (name, shape) of each tensor held by the Megatron-LM model tensor `name` of `shape`
-    (one per layer for stacked ones; vocabulary tensors cut at `vocab_size` rows)."""
-    if name in VOCABULARY:
-        return [(name, (vocab_size,) + shape[1:])]
+    (one per layer for stacked ones)."""
     if not name.startswith("decoder.layers."):
         return [(name, shape)]
     rest = name[len("decoder.layers.") :]
@@ -68,49 +62,19 @@ def our_tensors(name: str, shape: tuple[int, ...], vocab_size: int) -> list[tupl
     return [(f"decoder.layers.{i}.{rest}", shape[1:]) for i in range(shape[0])]
 
 
-def is_vocabulary(name: str) -> bool:
-    return _split_state(name)[1] in VOCABULARY
-
-
-def to_megatron(piece: TensorPiece, num_layers: int, vocab_rows: int | None = None) -> TensorPiece:
-    """The same data as a piece of Megatron-LM's tensor. `vocab_rows`: the global rows of vocabulary
-    tensors (padding included; None: ours, the real vocabulary)."""
+def to_megatron(piece: TensorPiece, num_layers: int) -> TensorPiece:
+    """The same data as a piece of Megatron-LM's tensor."""
     name, layer = megatron_name(piece.name)
-    shape = piece.global_shape
-    if vocab_rows is not None and is_vocabulary(piece.name):
-        shape = (vocab_rows,) + shape[1:]
     if layer is None:
-        return dataclasses.replace(piece, name=name, global_shape=shape)
+        return dataclasses.replace(piece, name=name)
     return TensorPiece(
         name,
-        (num_layers,) + shape,
+        (num_layers,) + piece.global_shape,
         (layer,) + piece.offsets,
         (1,) + piece.sizes,
         piece.dtype,
         lambda: piece.tensor().unsqueeze(0),
     )
-
-
-def vocabulary_padding(pieces: list[TensorPiece], padded: int) -> list[TensorPiece]:
-    """Zero pieces (our names, global rows `padded`) for the padding rows of each vocabulary tensor
-    among `pieces` (Megatron-LM reads whole padded tensors); replicas on other ranks are written once."""
-    firsts = {p.name: p for p in pieces if is_vocabulary(p.name)}
-    padding = []
-    for name, piece in sorted(firsts.items()):
-        rows, rest = piece.global_shape[0], piece.global_shape[1:]
-        if padded > rows:
-            zeros = torch.zeros((padded - rows,) + rest, dtype=piece.dtype)
-            padding.append(
-                TensorPiece(
-                    name,
-                    (padded,) + rest,
-                    (rows,) + (0,) * len(rest),
-                    tuple(zeros.shape),
-                    piece.dtype,
-                    lambda zeros=zeros: zeros,
-                )
-            )
-    return padding
 
 
 # modules whose `_extra_state` (fp8 metadata in Transformer Engine layers, None in local ones) a

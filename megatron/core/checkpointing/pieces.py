@@ -6,8 +6,9 @@ global shape. A rank contributes `TensorPiece`s: boxes (offsets, sizes) of those
 global tensors that it holds. The canonical form of each kind of parameter:
 
 - vocabulary tensors (`embedding.word_embeddings.weight`, `output_layer.weight`):
-  [vocab_size, hidden], the padding rows (>= vocab_size) dropped; they are not
-  stored and keep their initial value (zero) on load.
+  [padded vocabulary, hidden], the padding rows included, as Megatron trains them.
+  The padded size depends on the saving tp; a load into a layout that pads to
+  another size reads the rows both have (see `vocabulary.py`).
 - `...self_attention.linear_qkv.weight/bias`: rows per query group,
   [q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...],
   `head_dim` rows per head. A tp rank holds whole groups, a contiguous block of
@@ -66,14 +67,14 @@ class TensorPiece:
         return cls(name, shape, (0,) * len(shape), shape, tensor.dtype, lambda: tensor)
 
 
-def _global_intervals(held: list[tuple[int, int]], limit: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+def _global_intervals(held: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(global start, global stop, offset from `lo`) of the local range [lo, hi) of a dimension of
-    which this rank holds the global ranges `held` (in local order), cut at `limit`; empty ones dropped."""
+    which this rank holds the global ranges `held` (in local order); empty ones dropped."""
     out, local = [], 0
     for start, stop in held:
         a, b = max(lo, local), min(hi, local + stop - start)
-        if b > a and start + a - local < limit:
-            out.append((start + a - local, min(start + b - local, limit), a - lo))
+        if b > a:
+            out.append((start + a - local, start + b - local, a - lo))
         local += stop - start
     return out
 
@@ -87,10 +88,8 @@ def box_pieces(
     held = [[(0, size)] for size in shape]
     if spec.shard is not None:
         held[spec.shard.dim] = held_ranges(spec.shard, shape[spec.shard.dim])
-    if spec.valid_rows is not None:
-        shape[0] = spec.valid_rows  # vocabulary padding is not part of the canonical tensor
     pieces = []
-    per_dim = (_global_intervals(h, size, lo, lo + n) for h, size, lo, n in zip(held, shape, offsets, sizes))
+    per_dim = (_global_intervals(h, lo, lo + n) for h, lo, n in zip(held, offsets, sizes))
     for boxes in itertools.product(*per_dim):
         view = data[tuple(slice(rel, rel + stop - start) for start, stop, rel in boxes)]
         pieces.append(

@@ -117,7 +117,7 @@ class GPTModel(torch.nn.Module):
                 dtype=config.params_dtype,
                 device=device,
                 skip_weight=self.tied and pre_process,
-                valid_rows=config.vocab_size,
+                real_rows=config.vocab_size,
                 weight_seed_name=WORD_EMBEDDINGS if self.tied else None,
                 gradient_accumulation_fusion=config.gradient_accumulation_fusion,
                 split_backward_defers=False,
@@ -176,5 +176,5 @@ class GPTModel(torch.nn.Module):
             full = gather_from_tensor_parallel_region(logits, self.tp_group)
             return full[..., : self.config.vocab_size].transpose(0, 1)
         vocab_start = dist.get_rank(self.tp_group) * logits.shape[-1]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, vocab_start, self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, vocab_start)
         return loss.t()

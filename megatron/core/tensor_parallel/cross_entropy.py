@@ -1,7 +1,8 @@
 """Cross-entropy over logits split by vocabulary across tp ranks, never gathering them.
 
-Columns at or beyond the real vocabulary size (padding added so the vocabulary
-divides evenly) are excluded from the softmax, so padding never changes the loss.
+As in Megatron, the softmax spans every column, the vocabulary padding included (rows of the
+output layer that are initialised and trained like the others), so the loss depends on the padded
+vocabulary size, which Megatron makes a multiple of --make-vocab-size-divisible-by x tp.
 """
 
 from __future__ import annotations
@@ -19,12 +20,9 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size):
+    def forward(ctx, logits, target, group, vocab_start):
         logits = logits.float()
         local_vocab = logits.shape[-1]
-        if vocab_start + local_vocab > vocab_size:  # this rank holds padding columns (decided on the host)
-            columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
         logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         exp_logits = (logits - logits_max.unsqueeze(-1)).exp_()
 
@@ -47,12 +45,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int, vocab_size: int
-) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
     """Per-token loss (fp32, shape of `target`) from this rank's logit columns
-    [vocab_start, vocab_start + logits.shape[-1]); `vocab_size` is the real vocabulary."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)
+    [vocab_start, vocab_start + logits.shape[-1]) of the padded vocabulary."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)

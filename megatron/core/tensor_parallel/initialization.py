@@ -12,8 +12,10 @@ by (seed, name, tile row, tile column). A rank draws only the tiles that overlap
 its shard and copies the overlap: rows for a dim-0 (column-parallel, vocabulary)
 shard, columns for a dim-1 (row-parallel) shard, both blocks of a stacked
 (SwiGLU gate/up) shard. Scratch is one fp32 tile (1 MiB), whatever the tensor.
-Rows past `valid_rows` (vocabulary padding, which grows with tp) are zero and off
-the grid, so the real rows are the same however the vocabulary is padded.
+Rows past `real_rows` (Megatron's vocabulary padding, which grows with tp) are drawn like the
+others but off the grid, one generator per row (seeded by (seed, name, "padding", row past the
+real vocabulary, tile column)): the real rows are the same however the vocabulary is padded, and
+a layout that pads to more rows has the same first padding rows.
 'xavier_uniform' draws the same tiles uniformly in ±sqrt(6 / (fan_in + fan_out)) of the
 full tensor (its real rows), so its shards are layout-independent too.
 `make_param` allocates only this rank's shard (tools/bench/init_memory.py measures it).
@@ -57,9 +59,9 @@ class InitSpec:
     """Full shape and distribution of a parameter.
 
     kind: 'normal' (mean 0, `std`), 'xavier_uniform' (torch.nn.init.xavier_uniform_ of
-    the full tensor; `std` unused), 'zeros' or 'ones'. `valid_rows` limits the random
-    part to the first rows (the real vocabulary of a padded embedding); the padding
-    rows are zero, so padding never depends on the layout. `seed_name`
+    the full tensor; `std` unused), 'zeros' or 'ones'. `real_rows`: the rows of the real
+    vocabulary of a padded vocabulary tensor, drawn on the tile grid; the padding rows after
+    them are drawn row by row (see the module doc), so no row depends on the layout. `seed_name`
     replaces the parameter's own name as seed source (the tied output-layer copy
     on the last pipeline stage starts equal to the input embedding).
     """
@@ -68,7 +70,7 @@ class InitSpec:
     kind: str = "normal"
     std: float = 0.02
     shard: ShardSpec | None = None
-    valid_rows: int | None = None
+    real_rows: int | None = None
     seed_name: str | None = None
 
 
@@ -103,55 +105,58 @@ def held_ranges(shard: ShardSpec | None, size: int) -> list[tuple[int, int]]:
     return [(k * block + shard.rank * piece, k * block + (shard.rank + 1) * piece) for k in range(shard.stacked)]
 
 
-def _overlaps(ranges: list[tuple[int, int]], step: int, limit: int):
-    """(tile index, tile start, local offset, overlap start, overlap stop) of each tile of size `step`
-    (the last ones cut at `limit`) that overlaps a range; local offset is where the range starts locally."""
+def _overlaps(ranges: list[tuple[int, int]], step: int, first: int, limit: int):
+    """(tile index, tile start, local offset, overlap start, overlap stop) of each tile of the indices
+    [first, limit), cut into tiles of size `step` from `first` (the last one cut at `limit`), that
+    overlaps a range; the local offset is where the overlap starts in this rank's local order."""
     local = 0
     for start, stop in ranges:
-        end = min(stop, limit)
-        for index in range(start // step, (end + step - 1) // step if end > start else 0):
-            lo, hi = max(start, index * step), min(end, (index + 1) * step)
-            yield index, index * step, local + lo - start, lo, hi
+        begin, end = max(start, first), min(stop, limit)
+        for index in range((begin - first) // step, -(-(end - first) // step) if end > begin else 0):
+            tile = first + index * step
+            lo, hi = max(begin, tile), min(end, tile + step)
+            yield index, tile, local + lo - start, lo, hi
         local += stop - start
 
 
 def xavier_bound(spec: InitSpec) -> float:
     """torch.nn.init.xavier_uniform_'s bound (gain 1) for the full tensor: fan_in = shape[1] and
-    fan_out = shape[0], each times prod(shape[2:]). The real rows (`valid_rows`) count, not the
+    fan_out = shape[0], each times prod(shape[2:]). The real rows (`real_rows`) count, not the
     vocabulary padding, which grows with tp and would make the bound layout-dependent."""
     shape = spec.full_shape
     if len(shape) < 2:
         raise ValueError(f"xavier_uniform needs a tensor of at least 2 dimensions, got shape {tuple(shape)}")
     receptive = math.prod(shape[2:])
-    rows = spec.valid_rows if spec.valid_rows is not None else shape[0]
+    rows = spec.real_rows if spec.real_rows is not None else shape[0]
     return math.sqrt(6.0 / ((shape[1] + rows) * receptive))
 
 
 def _fill_random(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
-    """Draw the tiles overlapping this shard; `out` is the shard viewed as [rows, width]."""
+    """Draw the tiles overlapping this shard; `out` is the shard viewed as [rows, width]. The real rows
+    lie on the tile grid; padding rows past them are tiles of one row, keyed by their index past the
+    real vocabulary."""
     shard = spec.shard
     full_rows, width = spec.full_shape[0], math.prod(spec.full_shape[1:])
     rows_held = held_ranges(shard if shard is not None and shard.dim == 0 else None, full_rows)
     columns_held = held_ranges(shard if shard is not None and shard.dim == 1 else None, width)
-    valid = spec.valid_rows if spec.valid_rows is not None else full_rows
+    real = spec.real_rows if spec.real_rows is not None else full_rows
     tile_rows, tile_columns = tile_shape(width)
     bound = xavier_bound(spec) if spec.kind == "xavier_uniform" else None
     generator = torch.Generator(device=out.device)
-    scratch = torch.empty(min(tile_rows, valid) * tile_columns, device=out.device)
-    if valid < full_rows:
-        out.zero_()  # vocabulary padding rows stay zero
-    for i, row0, local_row, r0, r1 in _overlaps(rows_held, tile_rows, valid):
-        for j, col0, local_col, c0, c1 in _overlaps(columns_held, tile_columns, width):
-            shape = (min(tile_rows, valid - row0), min(tile_columns, width - col0))
-            tile = scratch[: shape[0] * shape[1]].view(shape)
-            generator.manual_seed(seed_for(seed, name, i, j))
-            if bound is None:
-                tile.normal_(0.0, spec.std, generator=generator)
-            else:
-                tile.uniform_(-bound, bound, generator=generator)
-            out[local_row : local_row + r1 - r0, local_col : local_col + c1 - c0].copy_(
-                tile[r0 - row0 : r1 - row0, c0 - col0 : c1 - col0]
-            )
+    scratch = torch.empty(max(min(tile_rows, real), 1) * tile_columns, device=out.device)
+    for first, stop, step, key in ((0, real, tile_rows, ()), (real, full_rows, 1, ("padding",))):
+        for i, row0, local_row, r0, r1 in _overlaps(rows_held, step, first, stop):
+            for j, col0, local_col, c0, c1 in _overlaps(columns_held, tile_columns, 0, width):
+                shape = (min(step, stop - row0), min(tile_columns, width - col0))
+                tile = scratch[: shape[0] * shape[1]].view(shape)
+                generator.manual_seed(seed_for(seed, name, *key, i, j))
+                if bound is None:
+                    tile.normal_(0.0, spec.std, generator=generator)
+                else:
+                    tile.uniform_(-bound, bound, generator=generator)
+                out[local_row : local_row + r1 - r0, local_col : local_col + c1 - c0].copy_(
+                    tile[r0 - row0 : r1 - row0, c0 - col0 : c1 - col0]
+                )
 
 
 @torch.no_grad()

@@ -110,7 +110,7 @@ class ColumnParallelLinear(torch.nn.Module):
     `stacked` > 1 splits each of that many stacked output blocks separately
     (SwiGLU's [gate; up]) so every rank holds matching gate and up rows.
     `skip_weight` leaves the weight to be passed to forward (a tied output layer);
-    `valid_rows`/`weight_seed_name` shape an output layer's init (see InitSpec).
+    `real_rows`/`weight_seed_name` shape an output layer's init (see InitSpec).
     `gradient_accumulation_fusion`: see `_Linear` (a weight passed to forward, which may be
     used elsewhere too -- the tied embedding -- gets its gradient through autograd).
     `split_backward_defers=False` keeps the weight gradient in the backward even in a split
@@ -131,7 +131,7 @@ class ColumnParallelLinear(torch.nn.Module):
         dtype=torch.float32,
         device=None,
         skip_weight: bool = False,
-        valid_rows: int | None = None,
+        real_rows: int | None = None,
         weight_seed_name: str | None = None,
         gradient_accumulation_fusion: bool = False,
         split_backward_defers: bool = True,
@@ -153,7 +153,7 @@ class ColumnParallelLinear(torch.nn.Module):
                     (output_size, input_size),
                     std=init_std,
                     shard=shard,
-                    valid_rows=valid_rows,
+                    real_rows=real_rows,
                     seed_name=weight_seed_name,
                 ),
                 dtype,
@@ -262,7 +262,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             InitSpec(
                 (padded_vocab_size, hidden_size),
                 std=init_std,
-                valid_rows=vocab_size,
+                real_rows=vocab_size,
                 shard=ShardSpec(dim=0, num_shards=tp, rank=rank),
             ),
             dtype,

@@ -112,8 +112,9 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
 
 # TransformerConfig fields that never change what a saved model computes: the parallel layout,
 # kernels and recomputation (same function, other schedule), dropout and initialisation (training
-# only), vocabulary padding (not stored), the weights' dtype (converted on load). A new field
-# belongs either here or in MODEL_FIELDS (tests/unit/test_model_fields.py checks).
+# only), the weights' dtype (converted on load); and the vocabulary padding, which follows tp as in
+# Megatron (a load reads the rows the saved and the new padding share, and says so in one line). A
+# new field belongs either here or in MODEL_FIELDS (tests/unit/test_model_fields.py checks).
 RUNTIME_FIELDS = frozenset(
     {
         "params_dtype",

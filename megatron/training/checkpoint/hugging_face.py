@@ -12,7 +12,9 @@ ways. Conventions handled here:
 - GPT-2's Conv1D weights are stored [in, out]: transposed to our [out, in].
 - SwiGLU: gate_proj and up_proj stack as our linear_fc1 = [gate; up].
 - Tied embeddings: stored once (HF lm_head is absent or equal to the embedding).
-- Vocabulary: HF tensors are unpadded, like our canonical form.
+- Vocabulary: HF tensors hold the real vocabulary (config.vocab_size rows); ours hold
+  Megatron's padded rows too. tools/checkpoint/convert.py strips them on export and pads on
+  import (rows drawn as Megatron initialises padding).
 - Model variants (megatron.core.transformer.model_fields): --apply-layernorm-1p is folded
   into the norm weights (1 + weight); --rotary-interleaved reorders each q/k head's
   channels to the halves HF rotates; rotary base and Llama-3.1 scaling are config keys;

@@ -23,6 +23,7 @@ from megatron.core.checkpointing import (
     saved_tensors,
     verify_files,
 )
+from megatron.core.checkpointing.vocabulary import fit_rows, rows_note, saved_vocab_rows
 from megatron.training.checkpoint.canonical import check_compatible, find_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, OURS, TRACKER, CheckpointInfo, detect_checkpoint_format
 from megatron.training.checkpoint.state import (
@@ -58,6 +59,19 @@ def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
     return dataclasses.replace(info, notes=info.notes + (note,))
 
 
+def check_vocabulary(info: CheckpointInfo, model_config) -> CheckpointInfo:
+    """Refuse (one line) vocabulary tensors shorter than --vocab-size; note (one line) those of another
+    padded size than this layout's (Megatron pads to a multiple of --make-vocab-size-divisible-by x tp)."""
+    saved = saved_vocab_rows(saved_tensors(info.directory))
+    if saved is not None and saved < model_config.vocab_size:
+        raise CheckpointError(
+            f"{info.directory}: vocabulary tensors have {saved} rows, --vocab-size "
+            f"{model_config.vocab_size} needs at least that many"
+        )
+    note = rows_note(info.directory, saved, model_config.padded_vocab_size, model_config.vocab_size)
+    return dataclasses.replace(info, notes=info.notes + (note,)) if note else info
+
+
 def checkpoint_to_load(run) -> CheckpointInfo | None:
     """The checkpoint --load names, in either format, checked against the flags; None without --load
     or when it holds no checkpoint yet (a fresh start, noted in `run.notes`)."""
@@ -73,11 +87,8 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
             run.notes.append(f"> note: --load {load} {state}: no checkpoint found, training starts from scratch")
             return None
         info = check_compatible(info, run.model, run.checkpoint)
+    info = check_vocabulary(info, run.model)
     return info if run.checkpoint.finetune else continue_data_position(info, run)
-
-
-def _as_stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
-    return pieces
 
 
 def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
@@ -120,9 +131,14 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     their `.metadata` when found)."""
     if info.format == OURS:
         verify_files(info.directory, info.metadata["files"])
-        stored = _as_stored
+        names = list
     else:  # our pieces -> the same data as pieces of Megatron-LM's tensors
-        stored = stored_as_megatron(trainer.run.model.num_layers, info.metadata["vocab_rows"])
+        names = stored_as_megatron(trainer.run.model.num_layers)
+    rows = saved_vocab_rows(saved_tensors(info.directory))  # another layout's padding: the rows both have
+
+    def stored(pieces: list[TensorPiece]) -> list[TensorPiece]:
+        return names(fit_rows(pieces, rows))
+
     trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)

@@ -15,8 +15,9 @@ Not read: RNG states (Megatron's generators are not ours) and the distributed op
 bucket-layout form (`optimizer.distributed.*`, refused by name: pass --no-load-optim).
 
 A save with `--ckpt-format torch_dist` writes what megatron-core's `dist_checkpointing.load`
-reads for a GPTModel and its optimizer: the stacked tensors at Megatron's padded vocabulary
-(`make_vocab_size_divisible_by` x our tp), Adam moments (and fp32 master weights for bf16/fp16),
+reads for a GPTModel and its optimizer: the stacked tensors with the trained vocabulary padding
+(`make_vocab_size_divisible_by` x our tp, as Megatron pads), Adam moments (and fp32 master
+weights for bf16/fp16),
 `common.pt` with `args`, `iteration`, `checkpoint_version`, the optimizer's param groups and
 step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it with --no-load-rng).
 """
@@ -32,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
-from megatron.core.checkpointing.megatron_lm import VOCABULARY, extra_state_objects, to_megatron, vocabulary_padding
+from megatron.core.checkpointing.megatron_lm import extra_state_objects, to_megatron
 from megatron.training.checkpoint.directory import (
     MEGATRON,
     METADATA,
@@ -163,14 +164,13 @@ def _step(optimizer_state) -> int | None:
 
 def megatron_metadata(directory: str) -> dict:
     """Our checkpoint metadata (see canonical.py) for a Megatron-LM checkpoint, plus its `args`
-    (`megatron_args`) and the rows of its vocabulary tensors (`vocab_rows`)."""
+    (`megatron_args`)."""
     common = read_common(directory)
     args = common.get("args")
     if args is None:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
     objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
-    rows = [tensors[name][0][0] for name in VOCABULARY if name in tensors]
     step = _step(common.get("optimizer"))
     moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
     consumed = getattr(args, "consumed_train_samples", 0) or 0
@@ -187,24 +187,17 @@ def megatron_metadata(directory: str) -> dict:
         "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
         "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
         "megatron_args": args,
-        "vocab_rows": rows[0] if rows else None,
         "scheduler": scheduler,
     }
 
 
 def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> CheckpointInfo:
     """Refuse (one line) a Megatron-LM checkpoint of another model, or without the optimizer state the
-    flags ask for; returns `info` with a note when vocabulary padding rows are left out."""
+    flags ask for; returns `info` with a note that RNG states are not read."""
     metadata = info.metadata
     why = args_mismatch(metadata["megatron_args"], model_config)
     if why:
         raise CheckpointError(f"{info.directory}: {why}")
-    rows = metadata["vocab_rows"]
-    if rows is not None and rows < model_config.vocab_size:
-        raise CheckpointError(
-            f"{info.directory}: vocabulary tensors have {rows} rows, --vocab-size "
-            f"{model_config.vocab_size} needs at least that many"
-        )
     if not (config.no_load_optim or config.finetune) and "optimizer" not in metadata["contents"]:
         form = (
             " only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
@@ -215,11 +208,6 @@ def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> Che
             f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start the optimizer fresh"
         )
     notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
-    if rows is not None and rows > model_config.vocab_size:
-        notes += (
-            f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
-            "not loaded",
-        )
     return CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
 
 
@@ -267,9 +255,9 @@ def megatron_checkpoint_to_load(root: str, run) -> CheckpointInfo:
     return dataclasses.replace(info, notes=info.notes + (note,)) if note else info
 
 
-def stored_as_megatron(num_layers: int, vocab_rows: int | None):
+def stored_as_megatron(num_layers: int):
     """Our pieces -> the same data as pieces of Megatron-LM's tensors."""
-    return lambda pieces: [to_megatron(p, num_layers, vocab_rows) for p in pieces]
+    return lambda pieces: [to_megatron(p, num_layers) for p in pieces]
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
@@ -358,11 +346,11 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
 
 def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
     """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
-    checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors padded as
-    Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt.
-    Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
-    padded = config.padded_vocab_size
-    megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
+    checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors as the pieces
+    have them (Megatron's padded rows at the saving tp), the layers' `_extra_state` objects, `common`
+    as common.pt. Written into a temporary directory that is renamed and only then named by the
+    tracker, as ours."""
+    megatron = [to_megatron(p, config.num_layers) for p in pieces]
     staging = prepare_staging(root, iteration)
     write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
     final = iteration_dir(root, iteration)
