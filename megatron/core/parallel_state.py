@@ -91,6 +91,31 @@ class ParallelDims:
         )
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The process groups an MoE layer uses (None: a group of one rank). `ep`: expert parallel (the experts are
+    split over it); `etp`: expert tensor parallel (each expert's weights are split over it); `tp_ep`: both
+    (the allgather dispatcher's group); `tp_cp`: the ranks whose tokens make up the same sequences (the
+    load-balancing loss counts routes over them)."""
+
+    ep: object = None
+    etp: object = None
+    tp_ep: object = None
+    tp_cp: object = None
+
+    @staticmethod
+    def _size_rank(group) -> tuple[int, int]:
+        return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+    @property
+    def ep_size_rank(self) -> tuple[int, int]:
+        return self._size_rank(self.ep)
+
+    @property
+    def etp_size_rank(self) -> tuple[int, int]:
+        return self._size_rank(self.etp)
+
+
 class ParallelMesh:
     """Process groups of one rank: tp, cp, dp, pp and the combined dp x cp group.
 
@@ -112,6 +137,8 @@ class ParallelMesh:
         self.dp_group = self.device_mesh.get_group("dp")
         self.pp_group = self.device_mesh.get_group("pp")
         self.dp_cp_group = self._dp_cp_group()
+        self.tp_cp_group = self._enumerated("dp", "pp", "tp", "cp", rows=dims.dp * dims.pp)
+        self.stage_group = self._enumerated("pp", "tp", "dp", "cp", rows=dims.pp)  # tp x dp x cp of one stage
         coords = dims.coords(self.rank)
         self.tp_rank, self.cp_rank = coords["tp"], coords["cp"]
         self.dp_rank, self.pp_rank = coords["dp"], coords["pp"]
@@ -125,6 +152,17 @@ class ParallelMesh:
         ranks = self._mesh_as("tp", "pp", "dp", "cp").reshape(self.dims.tp * self.dims.pp, -1).tolist()
         group, _ = dist.new_subgroups_by_enumeration(ranks)
         return group
+
+    def _enumerated(self, *names: str, rows: int):
+        """This rank's group among the rows of the mesh laid out as `names` and cut into `rows` groups."""
+        group, _ = dist.new_subgroups_by_enumeration(self._mesh_as(*names).reshape(rows, -1).tolist())
+        return group
+
+    @property
+    def expert_groups(self) -> ExpertGroups:
+        """The groups an MoE layer uses: each expert split over tp (Megatron's default expert tensor parallel
+        size), the allgather dispatcher gathering over tp, routes counted over tp x cp."""
+        return ExpertGroups(ep=None, etp=self.tp_group, tp_ep=self.tp_group, tp_cp=self.tp_cp_group)
 
     def _embedding_group(self):
         """First and last pipeline stage of this rank's pipeline: they hold the two copies of

@@ -83,7 +83,9 @@ class IterationLog:
         """Account for one iteration; print and write scalars when a line is due. `elapsed`: its
         seconds, or a callable giving them (read only for a line, see training.timed_step);
         `force`: the window ends here (the last iteration, an early exit)."""
-        self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
+        self.totals.add(
+            result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction, result.moe_losses
+        )
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration
         closes = force or iteration % self.config.log_interval == 0
@@ -113,6 +115,7 @@ class IterationLog:
                 nan=totals.nan,
                 num_zeros=zeros,
                 params_norm=norm,
+                extra_losses=totals.extra,
             )
         )
         if trainer.mesh.pp_size > 1:
@@ -143,6 +146,7 @@ class IterationLog:
         config = self.config
         values = {
             "lm loss": loss,
+            **self.totals.extra,
             "learning-rate": result.lr,
             "batch-size": batch,
             "grad-norm": result.grad_norm,
