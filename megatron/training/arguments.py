@@ -25,7 +25,7 @@ from megatron.training.megatron_compat import (
     strip_fusion_toggles,
 )
 from megatron.training.model_args import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
-from megatron.training.moe_args import add_moe_arguments, moe_notes, refuse_moe_checkpoints
+from megatron.training.moe_args import add_moe_arguments, moe_notes, refuse_moe_checkpoints, refuse_moe_layouts
 from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
 from megatron.training.optimizer_args import (
     DEFAULT_LR,
@@ -153,6 +153,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     checkpoint = checkpoint_config_from_args(args)
     refuse_moe_checkpoints(model, checkpoint)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
+    refuse_moe_layouts(model, parallel, optimizer.offload.enabled)
     return RunConfig(
         model=model,
         optimizer=optimizer,

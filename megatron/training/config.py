@@ -39,6 +39,8 @@ class ParallelConfig:
     rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
     split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
     heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
+    ep: int = 1  # expert model parallel size
+    etp: int | None = None  # expert tensor parallel size (None: tp)
 
     @classmethod
     def from_args(cls, args, world_size: int) -> ParallelConfig:
@@ -48,6 +50,8 @@ class ParallelConfig:
             cp=args.context_parallel_size,
             pp=args.pipeline_model_parallel_size,
             order=rank_order_from_args(args),
+            ep=args.expert_model_parallel_size,
+            etp=args.expert_tensor_parallel_size,
         )
         virtual = cls._virtual_stages(args, dims.pp)
         if args.distributed_timeout_minutes < 1:
@@ -83,6 +87,8 @@ class ParallelConfig:
             rank_order=dims.order,
             split_backward=args.split_backward,
             heartbeat_timeout=args.heartbeat_timeout_seconds,
+            ep=dims.ep,
+            etp=dims.etp,
         )
 
     @staticmethod
@@ -119,7 +125,9 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order)
+        return ParallelDims(
+            tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order, ep=self.ep, etp=self.etp
+        )
 
     def validate_layers(self, num_layers: int) -> None:
         """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""

@@ -93,13 +93,6 @@ def _single(args, name: str):
 
 def moe_fields_from_args(args) -> dict:
     """TransformerConfig's MoE keyword arguments; a MoE flag set without --num-experts is one error line."""
-    if args.expert_model_parallel_size != 1 or args.expert_tensor_parallel_size not in (
-        None,
-        args.tensor_model_parallel_size,
-    ):
-        raise ValueError(
-            "--expert-model-parallel-size and --expert-tensor-parallel-size: expert parallelism is not built yet"
-        )
     fields = {name: getattr(args, name) for name in MOE_FIELDS}
     fields["moe_router_load_balancing_type"] = _single(args, "moe_router_load_balancing_type")
     fields["moe_aux_loss_coeff"] = _single(args, "moe_aux_loss_coeff")
@@ -127,6 +120,19 @@ def moe_notes(config) -> list[str]:
             "GEMM kernel is built here"
         )
     return notes
+
+
+def refuse_moe_layouts(config, parallel, offload: bool) -> None:
+    """Layouts not built with MoE layers yet (one line each)."""
+    if config.num_moe_experts is None:
+        return
+    strategy = parallel.ddp.sharding_strategy
+    if strategy in ("optim_grads", "optim_grads_params"):
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy} with --num-experts is not built yet")
+    if offload:
+        raise ValueError("--optimizer-cpu-offload with --num-experts is not built yet")
+    if parallel.cp > 1:
+        raise ValueError("--context-parallel-size > 1 with --num-experts is not built yet")
 
 
 def refuse_moe_checkpoints(config, checkpoint) -> None:

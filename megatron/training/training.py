@@ -69,7 +69,10 @@ class Trainer:
         eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
         if eager:  # it would keep the value it was built with, not its InitSpec's
             raise ValueError(f"{eager[0]}: a parameter not made by make_param cannot be initialised in its buffer")
-        self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed) for m in modules]
+        self.chunks = [
+            ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed, self.mesh.edp_group)
+            for m in modules
+        ]
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None
         if run.optimizer.offload.enabled:

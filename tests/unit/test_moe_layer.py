@@ -354,7 +354,11 @@ TINY += "--mock-data --vocab-size 100"
         ("--num-experts 4 --moe-layer-freq 'x'", "--moe-layer-freq"),
         ("--num-experts 4 --moe-token-dispatcher-type flex", "flex is not built"),
         ("--num-experts 4 --moe-enable-deepep", "MoE (an MoE option not built here"),
-        ("--num-experts 4 --expert-model-parallel-size 2", "expert parallelism is not built yet"),
+        ("--num-experts 6 --expert-model-parallel-size 4", "--num-experts (6) must be divisible by --expert-model"),
+        ("--num-experts 8 --expert-model-parallel-size 8", "--expert-model-parallel-size (8) = 8 must divide tp x cp"),
+        ("--expert-model-parallel-size 2", "--expert-model-parallel-size need --num-experts"),
+        ("--num-experts 4 --context-parallel-size 2", "--context-parallel-size > 1 with --num-experts is not built"),
+        ("--num-experts 4 --save /nonexistent --ckpt-format torch_dist", "torch_dist with --num-experts"),
     ],
 )
 def test_bad_moe_flags_are_one_line(flags, message):
@@ -363,7 +367,7 @@ def test_bad_moe_flags_are_one_line(flags, message):
     from megatron.training.arguments import LLAMA_DEFAULTS, parse_run_config
 
     with pytest.raises(ValueError) as info:
-        parse_run_config(shlex.split(TINY + " " + flags), LLAMA_DEFAULTS, 2)
+        parse_run_config(shlex.split(TINY + " " + flags), LLAMA_DEFAULTS, 4)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
@@ -376,3 +380,17 @@ def test_moe_flags_reach_the_config():
     run = parse_run_config(shlex.split(TINY + flags), LLAMA_DEFAULTS, 1)
     assert run.model.moe_layer_freq == [0, 1] and run.model.moe_router_topk == 3 and run.model.moe_z_loss_coeff == 1e-3
     assert [run.model.is_moe_layer(i) for i in range(2)] == [False, True]
+
+
+def test_flops_count_the_routed_experts():
+    from megatron.core.transformer.flops import flops_per_iteration
+
+    moe = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1])
+    config = TransformerConfig(
+        **(SHAPE | {"num_layers": 2}), vocab_size=128, seq_length=SEQ, add_bias_linear=False, swiglu=True, **moe
+    )
+    h, s, f = 32, SEQ, 64  # 4 heads of 8 channels, no GQA
+    attention = h * 3 * h + h * h + 2 * s * h
+    dense, routed = 3 * h * f, h * 8 + 3 * h * 2 * 16  # router + the 2 experts a token reaches
+    per_token = 2 * (2 * attention + dense + routed + h * 128)
+    assert flops_per_iteration(config, global_batch_size=3) == 3 * per_token * s * 3

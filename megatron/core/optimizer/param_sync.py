@@ -24,7 +24,7 @@ import torch
 class ParamSync:
     def __init__(self, shards: list, chunks: list, offload=None):
         self.shards, self.chunks, self.offload = shards, chunks, offload
-        buckets = [bucket for chunk in chunks for bucket in chunk.buffer.buckets]  # shard order
+        buckets = [bucket for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]  # shard order
         self.shard_of = {bucket: index for index, bucket in enumerate(buckets)}
         self.deferred: list = []  # buckets whose gather waits for their CPU step, in forward order
         self._hooks = [] if offload is None else self._register_hooks()
@@ -86,5 +86,6 @@ class ParamSync:
             self._release(bucket)
         for chunk in self.chunks:
             chunk.finish_param_gather()
-            for bucket in chunk.buffer.buckets:
-                bucket.wait_for_shard()
+            for buffer in chunk.buffers:
+                for bucket in buffer.buckets:
+                    bucket.wait_for_shard()

@@ -161,8 +161,8 @@ class AllToAllDispatcher:
         if ep * etp == 1:
             return rows, counts.tolist(), row_probs, handle
         local = len(self.local_ids)
-        every_rank = counts.new_empty((ep * etp, self.num_experts))
-        dist.all_gather_into_tensor(every_rank, counts, group=self.tp_ep_group)
+        every_rank = counts.new_empty(ep * etp * self.num_experts)
+        dist.all_gather_single(every_rank, counts, group=self.tp_ep_group)
         # [etp source, ep source, local expert]: rows this rank's experts get from every rank of the group
         mine = every_rank.view(ep, etp, -1).transpose(0, 1)[:, :, self.local_ids.start : self.local_ids.stop]
         etp_rank = dist.get_rank(self.etp_group) if etp > 1 else 0
