@@ -125,8 +125,11 @@ def _set_rng_states(trainer, states: dict[str, torch.Tensor]) -> None:
 
 
 def _named_parameters(trainer):
+    """Every model tensor a checkpoint holds: the parameters, and the buffers that carry an InitSpec (state
+    that training changes outside the optimizer: the MoE router's expert bias)."""
     for chunk in trainer.chunks:
         yield from chunk.module.named_parameters()
+        yield from ((name, b) for name, b in chunk.module.named_buffers() if hasattr(b, "init_spec"))
 
 
 def write_text(path: str, text: str) -> None:

@@ -131,18 +131,11 @@ def refuse_moe_layouts(config, parallel, offload: bool) -> None:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy} with --num-experts is not built yet")
     if offload:
         raise ValueError("--optimizer-cpu-offload with --num-experts is not built yet")
-    if parallel.cp > 1:
-        raise ValueError("--context-parallel-size > 1 with --num-experts is not built yet")
 
 
 def refuse_moe_checkpoints(config, checkpoint) -> None:
-    """What checkpoints of MoE models cannot hold yet: Megatron-LM's expert tensors (torch_dist) and the
-    router's expert bias (a buffer; checkpoints hold parameters)."""
+    """What checkpoints of MoE models cannot hold yet: Megatron-LM's expert tensors (torch_dist)."""
     if config.num_moe_experts is None:
         return
     if checkpoint.ckpt_format == "torch_dist" and (checkpoint.save or checkpoint.load):
         raise ValueError("--ckpt-format torch_dist with --num-experts: Megatron-LM's expert tensors are not mapped yet")
-    if config.moe_router_enable_expert_bias and (checkpoint.save or checkpoint.load):
-        raise ValueError(
-            "--save/--load with --moe-router-enable-expert-bias: checkpoints do not hold the expert bias yet"
-        )

@@ -4,7 +4,8 @@ A Mixtral-like model (softmax top-2, aux loss and z-loss with coefficients large
 changes the losses beyond the tolerance) and a DeepSeek-like one (sigmoid, expert bias, group-limited top-4,
 per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations under EP2, EP4, EP2 x DP2 (plain
 and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
---expert-tensor-parallel-size 1), EP2 x PP2, with both dispatchers: every rank's losses, the iteration-1 grad
+--expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, with both
+dispatchers: every rank's losses, the iteration-1 grad
 norm (expert and dense weights counted once each) and every parameter after the last step equal the one-process
 run within 1e-5 relative (tests/parallel/layouts.py), as does the logged load_balancing_loss.
 """
@@ -61,6 +62,7 @@ MODELS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
 LAYOUTS = {
     2: {
         "ep2-alltoall": ("mixtral", EP2 + A2A),
@@ -76,7 +78,10 @@ LAYOUTS = {
         "ep2-tp2-sp-alltoall": ("mixtral", EP2 + TP2_SP + A2A),
         "ep2-tp2-sp-etp1": ("mixtral", EP2 + TP2_SP + A2A + ["--expert-tensor-parallel-size", "1"]),
         "ep2-tp2-sp-deepseek": ("deepseek", EP2 + TP2_SP),
-        "ep2-pp2": ("mixtral", EP2 + A2A + ["--pipeline-model-parallel-size", "2"]),
+        "ep2-pp2": ("mixtral", EP2 + A2A + PP2),
+        "ep2-pp2-vpp2": ("deepseek", EP2 + A2A + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+        "ep2-cp2-alltoall": ("mixtral", EP2 + A2A + CP2),
+        "ep4-cp2-deepseek": ("deepseek", EP4 + CP2),
     },
 }
 

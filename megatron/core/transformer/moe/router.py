@@ -41,6 +41,7 @@ class TopKRouter(torch.nn.Module):
         self.register_buffer("aux_loss_scale", torch.ones((), device=device), persistent=False)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, device=device))
+            self.expert_bias.init_spec = InitSpec((config.num_moe_experts,), kind="zeros")  # saved in checkpoints
             self.register_buffer(
                 "local_tokens_per_expert", torch.zeros(config.num_moe_experts, device=device), persistent=False
             )
