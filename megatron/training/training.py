@@ -190,8 +190,8 @@ class Trainer:
         loss_scale = self.optimizer.loss_scale
         executor = self._executor(iteration)
         modules = [chunk.module for chunk in self.chunks]
-        # the main loss's backward scale, times cp: each cp rank's aux loss is its share of the sequence's, and
-        # gradients are averaged over cp (megatron-core leaves out the cp factor: see docs/moe.md)
+        # the main loss's backward scale, times cp as megatron-core's forward_step sets it: each cp rank's aux loss
+        # is its share of the sequence's, and gradients are averaged over cp
         set_aux_loss_scale(modules, loss_scale / executor.spec.num_microbatches * self.mesh.cp_size)
         stats = executor.run(self.batch_fn(iteration), loss_scale=loss_scale, zero_grads=True)
         loss, grad_scale = reduced_token_mean(stats.token_sums())
