@@ -153,7 +153,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     checkpoint = checkpoint_config_from_args(args)
     refuse_moe_checkpoints(model, checkpoint)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
-    refuse_moe_layouts(model, parallel, optimizer.offload.enabled)
+    refuse_moe_layouts(model, optimizer.offload.enabled)
     return RunConfig(
         model=model,
         optimizer=optimizer,

@@ -122,13 +122,10 @@ def moe_notes(config) -> list[str]:
     return notes
 
 
-def refuse_moe_layouts(config, parallel, offload: bool) -> None:
+def refuse_moe_layouts(config, offload: bool) -> None:
     """Layouts not built with MoE layers yet (one line each)."""
     if config.num_moe_experts is None:
         return
-    strategy = parallel.ddp.sharding_strategy
-    if strategy in ("optim_grads", "optim_grads_params"):
-        raise ValueError(f"--data-parallel-sharding-strategy {strategy} with --num-experts is not built yet")
     if offload:
         raise ValueError("--optimizer-cpu-offload with --num-experts is not built yet")
 

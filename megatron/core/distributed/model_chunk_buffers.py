@@ -21,6 +21,7 @@ completed by `compute_weight_grads()` before the chunk's next backward.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,11 @@ class ModelChunkBuffers(torch.nn.Module):
         self.bucket_hooks = (
             BucketHooks(module, self.buffer, config.reshard_after_forward) if self.buffer.shards_grads else None
         )
+        self.expert_bucket_hooks = (
+            BucketHooks(module, self.expert_buffer, config.reshard_after_forward)
+            if self.expert_buffer is not None and self.expert_buffer.shards_grads
+            else None
+        )
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
         for _, param in named:
             param.weight_grad_queue = self.weight_grads
@@ -151,7 +157,7 @@ class ModelChunkBuffers(torch.nn.Module):
     def _gradient_final(self, param: torch.Tensor) -> None:
         if self.buffer.shards_grads:  # every microbatch; parameters are no longer needed once all are final
             reduce = self.sync_now or not self.config.unsharded_grad_accumulation
-            bucket = self.buffer.mark_ready(param, reduce)
+            bucket = self._buffer_of[param].mark_ready(param, reduce)
             if bucket is not None and (self.config.reshard_after_forward or self.sync_now):
                 bucket.release_params()
         elif self.sync_now and self.config.overlap_grad_reduce:
@@ -175,9 +181,10 @@ class ModelChunkBuffers(torch.nn.Module):
         return hook
 
     def forward(self, *args, **kwargs):
-        if self.bucket_hooks is None:
-            return self.module(*args, **kwargs)
-        with self.bucket_hooks.forward_pass():
+        hooks = [h for h in (self.bucket_hooks, self.expert_bucket_hooks) if h is not None]
+        with contextlib.ExitStack() as stack:
+            for hook in hooks:
+                stack.enter_context(hook.forward_pass())
             return self.module(*args, **kwargs)
 
     def set_is_last_microbatch(self, last: bool) -> None:
@@ -192,14 +199,14 @@ class ModelChunkBuffers(torch.nn.Module):
         for buffer in self.buffers:
             buffer.finish_grad_reduce()
         self.sync_now = True
-        for bucket in self.buffer.buckets:  # sharded parameters: none stays gathered into the step
+        for bucket in self._buckets():  # sharded parameters: none stays gathered into the step
             bucket.release_params()
 
     def start_param_gather(self) -> None:
         """After the optimizer step. Sharded parameters are gathered when next used (gathered copies
         are stale now); others are all-gathered here (and waited for unless overlapped)."""
         if self.buffer.shards_params:
-            for bucket in self.buffer.buckets:
+            for bucket in self._buckets():
                 bucket.release_params()
             return
         for buffer in self.buffers:
@@ -215,10 +222,14 @@ class ModelChunkBuffers(torch.nn.Module):
         """Sharded parameters: make every bucket whole, to read the parameters outside a forward
         (a checkpoint, a test); the next forward releases them again."""
         if self.buffer.shards_params:
-            for bucket in self.buffer.buckets:
+            for bucket in self._buckets():
                 bucket.gather_params()
 
     def params_written(self) -> None:
         """The whole parameters were written outside training (a checkpoint was loaded): take this
         rank's shard of them."""
-        self.buffer.take_param_shards()
+        for buffer in self.buffers:
+            buffer.take_param_shards()
+
+    def _buckets(self):
+        return [bucket for buffer in self.buffers for bucket in buffer.buckets]

@@ -24,6 +24,10 @@ class _ExpertLinear(torch.nn.Module):
             tuple(shape), InitSpec(full_shape, std=std, shard=shard), config.params_dtype, device, is_expert=True
         )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A module call (not a bare matmul), so the sharding strategies' hooks gather the weight around it."""
+        return F.linear(x, self.weight)
+
 
 class ExpertMLP(torch.nn.Module):
     """fc1 -> activation (SwiGLU or GELU) -> scaled by the routing weight -> fc2, as megatron-core's expert MLP
@@ -42,14 +46,14 @@ class ExpertMLP(torch.nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        h = F.linear(tokens, self.linear_fc1.weight)
+        h = self.linear_fc1(tokens)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
         h = (h * probs.unsqueeze(-1)).to(tokens.dtype)
-        return F.linear(h, self.linear_fc2.weight)
+        return self.linear_fc2(h)
 
 
 class SequentialExperts(torch.nn.Module):
