@@ -25,7 +25,12 @@ from megatron.training.megatron_compat import (
     strip_fusion_toggles,
 )
 from megatron.training.model_args import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
-from megatron.training.moe_args import add_moe_arguments, moe_notes, refuse_moe_checkpoints, refuse_moe_layouts
+from megatron.training.moe_args import (
+    add_moe_arguments,
+    moe_notes,
+    refuse_moe_checkpoints,
+    refuse_moe_offload_auto,
+)
 from megatron.training.offload_args import add_offload_arguments, offload_config_from_args
 from megatron.training.optimizer_args import (
     DEFAULT_LR,
@@ -153,7 +158,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     checkpoint = checkpoint_config_from_args(args)
     refuse_moe_checkpoints(model, checkpoint)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
-    refuse_moe_layouts(model, optimizer.offload.enabled)
+    refuse_moe_offload_auto(model, optimizer.offload)
     return RunConfig(
         model=model,
         optimizer=optimizer,

@@ -103,9 +103,10 @@ def offload_line(optimizer) -> str:
 
 def check_offload_budget(run, device: torch.device) -> None:
     """Refuse (ValueError, one line) a device budget that cannot hold a rank even with the whole
-    optimizer state on host: weights, gradient buffers and saved activations stay on the device."""
+    optimizer state on host: weights, gradient buffers and saved activations stay on the device. MoE models are
+    not estimated (the start-up memory line says so), so not checked here either."""
     budget = device_memory_bytes(device, run.training.device_memory_gb)
-    if not run.optimizer.offload.enabled or budget is None:
+    if not run.optimizer.offload.enabled or budget is None or run.model.num_moe_experts is not None:
         return
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     rank = max(estimate.ranks, key=lambda r: r.certain_bytes - r.optimizer_bytes)

@@ -76,7 +76,7 @@ class Trainer:
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None
         if run.optimizer.offload.enabled:
-            buffers = [chunk.buffer for chunk in self.chunks]
+            buffers = [buffer for chunk in self.chunks for buffer in chunk.buffers]
             placement, self.placement_decision = chunk_placement(run, self.mesh.pp_rank, buffers, device)
             host = HostChunks(buffers, placement, device)
             keep_gathered_buckets(self.chunks, self.placement_decision, parallel.pp)

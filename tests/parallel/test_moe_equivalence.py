@@ -6,16 +6,19 @@ per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations 
 and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
 --expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, EP2 x DP2 under
 the optim_grads and optim_grads_params sharding strategies (experts sharded over their expert-data-parallel
-ranks), with both dispatchers: every rank's losses, the iteration-1 grad
-norm (expert and dense weights counted once each) and every parameter after the last step equal the one-process
-run within 1e-5 relative (tests/parallel/layouts.py), as does the logged load_balancing_loss.
+ranks) and with half the optimizer state offloaded to host, with both dispatchers: every rank's losses, the
+iteration-1 grad norm (expert and dense weights counted once each) and every parameter after the last step equal
+the one-process run within 1e-5 relative (tests/parallel/layouts.py), as does the logged load-balancing loss.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron.core.tensor_parallel.mappings import COMM_STATS
+from tests.cli import TINY_LLAMA, explain, run_cli
 from tests.distributed import run_distributed
 from tests.parallel.layouts import assert_final_weights_match, build_trainer, named_params, seed_key
 
@@ -65,6 +68,7 @@ A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-param-gather"]
 LAYOUTS = {
     2: {
         "ep2-alltoall": ("mixtral", EP2 + A2A),
@@ -86,6 +90,7 @@ LAYOUTS = {
         "ep2-dp2-optim-grads": ("mixtral", EP2 + A2A + FSDP + ["optim_grads"]),
         "ep2-dp2-optim-grads-params": ("deepseek", EP2 + FSDP + ["optim_grads_params"]),
         "ep2-tp2-sp-optim-grads-params": ("mixtral", EP2 + TP2_SP + A2A + FSDP + ["optim_grads_params"]),
+        "ep2-dp2-offload-half": ("deepseek", EP2 + A2A + OFFLOAD + ["--optimizer-offload-fraction", "0.5"]),
         "ep4-cp2-deepseek": ("deepseek", EP4 + CP2),
     },
 }
@@ -180,20 +185,9 @@ def test_allgather_bytes_are_the_analytic_volume():
         assert measured == expected, (measured, expected)
 
 
-def test_cli_prints_megatron_moe_losses_and_ep2_prints_the_one_rank_losses():
-    import re
-
-    from tests.cli import TINY_LLAMA, explain, printed_losses, run_cli
-
-    flags = TINY_LLAMA + MIXTRAL + ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
-    one = run_cli("pretrain_llama.py", flags)
-    two = run_cli("pretrain_llama.py", flags + EP2, nproc=2)
-    assert one.returncode == 0 and two.returncode == 0, explain(one if one.returncode else two)
-    for proc in (one, two):
-        assert "> note: --moe-grouped-gemm runs the local experts one after the other" in proc.stdout
-        lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
-        assert len(lines) == 5 and all(
-            re.search(r"lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: ", x) for x in lines
-        )
-    losses = printed_losses(one.stdout), printed_losses(two.stdout)
-    assert all(abs(a - b) <= 1e-5 * a for a, b in zip(*losses)) and len(losses[0]) == 5, losses
+def test_cli_prints_megatron_moe_losses():
+    proc = run_cli("pretrain_llama.py", TINY_LLAMA + MIXTRAL + ["--moe-grouped-gemm"])
+    assert proc.returncode == 0, explain(proc)
+    assert "> note: --moe-grouped-gemm runs the local experts one after the other" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert len(lines) == 5 and all(re.search(r"lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: ", x) for x in lines)
