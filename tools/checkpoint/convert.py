@@ -58,7 +58,8 @@ from megatron.training.checkpoint_formats import (  # noqa: E402
 from megatron.training.checkpointing import commit_checkpoint, find_checkpoint  # noqa: E402
 from megatron.training.cli_errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.megatron_lm_args import config_fields, megatron_args  # noqa: E402
-from tools.checkpoint.hf_formats import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
+from tools.checkpoint.hf_families import family_of, family_of_args  # noqa: E402
+from tools.checkpoint.hf_formats import GPT2, ConfigError  # noqa: E402
 from tools.checkpoint.hf_io import SafetensorsReader, read_json, write_hf_files  # noqa: E402
 
 # HF tensors that carry no weights of their own (buffers, tied copies)
@@ -287,6 +288,8 @@ def to_torch_dist(source: Source, save_dir: str, tp: int, pp: int) -> None:
     """Write the source's model as Megatron-LM's torch_dist checkpoint (iteration 0, no optimizer
     state: Megatron-LM continues from it with --finetune or --no-load-optim --no-load-rng)."""
     config = model_config(source.args, tp)
+    if config.num_moe_experts is not None:
+        raise ConfigError("--saver torch_dist of an MoE model: Megatron-LM's expert tensors are not mapped yet")
     layers_per_rank(config.num_layers, pp)
     tensors = source.read(sorted(source.saved))
     common = {

@@ -76,6 +76,8 @@ class ModelField:
         """The value as a user passes it: a switch is 'set' or 'not set'."""
         if isinstance(value, bool):
             return "set" if value != self.inverted else "not set"
+        if isinstance(value, list):  # --moe-layer-freq's pattern, one shell word
+            return "[" + ",".join(map(str, value)) + "]"
         return f"{value:g}" if isinstance(value, float) else str(value)
 
     def command_line(self, value: Any) -> list[str]:
