@@ -6,9 +6,10 @@ per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations 
 and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
 --expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, EP2 x DP2 under
 the optim_grads and optim_grads_params sharding strategies (experts sharded over their expert-data-parallel
-ranks) and with half the optimizer state offloaded to host, with both dispatchers: every rank's losses, the
-iteration-1 grad norm (expert and dense weights counted once each) and every parameter after the last step equal
-the one-process run within 1e-5 relative (tests/parallel/layouts.py), as does the logged load-balancing loss.
+ranks) and with half the optimizer state offloaded to host, capacity-limited (dropping; and padded), with both
+dispatchers: every rank's losses, the iteration-1 grad norm (expert and dense weights counted once each) and
+every parameter after the last step equal the one-process run within 1e-5 relative (tests/parallel/layouts.py),
+as does the logged load-balancing loss.
 """
 
 from __future__ import annotations
@@ -62,7 +63,15 @@ DEEPSEEK = [
     "--moe-layer-freq",
     "[0,1,1,1]",
 ]
-MODELS = {"mixtral": MIXTRAL, "deepseek": DEEPSEEK}
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]  # tokens dropped per rank and microbatch, as in one process
+PADDED = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "position"]
+PADDED += ["--moe-pad-expert-input-to-capacity"]
+MODELS = {
+    "mixtral": MIXTRAL,
+    "deepseek": DEEPSEEK,
+    "mixtral-capacity": MIXTRAL + CAPACITY,
+    "mixtral-padded": MIXTRAL + PADDED,
+}
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -74,10 +83,13 @@ LAYOUTS = {
         "ep2-alltoall": ("mixtral", EP2 + A2A),
         "ep2-allgather": ("mixtral", EP2),
         "ep2-alltoall-deepseek": ("deepseek", EP2 + A2A),
+        "ep2-alltoall-capacity": ("mixtral-capacity", EP2 + A2A),
     },
     4: {
         "ep4-alltoall": ("mixtral", EP4 + A2A),
         "ep4-allgather": ("mixtral", EP4),
+        "ep2-dp2-padded-alltoall": ("mixtral-padded", EP2 + A2A),
+        "ep4-padded-allgather": ("mixtral-padded", EP4),
         "ep2-dp2": ("mixtral", EP2),
         "ep2-dp2-distopt": ("mixtral", EP2 + A2A + ["--use-distributed-optimizer"]),
         "ep2-tp2-sp-allgather": ("mixtral", EP2 + TP2_SP),
@@ -134,7 +146,7 @@ def test_expert_parallel_layout_matches_one_process(results, layout):
     for rank, out in enumerate(results[layout]):
         assert_final_weights_match(rank, out, reference, LR)
     last, expected = results[layout][-1]["logged"], reference["logged"]  # the last rank prints the log line
-    name = "load_balancing_loss" if model == "mixtral" else "seq_load_balancing_loss"
+    name = "seq_load_balancing_loss" if model == "deepseek" else "load_balancing_loss"
     for it, (mine, theirs) in enumerate(zip(last, expected), start=1):
         assert abs(mine[name] - theirs[name]) <= 1e-5 * theirs[name], (layout, it, mine, theirs)
 
