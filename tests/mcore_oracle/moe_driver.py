@@ -23,31 +23,11 @@ from megatron.core.distributed.finalize_model_grads import _update_router_expert
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
     MoEAuxLossAutoScaler,
     get_moe_layer_wise_logging_tracker,
 )
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
-
-# megatron-core 0.16.1's router gating reads TransformerEngine's gemm, a name it leaves undefined when TE is not
-# installed: None makes it take its own torch path
-moe_utils.te_general_gemm = None
-
-
-def _splits_to_host(self, point, tokens_per_expert=None):
-    """The alltoall dispatcher's device-to-host copy of its split sizes, without CUDA streams or events."""
-    if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        for name in ("input_splits", "output_splits", "output_splits_tp"):
-            if isinstance(getattr(self, name), torch.Tensor):
-                setattr(self, name, getattr(self, name).numpy())
-    return tokens_per_expert
-
-
-# its alltoall dispatcher copies split sizes to the host on a CUDA side stream: on the CPU they are there already
-MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on the CPU"
-MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_host
 
 
 def run_case(case: dict) -> None:
