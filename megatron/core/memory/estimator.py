@@ -235,6 +235,8 @@ def estimate_memory(
     config, layout: MemoryLayout, *, attention: str = "auto", allowances: Allowances | None = None
 ) -> MemoryEstimate:
     """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
+    if config.num_moe_experts is not None:
+        raise ValueError("the memory estimate does not cover MoE layers (--num-experts) yet")
     if config.tensor_model_parallel_size != layout.tp:
         raise ValueError(
             f"the model config is split for tp={config.tensor_model_parallel_size} but the layout has tp={layout.tp}"
