@@ -6,10 +6,11 @@ per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations 
 and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
 --expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, EP2 x DP2 under
 the optim_grads and optim_grads_params sharding strategies (experts sharded over their expert-data-parallel
-ranks) and with half the optimizer state offloaded to host, capacity-limited (dropping; and padded), with both
-dispatchers: every rank's losses, the iteration-1 grad norm (expert and dense weights counted once each) and
-every parameter after the last step equal the one-process run within 1e-5 relative (tests/parallel/layouts.py),
-as does the logged load-balancing loss.
+ranks) and with half the optimizer state offloaded to host, capacity-limited (dropping; and padded), with full
+recomputation (aux losses and expert-bias counts taken once, in the replay), with both dispatchers: every rank's
+losses, the iteration-1 grad norm (expert and dense weights counted once each) and every parameter after the
+last step equal the one-process run within 1e-5 relative (tests/parallel/layouts.py), as does the logged
+load-balancing loss.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-param-gather"]
 LAYOUTS = {
     2: {
@@ -84,6 +86,7 @@ LAYOUTS = {
         "ep2-allgather": ("mixtral", EP2),
         "ep2-alltoall-deepseek": ("deepseek", EP2 + A2A),
         "ep2-alltoall-capacity": ("mixtral-capacity", EP2 + A2A),
+        "ep2-recompute-deepseek": ("deepseek", EP2 + A2A + RECOMPUTE),
     },
     4: {
         "ep4-alltoall": ("mixtral", EP4 + A2A),
