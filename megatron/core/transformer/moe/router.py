@@ -18,6 +18,12 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _replaying() -> bool:
+    """Inside backward: activation recomputation rerunning the forward. Logged losses and expert-bias counts
+    are taken once per microbatch, in the forward (recomputation keeps that forward's autograd graph)."""
+    return torch._C._current_autograd_node() is not None
+
+
 class TopKRouter(torch.nn.Module):
     """logits = x W^T ([tokens, experts]) -> (probs, routing_map).
 
@@ -78,12 +84,13 @@ class TopKRouter(torch.nn.Module):
             )
         if training and c.moe_aux_loss_coeff > 0 and c.moe_router_load_balancing_type != "none":
             probs = self._load_balancing_loss(probs, logits, seq_length, batch)
-        if training and self.local_tokens_per_expert is not None:
+        if training and self.local_tokens_per_expert is not None and not _replaying():
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
     def _track(self, name: str, value: torch.Tensor) -> None:
-        self.tracked_losses[name] = self.tracked_losses.get(name, 0.0) + value.detach()
+        if not _replaying():
+            self.tracked_losses[name] = self.tracked_losses.get(name, 0.0) + value.detach()
 
     def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff / _size(self.tp_cp_group)
