@@ -3,7 +3,7 @@ MoEAuxLossAutoScaler), and the per-iteration sums Megatron logs as `load_balanci
 
 An auxiliary loss is attached to an activation it was computed beside: the activation passes through
 unchanged and, in backward, the loss receives the gradient `scale` -- the main loss's backward scale
-(fp16 loss scale / microbatches per iteration, set by the training step through `set_aux_loss_scale`),
+(fp16 loss scale x cp / microbatches per iteration, set by the training step through `set_aux_loss_scale`),
 so its gradient is added to the parameters exactly as if `scale x aux loss` were part of the loss.
 """
 
@@ -42,7 +42,7 @@ def routers(modules):
 
 
 def set_aux_loss_scale(modules, scale: float) -> None:
-    """The backward scale of every router's auxiliary losses: Megatron's loss scale / microbatches."""
+    """The backward scale of every router's auxiliary losses: Megatron's loss scale x cp / microbatches."""
     for router in routers(modules):
         router.aux_loss_scale.fill_(scale)
 
@@ -70,8 +70,7 @@ def reduced_aux_losses(modules, mesh, num_microbatches: int, num_moe_layers: int
 
 def _names(modules) -> set[str]:
     """The names this model logs, known on every rank from the config (a stage without MoE layers too)."""
-    configs = [m.config for m in modules]
-    config = configs[0]
+    config = modules[0].config
     if config.num_moe_experts is None:
         return set()
     names = set()
