@@ -29,6 +29,8 @@ class ParallelConfig:
     rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
     split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
     heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
+    ep: int = 1  # expert model parallel size
+    etp: int | None = None  # expert tensor parallel size (None: tp)
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "dp", "virtual_stages"):
@@ -53,7 +55,9 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order)
+        return ParallelDims(
+            tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.rank_order, ep=self.ep, etp=self.etp
+        )
 
     def validate_layers(self, num_layers: int) -> None:
         """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""

@@ -238,6 +238,8 @@ def estimate_memory(
     config, layout: MemoryLayout, *, attention: str = "auto", allowances: Allowances | None = None
 ) -> MemoryEstimate:
     """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
+    if config.num_moe_experts is not None:
+        raise ValueError("the memory estimate does not cover MoE layers (--num-experts) yet")
     tp, cp = layout.parallel.tp, layout.parallel.cp
     if config.tensor_model_parallel_size != tp:
         raise ValueError(

@@ -33,6 +33,8 @@ def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
         cp=args.context_parallel_size,
         pp=args.pipeline_model_parallel_size,
         order=rank_order_from_args(args),
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size,
     )
     virtual = _virtual_stages(args, dims.pp)
     if args.distributed_timeout_minutes < 1:
@@ -66,6 +68,8 @@ def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
         rank_order=dims.order,
         split_backward=args.split_backward,
         heartbeat_timeout=args.heartbeat_timeout_seconds,
+        ep=dims.ep,
+        etp=dims.etp,
     )
 
 

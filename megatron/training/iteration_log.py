@@ -36,20 +36,18 @@ def params_norm(optimizer) -> float:
     """Global L2 norm of the fp32 master weights, each element counted once (as the grad norm).
     Offloaded masters are read where they are once their CPU step is done."""
     optimizer.wait_for_step()
-    return global_grad_norm(
-        [v for s in optimizer.shards for v in s.views(s.main, s.counted)], optimizer.replicas, optimizer.device
-    )
+    return global_grad_norm(optimizer.counted(lambda s: s.main), optimizer.device)
 
 
 def num_zeros_in_grad(optimizer) -> int:
     """Gradient elements equal to zero over the whole model, each counted once."""
-    views = [v for s in optimizer.shards for v in s.views(s.grad, s.counted)]
     device = optimizer.shards[0].grad.device if optimizer.shards else None
     zeros = torch.zeros(1, dtype=torch.float64, device=device)
-    for view in views:
-        zeros += (view == 0).sum()
+    for replicas, views in optimizer.counted(lambda s: s.grad).items():
+        for view in views:
+            zeros += (view == 0).sum().double() / replicas
     dist.all_reduce(zeros)
-    return int(zeros.item()) // optimizer.replicas
+    return round(zeros.item())
 
 
 class IterationLog:
@@ -83,7 +81,9 @@ class IterationLog:
         """Account for one iteration; print and write scalars when a line is due. `elapsed`: its
         seconds, or a callable giving them (read only for a line, see training.timed_step);
         `force`: the window ends here (the last iteration, an early exit)."""
-        self.totals.add(result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction)
+        self.totals.add(
+            result.mean_loss, elapsed, result.skipped, lambda stats=result.stats: stats.idle_fraction, result.moe_losses
+        )
         self.data_wait += result.data_wait
         first = iteration == self.first_iteration
         closes = force or iteration % self.config.log_interval == 0
@@ -113,6 +113,7 @@ class IterationLog:
                 nan=totals.nan,
                 num_zeros=zeros,
                 params_norm=norm,
+                extra_losses=totals.extra,
             )
         )
         if trainer.mesh.pp_size > 1:
@@ -143,6 +144,7 @@ class IterationLog:
         config = self.config
         values = {
             "lm loss": loss,
+            **self.totals.extra,
             "learning-rate": result.lr,
             "batch-size": batch,
             "grad-norm": result.grad_norm,

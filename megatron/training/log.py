@@ -27,10 +27,14 @@ class IntervalTotals:
         self.iterations = self.skipped = self.loss_count = 0
         self._loss_sum = self._nan = 0.0
         self._elapsed, self._idle = [], []
+        self._extra = {}  # further losses by name (MoE's load_balancing_loss, z_loss), summed every iteration
 
-    def add(self, loss, elapsed, skipped: bool, idle) -> None:
-        """`loss`: a float or 0-dim tensor; `elapsed`, `idle`: floats or callables returning one."""
+    def add(self, loss, elapsed, skipped: bool, idle, extra: dict | None = None) -> None:
+        """`loss`: a float or 0-dim tensor; `elapsed`, `idle`: floats or callables returning one; `extra`:
+        further losses (averaged over every iteration of the window, as Megatron averages its MoE losses)."""
         loss = torch.as_tensor(loss, dtype=torch.float64)
+        for name, value in (extra or {}).items():
+            self._extra[name] = self._extra.get(name, 0.0) + torch.as_tensor(value, dtype=torch.float64)
         self.iterations += 1
         self._elapsed.append(elapsed)
         self._idle.append(idle)
@@ -51,6 +55,7 @@ class IntervalTotals:
             "nan": float(self._nan),
             "elapsed": self.elapsed,
             "idle": self.idle_sum,
+            "extra": {name: float(value) for name, value in self._extra.items()},
         }
 
     @classmethod
@@ -63,11 +68,16 @@ class IntervalTotals:
         )
         totals._loss_sum, totals._nan = state["loss_sum"], state["nan"]
         totals._elapsed, totals._idle = [state["elapsed"]], [state["idle"]]
+        totals._extra = dict(state.get("extra", {}))
         return totals
 
     @property
     def loss(self) -> float:
         return float(self._loss_sum) / self.loss_count if self.loss_count else math.nan
+
+    @property
+    def extra(self) -> dict[str, float]:
+        return {name: float(value) / self.iterations for name, value in self._extra.items()}
 
     @property
     def nan(self) -> int:
@@ -98,6 +108,7 @@ def format_iteration_line(
     nan: int,
     num_zeros: int | None = None,
     params_norm: float | None = None,
+    extra_losses: dict | None = None,
 ) -> str:
     """Megatron's line, timestamp included (leading space, microseconds)."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -109,6 +120,7 @@ def format_iteration_line(
         f" learning rate: {lr:.6E} |",
         f" global batch size: {global_batch_size:5d} |",
         f" lm loss: {lm_loss:.6E} |",
+        *(f" {name}: {value:.6E} |" for name, value in (extra_losses or {}).items()),
         f" loss scale: {loss_scale:.1f} |",
     ]
     for label, value, spec in (

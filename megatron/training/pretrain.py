@@ -91,7 +91,9 @@ def _optimizer_state_line(trainer: Trainer) -> str:
         f"({full}/{shards} = {full / shards:.3f} plus bucket padding)"
     )
     if ddp.sharding_strategy not in ("no_shard", "optim"):
-        weights, grads = (sum(size) for size in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
+        weights, grads = (
+            sum(size) for size in zip(*(b.kept_bytes() for chunk in trainer.chunks for b in chunk.buffers))
+        )
         kept = "weights and gradients" if ddp.sharding_strategy == "optim_grads_params" else "gradients"
         line += (
             f"\n> sharding strategy {ddp.sharding_strategy}: {kept} kept as shards over dp x cp = {shards}; "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,8 @@ from megatron.core.parallel_state import ParallelMesh
 from megatron.core.pipeline_parallel.executor import PipelineExecutor, PipelineSpec, StepStats, reduced_token_mean
 from megatron.core.pipeline_parallel.forward_only import ForwardOnlyExecutor
 from megatron.core.tensor_parallel.initialization import deferred_initialization, is_deferred
+from megatron.core.transformer.moe.aux_losses import reduced_aux_losses, set_aux_loss_scale
+from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.data.batches import model_input_fields
 from megatron.training.batch_loader import BatchLoader
 from megatron.training.datasets import build_run_datasets
@@ -36,6 +38,7 @@ class IterationResult:
     loss_scale: float
     stats: StepStats
     data_wait: float = 0.0  # seconds this rank waited for its batches
+    moe_losses: dict = field(default_factory=dict)  # Megatron's logged MoE losses (device tensors, last rank)
 
     @property
     def loss(self) -> float:
@@ -67,11 +70,14 @@ class Trainer:
         eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
         if eager:  # it would keep the value it was built with, not its InitSpec's
             raise ValueError(f"{eager[0]}: a parameter not made by make_param cannot be initialised in its buffer")
-        self.chunks = [ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed) for m in modules]
+        self.chunks = [
+            ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed, self.mesh.edp_group)
+            for m in modules
+        ]
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None
         if run.optimizer.offload.enabled:
-            buffers = [chunk.buffer for chunk in self.chunks]
+            buffers = [buffer for chunk in self.chunks for buffer in chunk.buffers]
             placement, self.placement_decision = place_chunks(run, self.mesh.pp_rank, buffers, device)
             host = HostChunks(buffers, placement, device)
             keep_gathered_buckets(self.chunks, self.placement_decision, parallel.pp)
@@ -174,26 +180,40 @@ class Trainer:
         """Run all microbatches of `iteration` and leave the reduced gradients of the global
         mean token loss in `main_grad`. Returns (mean lm loss, learning rate, loss scale,
         pipeline idle fraction), read by the host (train_step reads none of them)."""
-        loss, lr, loss_scale, stats = self._forward_backward(iteration)
+        loss, lr, loss_scale, stats, _ = self._forward_backward(iteration)
         return loss.item(), lr, loss_scale, stats.idle_fraction
 
-    def _forward_backward(self, iteration: int) -> tuple[torch.Tensor, float, float, StepStats]:
+    def _forward_backward(self, iteration: int) -> tuple[torch.Tensor, float, float, StepStats, dict]:
         lr, decoupled_lr = self.learning_rates()
         self.optimizer.set_lr(lr, decoupled_lr)
         for chunk in self.chunks:
             chunk.train()
         loss_scale = self.optimizer.loss_scale
-        stats = self._executor(iteration).run(self.batch_fn(iteration), loss_scale=loss_scale, zero_grads=True)
+        executor = self._executor(iteration)
+        modules = [chunk.module for chunk in self.chunks]
+        # the main loss's backward scale, times cp as megatron-core's forward_step sets it: each cp rank's aux loss
+        # is its share of the sequence's, and gradients are averaged over cp
+        set_aux_loss_scale(modules, loss_scale / executor.spec.num_microbatches * self.mesh.cp_size)
+        stats = executor.run(self.batch_fn(iteration), loss_scale=loss_scale, zero_grads=True)
         loss, grad_scale = reduced_token_mean(stats.token_sums())
+        update_expert_biases(modules, self.mesh.stage_group, self.run.model.moe_router_bias_update_rate)
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
-        return loss, lr, loss_scale, stats
+        return loss, lr, loss_scale, stats, self.moe_losses(executor.spec.num_microbatches)
+
+    def moe_losses(self, num_microbatches: int) -> dict:
+        """This iteration's logged MoE losses, Megatron's way (a collective; empty for a dense model)."""
+        config = self.run.model
+        if config.num_moe_experts is None:
+            return {}
+        layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+        return reduced_aux_losses([c.module for c in self.chunks], self.mesh, num_microbatches, layers)
 
     def train_step(self, iteration: int) -> IterationResult:
         """One iteration. Like Megatron's log, the result carries the learning rate and loss scale
         as they stand after the update (the values the next iteration uses). The host reads one
         number: the global gradient norm, which the update needs (clipping, skipping a
         non-finite step), as Megatron reads it."""
-        loss, _, _, stats = self._forward_backward(iteration)
+        loss, _, _, stats, moe_losses = self._forward_backward(iteration)
         result = self.optimizer.step()
         return IterationResult(
             mean_loss=loss,
@@ -203,6 +223,7 @@ class Trainer:
             loss_scale=self.optimizer.loss_scale,
             stats=stats,
             data_wait=self.loaders["train"].take_wait_seconds(),
+            moe_losses=moe_losses,
         )
 
 

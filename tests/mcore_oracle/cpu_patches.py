@@ -5,6 +5,9 @@ Runs only in the megatron-core virtual environment. What is redirected and why:
 - The RNG tracker saves, seeds and restores the CUDA generator: the CPU generator instead.
 - Two causal-mask helpers allocate on "cuda": the same masks on the CPU.
 - The checkpoint writer calls `torch.cuda.synchronize()`: nothing to wait for.
+- MoE: the router's gating reads TransformerEngine's gemm, a name megatron-core leaves undefined without TE
+  (None selects its torch path); the alltoall dispatcher copies split sizes to the host on a CUDA side stream
+  (on the CPU they are there already).
 - A few constructors (the FP32 optimizer's loss scale, ...) pass device="cuda" or call
   `.cuda()`, and the gradient clipping asserts `grad.type() == 'torch.cuda.FloatTensor'`: a
   torch-function mode, entered for the whole process, keeps those tensors on the CPU and names
@@ -56,3 +59,21 @@ def _sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
 for module in (mcore_transformer_utils, mcore_fused_softmax):
     module.get_default_causal_mask = _causal_mask
     module.get_sliding_window_causal_mask = _sliding_window_mask
+
+
+import megatron.core.transformer.moe.moe_utils as mcore_moe_utils  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
+
+mcore_moe_utils.te_general_gemm = None
+
+
+def _splits_to_host(self, point, tokens_per_expert=None):
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, getattr(self, name).numpy())
+    return tokens_per_expert
+
+
+MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on the CPU"
+MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_host

@@ -15,6 +15,10 @@ parallel), "model": our model args (TransformerConfig field names, as our checkp
 - {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
 - {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
   optimizer and scheduler) as Megatron-LM's --load does;
+- {"op": "load_state", "file": F}: the model's state dict from a torch.save file under megatron-core's names
+  (those of our one-rank model with the local layer spec); nothing but `_extra_state` may be left out.
+A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
+(local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does.
 - {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
   and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
 """
@@ -35,8 +39,15 @@ import cpu_patches  # noqa: E402,F401  (before any other megatron.core import)
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import (  # noqa: E402
+    _update_router_expert_bias,
+    reset_model_temporary_tensors,
+)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
@@ -75,8 +86,12 @@ def build_model(spec: dict) -> GPTModel:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
+        **spec.get("moe", {}),
     )
-    layer_spec = get_gpt_layer_local_spec(normalization=m["normalization"])
+    if config.num_moe_experts is None:
+        layer_spec = get_gpt_layer_local_spec(normalization=m["normalization"])
+    else:  # dense and MoE layers by --moe-layer-freq, local modules
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m["normalization"])
     return GPTModel(
         config,
         layer_spec,
@@ -183,6 +198,10 @@ class Oracle:
     def loss(self) -> torch.Tensor:
         return self.model(self.tokens, self.positions, None, labels=self.labels)
 
+    def load_state(self, file: str) -> None:
+        missing, unexpected = self.model.module.load_state_dict(torch.load(file), strict=False)
+        assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+
     def forward(self, out: str) -> None:
         self.model.eval()
         with torch.no_grad():
@@ -204,6 +223,9 @@ class Oracle:
             loss = self.loss().float().mean()
             loss.backward()
             self.model.finish_grad_sync()
+            if self.model.config.moe_router_enable_expert_bias:
+                _update_router_expert_bias([self.model], self.model.config)
+                reset_model_temporary_tensors(self.model.config, [self.model])
             ok, grad_norm, _ = self.optimizer.step()
             assert ok
             record["lr"].append(self.optimizer.param_groups[0]["lr"])

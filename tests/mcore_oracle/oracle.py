@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
+MOE_DRIVER = Path(__file__).with_name("moe_driver.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,10 +47,19 @@ def _free_port() -> int:
 
 def run_oracle(jobs: list[dict], directory: Path, world: int = 2) -> None:
     """Run the jobs (see driver.py) on `world` gloo ranks of megatron-core, isolated from our package."""
+    _run(DRIVER, {"world": world, "port": _free_port(), "jobs": jobs}, directory)
+
+
+def run_moe_oracle(cases: list[dict], directory: Path) -> None:
+    """Run megatron-core's MoELayer on the cases (see moe_driver.py) on one rank, isolated from our package."""
+    _run(MOE_DRIVER, {"port": _free_port(), "cases": cases}, directory)
+
+
+def _run(driver: Path, spec_values: dict, directory: Path) -> None:
     spec = directory / "oracle_spec.json"
-    spec.write_text(json.dumps({"world": world, "port": _free_port(), "jobs": jobs}))
+    spec.write_text(json.dumps(spec_values))
     proc = subprocess.run(
-        [megatron_core_python(), "-I", "-W", "ignore", str(DRIVER), str(spec)],
+        [megatron_core_python(), "-I", "-W", "ignore", str(driver), str(spec)],
         capture_output=True,
         text=True,
         cwd=ROOT,

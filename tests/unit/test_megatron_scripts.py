@@ -360,10 +360,8 @@ def test_out_of_scope_flags_are_refused_in_one_message():
         parse_run_config(
             TINY
             + [
-                "--num-experts",
-                "8",
-                "--moe-router-topk",
-                "2",
+                "--moe-enable-deepep",
+                "--overlap-moe-expert-parallel-comm",
                 "--fp8-format",
                 "hybrid",
                 "--multi-latent-attention",
@@ -377,8 +375,8 @@ def test_out_of_scope_flags_are_refused_in_one_message():
     message = str(info.value)
     assert "\n" not in message
     for flag in (
-        "--num-experts",
-        "--moe-router-topk",
+        "--moe-enable-deepep",
+        "--overlap-moe-expert-parallel-comm",
         "--fp8-format",
         "--multi-latent-attention",
         "--use-torch-fsdp2",

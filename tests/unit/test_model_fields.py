@@ -52,6 +52,26 @@ VALUES = {
     "--rope-scaling-factor": "4",
     "--seq-length": "32",
     "--init-method-std": "0.01",
+    "--num-experts": "8",
+    "--moe-ffn-hidden-size": "96",
+    "--moe-layer-freq": "[1, 0]",
+    "--moe-shared-expert-intermediate-size": "64",
+    "--moe-router-topk": "3",
+    "--moe-router-score-function": "sigmoid",
+    "--moe-router-topk-scaling-factor": "2.5",
+    "--moe-router-num-groups": "2",
+    "--moe-router-group-topk": "1",
+    "--moe-expert-capacity-factor": "1.5",
+    "--moe-token-drop-policy": "position",
+}
+# what a flag needs beside it (MoE fields need a model with experts, and some of them each other)
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
+NEEDS = {
+    "--moe-shared-expert-gate": ["--moe-shared-expert-intermediate-size", "64"],
+    "--moe-router-enable-expert-bias": ["--moe-router-score-function", "sigmoid"],
+    "--moe-router-num-groups": ["--moe-router-group-topk", "1"],
+    "--moe-router-group-topk": ["--moe-router-num-groups", "2"],
+    "--moe-token-drop-policy": ["--moe-expert-capacity-factor", "1.5"],
 }
 
 
@@ -74,8 +94,14 @@ def test_each_recorded_flag_sets_its_field(field):
         extra.insert(0, "--group-query-attention")
     if field.flag == "--rope-scaling-factor":
         extra.append("--rope-scaling")
+    base = list(BASE)
+    if field.name.startswith("moe_"):
+        base += MOE
+        flags += MOE + NEEDS.get(field.flag, [])
+    elif field.flag == "--num-experts":
+        extra.append("--disable-bias-linear")
     config = parse_run_config(flags + extra, GPT_DEFAULTS, 1).model
-    default = parse_run_config(BASE, GPT_DEFAULTS, 1).model
+    default = parse_run_config(base, GPT_DEFAULTS, 1).model
     assert getattr(config, field.name) != getattr(default, field.name), field
     assert field.command_line(getattr(config, field.name))[0] == field.flag
 

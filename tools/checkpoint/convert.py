@@ -64,7 +64,8 @@ from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record  #
 from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error  # noqa: E402
 from megatron.training.checkpoint.canonical import commit_checkpoint, find_checkpoint  # noqa: E402
 from megatron.training.checkpoint.directory import MEGATRON, detect_checkpoint_format  # noqa: E402
-from megatron.training.checkpoint.hugging_face import GPT2, ConfigError, family_of, family_of_args  # noqa: E402
+from megatron.training.checkpoint.hugging_face import GPT2, ConfigError  # noqa: E402
+from megatron.training.checkpoint.hugging_face_families import family_of, family_of_args  # noqa: E402
 from megatron.training.checkpoint.hugging_face_files import SafetensorsReader, read_json, write_hf_files  # noqa: E402
 from megatron.training.checkpoint.torch_dist import (  # noqa: E402
     CHECKPOINT_VERSION,
@@ -353,6 +354,8 @@ def to_torch_dist(source: Source, save_dir: str, target: Target, where: str) -> 
     """Write the source's model as Megatron-LM's torch_dist checkpoint (iteration 0, no optimizer
     state: Megatron-LM continues from it with --finetune or --no-load-optim --no-load-rng)."""
     config = target.config(source.args)
+    if config.num_moe_experts is not None:
+        raise ConfigError("--saver torch_dist of an MoE model: Megatron-LM's expert tensors are not mapped yet")
     tensors = fit_vocabulary(source.read(sorted(source.saved)), config, where, target.seed, exact=True)
     common = {
         "args": megatron_args(config, iteration=0, consumed_samples=0, tp=target.tp, pp=target.pp, extra={}),

@@ -40,7 +40,7 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = N
     """
     for chunk in chunks:
         chunk.finish_grad_sync()
-    buffers = [chunk.buffer for chunk in chunks]
+    buffers = [buffer for chunk in chunks for buffer in chunk.buffers]
     if grad_scale is not None:
         torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale.float())
     _all_reduce_flat(

@@ -21,6 +21,7 @@ completed by `compute_weight_grads()` before the chunk's next backward.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -92,24 +93,40 @@ class DDPConfig:
 
 
 class ModelChunkBuffers(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config: DDPConfig, dp_cp_group, init_seed: int | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: DDPConfig,
+        dp_cp_group,
+        init_seed: int | None = None,
+        expert_dp_group=None,
+    ):
         """`init_seed`: the run's seed, for parameters made under `deferred_initialization`
-        (initialised in the buffer, see ParamAndGradBuffer)."""
+        (initialised in the buffer, see ParamAndGradBuffer). Expert weights (`is_expert`) get a buffer
+        of their own, `expert_buffer`, reduced over `expert_dp_group` (the ranks holding the same
+        experts) and divided by dp x cp, as Megatron reduces them; `buffers` lists both."""
         super().__init__()
         self.module = module
         self.config = config
         self.sync_now = True
         self.weight_grads = WeightGradQueue()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        dense = [(n, p) for n, p in named if not getattr(p, "is_expert", False)]
+        experts = [(n, p) for n, p in named if getattr(p, "is_expert", False)]
         bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
-        self.buffer = ParamAndGradBuffer(
-            list(reversed(named)),
-            grad_dtype=config.grad_dtype,
-            bucket_size=bucket_size,
-            group=dp_cp_group,
-            strategy=config.sharding_strategy,
-            init_seed=init_seed,
-        )
+        common = dict(grad_dtype=config.grad_dtype, strategy=config.sharding_strategy, init_seed=init_seed)
+        self.buffer = ParamAndGradBuffer(list(reversed(dense)), bucket_size=bucket_size, group=dp_cp_group, **common)
+        self.expert_buffer = None
+        if experts:
+            self.expert_buffer = ParamAndGradBuffer(
+                list(reversed(experts)),
+                bucket_size=config.bucket_size or default_bucket_size(dist.get_world_size(expert_dp_group)),
+                group=expert_dp_group,
+                grad_divisor=dist.get_world_size(dp_cp_group),
+                **common,
+            )
+        self.buffers = [b for b in (self.buffer, self.expert_buffer) if b is not None]
+        self._buffer_of = {p: b for b in self.buffers for p in b.params.values()}
         unplaced = [n for n, p in module.named_parameters() if is_deferred(p)]
         if unplaced:
             raise ValueError(
@@ -118,6 +135,11 @@ class ModelChunkBuffers(torch.nn.Module):
             )
         self.bucket_hooks = (
             BucketHooks(module, self.buffer, config.reshard_after_forward) if self.buffer.shards_grads else None
+        )
+        self.expert_bucket_hooks = (
+            BucketHooks(module, self.expert_buffer, config.reshard_after_forward)
+            if self.expert_buffer is not None and self.expert_buffer.shards_grads
+            else None
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]
         for _, param in named:
@@ -133,7 +155,8 @@ class ModelChunkBuffers(torch.nn.Module):
         if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder
             param.grad_added_to_main_grad = False
         else:
-            self.buffer.prepare_grad(self.buffer.bucket_of[param])
+            buffer = self._buffer_of[param]
+            buffer.prepare_grad(buffer.bucket_of[param])
             param.main_grad.add_(param.grad)
         param.grad = None
         if param not in self.weight_grads:
@@ -142,11 +165,11 @@ class ModelChunkBuffers(torch.nn.Module):
     def _gradient_final(self, param: torch.Tensor) -> None:
         if self.buffer.shards_grads:  # every microbatch; parameters are no longer needed once all are final
             reduce = self.sync_now or not self.config.unsharded_grad_accumulation
-            bucket = self.buffer.mark_ready(param, reduce)
+            bucket = self._buffer_of[param].mark_ready(param, reduce)
             if bucket is not None and (self.config.reshard_after_forward or self.sync_now):
                 bucket.release_params()
         elif self.sync_now and self.config.overlap_grad_reduce:
-            self.buffer.mark_ready(param)
+            self._buffer_of[param].mark_ready(param)
 
     def deferring_weight_grads(self):
         """A backward inside leaves the linear layers' weight gradients for `compute_weight_grads`."""
@@ -157,7 +180,7 @@ class ModelChunkBuffers(torch.nn.Module):
             self._gradient_final(param)
 
     def _wait_for_params(self, module: torch.nn.Module):
-        buckets = {self.buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in self.buffer.bucket_of}
+        buckets = {self._buffer_of[p].bucket_of[p] for p in module.parameters(recurse=False) if p in self._buffer_of}
 
         def hook(*_):
             for bucket in buckets:
@@ -166,9 +189,10 @@ class ModelChunkBuffers(torch.nn.Module):
         return hook
 
     def forward(self, *args, **kwargs):
-        if self.bucket_hooks is None:
-            return self.module(*args, **kwargs)
-        with self.bucket_hooks.forward_pass():
+        hooks = [h for h in (self.bucket_hooks, self.expert_bucket_hooks) if h is not None]
+        with contextlib.ExitStack() as stack:
+            for hook in hooks:
+                stack.enter_context(hook.forward_pass())
             return self.module(*args, **kwargs)
 
     def set_is_last_microbatch(self, last: bool) -> None:
@@ -176,36 +200,44 @@ class ModelChunkBuffers(torch.nn.Module):
         self.sync_now = last
 
     def zero_grad_buffer(self) -> None:
-        self.buffer.zero()
+        for buffer in self.buffers:
+            buffer.zero()
 
     def finish_grad_sync(self) -> None:
-        self.buffer.finish_grad_reduce()
+        for buffer in self.buffers:
+            buffer.finish_grad_reduce()
         self.sync_now = True
-        for bucket in self.buffer.buckets:  # sharded parameters: none stays gathered into the step
+        for bucket in self._buckets():  # sharded parameters: none stays gathered into the step
             bucket.release_params()
 
     def start_param_gather(self) -> None:
         """After the optimizer step. Sharded parameters are gathered when next used (gathered copies
         are stale now); others are all-gathered here (and waited for unless overlapped)."""
         if self.buffer.shards_params:
-            for bucket in self.buffer.buckets:
+            for bucket in self._buckets():
                 bucket.release_params()
             return
-        self.buffer.start_param_gather()
-        if not self.config.overlap_param_gather:
-            self.buffer.finish_param_gather()
+        for buffer in self.buffers:
+            buffer.start_param_gather()
+            if not self.config.overlap_param_gather:
+                buffer.finish_param_gather()
 
     def finish_param_gather(self) -> None:
-        self.buffer.finish_param_gather()
+        for buffer in self.buffers:
+            buffer.finish_param_gather()
 
     def gather_all_params(self) -> None:
         """Sharded parameters: make every bucket whole, to read the parameters outside a forward
         (a checkpoint, a test); the next forward releases them again."""
         if self.buffer.shards_params:
-            for bucket in self.buffer.buckets:
+            for bucket in self._buckets():
                 bucket.gather_params()
 
     def params_written(self) -> None:
         """The whole parameters were written outside training (a checkpoint was loaded): take this
         rank's shard of them."""
-        self.buffer.take_param_shards()
+        for buffer in self.buffers:
+            buffer.take_param_shards()
+
+    def _buckets(self):
+        return [bucket for buffer in self.buffers for bucket in buffer.buckets]

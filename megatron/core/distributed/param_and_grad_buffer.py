@@ -53,6 +53,7 @@ class Bucket:
         dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device,
+        grad_divisor: int | None = None,
     ):
         self.place = place
         start, end = place.shard(shard_rank)
@@ -75,6 +76,7 @@ class Bucket:
             self.grad_shard = grad_data[start:end]
         self.params = set(params)
         self.group, self.group_size = group, dist.get_world_size(group)
+        self.grad_divisor = self.group_size if grad_divisor is None else grad_divisor
         self.sharded = place.shards > 1
         self.ready: set = set()
         self.reducing = False
@@ -97,8 +99,8 @@ class Bucket:
         if self.reducing or (self.shards_grads and not self.grad_full.allocated):
             return
         self.reducing = True
-        if self.group_size > 1:
-            self.grad.div_(self.group_size)  # gloo has no AVG: sum of the pre-divided gradients
+        if self.grad_divisor > 1:
+            self.grad.div_(self.grad_divisor)  # gloo has no AVG: sum of the pre-divided gradients
         if self.shards_grads:
             self._scattered = torch.empty_like(self.grad_shard)
             if self.group_size == 1:
@@ -193,7 +195,10 @@ class ParamAndGradBuffer:
         group,
         strategy: str,
         init_seed: int | None = None,
+        grad_divisor: int | None = None,
     ):
+        """`grad_divisor`: what the sum over `group` is divided by (None: the group's size, an average);
+        expert weights are summed over their expert-data-parallel replicas and divided by dp x cp."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         dtypes = {p.dtype for _, p in named_params}
@@ -231,6 +236,7 @@ class ParamAndGradBuffer:
                 dtype=dtype,
                 grad_dtype=grad_dtype,
                 device=self.device,
+                grad_divisor=grad_divisor,
             )
             self.buckets.append(bucket)
             for member in members:

@@ -87,6 +87,7 @@ class GPTModel(torch.nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         cp_group=None,
+        expert_groups=None,
         device=None,
     ):
         super().__init__()
@@ -104,6 +105,7 @@ class GPTModel(torch.nn.Module):
             rng_tracker=rng_tracker,
             post_process=post_process,
             cp_group=cp_group,
+            expert_groups=expert_groups,
             device=device,
         )
         if post_process:

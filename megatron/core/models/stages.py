@@ -32,6 +32,7 @@ def build_model_chunks(
                 pre_process=mesh.is_first_stage and c == 0,
                 post_process=mesh.is_last_stage and c == virtual - 1,
                 cp_group=mesh.cp_group,
+                expert_groups=mesh.expert_groups if config.num_moe_experts is not None else None,
                 device=device,
             )
         )

@@ -34,19 +34,21 @@ def unscale_and_check(grads: list, scale: float, device: torch.device) -> bool:
     return bool(found_inf.item())
 
 
-def global_grad_norm(counted: list, replicas: int, device: torch.device) -> float:
+def global_grad_norm(counted: dict[int, list], device: torch.device) -> float:
     """sqrt of the sum of squared gradients of the whole model.
 
     `counted`: this rank's gradient pieces that count (each parameter counted by exactly one
-    rank of its tp group and pipeline copies; see `counts_in_grad_norm`). The sum runs over
-    the world; when `replicas` ranks (dp x cp, replicated optimizer) hold the same pieces, the
-    world sum is divided by their number.
+    rank of its tp group and pipeline copies; see `counts_in_grad_norm`), keyed by how many ranks
+    hold and count the same pieces (dp x cp with the replicated optimizer, the expert-data-parallel
+    replicas for expert weights, 1 for sharded ones). Each key's sum over the world is divided by it.
     """
-    squares = torch.zeros(1, dtype=torch.float64, device=device)
-    for group in by_device(counted).values():
-        squares += torch.stack(torch._foreach_norm(group)).double().pow(2).sum().to(device)
+    keys = sorted(counted)
+    squares = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    for i, key in enumerate(keys):
+        for group in by_device(counted[key]).values():
+            squares[i] += torch.stack(torch._foreach_norm(group)).double().pow(2).sum().to(device)
     dist.all_reduce(squares)
-    return math.sqrt(squares.item() / replicas)
+    return math.sqrt(sum(value / key for value, key in zip(squares.tolist(), keys)))
 
 
 def clip_grads(grads: list, grad_norm: float, max_norm: float) -> None:

@@ -55,13 +55,11 @@ class MixedPrecisionOptimizer:
                 "when config.offload is enabled"
             )
         self.config = config
-        buffers = [chunk.buffer for chunk in chunks]
+        buffers = [buffer for chunk in chunks for buffer in chunk.buffers]
         device = self.device = buffers[0].device if buffers else torch.device("cpu")
         self.host = host
         memory, offloaded = (host.memory, host.placement.optimizer) if host is not None else (None, frozenset())
         self.shards = build_shards(buffers, mesh, memory, offloaded)
-        sharded = any(b.layout.shards > 1 for b in buffers)
-        self.replicas = 1 if sharded else mesh.dp_size * mesh.cp_size
         self.adam = ShardedAdamW(
             self.shards,
             lr=config.lr,
@@ -78,6 +76,14 @@ class MixedPrecisionOptimizer:
         self.chunks = chunks
         self.param_sync = ParamSync(self.shards, chunks, self.adam.offload)
         self.grad_scaler = build_grad_scaler(config)
+
+    def counted(self, tensor_of) -> dict[int, list]:
+        """The pieces of `tensor_of(shard)` (its gradient, its master weights) that count in a global norm,
+        keyed by how many ranks hold the same pieces (see grad_preparation.global_grad_norm)."""
+        out: dict[int, list] = {}
+        for shard in self.shards:
+            out.setdefault(shard.replicas, []).extend(shard.views(tensor_of(shard), shard.counted))
+        return out
 
     @property
     def loss_scale(self) -> float:
@@ -142,9 +148,7 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(skipped=True, grad_norm=None, loss_scale=scale)
-        grad_norm = global_grad_norm(
-            [v for s in self.shards for v in s.views(s.grad, s.counted)], self.replicas, self.device
-        )
+        grad_norm = global_grad_norm(self.counted(lambda s: s.grad), self.device)
         if not math.isfinite(grad_norm):
             return StepResult(skipped=True, grad_norm=grad_norm, loss_scale=scale)
         if self.config.clip_grad > 0:

@@ -24,7 +24,7 @@ import torch
 class ParamSync:
     def __init__(self, shards: list, chunks: list, offload=None):
         self.shards, self.chunks, self.offload = shards, chunks, offload
-        buckets = [bucket for chunk in chunks for bucket in chunk.buffer.buckets]  # shard order
+        buckets = [bucket for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]  # shard order
         self.shard_of = {bucket: index for index, bucket in enumerate(buckets)}
         self.deferred: list = []  # buckets whose gather waits for their CPU step, in forward order
         self._hooks = [] if offload is None else self._register_hooks()
@@ -32,14 +32,13 @@ class ParamSync:
     def _register_hooks(self) -> list:
         hooks = []
         for chunk in self.chunks:
-            if chunk.buffer.shards_params:
-                continue
-            for module in chunk.module.modules():
-                buckets = {
-                    chunk.buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in chunk.buffer.bucket_of
-                }
-                if any(self.shards[self.shard_of[b]].offloaded for b in buckets):
-                    hooks.append(module.register_forward_pre_hook(self._release_hook(buckets), prepend=True))
+            for buffer in chunk.buffers:
+                if buffer.shards_params:
+                    continue
+                for module in chunk.module.modules():
+                    buckets = {buffer.bucket_of[p] for p in module.parameters(recurse=False) if p in buffer.bucket_of}
+                    if any(self.shards[self.shard_of[b]].offloaded for b in buckets):
+                        hooks.append(module.register_forward_pre_hook(self._release_hook(buckets), prepend=True))
         return hooks
 
     def _release_hook(self, buckets: set):
@@ -67,17 +66,18 @@ class ParamSync:
         for chunk in self.chunks:
             if chunk.buffer.shards_params:  # gathered when next used: after the shard's CPU step
                 chunk.start_param_gather()
-                for bucket in chunk.buffer.buckets:
+                for bucket in (b for buffer in chunk.buffers for b in buffer.buckets):
                     if self.shards[self.shard_of[bucket]].offloaded:
                         bucket.before_gather = functools.partial(self.offload.wait, self.shard_of[bucket])
                 continue
-            for bucket in reversed(chunk.buffer.buckets):  # the order the next forward uses them
-                if self.shards[self.shard_of[bucket]].offloaded:
-                    self.deferred.append(bucket)
-                    continue
-                bucket.start_param_gather()
-                if not chunk.config.overlap_param_gather:
-                    bucket.finish_param_gather()
+            for buffer in chunk.buffers:
+                for bucket in reversed(buffer.buckets):  # the order the next forward uses them
+                    if self.shards[self.shard_of[bucket]].offloaded:
+                        self.deferred.append(bucket)
+                        continue
+                    bucket.start_param_gather()
+                    if not chunk.config.overlap_param_gather:
+                        bucket.finish_param_gather()
 
     def finish(self) -> None:
         """Wait for every gather in flight and every deferred one (before reading parameters
@@ -86,5 +86,6 @@ class ParamSync:
             self._release(bucket)
         for chunk in self.chunks:
             chunk.finish_param_gather()
-            for bucket in chunk.buffer.buckets:
-                bucket.wait_for_shard()
+            for buffer in chunk.buffers:
+                for bucket in buffer.buckets:
+                    bucket.wait_for_shard()

@@ -32,9 +32,13 @@ def is_embedding_or_output(name: str) -> bool:
 
 def counts_in_grad_norm(param, mesh) -> bool:
     """Whether this rank's copy counts in the global norm: weights replicated across tp count on
-    tp rank 0 only; the tied output-layer copy on the last stage not at all."""
+    tp rank 0 only; the tied output-layer copy on the last stage not at all; expert weights on every
+    rank (the ranks of an expert-tensor x expert-parallel group hold different pieces, their replicas
+    are counted by `FlatShard.replicas`)."""
     if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
         return False
+    if getattr(param, "is_expert", False):
+        return True
     return getattr(param, "tensor_model_parallel", False) or mesh.tp_rank == 0
 
 
@@ -49,6 +53,7 @@ class FlatShard:
     decoupled: list = ()  # (start, end) ranges of the embedding / output layer (--decoupled-lr)
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy (master is on host too)
     model_on_host: bool = False  # the parameter shard is host-resident (fetched when its bucket is gathered)
+    replicas: int = 1  # ranks holding these same elements (the replicated optimizer's dp x cp, or expert dp)
 
     @property
     def grad_on_host(self) -> bool:
@@ -100,6 +105,7 @@ def build_shards(buffers: list, mesh, host_memory=None, offloaded=frozenset()) -
                     if host
                     else None,
                     model_on_host=bucket.params_on_host,
+                    replicas=bucket.group_size // buffer.layout.shards,
                 )
             )
     return shards

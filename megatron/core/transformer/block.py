@@ -25,14 +25,31 @@ class TransformerBlock(torch.nn.Module):
     """Layers `layer_ids` (global indices, which name the modules: `layers.<global index>`,
     so names agree in every pipeline layout) and, on the last stage, the final norm."""
 
-    def __init__(self, config, layer_ids, *, tp_group, rng_tracker, post_process: bool, cp_group=None, device=None):
+    def __init__(
+        self,
+        config,
+        layer_ids,
+        *,
+        tp_group,
+        rng_tracker,
+        post_process: bool,
+        cp_group=None,
+        expert_groups=None,
+        device=None,
+    ):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
         self.layers = torch.nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, device=device
+                    config,
+                    tp_group=tp_group,
+                    rng_tracker=rng_tracker,
+                    cp_group=cp_group,
+                    layer_index=i,
+                    expert_groups=expert_groups,
+                    device=device,
                 )
                 for i in layer_ids
             }

@@ -9,6 +9,7 @@ import torch
 
 from kernels.dispatch import KernelPaths, kernel_paths
 from megatron.core.tensor_parallel.initialization import RANDOM_KINDS
+from megatron.core.transformer.moe.validation import moe_layer_pattern, validate_moe
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
@@ -65,6 +66,31 @@ class TransformerConfig:
     attention_backend: str = "auto"
     normalization_impl: str = "auto"
     gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into main_grad themselves
+    # mixture of experts (megatron-core's names and defaults; moe/validation.py checks them)
+    num_moe_experts: int | None = None  # --num-experts: None is a dense model
+    moe_layer_freq: int | list = 1  # every n-th layer is MoE, or one 0/1 per layer
+    moe_ffn_hidden_size: int | None = None  # each expert's intermediate size (default --ffn-hidden-size)
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared expert's output (Qwen2-MoE)
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_dtype: str | None = None  # "fp32": routing computed in fp32 whatever the model dtype
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False  # one grouped GEMM on CUDA; here a loop over the local experts
+    moe_token_dispatcher_type: str = "allgather"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size, as Megatron
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -81,6 +107,10 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         self.validate()
 
     def validate(self) -> None:
@@ -157,6 +187,7 @@ class TransformerConfig:
             )
         self._validate_tensor_parallel()
         self._validate_context_parallel()
+        validate_moe(self)
 
     def _validate_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size
@@ -228,6 +259,10 @@ class TransformerConfig:
     def padded_vocab_size(self) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does."""
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) holds experts instead of a dense MLP."""
+        return self.num_moe_experts is not None and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer]
 
     @property
     def rotary_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); on MoE layers the MLP is an MoE layer."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norm import Norm
 
 
@@ -20,7 +21,7 @@ def hidden_dropout(x, p: float, training: bool, rng_tracker, sequence_parallel: 
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, rng_tracker, cp_group=None, device=None):
+    def __init__(self, config, *, tp_group, rng_tracker, cp_group=None, layer_index=0, expert_groups=None, device=None):
         super().__init__()
         self.config = config
         self.rng_tracker = rng_tracker
@@ -29,7 +30,10 @@ class TransformerLayer(torch.nn.Module):
             config, tp_group=tp_group, rng_tracker=rng_tracker, cp_group=cp_group, device=device
         )
         self.pre_mlp_layernorm = Norm(config, config.hidden_size, device)
-        self.mlp = MLP(config, tp_group=tp_group, device=device)
+        if config.is_moe_layer(layer_index):
+            self.mlp = MoELayer(config, tp_group=tp_group, groups=expert_groups, device=device)
+        else:
+            self.mlp = MLP(config, tp_group=tp_group, device=device)
 
     def _dropout(self, x):
         return hidden_dropout(

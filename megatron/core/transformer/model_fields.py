@@ -39,6 +39,14 @@ def _learned_positions(args: dict) -> bool:
     return args.get("position_embedding_type") == "learned_absolute"
 
 
+def _moe(args: dict) -> bool:
+    return args.get("num_moe_experts") is not None
+
+
+def _moe_capacity(args: dict) -> bool:
+    return _moe(args) and args.get("moe_expert_capacity_factor") is not None
+
+
 # Megatron-LM's argparse destinations that are not the flag's name (--disable-bias-linear stores
 # add_bias_linear; its rope scaling switch is --use-rope-scaling)
 _MEGATRON_ARGS = {"add_bias_linear": "add_bias_linear", "rope_scaling": "use_rope_scaling"}
@@ -68,6 +76,8 @@ class ModelField:
         """The value as a user passes it: a switch is 'set' or 'not set'."""
         if isinstance(value, bool):
             return "set" if value != self.inverted else "not set"
+        if isinstance(value, list):  # --moe-layer-freq's pattern, one shell word
+            return "[" + ",".join(map(str, value)) + "]"
         return f"{value:g}" if isinstance(value, float) else str(value)
 
     def command_line(self, value: Any) -> list[str]:
@@ -106,6 +116,20 @@ MODEL_FIELDS: tuple[ModelField, ...] = (
     ModelField("rotary_base", CONTEXT, "--rotary-base", "rope_theta", applies=_rope),
     ModelField("rope_scaling", CONTEXT, "--rope-scaling", applies=_rope),
     ModelField("rope_scaling_factor", CONTEXT, "--rope-scaling-factor", applies=_rope_scaled),
+    ModelField("num_moe_experts", TENSORS, "--num-experts", applies=_moe),
+    ModelField("moe_layer_freq", TENSORS, "--moe-layer-freq", applies=_moe),
+    ModelField("moe_ffn_hidden_size", TENSORS, "--moe-ffn-hidden-size", applies=_moe),
+    ModelField("moe_shared_expert_intermediate_size", TENSORS, "--moe-shared-expert-intermediate-size", applies=_moe),
+    ModelField("moe_shared_expert_gate", TENSORS, "--moe-shared-expert-gate", applies=_moe),
+    ModelField("moe_router_enable_expert_bias", TENSORS, "--moe-router-enable-expert-bias", applies=_moe),
+    ModelField("moe_router_topk", MEANING, "--moe-router-topk", applies=_moe),
+    ModelField("moe_router_score_function", MEANING, "--moe-router-score-function", applies=_moe),
+    ModelField("moe_router_pre_softmax", MEANING, "--moe-router-pre-softmax", applies=_moe),
+    ModelField("moe_router_topk_scaling_factor", MEANING, "--moe-router-topk-scaling-factor", applies=_moe),
+    ModelField("moe_router_num_groups", MEANING, "--moe-router-num-groups", applies=_moe),
+    ModelField("moe_router_group_topk", MEANING, "--moe-router-group-topk", applies=_moe),
+    ModelField("moe_expert_capacity_factor", MEANING, "--moe-expert-capacity-factor", applies=_moe),
+    ModelField("moe_token_drop_policy", MEANING, "--moe-token-drop-policy", applies=_moe_capacity),
     ModelField("seq_length", RECORDED, "--seq-length"),
     ModelField("init_method_std", RECORDED, "--init-method-std", "initializer_range"),
 )
@@ -132,6 +156,18 @@ RUNTIME_FIELDS = frozenset(
         "hidden_dropout",
         "init_method",
         "make_vocab_size_divisible_by",
+        # MoE training only: auxiliary losses and bias updates (gradients), routing precision, padding of
+        # capacity-limited expert inputs (padding rows have weight 0), how experts run and where they live
+        "moe_router_load_balancing_type",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_router_bias_update_rate",
+        "moe_router_dtype",
+        "moe_pad_expert_input_to_capacity",
+        "moe_grouped_gemm",
+        "moe_token_dispatcher_type",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
     }
 )
 

@@ -7,7 +7,7 @@ Megatron's own code is organised is accepted and listed at start-up, never silen
 whose absence would change the result (the model's math, the data, the update, what is saved
 or evaluated) or whether the job fits (memory savings) is refused. Refusals happen before
 parsing, every offending flag in one message, so a script is fixed in one pass. Whole
-families are matched by prefix (every --moe-* flag).
+families are matched by prefix (every --moe-* flag that moe.py does not build).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import re
 from typing import NamedTuple
+
+from megatron.training.arguments.moe import MOE_FIELDS
 
 
 class NoOp(NamedTuple):
@@ -174,16 +176,14 @@ _NO_OP = {
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
 BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model.py)
+BUILT_PREFIXED = frozenset(MOE_FIELDS.values())  # flags of a refused prefix that the parser supports (moe.py)
 NO_OP_GROUP = "Megatron flags with no effect here"
 
 # family -> (reason, exact flags, prefixes); the first family that matches a flag names it
 REFUSED = {
     "MoE": (
-        "mixture of experts is out of scope",
+        "an MoE option not built here (the built ones are supported, in the table above)",
         (
-            "--num-experts",
-            "--expert-model-parallel-size",
-            "--expert-tensor-parallel-size",
             "--expert-tensor-parallel-num-weight-shards",
             "--overlap-moe-expert-parallel-comm",
             "--overlap-dispatch-backward-with-experts-wgrad",
@@ -509,6 +509,8 @@ NO_OP_FLAGS = {flag: spec for why, usage in _NO_OP.items() for flag, spec in _pa
 
 
 def _family(flag: str) -> str | None:
+    if flag in BUILT_PREFIXED:
+        return None
     for family, (_, exact, prefixes) in REFUSED.items():
         if flag in exact or flag.startswith(prefixes):
             return family

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.transformer.config import TransformerConfig
+from megatron.training.arguments.moe import moe_fields_from_args
 from megatron.training.arguments.parallel import cp_comm_type_from_args
 
 # Megatron's --attention-backend choices onto our paths (the start-up log says which one runs): its
@@ -161,4 +162,5 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         attention_backend=ATTENTION_BACKENDS[args.attention_backend],
         normalization_impl=args.normalization_impl,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        **moe_fields_from_args(args),
     )

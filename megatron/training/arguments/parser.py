@@ -24,6 +24,12 @@ from megatron.training.arguments.megatron_flags import (
     strip_fusion_toggles,
 )
 from megatron.training.arguments.model import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
+from megatron.training.arguments.moe import (
+    add_moe_arguments,
+    moe_notes,
+    refuse_moe_checkpoints,
+    refuse_moe_offload_auto,
+)
 from megatron.training.arguments.offload import add_offload_arguments, offload_config_from_args
 from megatron.training.arguments.optimizer import (
     DEFAULT_LR,
@@ -76,6 +82,7 @@ def _data_flags(p):
 def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Megatron-style GPT/Llama pre-training")
     add_model_arguments(parser)
+    add_moe_arguments(parser)
     add_parallel_arguments(parser)
     add_training_arguments(parser)
     _data_flags(parser)
@@ -147,14 +154,18 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
             f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
             f"built here)"
         )
+    notes += moe_notes(model)
+    checkpoint = checkpoint_config_from_args(args)
+    refuse_moe_checkpoints(model, checkpoint)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
+    refuse_moe_offload_auto(model, optimizer.offload)
     return RunConfig(
         model=model,
         optimizer=optimizer,
         parallel=parallel,
         training=training,
         sequence_parallel_requested=args.sequence_parallel,
-        checkpoint=checkpoint_config_from_args(args),
+        checkpoint=checkpoint,
         lr_schedule=schedule,
         decoupled_lr_schedule=decoupled_schedule_from_args(args, schedule),
         logging=logging_config_from_args(args),

@@ -242,6 +242,11 @@ class Llama:
     @staticmethod
     def hf_config(args: dict, dtype: str) -> dict:
         refuse_unrepresented(Llama, args)
+        return Llama.attention_config(args, dtype)
+
+    @staticmethod
+    def attention_config(args: dict, dtype: str) -> dict:
+        """The config keys of the architecture, attention, norms and positions (also the MoE families')."""
         model_type, architecture = Llama._architecture(args)
         rope = {"rope_type": "default", "rope_theta": args["rotary_base"]}
         if args.get("rope_scaling"):
@@ -462,19 +467,3 @@ class GPT2:
                     Rule(ours + f"mlp.linear_fc2.{kind}", (hf + f"mlp.c_proj.{kind}",), **transposed),
                 ]
         return rules
-
-
-FAMILIES = {"llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gpt2": GPT2}
-
-
-def family_of(cfg: dict):
-    """The family of an HF config.json (by model_type), or ConfigError naming what is supported."""
-    model_type = cfg.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    return FAMILIES[model_type]
-
-
-def family_of_args(args: dict):
-    """Our checkpoint's family for export: GPT-2 when learned positions, else Llama."""
-    return GPT2 if args["position_embedding_type"] == "learned_absolute" else Llama

@@ -32,8 +32,11 @@ def layout_of(trainer) -> dict:
 
 
 def named_parameters(trainer):
+    """Every model tensor a checkpoint holds: the parameters, and the buffers that carry an InitSpec (state
+    that training changes outside the optimizer: the MoE router's expert bias)."""
     for chunk in trainer.chunks:
         yield from chunk.module.named_parameters()
+        yield from ((name, b) for name, b in chunk.module.named_buffers() if hasattr(b, "init_spec"))
 
 
 def optimizer_pieces(trainer, *, tied_copies: bool, master=None) -> list[TensorPiece]:

@@ -1,0 +1,200 @@
+"""Token dispatchers: tokens to the ranks holding their experts and the outputs back (megatron-core's
+MoEAllGatherTokenDispatcher and MoEAlltoAllTokenDispatcher).
+
+- allgather: every rank of the expert-tensor x expert-parallel group gathers the group's tokens (and routing),
+  runs its local experts on the rows routed to them and the outputs are reduce-scattered back; each rank sends
+  and receives the group's whole activation, whatever the routing.
+- alltoall: each rank sends every routed row (a token once per chosen expert) only to the rank that holds that
+  expert and gets the rows back, with uneven sizes taken from the routing (no padding to the worst case).
+
+Rows enter the experts grouped by local expert; a dispatch returns what its combine needs to undo it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.mappings import (
+    COMM_STATS,
+    all_gather_sequence,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """Rows grouped by expert (expert 0's tokens first, each group in token order), their routing weights and the
+    token each row came from. tokens [T, h], routing_map and probs [T, E]."""
+    num_tokens, num_experts = routing_map.shape
+    by_expert = routing_map.T.contiguous()
+    token_of_row = torch.arange(num_tokens, device=tokens.device).expand(num_experts, -1).masked_select(by_expert)
+    return tokens.index_select(0, token_of_row), probs.T.contiguous().masked_select(by_expert), token_of_row
+
+
+def unpermute(rows: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sum each token's rows back into place: [T, h] (zero for a token no row came from)."""
+    out = rows.new_zeros((num_tokens, rows.shape[-1]))
+    return out.index_add(0, token_of_row, rows)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        x = x.contiguous()
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        COMM_STATS.add("all_to_all", x)
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows [sum(input_splits), ...]: input_splits[r] go to rank r, output_splits[r] come from it (autograd)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+@dataclass
+class _Dispatched:
+    token_of_row: torch.Tensor
+    num_tokens: int
+    shape: torch.Size
+    chunk_sizes: list[int] | None = None  # alltoall: rows per (source rank, local expert)
+    splits: tuple[list[int], list[int]] | None = None  # alltoall: (rows received, rows sent) per ep rank
+    gathered: list[int] | None = None  # alltoall: rows gathered from each etp rank
+
+
+class AllGatherDispatcher:
+    """Gathers over `group` (expert tensor x expert parallel); this rank's experts are `local_ids`."""
+
+    def __init__(self, local_ids: range, group=None):
+        self.local_ids, self.group = local_ids, group
+
+    def dispatch(self, hidden, probs, routing_map):
+        """hidden [s, b, h], probs and routing_map [s*b, E] -> (rows, rows per local expert, row weights, handle)."""
+        shape = hidden.shape
+        tokens = hidden.reshape(-1, shape[-1])
+        if _size(self.group) > 1:
+            routing_map = all_gather_sequence(routing_map.to(torch.uint8), self.group).bool()
+            probs = gather_from_sequence_parallel_region(probs, self.group)
+            tokens = gather_from_sequence_parallel_region(tokens, self.group)
+        lo, hi = self.local_ids.start, self.local_ids.stop
+        local_map = routing_map[:, lo:hi]
+        rows, row_probs, token_of_row = permute(tokens, local_map, probs[:, lo:hi])
+        counts = local_map.sum(dim=0).tolist()
+        return rows, counts, row_probs, _Dispatched(token_of_row, tokens.shape[0], shape)
+
+    def combine(self, rows: torch.Tensor, handle: _Dispatched, dtype: torch.dtype) -> torch.Tensor:
+        """Expert outputs back to [s, b, h] on the ranks that routed them (summed over ranks and partial shards,
+        in `dtype`: the routing weights' precision, as Megatron reduces)."""
+        out = unpermute(rows, handle.token_of_row, handle.num_tokens)
+        if _size(self.group) > 1:
+            out = reduce_scatter_to_sequence_parallel_region(out.to(dtype), self.group).to(rows.dtype)
+        return out.view(handle.shape)
+
+
+class _GatherUneven(torch.autograd.Function):
+    """All-gather along dim 0 of pieces of different sizes (`sizes[r]` rows from rank r), as an all-to-all that
+    sends this rank's piece to every rank; backward sums each rank's gradient piece (an uneven reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        n = len(sizes)
+        COMM_STATS.add("all_gather", x.new_empty((sum(sizes),) + tuple(x.shape[1:])))
+        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous().repeat((n,) + (1,) * (x.dim() - 1)), sizes, [x.shape[0]] * n, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_uneven(grad, ctx.sizes, ctx.group), None, None
+
+
+def _reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum over ranks of each rank's `sizes[r]`-row piece of x, delivered to rank r (no autograd)."""
+    rank, n = dist.get_rank(group), len(sizes)
+    COMM_STATS.add("reduce_scatter", x)
+    out = x.new_empty((n * sizes[rank],) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), [sizes[rank]] * n, sizes, group)
+    return out.view(n, sizes[rank], *x.shape[1:]).sum(dim=0)
+
+
+class _ReduceScatterUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_uneven(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherUneven.apply(grad, ctx.sizes, ctx.group), None, None
+
+
+class AllToAllDispatcher:
+    """Sends each routed row to the expert-parallel rank (`ep_group`) holding its expert, then gathers the rows
+    over the expert-tensor-parallel ranks (`etp_group`, which split each expert's weights); `tp_ep_group` is both
+    (etp fastest). `local_ids` are this rank's experts, `num_experts` all of them (split evenly over ep in rank
+    order)."""
+
+    def __init__(self, local_ids: range, num_experts: int, ep_group=None, etp_group=None, tp_ep_group=None):
+        self.local_ids, self.num_experts = local_ids, num_experts
+        self.ep_group, self.etp_group, self.tp_ep_group = ep_group, etp_group, tp_ep_group
+
+    def dispatch(self, hidden, probs, routing_map):
+        shape = hidden.shape
+        tokens = hidden.reshape(-1, shape[-1])
+        rows, row_probs, token_of_row = permute(tokens, routing_map, probs)
+        handle = _Dispatched(token_of_row, tokens.shape[0], shape)
+        counts = routing_map.sum(dim=0)
+        ep, etp = _size(self.ep_group), _size(self.etp_group)
+        if ep * etp == 1:
+            return rows, counts.tolist(), row_probs, handle
+        local = len(self.local_ids)
+        every_rank = counts.new_empty(ep * etp * self.num_experts)
+        dist.all_gather_single(every_rank, counts, group=self.tp_ep_group)
+        # [etp source, ep source, local expert]: rows this rank's experts get from every rank of the group
+        mine = every_rank.view(ep, etp, -1).transpose(0, 1)[:, :, self.local_ids.start : self.local_ids.stop]
+        etp_rank = dist.get_rank(self.etp_group) if etp > 1 else 0
+        sent, received = counts.view(ep, local).sum(dim=1).tolist(), mine[etp_rank].sum(dim=1).tolist()
+        handle.splits = (received, sent)
+        if ep > 1:
+            rows = all_to_all(rows, received, sent, self.ep_group)
+            row_probs = all_to_all(row_probs, received, sent, self.ep_group)
+        if etp > 1:
+            handle.gathered = mine.sum(dim=(1, 2)).tolist()
+            rows = _GatherUneven.apply(rows, handle.gathered, self.etp_group)
+            row_probs = _GatherUneven.apply(row_probs, handle.gathered, self.etp_group)
+        handle.chunk_sizes = mine.flatten().tolist()
+        if local > 1:  # (source, expert) order -> (expert, source)
+            rows, row_probs = (_reorder(t, handle.chunk_sizes, ep * etp, local) for t in (rows, row_probs))
+        return rows, mine.sum(dim=(0, 1)).tolist(), row_probs, handle
+
+    def combine(self, rows: torch.Tensor, handle: _Dispatched, dtype: torch.dtype) -> torch.Tensor:
+        if handle.splits is not None:
+            ep, etp, local = _size(self.ep_group), _size(self.etp_group), len(self.local_ids)
+            if local > 1:
+                by_expert = torch.tensor(handle.chunk_sizes).view(ep * etp, local).T.flatten().tolist()
+                rows = _reorder(rows, by_expert, local, ep * etp)
+            if etp > 1:
+                rows = _ReduceScatterUneven.apply(rows.to(dtype), handle.gathered, self.etp_group).to(rows.dtype)
+            if ep > 1:
+                received, sent = handle.splits
+                rows = all_to_all(rows, sent, received, self.ep_group)
+        return unpermute(rows, handle.token_of_row, handle.num_tokens).view(handle.shape)
+
+
+def _reorder(x: torch.Tensor, sizes: list[int], outer: int, inner: int) -> torch.Tensor:
+    """Chunks laid out [outer][inner] (sizes in that order) re-laid [inner][outer]."""
+    chunks = x.split(sizes)
+    return torch.cat([chunks[o * inner + i] for i in range(inner) for o in range(outer)], dim=0)

@@ -1,0 +1,136 @@
+"""Megatron's mixture-of-experts flags -> the MoE fields of TransformerConfig (megatron-core's names)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+# the flags below, by TransformerConfig field; a flag given without --num-experts is refused by name
+MOE_FIELDS = {
+    "num_moe_experts": "--num-experts",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
+    "moe_router_topk": "--moe-router-topk",
+    "moe_router_score_function": "--moe-router-score-function",
+    "moe_router_pre_softmax": "--moe-router-pre-softmax",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
+    "moe_router_num_groups": "--moe-router-num-groups",
+    "moe_router_group_topk": "--moe-router-group-topk",
+    "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+    "moe_router_bias_update_rate": "--moe-router-bias-update-rate",
+    "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
+    "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+    "moe_z_loss_coeff": "--moe-z-loss-coeff",
+    "moe_router_dtype": "--moe-router-dtype",
+    "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
+    "moe_token_drop_policy": "--moe-token-drop-policy",
+    "moe_pad_expert_input_to_capacity": "--moe-pad-expert-input-to-capacity",
+    "moe_grouped_gemm": "--moe-grouped-gemm",
+    "moe_token_dispatcher_type": "--moe-token-dispatcher-type",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
+}
+_PATTERN = re.compile(r"^[\[\]()0-9+*, ]+$")
+
+
+def moe_layer_freq(value: str):
+    """Megatron's --moe-layer-freq: an int, or a Python list expression such as ([0]+[1]*3)*2."""
+    value = value.strip()
+    if value.lstrip("-").isdigit():
+        return int(value)
+    if not _PATTERN.match(value):
+        raise argparse.ArgumentTypeError(f"not an int or a list expression of 0s and 1s: {value!r}")
+    try:
+        pattern = eval(value, {"__builtins__": {}})  # only brackets, digits, + and * pass the pattern above
+    except SyntaxError as error:
+        raise argparse.ArgumentTypeError(f"not a list expression: {value!r}") from error
+    if not isinstance(pattern, list):
+        raise argparse.ArgumentTypeError(f"not a list: {value!r}")
+    return pattern
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", dest="num_moe_experts", type=int, help="experts per MoE layer (none: dense)")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1, help="every n-th layer, or a 0/1 list")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's intermediate size (--ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    g.add_argument("--moe-shared-expert-gate", action="store_true", help="sigmoid gate on the shared expert")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax", help="softmax or sigmoid")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float)
+    g.add_argument("--moe-router-num-groups", type=int)
+    g.add_argument("--moe-router-group-topk", type=int)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", help="aux-loss-free balancing")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
+    g.add_argument("--moe-z-loss-coeff", type=float)
+    g.add_argument("--moe-router-dtype", help="fp32 or fp64: routing in that precision")
+    g.add_argument("--moe-expert-capacity-factor", type=float, help="none: dropless")
+    g.add_argument("--moe-token-drop-policy", default="probs", help="probs or position")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="accepted: the local experts run one after the other (no grouped GEMM kernel here)",
+    )
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", help="allgather or alltoall")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, help="default: --tensor-model-parallel-size")
+    return parser
+
+
+def _single(args, name: str):
+    values = getattr(args, name)
+    if len(values) != 1:
+        raise ValueError(f"{MOE_FIELDS[name]} takes one value here (one load-balancing type), got {values}")
+    return values[0]
+
+
+def moe_fields_from_args(args) -> dict:
+    """TransformerConfig's MoE keyword arguments; a MoE flag set without --num-experts is one error line."""
+    fields = {name: getattr(args, name) for name in MOE_FIELDS}
+    fields["moe_router_load_balancing_type"] = _single(args, "moe_router_load_balancing_type")
+    fields["moe_aux_loss_coeff"] = _single(args, "moe_aux_loss_coeff")
+    if fields["num_moe_experts"] is None:
+        defaults = vars(add_moe_arguments(argparse.ArgumentParser()).parse_args([]))
+        given = [flag for name, flag in MOE_FIELDS.items() if getattr(args, name) != defaults[name]]
+        if given:
+            raise ValueError(f"{' '.join(given)} need --num-experts (a model with experts)")
+    return fields
+
+
+def moe_notes(config) -> list[str]:
+    """Start-up lines about how the MoE layers run here."""
+    if config.num_moe_experts is None:
+        return []
+    notes = [
+        f"> MoE: {config.num_moe_experts} experts, top-{config.moe_router_topk} "
+        f"{config.moe_router_score_function} routing, {config.moe_token_dispatcher_type} dispatcher, "
+        f"{'dropless' if config.moe_expert_capacity_factor is None else 'capacity factor '}"
+        f"{'' if config.moe_expert_capacity_factor is None else config.moe_expert_capacity_factor}"
+    ]
+    if config.moe_grouped_gemm:
+        notes.append(
+            "> note: --moe-grouped-gemm runs the local experts one after the other (a loop of GEMMs): no grouped "
+            "GEMM kernel is built here"
+        )
+    return notes
+
+
+def refuse_moe_offload_auto(config, offload) -> None:
+    """--offload-policy auto places chunks from the memory estimate, which does not cover MoE layers yet."""
+    if config.num_moe_experts is not None and offload.enabled and offload.policy == "auto":
+        raise ValueError("--offload-policy auto needs the memory estimate, which does not cover --num-experts yet")
+
+
+def refuse_moe_checkpoints(config, checkpoint) -> None:
+    """What checkpoints of MoE models cannot hold yet: Megatron-LM's expert tensors (torch_dist)."""
+    if config.num_moe_experts is None:
+        return
+    if checkpoint.ckpt_format == "torch_dist" and (checkpoint.save or checkpoint.load):
+        raise ValueError("--ckpt-format torch_dist with --num-experts: Megatron-LM's expert tensors are not mapped yet")

@@ -1,0 +1,208 @@
+"""Expert parallelism reproduces the one-process MoE run, and the dispatchers move the analytic bytes.
+
+A Mixtral-like model (softmax top-2, aux loss and z-loss with coefficients large enough that dropping either
+changes the losses beyond the tolerance) and a DeepSeek-like one (sigmoid, expert bias, group-limited top-4,
+per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations under EP2, EP4, EP2 x DP2 (plain
+and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
+--expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, EP2 x DP2 under
+the optim_grads and optim_grads_params sharding strategies (experts sharded over their expert-data-parallel
+ranks) and with half the optimizer state offloaded to host, capacity-limited (dropping; and padded), with full
+recomputation (aux losses and expert-bias counts taken once, in the replay), with both dispatchers: every rank's
+losses, the iteration-1 grad norm (expert and dense weights counted once each) and every parameter after the
+last step equal the one-process run within 1e-5 relative (tests/parallel/layouts.py), as does the logged
+load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron.core.tensor_parallel.mappings import COMM_STATS
+from tests.cli import TINY_LLAMA, explain, run_cli
+from tests.distributed import run_distributed
+from tests.parallel.layouts import assert_final_weights_match, build_trainer, named_params, seed_key
+
+LR = 3e-3
+MIXTRAL = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "1e-1",
+    "--moe-z-loss-coeff",
+    "1e-2",
+]
+DEEPSEEK = [
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "4",
+    "--moe-ffn-hidden-size",
+    "16",
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "1e-2",
+    "--moe-router-num-groups",
+    "4",
+    "--moe-router-group-topk",
+    "2",
+    "--moe-router-topk-scaling-factor",
+    "2.5",
+    "--moe-router-load-balancing-type",
+    "seq_aux_loss",
+    "--moe-aux-loss-coeff",
+    "1e-1",
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-layer-freq",
+    "[0,1,1,1]",
+]
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]  # tokens dropped per rank and microbatch, as in one process
+PADDED = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "position"]
+PADDED += ["--moe-pad-expert-input-to-capacity"]
+MODELS = {
+    "mixtral": MIXTRAL,
+    "deepseek": DEEPSEEK,
+    "mixtral-capacity": MIXTRAL + CAPACITY,
+    "mixtral-padded": MIXTRAL + PADDED,
+}
+EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-param-gather"]
+LAYOUTS = {
+    2: {
+        "ep2-alltoall": ("mixtral", EP2 + A2A),
+        "ep2-allgather": ("mixtral", EP2),
+        "ep2-alltoall-deepseek": ("deepseek", EP2 + A2A),
+        "ep2-alltoall-capacity": ("mixtral-capacity", EP2 + A2A),
+        "ep2-recompute-deepseek": ("deepseek", EP2 + A2A + RECOMPUTE),
+    },
+    4: {
+        "ep4-alltoall": ("mixtral", EP4 + A2A),
+        "ep4-allgather": ("mixtral", EP4),
+        "ep2-dp2-padded-alltoall": ("mixtral-padded", EP2 + A2A),
+        "ep4-padded-allgather": ("mixtral-padded", EP4),
+        "ep2-dp2": ("mixtral", EP2),
+        "ep2-dp2-distopt": ("mixtral", EP2 + A2A + ["--use-distributed-optimizer"]),
+        "ep2-tp2-sp-allgather": ("mixtral", EP2 + TP2_SP),
+        "ep2-tp2-sp-alltoall": ("mixtral", EP2 + TP2_SP + A2A),
+        "ep2-tp2-sp-etp1": ("mixtral", EP2 + TP2_SP + A2A + ["--expert-tensor-parallel-size", "1"]),
+        "ep2-tp2-sp-deepseek": ("deepseek", EP2 + TP2_SP),
+        "ep2-pp2": ("mixtral", EP2 + A2A + PP2),
+        "ep2-pp2-vpp2": ("deepseek", EP2 + A2A + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+        "ep2-cp2-alltoall": ("mixtral", EP2 + A2A + CP2),
+        "ep2-dp2-optim-grads": ("mixtral", EP2 + A2A + FSDP + ["optim_grads"]),
+        "ep2-dp2-optim-grads-params": ("deepseek", EP2 + FSDP + ["optim_grads_params"]),
+        "ep2-tp2-sp-optim-grads-params": ("mixtral", EP2 + TP2_SP + A2A + FSDP + ["optim_grads_params"]),
+        "ep2-dp2-offload-half": ("deepseek", EP2 + A2A + OFFLOAD + ["--optimizer-offload-fraction", "0.5"]),
+        "ep4-cp2-deepseek": ("deepseek", EP4 + CP2),
+    },
+}
+
+
+def _train(model: str, extra: list[str], iterations: int = 5) -> dict:
+    trainer = build_trainer("llama", MODELS[model] + extra)
+    losses, grad_norms, logged = [], [], []
+    for iteration in range(1, iterations + 1):
+        result = trainer.train_step(iteration)
+        losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
+        logged.append({name: float(value) for name, value in result.moe_losses.items()})
+    trainer.optimizer.finish_param_sync()
+    final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    trainer.close()
+    return {"losses": losses, "grad_norms": grad_norms, "final": final, "logged": logged}
+
+
+def _train_many(rank: int, runs: list) -> list[dict]:
+    return [_train(model, extra) for model, extra in runs]
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world, layouts in [(1, {f"reference-{m}": (m, []) for m in MODELS})] + list(LAYOUTS.items()):
+        per_rank = run_distributed(world, _train_many, list(layouts.values()))
+        for index, name in enumerate(layouts):
+            out[name] = [rank_results[index] for rank_results in per_rank]
+    return out
+
+
+CASES = [name for layouts in LAYOUTS.values() for name in layouts]
+
+
+@pytest.mark.parametrize("layout", CASES)
+def test_expert_parallel_layout_matches_one_process(results, layout):
+    model = next(m for layouts in LAYOUTS.values() for n, (m, _) in layouts.items() if n == layout)
+    reference = results[f"reference-{model}"][0]
+    for rank, out in enumerate(results[layout]):
+        assert_final_weights_match(rank, out, reference, LR)
+    last, expected = results[layout][-1]["logged"], reference["logged"]  # the last rank prints the log line
+    name = "seq_load_balancing_loss" if model == "deepseek" else "load_balancing_loss"
+    for it, (mine, theirs) in enumerate(zip(last, expected), start=1):
+        assert abs(mine[name] - theirs[name]) <= 1e-5 * theirs[name], (layout, it, mine, theirs)
+
+
+def _dispatcher_bytes(rank: int, dispatcher: str) -> tuple[dict, dict]:
+    """COMM_STATS bytes of one training iteration at EP2 (tp 1: only the MoE layers communicate through it)."""
+    flags = MIXTRAL + EP2 + ["--moe-token-dispatcher-type", dispatcher]
+    trainer = build_trainer("llama", flags)
+    with COMM_STATS.counting() as stats:
+        trainer.forward_backward(1)
+    c = trainer.run.model
+    return dict(stats.bytes), {
+        "layers": c.num_layers,
+        "microbatches": trainer.run.training.num_microbatches,
+        "tokens": c.seq_length * trainer.run.training.micro_batch_size,
+        "topk": c.moe_router_topk,
+        "hidden": c.hidden_size,
+        "experts": c.num_moe_experts,
+    }
+
+
+def test_alltoall_bytes_are_the_analytic_volume():
+    """Each rank hands the all-to-all the rows it sends (every route of its tokens once: dropless, no padding),
+    their weights, and in the combine the rows it received; backward the same again. Over the group the rows
+    received are the rows sent, so the group's bytes are 2 x (2h + 1) x 4 per route and MoE layer call;
+    the ranks' shares differ (uneven routing is not padded to the worst rank's)."""
+    ranks = run_distributed(2, _dispatcher_bytes, "alltoall")
+    measured = [stats["all_to_all"] for stats, _ in ranks]
+    shape = ranks[0][1]
+    calls = shape["layers"] * shape["microbatches"]
+    routes = len(ranks) * shape["tokens"] * shape["topk"]
+    assert sum(measured) == calls * 2 * routes * (2 * shape["hidden"] + 1) * 4, measured
+    assert measured[0] != measured[1], measured
+    assert all(set(stats) == {"all_to_all"} for stats, _ in ranks)
+
+
+def test_allgather_bytes_are_the_analytic_volume():
+    for measured, shape in run_distributed(2, _dispatcher_bytes, "allgather"):
+        calls = shape["layers"] * shape["microbatches"]  # MoE layers x microbatches, forward and backward each
+        fp32, h, e = 4, shape["hidden"], shape["experts"]
+        gathered = 2 * shape["tokens"]  # the ep group's tokens
+        expected = {
+            # forward: tokens, weights [E] and the routing map (1 byte) gathered; backward: the combine's input
+            "all_gather": calls * gathered * (2 * h * fp32 + e * fp32 + e),
+            # forward: the combine; backward: the gradients of the gathered tokens and weights
+            "reduce_scatter": calls * gathered * (2 * h * fp32 + e * fp32),
+        }
+        assert measured == expected, (measured, expected)
+
+
+def test_cli_prints_megatron_moe_losses():
+    proc = run_cli("pretrain_llama.py", TINY_LLAMA + MIXTRAL + ["--moe-grouped-gemm"])
+    assert proc.returncode == 0, explain(proc)
+    assert "> note: --moe-grouped-gemm runs the local experts one after the other" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert len(lines) == 5 and all(re.search(r"lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: ", x) for x in lines)
