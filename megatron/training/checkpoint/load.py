@@ -23,6 +23,7 @@ from megatron.core.checkpointing import (
     saved_tensors,
     verify_files,
 )
+from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM
 from megatron.training.checkpoint.canonical import check_compatible, find_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, OURS, TRACKER, CheckpointInfo, detect_checkpoint_format
 from megatron.training.checkpoint.state import (
@@ -36,6 +37,7 @@ from megatron.training.checkpoint.state import (
     set_rng_states,
 )
 from megatron.training.checkpoint.torch_dist import megatron_checkpoint_to_load, stored_as_megatron
+from megatron.training.checkpoint.torch_dist_buckets import read_bucket_state
 
 
 def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
@@ -89,7 +91,11 @@ def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
+    pieces = optimizer_pieces(trainer, tied_copies=True, master=master)
+    if saved.get("form") == BUCKET_FORM:  # Megatron-LM's distributed optimizer, in its buckets
+        read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, pieces)
+    else:
+        read_pieces(stored(pieces), info.directory)
     trainer.optimizer.load_scalar_state(saved)
 
 

@@ -24,6 +24,7 @@ step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it wi
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -32,6 +33,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
+from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM, dp_group_object_name
 from megatron.core.checkpointing.megatron_lm import VOCABULARY, extra_state_objects, to_megatron, vocabulary_padding
 from megatron.training.checkpoint.directory import (
     MEGATRON,
@@ -109,6 +111,19 @@ def read_common(directory: str) -> dict:
         raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
 
 
+def read_object(directory: str, name: str):
+    """One DCP byte object of a torch_dist checkpoint (a ShardedObject), or None when absent."""
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    found = [info for index, info in storage.items() if index.fqn == name]
+    if not found:
+        return None
+    with open(os.path.join(directory, found[0].relative_path), "rb") as f:
+        f.seek(found[0].offset)
+        data = f.read(found[0].length)
+    # megatron-core writes a ShardedObject as the list of a rank's objects under that key: one
+    return torch.load(io.BytesIO(data), map_location="cpu", pickle_module=_PickleModule, weights_only=False)[0]
+
+
 def check_file_lengths(directory: str) -> None:
     """Refuse (one line) a missing `.distcp` file or one shorter than `.metadata` says."""
     try:
@@ -169,10 +184,13 @@ def megatron_metadata(directory: str) -> dict:
     if args is None:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
-    objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
     rows = [tensors[name][0][0] for name in VOCABULARY if name in tensors]
-    step = _step(common.get("optimizer"))
-    moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
+    optimizer = common.get("optimizer") or {}
+    form = optimizer.get("param_state_sharding_type")
+    if form == BUCKET_FORM:  # the param groups (with Adam's step) and loss scaler are ShardedObjects
+        optimizer = {key: read_object(directory, dp_group_object_name(0, key)) for key in ("optimizer", "grad_scaler")}
+    step = _step(optimizer)
+    moments = any(name.startswith(("optimizer.state.exp_avg.", "optimizer.distributed.")) for name in tensors)
     consumed = getattr(args, "consumed_train_samples", 0) or 0
     scheduler = common.get("opt_param_scheduler") or {}
     return {
@@ -181,11 +199,11 @@ def megatron_metadata(directory: str) -> dict:
         "layout": None,
         "optimizer": {
             "step": step or 0,
-            "loss_scaler": _loss_scaler(common.get("optimizer")),
-            "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
+            "loss_scaler": _loss_scaler(optimizer),
+            "master_weights": form == BUCKET_FORM or any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
+            "form": form,
         },
         "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
-        "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
         "megatron_args": args,
         "vocab_rows": rows[0] if rows else None,
         "scheduler": scheduler,
@@ -206,13 +224,9 @@ def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> Che
             f"{model_config.vocab_size} needs at least that many"
         )
     if not (config.no_load_optim or config.finetune) and "optimizer" not in metadata["contents"]:
-        form = (
-            " only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
-            if metadata["distributed_optimizer"]
-            else " no optimizer state"
-        )
         raise CheckpointError(
-            f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start the optimizer fresh"
+            f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) to start the "
+            "optimizer fresh"
         )
     notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
     if rows is not None and rows > model_config.vocab_size:
