@@ -262,12 +262,28 @@ class Oracle:
     def load(self, root: str, optimizer: bool) -> None:
         iteration = int(open(os.path.join(root, TRACKER)).read().strip())
         directory = os.path.join(root, f"iter_{iteration:07d}")
+        inner = self.optimizer.chained_optimizers[0]
+        dummy = self.spec.get("distributed_optimizer", False) and not inner.optimizer.state
+        if dummy:
+            # torch's AdamW (no apex or Transformer Engine here) has no state before its first step, and
+            # DistributedOptimizer.state_dict() needs its step count: megatron-core's own helper steps once
+            # on zero gradients; the load below overwrites the values it set (the step: below)
+            inner._init_optimizer_states_with_dummy_values()
         saved = dist_checkpointing.load_content_metadata(directory) or {}  # Megatron-LM's load reads it first
         sharding = saved.get("distrib_optim_sharding_type", "fully_sharded_model_space")
         state = dist_checkpointing.load(self.sharded_state(optimizer, loading=True, sharding=sharding), directory)
         self.model.module.load_state_dict(state["model"])
         if optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():  # fp32 weights: the dp_reshardable load copies into views of the parameters
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.spec.get("distributed_optimizer", False):
+                # torch's AdamW counts steps per parameter: DistributedOptimizer.load_state_dict gives every
+                # parameter one shared step tensor (AdamW would advance it once per parameter), and the
+                # dp_reshardable load then copies the step of the optimizer being loaded into it (the dummy
+                # step). Each parameter gets its own, the checkpoint's (its param groups', as fused Adam's).
+                step = inner.optimizer.param_groups[0]["step"]
+                for param_state in inner.optimizer.state.values():
+                    param_state["step"] = torch.tensor(float(step))
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             self.iteration = state["iteration"]
             self.consumed = state["args"].consumed_train_samples

@@ -24,7 +24,6 @@ step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it wi
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import pickle
@@ -50,8 +49,9 @@ from megatron.training.checkpoint.directory import (
 )
 from megatron.training.checkpoint.state import checkpoint_contents
 from megatron.training.checkpoint.torch_dist_args import args_mismatch, megatron_args
+from megatron.training.checkpoint.torch_dist_buckets import bucket_state_pieces, buffer_dtype_pair
+from megatron.training.checkpoint.torch_dist_common import COMMON, read_common, read_object
 
-COMMON = "common.pt"
 MEGATRON_METADATA = {
     "sharded_backend": "torch_dist",
     "sharded_backend_version": 1,
@@ -62,66 +62,6 @@ CHECKPOINT_VERSION = 3.0
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
-
-
-class _OpaqueType(type):
-    """The type of the stand-ins: `getattr(StandIn, "auto")` makes a stand-in member named "auto".
-
-    Python 3.11 pickles an enum member by name (`getattr(AttnBackend, "auto")` when unpickled),
-    3.10 and 3.12+ by value (`AttnBackend(5)`); Megatron-LM's args hold such members."""
-
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        member = cls.__new__(cls)
-        member.name = name
-        return member
-
-
-class _Opaque(metaclass=_OpaqueType):
-    """Stands in for a class of megatron's in common.pt (enums, configs): holds what was pickled."""
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module.split(".")[0] == "megatron":
-            return type(name, (_Opaque,), {"__module__": module})
-        return super().find_class(module, name)
-
-
-class _PickleModule:
-    Unpickler = _Unpickler
-    load = pickle.load
-
-
-def read_common(directory: str) -> dict:
-    """common.pt of a Megatron-LM checkpoint (a trusted file: it is unpickled, as Megatron-LM does)."""
-    path = os.path.join(directory, COMMON)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (a Megatron-LM torch_dist checkpoint holds one)")
-    try:
-        return torch.load(path, map_location="cpu", pickle_module=_PickleModule, weights_only=False)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure is one line
-        raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
-
-
-def read_object(directory: str, name: str):
-    """One DCP byte object of a torch_dist checkpoint (a ShardedObject), or None when absent."""
-    storage = FileSystemReader(directory).read_metadata().storage_data
-    found = [info for index, info in storage.items() if index.fqn == name]
-    if not found:
-        return None
-    with open(os.path.join(directory, found[0].relative_path), "rb") as f:
-        f.seek(found[0].offset)
-        data = f.read(found[0].length)
-    # megatron-core writes a ShardedObject as the list of a rank's objects under that key: one
-    return torch.load(io.BytesIO(data), map_location="cpu", pickle_module=_PickleModule, weights_only=False)[0]
 
 
 def check_file_lengths(directory: str) -> None:
@@ -339,46 +279,69 @@ def _scheduler_state(trainer, update_samples: int) -> dict | None:
 
 
 def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
-    """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata)."""
+    """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata), and
+    the optimizer's common state (param groups with Adam's step; bf16/fp16: nested beside the loss
+    scaler, as Megatron's mixed-precision optimizer nests it) for the distributed optimizer's objects."""
     dims = trainer.mesh.dims
+    distributed = trainer.run.parallel.ddp.use_distributed_optimizer
+    extra = {"lr": trainer.run.optimizer.lr, "min_lr": trainer.run.optimizer.min_lr}
+    if distributed:  # what megatron-core's buffer layout depends on (torch_dist_buckets.our_layout)
+        extra.update(
+            use_distributed_optimizer=True,
+            data_parallel_size=dims.dp,
+            context_parallel_size=dims.cp,
+            overlap_grad_reduce=False,
+            ddp_bucket_size=None,
+            transformer_impl="local",
+            accumulate_allreduce_grads_in_fp32=buffer_dtype_pair(trainer.run.model.params_dtype)[1] == torch.float32,
+        )
     args = megatron_args(
         trainer.run.model,
         iteration=iteration,
         consumed_samples=metadata["consumed_samples"],
         tp=dims.tp,
         pp=dims.pp,
-        extra={"lr": trainer.run.optimizer.lr, "min_lr": trainer.run.optimizer.min_lr},
+        extra=extra,
     )
     step = trainer.optimizer.adam.step_count
-    optimizer = {
-        "param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
-        "state": {"common_step": torch.tensor(float(step))},
-    }
-    if trainer.run.model.params_dtype != torch.float32:  # Megatron's bf16/fp16 optimizer nests it, beside its scaler
+    groups = _param_groups(trainer, trainer.learning_rates()[0])
+    if distributed:  # megatron-core's DistributedOptimizer.state_dict(): the step in every group
+        optimizer = {"param_groups": [{**group, "step": float(step)} for group in groups]}
+    else:
+        optimizer = {"param_groups": groups, "state": {"common_step": torch.tensor(float(step))}}
+    if trainer.run.model.params_dtype != torch.float32 or distributed:
         optimizer = {"optimizer": optimizer}
-        scaler = trainer.optimizer.grad_scaler
-        if scaler is not None:
-            state = scaler.state_dict()
-            optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
-    return {
+    scaler = trainer.optimizer.grad_scaler
+    if trainer.run.model.params_dtype != torch.float32 and scaler is not None:
+        state = scaler.state_dict()
+        optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
+    common = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
-        "optimizer": optimizer,
+        "optimizer": {"param_state_sharding_type": BUCKET_FORM} if distributed else optimizer,
         "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
         "num_floating_point_operations_so_far": 0,
     }
+    if distributed:
+        common["content_metadata"] = {"distrib_optim_sharding_type": BUCKET_FORM, "chained_optim_avoid_prefix": True}
+    return common, optimizer
 
 
-def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
+def publish_megatron_checkpoint(
+    root: str, iteration: int, pieces: list, config, common: dict, bucket_state: tuple[list, dict] = ((), {})
+) -> str:
     """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
     checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors padded as
-    Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt.
+    Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt, and
+    `bucket_state` (pieces and objects of the distributed optimizer's buckets, already Megatron's).
     Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
     padded = config.padded_vocab_size
     megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
+    bucket_pieces, bucket_objects = bucket_state
     staging = prepare_staging(root, iteration)
-    write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
+    objects = {**extra_state_objects(pieces, config.num_layers), **bucket_objects}
+    write_pieces(megatron + list(bucket_pieces), staging, objects=objects)
     final = iteration_dir(root, iteration)
     if global_rank() == 0:
         torch.save(common, os.path.join(staging, COMMON))
@@ -390,8 +353,12 @@ def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config,
 
 def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
-    `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
+    `<root>/iter_NNNNNNN` (a collective): with the distributed optimizer (any sharding strategy) in
+    megatron-core's `dp_reshardable` bucket form, Megatron-LM's default. Returns the directory."""
     pieces, metadata = checkpoint_contents(trainer, iteration, rng=False)
-    return publish_megatron_checkpoint(
-        root, iteration, pieces, trainer.run.model, megatron_common(trainer, iteration, metadata)
-    )
+    common, optimizer = megatron_common(trainer, iteration, metadata)
+    bucket_state = ((), {})
+    if trainer.run.parallel.ddp.use_distributed_optimizer:
+        pieces = [p for p in pieces if not p.name.startswith("optimizer.")]
+        bucket_state = bucket_state_pieces(trainer, iteration_dir(root, iteration), optimizer)
+    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model, common, bucket_state)

@@ -42,7 +42,7 @@ from megatron.core.checkpointing.megatron_buckets import (
 )
 from megatron.core.checkpointing.pieces import box_pieces
 from megatron.core.tensor_parallel.initialization import InitSpec
-from megatron.training.checkpoint.torch_dist import read_object
+from megatron.training.checkpoint.torch_dist_common import read_object
 
 STATE_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our key -> Megatron's
 OUR_STATE = re.compile(r"optimizer\.(master|exp_avg|exp_avg_sq)\.(.*)")
@@ -262,3 +262,87 @@ def read_bucket_state(directory: str, args, trainer, pieces: list[TensorPiece]) 
 
 def _intersects(a: TensorPiece, b: TensorPiece) -> bool:
     return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def our_layout(trainer, directory: str) -> SavingLayout:
+    """The bucket layout parameters of our run, as Megatron-LM without `--overlap-grad-reduce` would
+    build them at our tp, pp and dp x cp; one line for a layout Megatron's stages cannot express."""
+    run, dims = trainer.run, trainer.mesh.dims
+    parallel = run.parallel
+    if parallel.virtual_stages > 1 or parallel.first_stage_layers or parallel.last_stage_layers:
+        raise CheckpointError(
+            f"{directory}: the distributed optimizer's torch_dist form is written only for even pipeline stages "
+            "without virtual stages; save with --ckpt-format canonical (or without --use-distributed-optimizer)"
+        )
+    return SavingLayout(
+        tp=dims.tp,
+        pp=dims.pp,
+        dp=dims.dp * dims.cp,
+        num_layers=run.model.num_layers,
+        vocab_rows=run.model.padded_vocab_size,
+        tied=not run.model.untie_embeddings_and_output_weights,
+    )
+
+
+def buffer_dtype_pair(params_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(param dtype, grad dtype) of Megatron-LM's buffer: fp32 gradients for fp32 and bf16 weights
+    (bf16 forces --accumulate-allreduce-grads-in-fp32), fp16 gradients for fp16 weights (its default)."""
+    return params_dtype, torch.float16 if params_dtype == torch.float16 else torch.float32
+
+
+def _gaps(bucket: Bucket) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the bucket's unpadded length that hold no parameter."""
+    gaps, position = [], 0
+    for start, stop in sorted(bucket.params.values()):
+        if start > position:
+            gaps.append((position, start))
+        position = stop
+    return gaps
+
+
+def bucket_state_pieces(trainer, directory: str, optimizer_objects: dict) -> tuple[list[TensorPiece], dict]:
+    """This rank's optimizer state as pieces of Megatron-LM's bucket tensors, and the ShardedObjects of
+    its model-parallel rank (`optimizer_objects`: the `optimizer` and, for bf16/fp16, `grad_scaler`
+    states), for `write_pieces` (a collective: every rank's parameter specs are gathered)."""
+    layout = our_layout(trainer, directory)
+    stages = stage_buckets(parameter_specs(trainer), layout)
+    mesh = trainer.mesh
+    group = mesh.pp_rank * layout.tp + mesh.tp_rank
+    buckets, _ = stages[mesh.pp_rank]
+    dtypes = buffer_dtype_pair(trainer.run.model.params_dtype)
+    where = {name: (b, span) for b, bucket in enumerate(buckets) for name, span in bucket.params.items()}
+    pieces = []
+    for name, ranges in trainer.optimizer.state_dict_by_name().items():
+        if name == "step":
+            continue
+        if name not in where:
+            raise CheckpointError(f"{directory}: {name} is not on Megatron's pipeline stage {mesh.pp_rank}")
+        b, (start, _) = where[name]
+        for offset, numel, views in ranges:
+            for key, theirs in STATE_OF.items():
+                pieces.append(
+                    TensorPiece(
+                        bucket_tensor_name(group, 0, dtypes, b, theirs),
+                        (buckets[b].numel_unpadded,),
+                        (start + offset,),
+                        (numel,),
+                        torch.float32,
+                        lambda view=views[key]: view,
+                    )
+                )
+    for b, bucket in enumerate(buckets):  # alignment gaps: zeros, so that every tensor is covered
+        for start, stop in _gaps(bucket):
+            zeros = torch.zeros(stop - start)
+            for theirs in STATE_OF.values():
+                name = bucket_tensor_name(group, 0, dtypes, b, theirs)
+                pieces.append(
+                    TensorPiece(
+                        name, (bucket.numel_unpadded,), (start,), (stop - start,), torch.float32, lambda z=zeros: z
+                    )
+                )
+    objects = {
+        "per_bucket_numel": [{dtypes: [b.numel for b in buckets]}],
+        "per_bucket_numel_unpadded": [{dtypes: [b.numel_unpadded for b in buckets]}],
+        **optimizer_objects,
+    }
+    return pieces, {dp_group_object_name(group, key): [value] for key, value in objects.items()}
