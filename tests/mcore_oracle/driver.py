@@ -7,7 +7,9 @@ other in the same processes. A job: {"tp": tensor-parallel size (the rest of the
 parallel), "model": our model args (TransformerConfig field names, as our checkpoints record them),
 "make_vocab_size_divisible_by": n, "seed": s, "batch": file holding {"tokens": [b, s], "labels":
 [b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
-"distributed_optimizer": bool (megatron-core's DistributedOptimizer, default false), "ops": [...]}.
+"distributed_optimizer": bool (megatron-core's DistributedOptimizer, default false), "bucket_size": n
+(elements per gradient bucket, as --overlap-grad-reduce --ddp-bucket-size n; default: one bucket),
+"ops": [...]}.
 The ops run in order on every rank:
 - {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
@@ -129,8 +131,8 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         fp16=False,
         use_distributed_optimizer=spec.get("distributed_optimizer", False),
         data_parallel_size=dist.get_world_size() // spec["tp"],
-        overlap_grad_reduce=False,
-        ddp_bucket_size=None,
+        overlap_grad_reduce=spec.get("bucket_size") is not None,
+        ddp_bucket_size=spec.get("bucket_size"),
         transformer_impl="local",
         iteration=iteration,
         consumed_train_samples=consumed,
@@ -154,8 +156,12 @@ class Oracle:
         torch.manual_seed(spec["seed"])
         model_parallel_cuda_manual_seed(spec["seed"])
         distributed = spec.get("distributed_optimizer", False)
+        buckets = spec.get("bucket_size")
         ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=buckets is not None,
+            bucket_size=buckets,
+            use_distributed_optimizer=distributed,
         )
         model = build_model(spec)
         self.model = DistributedDataParallel(model.config, ddp, model)
