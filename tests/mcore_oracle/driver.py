@@ -304,6 +304,7 @@ class Oracle:
             for buffer in self.model.buffers
         ]
         if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
             json.dump(layout, open(out, "w"))
 
     def time_checkpoint(self, root: str, repeat: int, out: str) -> None:

@@ -38,6 +38,7 @@ from megatron.training.checkpoint.state import (
 )
 from megatron.training.checkpoint.torch_dist import megatron_checkpoint_to_load, stored_as_megatron
 from megatron.training.checkpoint.torch_dist_buckets import read_bucket_state
+from megatron.training.checkpoint.torch_dist_rng import load_megatron_rng
 
 
 def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
@@ -151,6 +152,8 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         notes.append(
             f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
         )
+    elif info.format == MEGATRON:
+        notes += [note] if (note := load_megatron_rng(trainer, info.directory)) else []
     else:
         states = rng_states(trainer)
         read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)

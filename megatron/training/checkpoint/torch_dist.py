@@ -51,6 +51,7 @@ from megatron.training.checkpoint.state import checkpoint_contents
 from megatron.training.checkpoint.torch_dist_args import args_mismatch, megatron_args
 from megatron.training.checkpoint.torch_dist_buckets import bucket_state_pieces, buffer_dtype_pair
 from megatron.training.checkpoint.torch_dist_common import COMMON, read_common, read_object
+from megatron.training.checkpoint.torch_dist_rng import has_megatron_rng, megatron_rng_objects
 
 MEGATRON_METADATA = {
     "sharded_backend": "torch_dist",
@@ -124,6 +125,7 @@ def megatron_metadata(directory: str) -> dict:
     if args is None:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
+    objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
     rows = [tensors[name][0][0] for name in VOCABULARY if name in tensors]
     optimizer = common.get("optimizer") or {}
     form = optimizer.get("param_state_sharding_type")
@@ -136,14 +138,22 @@ def megatron_metadata(directory: str) -> dict:
     return {
         "consumed_samples": consumed,
         "update_samples": scheduler.get("num_steps", consumed),
-        "layout": None,
+        "layout": {  # the saving layout, which RNG states belong to
+            "tp": args.tensor_model_parallel_size,
+            "cp": getattr(args, "context_parallel_size", 1) or 1,
+            "dp": getattr(args, "data_parallel_size", None),
+            "pp": args.pipeline_model_parallel_size,
+            "virtual_stages": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+        },
         "optimizer": {
             "step": step or 0,
             "loss_scaler": _loss_scaler(optimizer),
             "master_weights": form == BUCKET_FORM or any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
             "form": form,
         },
-        "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
+        "contents": ["model"]
+        + (["optimizer"] if moments and step is not None else [])
+        + (["rng"] if has_megatron_rng(objects) else []),
         "megatron_args": args,
         "vocab_rows": rows[0] if rows else None,
         "scheduler": scheduler,
@@ -168,7 +178,7 @@ def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> Che
             f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) to start the "
             "optimizer fresh"
         )
-    notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
+    notes = ()
     if rows is not None and rows > model_config.vocab_size:
         notes += (
             f"> vocabulary rows {model_config.vocab_size}..{rows - 1} of the checkpoint (Megatron's padding) "
@@ -284,12 +294,15 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
     scaler, as Megatron's mixed-precision optimizer nests it) for the distributed optimizer's objects."""
     dims = trainer.mesh.dims
     distributed = trainer.run.parallel.ddp.use_distributed_optimizer
-    extra = {"lr": trainer.run.optimizer.lr, "min_lr": trainer.run.optimizer.min_lr}
+    extra = {
+        "lr": trainer.run.optimizer.lr,
+        "min_lr": trainer.run.optimizer.min_lr,
+        "data_parallel_size": dims.dp,
+        "context_parallel_size": dims.cp,
+    }
     if distributed:  # what megatron-core's buffer layout depends on (torch_dist_buckets.our_layout)
         extra.update(
             use_distributed_optimizer=True,
-            data_parallel_size=dims.dp,
-            context_parallel_size=dims.cp,
             overlap_grad_reduce=False,
             ddp_bucket_size=None,
             transformer_impl="local",
@@ -329,19 +342,19 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
 
 
 def publish_megatron_checkpoint(
-    root: str, iteration: int, pieces: list, config, common: dict, bucket_state: tuple[list, dict] = ((), {})
+    root: str, iteration: int, pieces: list, config, common: dict, extra: tuple[list, dict] = ((), {})
 ) -> str:
     """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
     checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors padded as
     Megatron pads them at `config`'s tp, the layers' `_extra_state` objects, `common` as common.pt, and
-    `bucket_state` (pieces and objects of the distributed optimizer's buckets, already Megatron's).
+    `extra` (pieces and objects already in Megatron's names: the distributed optimizer's buckets, RNG states).
     Written into a temporary directory that is renamed and only then named by the tracker, as ours."""
     padded = config.padded_vocab_size
     megatron = [to_megatron(p, config.num_layers, padded) for p in pieces + vocabulary_padding(pieces, padded)]
-    bucket_pieces, bucket_objects = bucket_state
+    extra_pieces, extra_objects = extra
     staging = prepare_staging(root, iteration)
-    objects = {**extra_state_objects(pieces, config.num_layers), **bucket_objects}
-    write_pieces(megatron + list(bucket_pieces), staging, objects=objects)
+    objects = {**extra_state_objects(pieces, config.num_layers), **extra_objects}
+    write_pieces(megatron + list(extra_pieces), staging, objects=objects)
     final = iteration_dir(root, iteration)
     if global_rank() == 0:
         torch.save(common, os.path.join(staging, COMMON))
@@ -357,8 +370,9 @@ def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     megatron-core's `dp_reshardable` bucket form, Megatron-LM's default. Returns the directory."""
     pieces, metadata = checkpoint_contents(trainer, iteration, rng=False)
     common, optimizer = megatron_common(trainer, iteration, metadata)
-    bucket_state = ((), {})
+    extra_pieces, objects = [], megatron_rng_objects(trainer)
     if trainer.run.parallel.ddp.use_distributed_optimizer:
         pieces = [p for p in pieces if not p.name.startswith("optimizer.")]
-        bucket_state = bucket_state_pieces(trainer, iteration_dir(root, iteration), optimizer)
-    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model, common, bucket_state)
+        extra_pieces, buckets = bucket_state_pieces(trainer, iteration_dir(root, iteration), optimizer)
+        objects.update(buckets)
+    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model, common, (extra_pieces, objects))
