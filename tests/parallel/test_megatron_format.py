@@ -156,7 +156,8 @@ def test_cli_resumes_a_torch_dist_checkpoint_with_its_rng_states_and_refuses_one
     flags = TINY_LLAMA + DROPOUT + ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
     uninterrupted = run_cli("pretrain_llama.py", flags + ["--train-iters", "3"], nproc=2)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
-    save = run_cli("pretrain_llama.py", flags + ["--save", str(tmp_path), "--train-iters", "2"], nproc=2)
+    stop_after_2 = ["--save", str(tmp_path), "--train-iters", "3", "--exit-interval", "2"]  # the same LR schedule
+    save = run_cli("pretrain_llama.py", flags + stop_after_2, nproc=2)
     assert save.returncode == 0, save.stderr[-2000:]
     assert detect_checkpoint_format(str(tmp_path)) == MEGATRON
     proc = run_cli("pretrain_llama.py", TINY_LLAMA + ["--hidden-size", "64", "--load", str(tmp_path)])

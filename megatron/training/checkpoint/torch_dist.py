@@ -11,14 +11,16 @@ wrote) is read with plain torch.distributed.checkpoint, in any of our layouts:
 - `common.pt` is unpickled with stand-ins for megatron classes (it is never imported). Its
   `args` are compared with our flags (torch_dist_args.py), and every `.distcp` file must be as
   long as `.metadata` says (Megatron-LM records no digests), before anything is read.
-Not read: RNG states (Megatron's generators are not ours) and the distributed optimizer's
-bucket-layout form (`optimizer.distributed.*`, refused by name: pass --no-load-optim).
+- the distributed optimizer's `dp_reshardable` bucket form (`optimizer.distributed.*`: Megatron-LM's
+  default with --use-distributed-optimizer), mapped to our canonical state by torch_dist_buckets.py;
+- RNG states in the layout that saved them (torch_dist_rng.py).
 
 A save with `--ckpt-format torch_dist` writes what megatron-core's `dist_checkpointing.load`
 reads for a GPTModel and its optimizer: the stacked tensors at Megatron's padded vocabulary
 (`make_vocab_size_divisible_by` x our tp), Adam moments (and fp32 master weights for bf16/fp16),
 `common.pt` with `args`, `iteration`, `checkpoint_version`, the optimizer's param groups and
-step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it with --no-load-rng).
+step, and the scheduler's state, and the RNG states. With --use-distributed-optimizer the optimizer
+state is in megatron-core's `dp_reshardable` bucket form (torch_dist_buckets.py).
 """
 
 from __future__ import annotations
