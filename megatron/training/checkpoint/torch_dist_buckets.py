@@ -25,6 +25,7 @@ zeros so that every bucket tensor is covered, as megatron-core covers them with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -72,24 +73,22 @@ class SavingLayout:
 def saving_layout(args, directory: str) -> SavingLayout:
     """The bucket layout parameters of the Megatron-LM run whose `args` saved `directory`; one line
     (CheckpointError) for a layout whose buckets are not built here."""
+    value = functools.partial(getattr, args)
     refused = {
-        "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)": getattr(
-            args, "virtual_pipeline_model_parallel_size", None
-        ),
-        "--decoder-first-pipeline-num-layers": getattr(args, "decoder_first_pipeline_num_layers", None),
-        "--decoder-last-pipeline-num-layers": getattr(args, "decoder_last_pipeline_num_layers", None),
-        "--num-distributed-optimizer-instances > 1": (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1,
-        "--transformer-impl transformer_engine (its parameter order is not checked here)": getattr(
-            args, "transformer_impl", "local"
+        "virtual pipeline stages": value("virtual_pipeline_model_parallel_size", None) not in (None, 1),
+        "--decoder-first-pipeline-num-layers": value("decoder_first_pipeline_num_layers", None) is not None,
+        "--decoder-last-pipeline-num-layers": value("decoder_last_pipeline_num_layers", None) is not None,
+        "several distributed-optimizer instances": (value("num_distributed_optimizer_instances", 1) or 1) > 1,
+        "--transformer-impl transformer_engine (its parameter order is not checked here)": value(
+            "transformer_impl", "local"
         )
         == "transformer_engine",
     }
-    for what, value in refused.items():
-        if value not in (None, False, 1):
-            raise CheckpointError(
-                f"{directory}: the distributed optimizer's bucket state (optimizer.distributed.*) of a run with "
-                f"{what} is not read here; pass --no-load-optim"
-            )
+    for what in (what for what, present in refused.items() if present):
+        raise CheckpointError(
+            f"{directory}: the distributed optimizer's bucket state (optimizer.distributed.*) of a run with "
+            f"{what} is not read here; pass --no-load-optim"
+        )
     dp = args.data_parallel_size * (getattr(args, "context_parallel_size", 1) or 1)
     bucket_size = None
     if getattr(args, "overlap_grad_reduce", False):
