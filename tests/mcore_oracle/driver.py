@@ -7,20 +7,27 @@ other in the same processes. A job: {"tp": tensor-parallel size (the rest of the
 parallel), "model": our model args (TransformerConfig field names, as our checkpoints record them),
 "make_vocab_size_divisible_by": n, "seed": s, "batch": file holding {"tokens": [b, s], "labels":
 [b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
-"ops": [...]}. The ops run in order on every rank:
+"distributed_optimizer": bool (megatron-core's DistributedOptimizer, default false), "bucket_size": n
+(elements per gradient bucket, as --overlap-grad-reduce --ddp-bucket-size n; default: one bucket),
+"ops": [...]}.
+The ops run in order on every rank:
 - {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
 - {"op": "grads", "out": F}: one backward of the batch's mean loss, no step; rank 0 writes the
   gradients of the vocabulary tensors (gathered over tp, padding rows included) to F;
-- {"op": "save", "root": D, "iteration": i}: a Megatron-LM training checkpoint D/iter_NNNNNNN;
+- {"op": "save", "root": D, "iteration": i, "sharding": form}: a Megatron-LM training checkpoint
+  D/iter_NNNNNNN; with the distributed optimizer its state is in `form` ("dp_reshardable", Megatron-LM's
+  default, or "fully_reshardable": `--dist-ckpt-optim-fully-reshardable`), as Megatron-LM saves it;
 - {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
   optimizer and scheduler) as Megatron-LM's --load does;
+- {"op": "buffers", "out": F}: rank 0 writes its gradient buffers' layout: per buffer, each parameter's
+  [name, start, stop, bucket] in the buffer and each bucket's [offset, numel, numel_unpadded];
 - {"op": "load_state", "file": F}: the model's state dict from a torch.save file under megatron-core's names
   (those of our one-rank model with the local layer spec); nothing but `_extra_state` may be left out.
-A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
-(local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does.
 - {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
   and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
+A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
+(local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does.
 """
 
 import argparse
@@ -139,7 +146,11 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=spec.get("distributed_optimizer", False),
+        data_parallel_size=dist.get_world_size() // spec["tp"],
+        overlap_grad_reduce=spec.get("bucket_size") is not None,
+        ddp_bucket_size=spec.get("bucket_size"),
+        transformer_impl="local",
         iteration=iteration,
         consumed_train_samples=consumed,
         consumed_valid_samples=0,
@@ -151,13 +162,23 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
     )
 
 
+def content_metadata(sharding: str) -> dict:
+    """What Megatron-LM's checkpointing passes to `sharded_state_dict` and records in common.pt."""
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+
+
 class Oracle:
     def __init__(self, spec: dict):
         self.spec = spec
         torch.manual_seed(spec["seed"])
         model_parallel_cuda_manual_seed(spec["seed"])
+        distributed = spec.get("distributed_optimizer", False)
+        buckets = spec.get("bucket_size")
         ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=buckets is not None,
+            bucket_size=buckets,
+            use_distributed_optimizer=distributed,
         )
         model = build_model(spec)
         self.model = DistributedDataParallel(model.config, ddp, model)
@@ -173,6 +194,7 @@ class Oracle:
                 adam_eps=o.get("eps", 1e-8),
                 clip_grad=o.get("clip_grad", 1.0),
                 params_dtype=torch.float32,
+                use_distributed_optimizer=distributed,
             ),
             [self.model],
         )
@@ -254,21 +276,24 @@ class Oracle:
         self.model.zero_grad_buffer()
         dist.barrier()
 
-    def sharded_state(self, optimizer: bool, loading: bool = False) -> dict:
+    def sharded_state(self, optimizer: bool, loading: bool = False, sharding: str = "dp_reshardable") -> dict:
         """Model and optimizer as dist_checkpointing sees them; `loading` creates the optimizer's
-        state first (a fresh optimizer has none to fill), as Megatron-LM's load does."""
+        state first (a fresh optimizer has none to fill), as Megatron-LM's load does. `sharding`: the
+        distributed optimizer's form, passed as Megatron-LM's checkpointing passes it."""
         model = self.model.module.sharded_state_dict()
         state = {"model": model}
         if optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading)
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata=content_metadata(sharding)
+            )
         return state
 
-    def save(self, root: str, iteration: int) -> None:
+    def save(self, root: str, iteration: int, sharding: str = "dp_reshardable") -> None:
         directory = os.path.join(root, f"iter_{iteration:07d}")
         if dist.get_rank() == 0:
             os.makedirs(directory, exist_ok=True)
         dist.barrier()
-        state = self.sharded_state(optimizer=True)
+        state = self.sharded_state(optimizer=True, sharding=sharding)
         state.update(
             args=megatron_lm_args(self.spec, iteration, self.consumed),
             checkpoint_version=3.0,
@@ -276,7 +301,7 @@ class Oracle:
             opt_param_scheduler=self.scheduler.state_dict(),
             num_floating_point_operations_so_far=0,
         )
-        dist_checkpointing.save(state, directory)
+        dist_checkpointing.save(state, directory, content_metadata=content_metadata(sharding))
         if dist.get_rank() == 0:
             open(os.path.join(root, TRACKER), "w").write(str(iteration))
         dist.barrier()
@@ -284,13 +309,44 @@ class Oracle:
     def load(self, root: str, optimizer: bool) -> None:
         iteration = int(open(os.path.join(root, TRACKER)).read().strip())
         directory = os.path.join(root, f"iter_{iteration:07d}")
-        state = dist_checkpointing.load(self.sharded_state(optimizer, loading=True), directory)
+        inner = self.optimizer.chained_optimizers[0]
+        dummy = self.spec.get("distributed_optimizer", False) and not inner.optimizer.state
+        if dummy:
+            # torch's AdamW (no apex or Transformer Engine here) has no state before its first step, and
+            # DistributedOptimizer.state_dict() needs its step count: megatron-core's own helper steps once
+            # on zero gradients; the load below overwrites the values it set (the step: below)
+            inner._init_optimizer_states_with_dummy_values()
+        saved = dist_checkpointing.load_content_metadata(directory) or {}  # Megatron-LM's load reads it first
+        sharding = saved.get("distrib_optim_sharding_type", "fully_sharded_model_space")
+        state = dist_checkpointing.load(self.sharded_state(optimizer, loading=True, sharding=sharding), directory)
         self.model.module.load_state_dict(state["model"])
         if optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():  # fp32 weights: the dp_reshardable load copies into views of the parameters
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.spec.get("distributed_optimizer", False):
+                # torch's AdamW counts steps per parameter: DistributedOptimizer.load_state_dict gives every
+                # parameter one shared step tensor (AdamW would advance it once per parameter), and the
+                # dp_reshardable load then copies the step of the optimizer being loaded into it (the dummy
+                # step). Each parameter gets its own, the checkpoint's (its param groups', as fused Adam's).
+                step = inner.optimizer.param_groups[0]["step"]
+                for param_state in inner.optimizer.state.values():
+                    param_state["step"] = torch.tensor(float(step))
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             self.iteration = state["iteration"]
             self.consumed = state["args"].consumed_train_samples
+
+    def buffers(self, out: str) -> None:
+        names = {param: name for name, param in self.model.module.named_parameters()}
+        layout = [
+            {
+                "params": [[names[p], *where] for p, where in buffer.param_index_map.items()],
+                "buckets": [[b.offset, b.grad_data.numel(), b.numel_unpadded] for b in buffer.buckets],
+            }
+            for buffer in self.model.buffers
+        ]
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            json.dump(layout, open(out, "w"))
 
     def time_checkpoint(self, root: str, repeat: int, out: str) -> None:
         def timed(fn) -> float:

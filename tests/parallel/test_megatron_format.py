@@ -162,22 +162,29 @@ def test_torch_dist_round_trip_is_bit_identical_and_bad_checkpoints_are_refused(
     assert shard in message and "truncated" in message and "\n" not in message
 
 
-def test_cli_resumes_a_torch_dist_checkpoint_and_refuses_one_of_another_model(tmp_path):
-    save = run_cli(
-        "pretrain_llama.py", TINY_LLAMA + ["--ckpt-format", "torch_dist", "--save", str(tmp_path), "--train-iters", "1"]
-    )
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--tensor-model-parallel-size", "2"]
+
+
+def test_cli_resumes_a_torch_dist_checkpoint_with_its_rng_states_and_refuses_one_of_another_model(tmp_path):
+    """With dropout at tp 2, iteration 3 resumed from a torch_dist save of iteration 2 (the distributed
+    optimizer's buckets, the RNG states as Megatron-LM stores them) prints the uninterrupted run's loss."""
+    flags = TINY_LLAMA + DROPOUT + ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    uninterrupted = run_cli("pretrain_llama.py", flags + ["--train-iters", "3"], nproc=2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    stop_after_2 = ["--save", str(tmp_path), "--train-iters", "3", "--exit-interval", "2"]  # the same LR schedule
+    save = run_cli("pretrain_llama.py", flags + stop_after_2, nproc=2)
     assert save.returncode == 0, save.stderr[-2000:]
     assert detect_checkpoint_format(str(tmp_path)) == MEGATRON
     proc = run_cli("pretrain_llama.py", TINY_LLAMA + ["--hidden-size", "64", "--load", str(tmp_path)])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path}/iter_0000001: saved with --hidden-size 32, the flags give 64"
+        f"error: {tmp_path}/iter_0000002: saved with --hidden-size 32, the flags give 64"
     ]
-    resumed = run_cli("pretrain_llama.py", TINY_LLAMA + ["--load", str(tmp_path), "--train-iters", "2"])
+    resumed = run_cli("pretrain_llama.py", flags + ["--load", str(tmp_path), "--train-iters", "3"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"> loaded {tmp_path}/iter_0000001 (iteration 1)" in resumed.stdout
-    assert "> Megatron-LM torch_dist checkpoint: RNG states not read" in resumed.stdout
-    assert len(printed_losses(resumed.stdout)) == 1  # iteration 2 only: it continued after iteration 1
+    assert f"> loaded {tmp_path}/iter_0000002 (iteration 2)" in resumed.stdout
+    assert "RNG states not" not in resumed.stdout
+    assert printed_losses(resumed.stdout) == printed_losses(uninterrupted.stdout)[2:]  # iteration 3, exactly
 
 
 # How a Python pickles an enum member: 3.11 by name (getattr(cls, name)), 3.10 and 3.12+ by value (cls(value)).

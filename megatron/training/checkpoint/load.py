@@ -23,6 +23,7 @@ from megatron.core.checkpointing import (
     saved_tensors,
     verify_files,
 )
+from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM
 from megatron.core.checkpointing.vocabulary import fit_rows, rows_note, saved_vocab_rows
 from megatron.training.checkpoint.canonical import check_compatible, find_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, OURS, TRACKER, CheckpointInfo, detect_checkpoint_format
@@ -37,6 +38,8 @@ from megatron.training.checkpoint.state import (
     set_rng_states,
 )
 from megatron.training.checkpoint.torch_dist import megatron_checkpoint_to_load, stored_as_megatron
+from megatron.training.checkpoint.torch_dist_buckets import read_bucket_state
+from megatron.training.checkpoint.torch_dist_rng import load_megatron_rng
 
 
 def continue_data_position(info: CheckpointInfo, run) -> CheckpointInfo:
@@ -100,7 +103,11 @@ def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    read_pieces(stored(optimizer_pieces(trainer, tied_copies=True, master=master)), info.directory)
+    pieces = optimizer_pieces(trainer, tied_copies=True, master=master)
+    if saved.get("form") == BUCKET_FORM:  # Megatron-LM's distributed optimizer, in its buckets
+        read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, pieces)
+    else:
+        read_pieces(stored(pieces), info.directory)
     trainer.optimizer.load_scalar_state(saved)
 
 
@@ -161,6 +168,8 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         notes.append(
             f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
         )
+    elif info.format == MEGATRON:
+        notes += [note] if (note := load_megatron_rng(trainer, info.directory)) else []
     else:
         states = rng_states(trainer)
         read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)

@@ -11,15 +11,17 @@ wrote) is read with plain torch.distributed.checkpoint, in any of our layouts:
 - `common.pt` is unpickled with stand-ins for megatron classes (it is never imported). Its
   `args` are compared with our flags (torch_dist_args.py), and every `.distcp` file must be as
   long as `.metadata` says (Megatron-LM records no digests), before anything is read.
-Not read: RNG states (Megatron's generators are not ours) and the distributed optimizer's
-bucket-layout form (`optimizer.distributed.*`, refused by name: pass --no-load-optim).
+- the distributed optimizer's `dp_reshardable` bucket form (`optimizer.distributed.*`: Megatron-LM's
+  default with --use-distributed-optimizer), mapped to our canonical state by torch_dist_buckets.py;
+- RNG states in the layout that saved them (torch_dist_rng.py).
 
 A save with `--ckpt-format torch_dist` writes what megatron-core's `dist_checkpointing.load`
 reads for a GPTModel and its optimizer: the stacked tensors with the trained vocabulary padding
 (`make_vocab_size_divisible_by` x our tp, as Megatron pads), Adam moments (and fp32 master
 weights for bf16/fp16),
 `common.pt` with `args`, `iteration`, `checkpoint_version`, the optimizer's param groups and
-step, and the scheduler's state. It has no RNG states (Megatron-LM resumes it with --no-load-rng).
+step, and the scheduler's state, and the RNG states. With --use-distributed-optimizer the optimizer
+state is in megatron-core's `dp_reshardable` bucket form (torch_dist_buckets.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
+from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM, dp_group_object_name
 from megatron.core.checkpointing.megatron_lm import extra_state_objects, to_megatron
 from megatron.training.checkpoint.directory import (
     MEGATRON,
@@ -49,8 +52,10 @@ from megatron.training.checkpoint.directory import (
 )
 from megatron.training.checkpoint.state import checkpoint_contents
 from megatron.training.checkpoint.torch_dist_args import args_mismatch, megatron_args
+from megatron.training.checkpoint.torch_dist_buckets import bucket_state_pieces, buffer_dtype_pair
+from megatron.training.checkpoint.torch_dist_common import COMMON, read_common, read_object
+from megatron.training.checkpoint.torch_dist_rng import has_megatron_rng, megatron_rng_objects
 
-COMMON = "common.pt"
 MEGATRON_METADATA = {
     "sharded_backend": "torch_dist",
     "sharded_backend_version": 1,
@@ -61,53 +66,6 @@ CHECKPOINT_VERSION = 3.0
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
-
-
-class _OpaqueType(type):
-    """The type of the stand-ins: `getattr(StandIn, "auto")` makes a stand-in member named "auto".
-
-    Python 3.11 pickles an enum member by name (`getattr(AttnBackend, "auto")` when unpickled),
-    3.10 and 3.12+ by value (`AttnBackend(5)`); Megatron-LM's args hold such members."""
-
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        member = cls.__new__(cls)
-        member.name = name
-        return member
-
-
-class _Opaque(metaclass=_OpaqueType):
-    """Stands in for a class of megatron's in common.pt (enums, configs): holds what was pickled."""
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module.split(".")[0] == "megatron":
-            return type(name, (_Opaque,), {"__module__": module})
-        return super().find_class(module, name)
-
-
-class _PickleModule:
-    Unpickler = _Unpickler
-    load = pickle.load
-
-
-def read_common(directory: str) -> dict:
-    """common.pt of a Megatron-LM checkpoint (a trusted file: it is unpickled, as Megatron-LM does)."""
-    path = os.path.join(directory, COMMON)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (a Megatron-LM torch_dist checkpoint holds one)")
-    try:
-        return torch.load(path, map_location="cpu", pickle_module=_PickleModule, weights_only=False)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure is one line
-        raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {error})") from None
 
 
 def check_file_lengths(directory: str) -> None:
@@ -171,21 +129,33 @@ def megatron_metadata(directory: str) -> dict:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
     objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
-    step = _step(common.get("optimizer"))
-    moments = any(name.startswith("optimizer.state.exp_avg.") for name in tensors)
+    optimizer = common.get("optimizer") or {}
+    form = optimizer.get("param_state_sharding_type")
+    if form == BUCKET_FORM:  # the param groups (with Adam's step) and loss scaler are ShardedObjects
+        optimizer = {key: read_object(directory, dp_group_object_name(0, key)) for key in ("optimizer", "grad_scaler")}
+    step = _step(optimizer)
+    moments = any(name.startswith(("optimizer.state.exp_avg.", "optimizer.distributed.")) for name in tensors)
     consumed = getattr(args, "consumed_train_samples", 0) or 0
     scheduler = common.get("opt_param_scheduler") or {}
     return {
         "consumed_samples": consumed,
         "update_samples": scheduler.get("num_steps", consumed),
-        "layout": None,
+        "layout": {  # the saving layout, which RNG states belong to
+            "tp": args.tensor_model_parallel_size,
+            "cp": getattr(args, "context_parallel_size", 1) or 1,
+            "dp": getattr(args, "data_parallel_size", None),
+            "pp": args.pipeline_model_parallel_size,
+            "virtual_stages": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+        },
         "optimizer": {
             "step": step or 0,
-            "loss_scaler": _loss_scaler(common.get("optimizer")),
-            "master_weights": any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
+            "loss_scaler": _loss_scaler(optimizer),
+            "master_weights": form == BUCKET_FORM or any(n.startswith("optimizer.state.fp32_param.") for n in tensors),
+            "form": form,
         },
-        "contents": ["model"] + (["optimizer"] if moments and step is not None else []),
-        "distributed_optimizer": any(n.startswith("optimizer.distributed.") for n in objects),
+        "contents": ["model"]
+        + (["optimizer"] if moments and step is not None else [])
+        + (["rng"] if has_megatron_rng(objects) else []),
         "megatron_args": args,
         "scheduler": scheduler,
     }
@@ -199,16 +169,11 @@ def check_megatron_compatible(info: CheckpointInfo, model_config, config) -> Che
     if why:
         raise CheckpointError(f"{info.directory}: {why}")
     if not (config.no_load_optim or config.finetune) and "optimizer" not in metadata["contents"]:
-        form = (
-            " only in the distributed optimizer's bucket layout (optimizer.distributed.*), which is not read"
-            if metadata["distributed_optimizer"]
-            else " no optimizer state"
-        )
         raise CheckpointError(
-            f"{info.directory}: holds{form}; pass --no-load-optim (or --finetune) to start the optimizer fresh"
+            f"{info.directory}: holds no optimizer state; pass --no-load-optim (or --finetune) to start the "
+            "optimizer fresh"
         )
-    notes = ("> Megatron-LM torch_dist checkpoint: RNG states not read",)
-    return CheckpointInfo(info.directory, info.iteration, metadata, info.notes + notes, MEGATRON)
+    return CheckpointInfo(info.directory, info.iteration, metadata, info.notes, MEGATRON)
 
 
 def megatron_checkpoint_info(root: str) -> CheckpointInfo:
@@ -313,46 +278,72 @@ def _scheduler_state(trainer, update_samples: int) -> dict | None:
 
 
 def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
-    """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata)."""
+    """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata), and
+    the optimizer's common state (param groups with Adam's step; bf16/fp16: nested beside the loss
+    scaler, as Megatron's mixed-precision optimizer nests it) for the distributed optimizer's objects."""
     dims = trainer.mesh.dims
+    distributed = trainer.run.parallel.ddp.use_distributed_optimizer
+    extra = {
+        "lr": trainer.run.optimizer.lr,
+        "min_lr": trainer.run.optimizer.min_lr,
+        "data_parallel_size": dims.dp,
+        "context_parallel_size": dims.cp,
+    }
+    if distributed:  # what megatron-core's buffer layout depends on (torch_dist_buckets.our_layout)
+        extra.update(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=False,
+            ddp_bucket_size=None,
+            transformer_impl="local",
+            accumulate_allreduce_grads_in_fp32=buffer_dtype_pair(trainer.run.model.params_dtype)[1] == torch.float32,
+        )
     args = megatron_args(
         trainer.run.model,
         iteration=iteration,
         consumed_samples=metadata["consumed_samples"],
         tp=dims.tp,
         pp=dims.pp,
-        extra={"lr": trainer.run.optimizer.lr, "min_lr": trainer.run.optimizer.min_lr},
+        extra=extra,
     )
     step = trainer.optimizer.adam.step_count
-    optimizer = {
-        "param_groups": _param_groups(trainer, trainer.learning_rates()[0]),
-        "state": {"common_step": torch.tensor(float(step))},
-    }
-    if trainer.run.model.params_dtype != torch.float32:  # Megatron's bf16/fp16 optimizer nests it, beside its scaler
+    groups = _param_groups(trainer, trainer.learning_rates()[0])
+    if distributed:  # megatron-core's DistributedOptimizer.state_dict(): the step in every group
+        optimizer = {"param_groups": [{**group, "step": float(step)} for group in groups]}
+    else:
+        optimizer = {"param_groups": groups, "state": {"common_step": torch.tensor(float(step))}}
+    if trainer.run.model.params_dtype != torch.float32 or distributed:
         optimizer = {"optimizer": optimizer}
-        scaler = trainer.optimizer.grad_scaler
-        if scaler is not None:
-            state = scaler.state_dict()
-            optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
-    return {
+    scaler = trainer.optimizer.grad_scaler
+    if trainer.run.model.params_dtype != torch.float32 and scaler is not None:
+        state = scaler.state_dict()
+        optimizer["grad_scaler"] = {**state, "scale": torch.tensor([float(state["scale"])])}
+    common = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
-        "optimizer": optimizer,
+        "optimizer": {"param_state_sharding_type": BUCKET_FORM} if distributed else optimizer,
         "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
         "num_floating_point_operations_so_far": 0,
     }
+    if distributed:
+        common["content_metadata"] = {"distrib_optim_sharding_type": BUCKET_FORM, "chained_optim_avoid_prefix": True}
+    return common, optimizer
 
 
-def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config, common: dict) -> str:
+def publish_megatron_checkpoint(
+    root: str, iteration: int, pieces: list, config, common: dict, extra: tuple[list, dict] = ((), {})
+) -> str:
     """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
     checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors as the pieces
     have them (Megatron's padded rows at the saving tp), the layers' `_extra_state` objects, `common`
-    as common.pt. Written into a temporary directory that is renamed and only then named by the
-    tracker, as ours."""
+    as common.pt, and `extra` (pieces and objects already in Megatron's names: the distributed
+    optimizer's buckets, RNG states). Written into a temporary directory that is renamed and only then
+    named by the tracker, as ours."""
     megatron = [to_megatron(p, config.num_layers) for p in pieces]
+    extra_pieces, extra_objects = extra
     staging = prepare_staging(root, iteration)
-    write_pieces(megatron, staging, objects=extra_state_objects(pieces, config.num_layers))
+    objects = {**extra_state_objects(pieces, config.num_layers), **extra_objects}
+    write_pieces(megatron + list(extra_pieces), staging, objects=objects)
     final = iteration_dir(root, iteration)
     if global_rank() == 0:
         torch.save(common, os.path.join(staging, COMMON))
@@ -364,8 +355,13 @@ def publish_megatron_checkpoint(root: str, iteration: int, pieces: list, config,
 
 def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
     """Save model and optimizer state after `iteration` as Megatron-LM's torch_dist checkpoint
-    `<root>/iter_NNNNNNN` (a collective). Returns the directory."""
+    `<root>/iter_NNNNNNN` (a collective): with the distributed optimizer (any sharding strategy) in
+    megatron-core's `dp_reshardable` bucket form, Megatron-LM's default. Returns the directory."""
     pieces, metadata = checkpoint_contents(trainer, iteration, rng=False)
-    return publish_megatron_checkpoint(
-        root, iteration, pieces, trainer.run.model, megatron_common(trainer, iteration, metadata)
-    )
+    common, optimizer = megatron_common(trainer, iteration, metadata)
+    extra_pieces, objects = [], megatron_rng_objects(trainer)
+    if trainer.run.parallel.ddp.use_distributed_optimizer:
+        pieces = [p for p in pieces if not p.name.startswith("optimizer.")]
+        extra_pieces, buckets = bucket_state_pieces(trainer, iteration_dir(root, iteration), optimizer)
+        objects.update(buckets)
+    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model, common, (extra_pieces, objects))

@@ -83,8 +83,8 @@ def megatron_args(
         ckpt_format="torch_dist",
         use_dist_ckpt=True,
         use_distributed_optimizer=False,
-        **extra,
     )
+    values.update(extra)  # the run's own values (learning rates, the distributed optimizer's layout)
     return argparse.Namespace(**values)
 
 
