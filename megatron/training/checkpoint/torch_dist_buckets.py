@@ -133,7 +133,7 @@ def _stage(name: str, layout: SavingLayout) -> int:
 def megatron_spec(spec: InitSpec, layout: SavingLayout, tp_rank: int) -> InitSpec:
     """The InitSpec of tp rank `tp_rank`'s shard in the saving layout (its vocabulary padding)."""
     shape = spec.full_shape
-    if spec.valid_rows is not None:
+    if spec.real_rows is not None:
         shape = (layout.vocab_rows,) + tuple(shape[1:])
     shard = spec.shard and dataclasses.replace(spec.shard, num_shards=layout.tp, rank=tp_rank)
     return dataclasses.replace(spec, full_shape=shape, shard=shard, seed_name=None)
