@@ -7,12 +7,13 @@
 
 Enumerates (tp, cp, pp with even and uneven first/last stages, virtual stages, dp, micro
 batch, recomputation, replicated or distributed optimizer) for the given GPUs and global
-batch, drops layouts whose worst-rank memory estimate is above 80% of device memory
-(Fujii et al.'s margin: a recommendation keeps it; the start-up check refuses only what
-certainly cannot fit, and the summary says how many dropped layouts it would still
-start), ranks the rest by a projected step time (megatron/planning/step_time.py,
-calibrated on published runs: docs/planner.md) and prints the top ones with their model
-TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
+batch, keeps the layouts whose fit verdict is "fits" (megatron/planning/fit_rule.py, the rule the
+start-up check and tools/estimate_memory.py report too: the full estimate, its named allowances
+included, within device memory), ranks them by a projected step time
+(megatron/planning/step_time.py, calibrated on published runs: docs/planner.md) and prints the
+top ones with their model TFLOP/s per GPU; the summary says how many dropped layouts fit only
+with a margin, which the start-up check would still start.
+--device picks a GPU preset (megatron/planning/hardware.py, docs/planner.md;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
 --peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and --gpus-per-node
 override its figures. --explain prints the step-time breakdown of the first layout;
@@ -59,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.planning.budget import GIB, device_memory_bytes  # noqa: E402
-from megatron.planning.estimator import DEFAULT_THRESHOLD  # noqa: E402
+from megatron.planning.fit_rule import fit_verdict  # noqa: E402
 from megatron.planning.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
 from megatron.planning.planner import (  # noqa: E402
     RECOMPUTE,
@@ -160,7 +161,7 @@ def _max_host_bytes(c) -> int:
     return max(r.host_bytes for r in c.estimate.ranks)
 
 
-def _json(c, why: str | None = None) -> dict:
+def _json(c, device_bytes: int, why: str | None = None) -> dict:
     lay, est, t = c.layout, c.estimate, c.time
     return {
         "tp": lay.parallel.tp,
@@ -180,6 +181,7 @@ def _json(c, why: str | None = None) -> dict:
         "max_certain_bytes": est.max_certain_bytes,
         "max_total_bytes": est.max_total_bytes,
         "fits": why is None,
+        "verdict": fit_verdict(est, device_bytes).label,
         "why_not": why,
         "predicted_step_time_s": t.total_s,
         "predicted_tokens_per_s": t.tokens_per_s,
@@ -236,13 +238,10 @@ def _hardware(args) -> Hardware:
 
 
 def _why_not(estimate, device_bytes: int) -> str:
-    text = (
-        f"worst rank {estimate.max_total_bytes / GIB:.2f} GiB is {estimate.max_total_bytes / device_bytes:.1%} of "
-        f"{device_bytes / GIB:.2f} GiB, above the planner's {DEFAULT_THRESHOLD:.0%}"
-    )
-    if estimate.would_refuse(device_bytes):
-        return text + f"; the start-up check refuses it: {refusal(estimate, device_bytes)}"
-    return text + "; the start-up check would still start it (its certain part fits)"
+    verdict = fit_verdict(estimate, device_bytes)
+    if verdict.refused:
+        return f"{verdict.describe()}; the start-up check refuses it: {refusal(estimate, device_bytes)}"
+    return f"{verdict.describe()}; the start-up check would still start it, with a warning"
 
 
 def main(argv: list[str]) -> int:
@@ -316,12 +315,12 @@ def main(argv: list[str]) -> int:
         return 2
     shown = (fitting or sharded or offloaded or resident)[: args.top]
     if args.json:
-        print(json.dumps([_json(c) for c in shown], indent=2))
+        print(json.dumps([_json(c, device_bytes) for c in shown], indent=2))
         return 0 if shown else 1
     print(
         f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
-        f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
-        f"start: their certain part fits); {len(fitting)} fit"
+        f"dropped, their full estimate above {device_bytes / GIB:.2f} GiB ({startable} of them fit with a margin "
+        f"only: the start-up check would start them); {len(fitting)} fit"
     )
     if not shown:
         print(
@@ -372,7 +371,7 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
     whys = [None if c.estimate.fits(device_bytes) else _why_not(c.estimate, device_bytes) for c in candidates]
     fits = any(why is None for why in whys)
     if args.json:
-        print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
+        print(json.dumps([_json(c, device_bytes, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
     print(HEADER)
     for rank, candidate in enumerate(candidates, start=1):

@@ -26,7 +26,8 @@ from megatron.core.optimizer.config import OffloadConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
-from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.planning.estimator import MemoryEstimate, estimate_memory
+from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.hardware import Hardware
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.offload import fraction_that_fits
@@ -168,23 +169,28 @@ def plan(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
 ) -> tuple[list[Candidate], int, int]:
-    """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
-    valid layouts dropped above it; how many of those the start-up check would still start).
+    """(layouts whose fit verdict is "fits", fastest first; number of valid layouts dropped; how many
+    of those fit with a margin only, which the start-up check would still start).
 
-    The planner recommends, so it keeps the paper's margin on the full estimate; the
-    start-up check refuses only on the certain part (MemoryEstimate.would_refuse)."""
+    The planner recommends, so it keeps only "fits" (fit_rule.py): the full estimate, allowances
+    included, within device memory."""
     fitting, rejected, startable = [], 0, 0
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         estimate = estimate_memory(cfg, layout)
-        if not estimate.fits(device_bytes, threshold):
+        verdict = fit_verdict(estimate, device_bytes)
+        if not verdict.fits:
             rejected += 1
-            startable += not estimate.would_refuse(device_bytes)
+            startable += not verdict.refused
             continue
         fitting.append(Candidate(cfg, layout, name, estimate, projection(cfg, layout)))
-    fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    fitting.sort(key=_rank)
     return fitting, rejected, startable
+
+
+def _rank(candidate: Candidate) -> tuple[float, int]:
+    """The planner's order: fastest first, then the lighter."""
+    return candidate.time.total_s, candidate.estimate.max_total_bytes
 
 
 SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")  # lighter first
@@ -198,7 +204,6 @@ def plan_sharded(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` layouts that fit once the gradients (optim_grads), or the parameters too
@@ -212,24 +217,21 @@ def plan_sharded(
         for strategy in SHARDED_STRATEGIES:
             sharded = layout.with_ddp(sharding_strategy=strategy)
             estimate = estimate_memory(cfg, sharded)
-            if estimate.fits(device_bytes, threshold):
+            if estimate.fits(device_bytes):
                 proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
                 break
     proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return proposals[:top]
 
 
-def offload_needed(estimate: MemoryEstimate, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> float | None:
-    """The share of optimizer state to offload for every rank's full estimate to fit within
-    `threshold` of device memory, before rounding to whole chunks; None when even all of it does not."""
-    limit = int(threshold * device_bytes)
-    needs = [fraction_that_fits(r.total_bytes, r.optimizer_bytes, limit) for r in estimate.ranks]
+def offload_needed(estimate: MemoryEstimate, device_bytes: int) -> float | None:
+    """The share of optimizer state to offload for every rank's full estimate to fit device memory
+    (fit_rule's "fits"), before rounding to whole chunks; None when even all of it does not."""
+    needs = [fraction_that_fits(r.total_bytes, r.optimizer_bytes, device_bytes) for r in estimate.ranks]
     return None if None in needs else max(needs)
 
 
-def smallest_offload(
-    config, layout: MemoryLayout, need: float, device_bytes: int, threshold: float = DEFAULT_THRESHOLD
-) -> MemoryEstimate | None:
+def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: int) -> MemoryEstimate | None:
     """The estimate at the smallest --optimizer-offload-fraction, in steps of 0.01 from `need` up,
     that fits: the static policy offloads whole chunks, the nearest to the fraction, so `need`
     itself can fall short by up to half a chunk; above it, a bisection (more offload never adds bytes)."""
@@ -240,13 +242,13 @@ def smallest_offload(
 
     first = math.ceil(100 * need - 1e-9)
     best = at(first)
-    if best.fits(device_bytes, threshold):
+    if best.fits(device_bytes):
         return best
     low, high, best = first + 1, 100, None
     while low <= high:
         percent = (low + high) // 2
         estimate = at(percent)
-        if estimate.fits(device_bytes, threshold):
+        if estimate.fits(device_bytes):
             best, high = estimate, percent - 1
         else:
             low = percent + 1
@@ -261,7 +263,6 @@ def plan_offload(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
@@ -270,13 +271,13 @@ def plan_offload(
     search = dataclasses.replace(search, distributed_optimizer=(True,))
     needed = []
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
-        need = offload_needed(estimate_memory(cfg, layout), device_bytes, threshold)
+        need = offload_needed(estimate_memory(cfg, layout), device_bytes)
         if need:  # None: not even full offload fits; 0: fits without
             needed.append((need, projection(cfg, layout), cfg, layout, name))
     needed.sort(key=lambda n: (n[0], n[1].total_s))
     proposals = []
     for need, time, cfg, layout, name in needed:
-        estimate = smallest_offload(cfg, layout, need, device_bytes, threshold)
+        estimate = smallest_offload(cfg, layout, need, device_bytes)
         if estimate is not None:
             proposals.append(Candidate(cfg, estimate.layout, name, estimate, time))
         if len(proposals) == top:
@@ -300,7 +301,6 @@ def plan_host_resident(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` layouts that fit with every chunk's state on host (PatrickStar's placement),
@@ -312,7 +312,7 @@ def plan_host_resident(
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         placed = host_resident(layout)
         estimate = estimate_memory(cfg, placed)
-        if estimate.fits(device_bytes, threshold):
+        if estimate.fits(device_bytes):
             proposals.append(Candidate(cfg, placed, name, estimate, projection(cfg, placed)))
     proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return proposals[:top]
