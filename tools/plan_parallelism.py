@@ -11,8 +11,11 @@ batch, keeps the layouts whose fit verdict is "fits" (megatron/planning/fit_rule
 start-up check and tools/estimate_memory.py report too: the full estimate, its named allowances
 included, within device memory), ranks them by a projected step time
 (megatron/planning/step_time.py, calibrated on published runs: docs/planner.md) and prints the
-top ones with their model TFLOP/s per GPU; the summary says how many dropped layouts fit only
-with a margin, which the start-up check would still start.
+top ones with their model TFLOP/s per GPU. The search prunes the layouts whose parameters alone
+do not fit, and estimates the rest in the order of a lower bound of their step time until no
+layout left can beat the --top found (planner.plan_fastest: the same top as estimating every
+layout); the summary says how many layouts were pruned, not estimated, estimated and traced,
+and of those how many fit, fit with a margin only (the start-up check would start them) or not.
 --device picks a GPU preset (megatron/planning/hardware.py, docs/planner.md;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
 --peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and --gpus-per-node
@@ -67,7 +70,7 @@ from megatron.planning.planner import (  # noqa: E402
     Search,
     enumerate_layouts,
     evaluate_layout,
-    plan,
+    plan_fastest,
     plan_host_resident,
     plan_offload,
     plan_sharded,
@@ -286,8 +289,8 @@ def main(argv: list[str]) -> int:
         layouts = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
         if _one_layout(layouts):  # every layout flag restricted to one value: evaluate it (with either optimizer)
             return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
-        fitting, rejected, startable = plan(
-            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection
+        fitting, counts = plan_fastest(
+            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top
         )
         sharded = (
             []
@@ -318,9 +321,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps([_json(c, device_bytes) for c in shown], indent=2))
         return 0 if shown else 1
     print(
-        f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
-        f"dropped, their full estimate above {device_bytes / GIB:.2f} GiB ({startable} of them fit with a margin "
-        f"only: the start-up check would start them); {len(fitting)} fit"
+        f"> {counts.considered} valid layouts for {args.num_gpus} GPUs, global batch {batch}, "
+        f"{device_bytes / GIB:.2f} GiB: {counts.pruned} pruned (their parameters alone do not fit), "
+        f"{counts.skipped} not estimated (a lower bound of their step time is above the slowest of the "
+        f"{args.top} fastest that fit), {counts.estimated} estimated ({counts.traces} traces): {counts.fit} fit, "
+        f"{counts.margin} fit with a margin only (the start-up check would start them), "
+        f"{counts.estimated - counts.fit - counts.margin} do not fit"
     )
     if not shown:
         print(

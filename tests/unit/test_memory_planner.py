@@ -9,6 +9,7 @@ from megatron.core.optimizer.config import OffloadConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.bounds import certain_lower_bound
 from megatron.planning.hardware import Hardware
 from megatron.planning.pipeline_simulator import simulate
 from megatron.planning.planner import (
@@ -16,10 +17,11 @@ from megatron.planning.planner import (
     enumerate_layouts,
     offload_needed,
     plan,
+    plan_fastest,
     plan_offload,
     smallest_offload,
 )
-from megatron.planning.step_time import bubble_units, step_time
+from megatron.planning.step_time import Projection, bubble_units, step_time
 
 MODEL = TransformerConfig(
     num_layers=8,
@@ -117,6 +119,38 @@ def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
     assert estimate.max_certain_bytes < estimate.max_total_bytes
     assert plan(MODEL, 8, 8, between, search=search) == ([], 1, 1)
     assert plan(MODEL, 8, 8, estimate.max_certain_bytes - 1, search=search) == ([], 1, 0)
+
+
+def test_bounds_hold_for_every_layout():
+    """What the pruned search relies on: the parameter count's bound is at most the model states of
+    the fullest rank (so above the device it means "does not fit"), and the step time without the
+    pipeline's idle time at most the projection (equal without a pipeline)."""
+    projection = Projection()
+    search = Search(micro_batch_sizes=(1,), recompute=("full",))
+    for cfg, layout, _ in enumerate_layouts(MODEL, 8, 32, search, Hardware()):
+        bound = certain_lower_bound(cfg, layout)
+        assert 0 < bound <= max(r.states_bytes for r in estimate_memory(cfg, layout).ranks), layout.describe()
+        full, lower = projection(cfg, layout).total_s, projection.lower_bound(cfg, layout)
+        assert lower <= full and (layout.parallel.pp > 1 or lower == full), layout.describe()
+
+
+def test_plan_fastest_finds_the_exhaustive_top():
+    """On 8 CPU ranks of 2.5 GiB (no allowances, so the parameter count decides early: the replicated
+    optimizer at tp 1 x pp 1 holds 2.8 GiB of model states): the same top 5 as estimating every
+    layout, in the same order, having pruned some by their parameter count and never estimated
+    others (slower by their lower bound); its counts agree with the exhaustive plan's."""
+    search = Search(micro_batch_sizes=(1, 2), device_type="cpu")
+    device = 5 * GIB // 2
+    every, rejected, startable = plan(MODEL, 8, 32, device, search=search)
+    top, counts = plan_fastest(MODEL, 8, 32, device, search=search, top=5)
+    assert [(c.layout, c.recompute) for c in top] == [(c.layout, c.recompute) for c in every[:5]]
+    assert [c.time.total_s for c in top] == [c.time.total_s for c in every[:5]]
+    assert counts.considered == len(every) + rejected
+    assert counts.pruned > 0 and counts.skipped > 0
+    assert counts.estimated + counts.skipped + counts.pruned == counts.considered
+    assert counts.fit <= len(every) and counts.margin <= startable
+    nothing, none = plan_fastest(MODEL, 8, 32, GIB // 100, search=search)
+    assert nothing == [] and none.pruned == none.considered == counts.considered and none.traces == 0
 
 
 def test_search_restrictions():
