@@ -21,7 +21,7 @@ from megatron.planning.planner import (
     plan_offload,
     smallest_offload,
 )
-from megatron.planning.step_time import Projection, bubble_units, step_time
+from megatron.planning.step_time import Projection, bubble_units, least_idle, pipeline_idle, step_time
 
 MODEL = TransformerConfig(
     num_layers=8,
@@ -40,6 +40,18 @@ MODEL = TransformerConfig(
     params_dtype=torch.bfloat16,
 )
 GIB = 1 << 30
+
+
+def test_no_schedule_idles_less_than_the_least_idle():
+    """What the pruned search's time bound relies on: every simulated schedule idles at least
+    (p - 1) x (forward + backward) of one chunk, whatever m (also below p) and the durations."""
+    for p, v in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4), (8, 2)):
+        for m in (1, 2, p - 1, p, p + 1, 3 * p):
+            if v > 1 and m % p:
+                continue
+            for backward, transfer in ((1.0, 0.0), (2.0, 0.0), (2.3, 0.1), (3.0, 0.5)):
+                idle = pipeline_idle(p, v, m, None, 1.0, backward, transfer)
+                assert idle >= least_idle(p, 1.0, backward) - 1e-9, (p, v, m, backward, transfer)
 
 
 @pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (4, 2), (2, 4)])
@@ -124,7 +136,7 @@ def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
 def test_bounds_hold_for_every_layout():
     """What the pruned search relies on: the parameter count's bound is at most the model states of
     the fullest rank (so above the device it means "does not fit"), and the step time without the
-    pipeline's idle time at most the projection (equal without a pipeline)."""
+    pipeline's least idle time at most the projection (equal without a pipeline)."""
     projection = Projection()
     search = Search(micro_batch_sizes=(1,), recompute=("full",))
     for cfg, layout, _ in enumerate_layouts(MODEL, 8, 32, search, Hardware()):
