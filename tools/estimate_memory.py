@@ -11,20 +11,25 @@ Takes the model / parallel / batch flags of pretrain_gpt.py / pretrain_llama.py
 --use-distributed-optimizer, --ddp-bucket-size, --decoder-first/last-pipeline-num-layers and
 the offload optimizer's --optimizer-cpu-offload, --optimizer-offload-fraction and
 --offload-policy included; auto is estimated as full offload, its best case) plus --num-gpus
-(the world size) and --device (a GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, whose memory
+(the world size) and --device (a GPU preset of megatron/planning/hardware.py, whose memory
 is the limit unless --device-memory-gb is given). Prints one row per pipeline rank (weights,
 grads, optimizer on the device, activations, transients, certain, total, host: offloaded
 optimizer state, % of device), or --json.
 
-Exit status follows the start-up check: 1 when it would refuse the run (the
-certain part of a rank -- weights, grads, optimizer, saved activations --
-exceeds device memory), 0 otherwise, including when only the unmeasured
-allowances exceed it or the estimate is above 80% (both said in the verdict
-line); 2 on invalid input (one error line).
+--explain adds every rank's components by name: the certain part, the derived transients and
+the allowances (fragmentation, runtime, NCCL buffers per communicator, and with
+--reset-attention-mask the document masks: the data's flag, accepted here without --data-path).
+
+The last line is the fit verdict (megatron/planning/fit_rule.py), the same the planner and the
+start-up check give: "fits", "fits with margin X" (the certain part fits, the full estimate does
+not: the start-up check warns) or "does not fit" (the certain part -- weights, grads,
+optimizer, saved activations -- exceeds device memory). Exit status: 1 for "does not fit" (the
+start-up check would refuse the run), 0 otherwise; 2 on invalid input (one error line).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.planning.budget import device_memory_bytes  # noqa: E402
-from megatron.planning.estimator import DEFAULT_THRESHOLD, estimate_memory  # noqa: E402
-from megatron.planning.startup_check import allowance_warning, format_table, refusal  # noqa: E402
+from megatron.planning.estimator import estimate_memory  # noqa: E402
+from megatron.planning.fit_rule import fit_verdict  # noqa: E402
+from megatron.planning.startup_check import allowance_warning, explain, format_table, refusal  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, build_parser  # noqa: E402
 from megatron.training.arguments.tool_command_line import parse_tool_command_line, tool_parser  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
@@ -45,13 +51,19 @@ PROG = "tools/estimate_memory.py"
 
 def main(argv: list[str]) -> int:
     parser = tool_parser(PROG, "Per-rank memory estimate of a pretrain_*.py run")
+    parser.add_argument("--explain", action="store_true", help="every rank's components by name")
+    parser.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="the run's data builds a document mask (pretrain flag; here without --data-path): counted as an allowance",
+    )
     if "-h" in argv or "--help" in argv:
         parser.print_help()
         build_parser(GPT_DEFAULTS, "pretrain_*.py flags").print_help()
         return 0
     try:
         args, run = parse_tool_command_line(parser, argv)
-        layout = layout_from_run(run, args.device_type)
+        layout = dataclasses.replace(layout_from_run(run, args.device_type), document_mask=args.reset_attention_mask)
         estimate = estimate_memory(run.model, layout)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -59,29 +71,24 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device_bytes = device_memory_bytes(device, args.device_memory_gb, args.device)
     if args.json:
-        print(json.dumps(estimate.to_dict(device_bytes, DEFAULT_THRESHOLD), indent=2))
+        print(json.dumps(estimate.to_dict(device_bytes), indent=2))
     else:
-        for line in format_table(estimate, device_bytes):
+        for line in format_table(estimate, device_bytes) + (explain(estimate) if args.explain else []):
             print(line)
         print(_verdict(estimate, device_bytes))
     return 1 if estimate.would_refuse(device_bytes) else 0
 
 
 def _verdict(estimate, device_bytes: int | None) -> str:
-    """One line: the start-up check's decision and why."""
+    """One line: the fit verdict and why."""
     if device_bytes is None:
         return "> no device memory known: pass --device-memory-gb to check the estimate"
-    if estimate.would_refuse(device_bytes):
+    verdict = fit_verdict(estimate, device_bytes)
+    if verdict.refused:
         return f"> does NOT fit, the start-up check refuses it: {refusal(estimate, device_bytes)}"
-    share = f"worst rank {estimate.max_total_bytes / device_bytes:.1%} of device memory"
-    if estimate.max_total_bytes > device_bytes:
-        return f"> may not fit, the start-up check warns: {allowance_warning(estimate, device_bytes)}"
-    if not estimate.fits(device_bytes):
-        return (
-            f"> may not fit: {share}, above the {DEFAULT_THRESHOLD:.0%} below which no run of Fujii et al. "
-            f"ran out of memory; the start-up check warns"
-        )
-    return f"> fits: {share} (threshold {DEFAULT_THRESHOLD:.0%})"
+    if not verdict.fits:
+        return f"> the start-up check warns: {allowance_warning(estimate, device_bytes)}"
+    return f"> {verdict.describe()}"
 
 
 if __name__ == "__main__":

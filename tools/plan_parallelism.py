@@ -7,12 +7,16 @@
 
 Enumerates (tp, cp, pp with even and uneven first/last stages, virtual stages, dp, micro
 batch, recomputation, replicated or distributed optimizer) for the given GPUs and global
-batch, drops layouts whose worst-rank memory estimate is above 80% of device memory
-(Fujii et al.'s margin: a recommendation keeps it; the start-up check refuses only what
-certainly cannot fit, and the summary says how many dropped layouts it would still
-start), ranks the rest by a projected step time (megatron/planning/step_time.py,
-calibrated on published runs: docs/planner.md) and prints the top ones with their model
-TFLOP/s per GPU. --device picks a GPU preset (a100-40gb, a100-80gb, h100-80gb, h200;
+batch, keeps the layouts whose fit verdict is "fits" (megatron/planning/fit_rule.py, the rule the
+start-up check and tools/estimate_memory.py report too: the full estimate, its named allowances
+included, within device memory), ranks them by a projected step time
+(megatron/planning/step_time.py, calibrated on published runs: docs/planner.md) and prints the
+top ones with their model TFLOP/s per GPU. The search prunes the layouts whose parameters alone
+do not fit, and estimates the rest in the order of a lower bound of their step time until no
+layout left can beat the --top found (planner.plan_fastest: the same top as estimating every
+layout); the summary says how many layouts were pruned, not estimated, estimated and traced,
+and of those how many fit, fit with a margin only (the start-up check would start them) or not.
+--device picks a GPU preset (megatron/planning/hardware.py, docs/planner.md;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
 --peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and --gpus-per-node
 override its figures. --explain prints the step-time breakdown of the first layout;
@@ -59,14 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.planning.budget import GIB, device_memory_bytes  # noqa: E402
-from megatron.planning.estimator import DEFAULT_THRESHOLD  # noqa: E402
+from megatron.planning.fit_rule import fit_verdict  # noqa: E402
 from megatron.planning.hardware import DEFAULT_DEVICE, DEVICES, Hardware  # noqa: E402
 from megatron.planning.planner import (  # noqa: E402
     RECOMPUTE,
     Search,
     enumerate_layouts,
     evaluate_layout,
-    plan,
+    plan_fastest,
     plan_host_resident,
     plan_offload,
     plan_sharded,
@@ -160,7 +164,7 @@ def _max_host_bytes(c) -> int:
     return max(r.host_bytes for r in c.estimate.ranks)
 
 
-def _json(c, why: str | None = None) -> dict:
+def _json(c, device_bytes: int, why: str | None = None) -> dict:
     lay, est, t = c.layout, c.estimate, c.time
     return {
         "tp": lay.parallel.tp,
@@ -180,6 +184,7 @@ def _json(c, why: str | None = None) -> dict:
         "max_certain_bytes": est.max_certain_bytes,
         "max_total_bytes": est.max_total_bytes,
         "fits": why is None,
+        "verdict": fit_verdict(est, device_bytes).label,
         "why_not": why,
         "predicted_step_time_s": t.total_s,
         "predicted_tokens_per_s": t.tokens_per_s,
@@ -236,13 +241,10 @@ def _hardware(args) -> Hardware:
 
 
 def _why_not(estimate, device_bytes: int) -> str:
-    text = (
-        f"worst rank {estimate.max_total_bytes / GIB:.2f} GiB is {estimate.max_total_bytes / device_bytes:.1%} of "
-        f"{device_bytes / GIB:.2f} GiB, above the planner's {DEFAULT_THRESHOLD:.0%}"
-    )
-    if estimate.would_refuse(device_bytes):
-        return text + f"; the start-up check refuses it: {refusal(estimate, device_bytes)}"
-    return text + "; the start-up check would still start it (its certain part fits)"
+    verdict = fit_verdict(estimate, device_bytes)
+    if verdict.refused:
+        return f"{verdict.describe()}; the start-up check refuses it: {refusal(estimate, device_bytes)}"
+    return f"{verdict.describe()}; the start-up check would still start it, with a warning"
 
 
 def main(argv: list[str]) -> int:
@@ -287,8 +289,8 @@ def main(argv: list[str]) -> int:
         layouts = list(enumerate_layouts(run.model, args.num_gpus, batch, search, hw))
         if _one_layout(layouts):  # every layout flag restricted to one value: evaluate it (with either optimizer)
             return _print_given([evaluate_layout(*given, projection) for given in layouts], device_bytes, args, hw)
-        fitting, rejected, startable = plan(
-            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection
+        fitting, counts = plan_fastest(
+            run.model, args.num_gpus, batch, device_bytes, search=search, projection=projection, top=args.top
         )
         sharded = (
             []
@@ -316,12 +318,15 @@ def main(argv: list[str]) -> int:
         return 2
     shown = (fitting or sharded or offloaded or resident)[: args.top]
     if args.json:
-        print(json.dumps([_json(c) for c in shown], indent=2))
+        print(json.dumps([_json(c, device_bytes) for c in shown], indent=2))
         return 0 if shown else 1
     print(
-        f"> {len(fitting) + rejected} valid layouts for {args.num_gpus} GPUs, global batch {batch}; {rejected} "
-        f"above {DEFAULT_THRESHOLD:.0%} of {device_bytes / GIB:.2f} GiB dropped ({startable} of them would still "
-        f"start: their certain part fits); {len(fitting)} fit"
+        f"> {counts.considered} valid layouts for {args.num_gpus} GPUs, global batch {batch}, "
+        f"{device_bytes / GIB:.2f} GiB: {counts.pruned} pruned (their parameters alone do not fit), "
+        f"{counts.skipped} not estimated (a lower bound of their step time is above the slowest of the "
+        f"{args.top} fastest that fit), {counts.estimated} estimated ({counts.traces} traces): {counts.fit} fit, "
+        f"{counts.margin} fit with a margin only (the start-up check would start them), "
+        f"{counts.estimated - counts.fit - counts.margin} do not fit"
     )
     if not shown:
         print(
@@ -372,7 +377,7 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
     whys = [None if c.estimate.fits(device_bytes) else _why_not(c.estimate, device_bytes) for c in candidates]
     fits = any(why is None for why in whys)
     if args.json:
-        print(json.dumps([_json(c, why) for c, why in zip(candidates, whys)], indent=2))
+        print(json.dumps([_json(c, device_bytes, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
     print(HEADER)
     for rank, candidate in enumerate(candidates, start=1):

@@ -15,10 +15,10 @@ trainer's own BufferLayout (model_states.py).
 
 Only part of that is certain: weights, gradients, optimizer state and saved
 activations (`certain_bytes`) equal measured bytes on CPU; the transients and the
-after-backward temporaries are derived from our code's shapes but unmeasured,
-and the fragmentation and runtime allowances are assumptions. The start-up check
-refuses a layout only when its certain part exceeds device memory
-(`MemoryEstimate.would_refuse`); above that it warns.
+after-backward temporaries are derived from our code's shapes but unmeasured, and the
+allowances (fragmentation, runtime, NCCL buffers per communicator, document masks:
+`RankEstimate.uncertain`) are assumptions. Whether a layout fits is decided once, by
+fit_rule.fit_verdict, for the planner, the start-up check and the tools alike.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
+from megatron.planning.communicators import communicators
+from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.inflight import rank_in_flight
 from megatron.planning.kernels import KernelChoice, resolve_kernels
 from megatron.planning.layout import MemoryLayout
@@ -42,8 +44,6 @@ from megatron.planning.transients import (
     largest_temporary,
     split_backward_bytes,
 )
-
-DEFAULT_THRESHOLD = 0.8  # Fujii et al.: no run estimated below 80% of device memory ran out of it
 
 
 @dataclass(frozen=True)
@@ -77,22 +77,30 @@ class RankEstimate:
 
     @property
     def _after_backward(self) -> int:
-        return self.after_backward_bytes + self.transients.runtime_bytes
+        return self.after_backward_bytes + self.transients.fixed_bytes
+
+    @property
+    def peaks_after_backward(self) -> bool:
+        """Whether the peak is the optimizer step's (no activation alive) rather than the backward's."""
+        return self._after_backward > self._during_backward
 
     @property
     def total_bytes(self) -> int:
         return self.states_bytes + max(self._during_backward, self._after_backward)
 
+    def uncertain(self) -> dict[str, int]:
+        """The allowances of the phase that sets the peak, by name, largest first (zeros left out):
+        the estimate's uncertain part (fit_rule.py)."""
+        return _largest_first(self.transients.allowances(after_backward=self.peaks_after_backward))
+
     def allowances(self) -> dict[str, int]:
-        """The unmeasured components of the phase that sets the peak, largest first (zeros left out)."""
-        if self._after_backward > self._during_backward:
-            parts = {
-                "after-backward temporaries": self.after_backward_bytes,
-                "runtime allowance": self.transients.runtime_bytes,
-            }
+        """The unmeasured components of the phase that sets the peak, largest first (zeros left out):
+        its derived transients and its allowances."""
+        if self.peaks_after_backward:
+            derived = {"after-backward temporaries": self.after_backward_bytes}
         else:
-            parts = dict(self.transients.components(), **{"gathered buckets": self.gathered_bytes})
-        return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
+            derived = dict(self.transients.derived(), **{"gathered buckets": self.gathered_bytes})
+        return _largest_first({**derived, **self.uncertain()})
 
     def to_dict(self) -> dict:
         out = {
@@ -116,7 +124,12 @@ class RankEstimate:
         out["chunk_activation_bytes"] = list(self.chunk_activation_bytes)
         out["transients"] = asdict(self.transients)
         out["allowances"] = self.allowances()
+        out["uncertain"] = self.uncertain()
         return out
+
+
+def _largest_first(parts: dict[str, int]) -> dict[str, int]:
+    return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
 
 
 @dataclass(frozen=True)
@@ -142,24 +155,25 @@ class MemoryEstimate:
     def worst_certain_rank(self) -> RankEstimate:
         return max(self.ranks, key=lambda r: r.certain_bytes)
 
-    def fits(self, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> bool:
-        """The full estimate within `threshold` of device memory (the planner's rule)."""
-        return self.max_total_bytes <= threshold * device_bytes
+    def fits(self, device_bytes: int) -> bool:
+        """fit_verdict's "fits": what the planner keeps."""
+        return fit_verdict(self, device_bytes).fits
 
     def would_refuse(self, device_bytes: int | None) -> bool:
-        """The start-up check's decision: the certain part of some rank exceeds device memory.
-        Unmeasured allowances alone never refuse a run (no device memory known: never)."""
-        return device_bytes is not None and self.max_certain_bytes > device_bytes
+        """fit_verdict's "does not fit": what the start-up check refuses (no device memory known: never)."""
+        return device_bytes is not None and fit_verdict(self, device_bytes).refused
 
-    def to_dict(self, device_bytes: int | None = None, threshold: float = DEFAULT_THRESHOLD) -> dict:
+    def to_dict(self, device_bytes: int | None = None) -> dict:
+        verdict = None if device_bytes is None else fit_verdict(self, device_bytes)
         return {
             "ranks": [r.to_dict() for r in self.ranks],
             "total_parameters": self.total_parameters,
             "max_certain_bytes": self.max_certain_bytes,
             "max_total_bytes": self.max_total_bytes,
             "device_memory_bytes": device_bytes,
-            "threshold": threshold,
-            "fits": None if device_bytes is None else self.fits(device_bytes, threshold),
+            "verdict": None if verdict is None else verdict.label,
+            "margin_bytes": None if verdict is None else verdict.margin_bytes,
+            "fits": None if verdict is None else verdict.fits,
             "would_refuse": self.would_refuse(device_bytes),
             "layout": self.layout.to_dict(),
             "kernels": asdict(self.kernels),
@@ -212,6 +226,8 @@ def estimate_rank(
         cp_bytes=cp_attention_bytes(dims, par.cp, config.cp_comm_type),
         largest=largest,
         activations=inflight.activations_bytes,
+        communicators=communicators(config, layout, pp_rank),
+        microbatches_in_flight=inflight.peak_microbatches,
     )
     has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
     after = after_backward_temporary(

@@ -10,11 +10,17 @@ GPU and per direction:
   InfiniBand adapter per GPU (HDR 200 Gb/s = 25 GB/s; NDR 400 Gb/s = 50 GB/s);
 * `host_link_gbps`: the host link (PCIe) of one GPU: Gen4 x16 for A100 (64 GB/s both ways),
   Gen5 x16 for H100 / H200 (128 GB/s both ways); what host-resident chunks move over;
-* `memory_gib`: the device memory CUDA reports as total (what the start-up check compares with).
+* `memory_gib`: the device memory CUDA reports as total (what the start-up check compares with);
+  where no such report is at hand (B200, GB200) the marketed size read as GiB less the 1.1% that
+  CUDA reports below it on H100 and A100 80 GB (79.11 and 79.15 of 80), marked so in docs/planner.md.
+
+A "node" is the NVLink domain: 8 GPUs of a DGX/HGX board, 2 for H100 NVL (bridged pairs), 72 for
+GB200 NVL72.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -81,4 +87,32 @@ DEVICES = {
         host_link_gbps=64.0,
     ),
 }
+DEVICES["h100-nvl"] = Hardware(
+    peak_tflops=835.5,
+    hbm_gbps=3900.0,
+    intra_node_gbps=300.0,
+    inter_node_gbps=50.0,
+    gpus_per_node=2,
+    memory_gib=93.6,
+    host_link_gbps=64.0,
+)
+DEVICES["h800"] = dataclasses.replace(DEVICES["h100-80gb"], intra_node_gbps=200.0)
+DEVICES["b200"] = Hardware(
+    peak_tflops=2250.0,
+    hbm_gbps=8000.0,
+    intra_node_gbps=900.0,
+    inter_node_gbps=50.0,
+    gpus_per_node=8,
+    memory_gib=178.0,
+    host_link_gbps=64.0,
+)
+DEVICES["gb200"] = Hardware(
+    peak_tflops=2500.0,
+    hbm_gbps=8000.0,
+    intra_node_gbps=900.0,
+    inter_node_gbps=50.0,
+    gpus_per_node=72,
+    memory_gib=184.0,
+    host_link_gbps=225.0,
+)
 DEFAULT_DEVICE = "h100-80gb"

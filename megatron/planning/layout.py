@@ -2,7 +2,9 @@
 
 `MemoryLayout` holds the run's ParallelConfig (with its DDPConfig) and OffloadConfig as they
 are, the two batch numbers of its TrainingConfig (which, with the loop's other settings, stays
-in megatron/training), and the one planning-only field, the device type the estimate is for.
+in megatron/training), whether its data makes the model build a document mask
+(--reset-attention-mask, a DataConfig setting), and the one planning-only field, the device type
+the estimate is for.
 megatron/training/memory_check.py builds it from a RunConfig; the planner builds real config
 objects for each candidate. Every estimate is a pure function of (TransformerConfig, MemoryLayout).
 """
@@ -39,6 +41,7 @@ class MemoryLayout:
     num_microbatches: int = 1
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     device_type: str = "cuda"
+    document_mask: bool = False  # --reset-attention-mask: the model builds a [b, 1, s, s] mask per microbatch
 
     def __post_init__(self):
         for name in ("micro_batch_size", "num_microbatches"):
@@ -132,4 +135,5 @@ class MemoryLayout:
             "sharding_strategy": ddp.sharding_strategy,
             "reshard_after_forward": ddp.reshard_after_forward,
             "unsharded_grad_accumulation": ddp.unsharded_grad_accumulation,
+            "document_mask": self.document_mask,
         }

@@ -49,8 +49,8 @@ def fraction_that_fits(certain_bytes: int, optimizer_bytes: int, device_bytes: i
     """The smallest offload fraction under which a rank's certain part (weights, gradients,
     optimizer state, saved activations; optimizer state counted on the device) fits
     `device_bytes`: 0 when it already fits, None when even full offload does not. The planner
-    passes the full estimate and its threshold's share of the device instead; either way the
-    fraction is before rounding to whole chunks (`chunk_placement`)."""
+    passes the full estimate instead (fit_rule's "fits"); either way the fraction is before
+    rounding to whole chunks (`chunk_placement`)."""
     excess = certain_bytes - device_bytes
     if excess <= 0:
         return 0.0

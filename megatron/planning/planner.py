@@ -26,11 +26,14 @@ from megatron.core.optimizer.config import OffloadConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
 from megatron.core.pipeline_parallel.schedules import num_warmup_microbatches
-from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate, estimate_memory
+from megatron.planning.bounds import certain_lower_bound
+from megatron.planning.estimator import MemoryEstimate, estimate_memory
+from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.hardware import Hardware
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.offload import fraction_that_fits
 from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime
+from megatron.planning.trace import traces_run
 
 RECOMPUTE = {
     "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
@@ -120,23 +123,34 @@ def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
                             yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
 
 
+def _split_config(config, tp: int, cp: int, recompute: str):
+    """The model config split for (tp, cp) with a recomputation, or None when our code refuses it
+    (tp does not divide the heads, groups or ffn; the sequence does not split)."""
+    try:
+        return dataclasses.replace(
+            config,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            context_parallel_size=cp,
+            **RECOMPUTE[recompute],
+        )
+    except ValueError:
+        return None
+
+
 def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Search, hw: Hardware):
-    """Yield (config, layout, recompute name) for every valid layout."""
+    """Yield (config, layout, recompute name) for every valid layout (each split config built once)."""
+    configs = {}
     for tp, cp, pp, v, dp, (first, last) in _mesh_shapes(config, num_gpus, search, hw):
         for mbs in search.micro_batch_sizes:
             m = global_batch_size // (mbs * dp)
             if global_batch_size % (mbs * dp) or (v > 1 and not _valid_schedule(pp, v, m)):
                 continue
             for name in search.recompute:
-                try:
-                    cfg = dataclasses.replace(
-                        config,
-                        tensor_model_parallel_size=tp,
-                        sequence_parallel=tp > 1,
-                        context_parallel_size=cp,
-                        **RECOMPUTE[name],
-                    )
-                except ValueError:  # tp does not divide the heads, groups or ffn; the sequence does not split
+                if (tp, cp, name) not in configs:
+                    configs[tp, cp, name] = _split_config(config, tp, cp, name)
+                cfg = configs[tp, cp, name]
+                if cfg is None:
                     continue
                 for sharded in search.distributed_optimizer:
                     ddp = DDPConfig(grad_dtype=search.grad_dtype, use_distributed_optimizer=sharded)
@@ -151,6 +165,14 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                         last_stage_layers=last,
                     )
                     yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
+
+
+def _estimate_unless_bounded(cfg, layout: MemoryLayout, device_bytes: int) -> MemoryEstimate | None:
+    """The layout's estimate, or None when its certain part's lower bound from the parameter count
+    already exceeds the device (bounds.py: "does not fit" without a trace)."""
+    if certain_lower_bound(cfg, layout) > device_bytes:
+        return None
+    return estimate_memory(cfg, layout)
 
 
 def evaluate_layout(
@@ -168,23 +190,84 @@ def plan(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
 ) -> tuple[list[Candidate], int, int]:
-    """(layouts whose full estimate is within `threshold` of device memory, fastest first; number of
-    valid layouts dropped above it; how many of those the start-up check would still start).
+    """(layouts whose fit verdict is "fits", fastest first; number of valid layouts dropped; how many
+    of those fit with a margin only, which the start-up check would still start).
 
-    The planner recommends, so it keeps the paper's margin on the full estimate; the
-    start-up check refuses only on the certain part (MemoryEstimate.would_refuse)."""
+    The planner recommends, so it keeps only "fits" (fit_rule.py): the full estimate, allowances
+    included, within device memory."""
     fitting, rejected, startable = [], 0, 0
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
-        estimate = estimate_memory(cfg, layout)
-        if not estimate.fits(device_bytes, threshold):
+        estimate = _estimate_unless_bounded(cfg, layout, device_bytes)
+        verdict = None if estimate is None else fit_verdict(estimate, device_bytes)
+        if verdict is None or not verdict.fits:
             rejected += 1
-            startable += not estimate.would_refuse(device_bytes)
+            startable += verdict is not None and not verdict.refused
             continue
         fitting.append(Candidate(cfg, layout, name, estimate, projection(cfg, layout)))
-    fitting.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    fitting.sort(key=_rank)
     return fitting, rejected, startable
+
+
+def _rank(candidate: Candidate) -> tuple[float, int]:
+    """The planner's order: fastest first, then the lighter."""
+    return candidate.time.total_s, candidate.estimate.max_total_bytes
+
+
+@dataclass(frozen=True)
+class SearchCounts:
+    """What `plan_fastest` did with the valid layouts (`considered`)."""
+
+    considered: int
+    pruned: int  # "does not fit" from the parameter count alone (bounds.py), never traced
+    skipped: int  # never estimated: their step time's lower bound is above the slowest of the top
+    estimated: int  # memory estimated (traced, or from the trace cache)
+    fit: int  # of those, "fits" (projected in full)
+    margin: int  # of those, "fits with margin": the start-up check would start them
+    traces: int  # distinct traces run (trace.py)
+
+
+def plan_fastest(
+    config,
+    num_gpus: int,
+    global_batch_size: int,
+    device_bytes: int,
+    *,
+    search: Search = Search(),
+    projection: Projection = DEFAULT_PROJECTION,
+    top: int = 10,
+) -> tuple[list[Candidate], SearchCounts]:
+    """The `top` layouts of `plan`, the same ones in the same order, found without estimating every
+    layout: those the parameter count rules out are pruned (bounds.py), the rest visited in the
+    order of a lower bound of their step time (`Projection.lower_bound`, no pipeline simulation),
+    each estimated and, when it fits, projected in full; the visit stops at the first layout
+    whose bound exceeds the slowest of `top` layouts found (ties visited: `plan`'s order breaks them)."""
+    traces_before = traces_run()
+    bounded, pruned = [], 0
+    for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
+        if certain_lower_bound(cfg, layout) > device_bytes:
+            pruned += 1
+        else:
+            bounded.append((projection.lower_bound(cfg, layout), cfg, layout, name))
+    bounded.sort(key=lambda b: b[0])
+    best, verdicts = [], []
+    for bound, cfg, layout, name in bounded:
+        if len(best) == top and bound > best[-1].time.total_s:
+            break
+        estimate = estimate_memory(cfg, layout)
+        verdicts.append(fit_verdict(estimate, device_bytes))
+        if verdicts[-1].fits:
+            best = sorted([*best, Candidate(cfg, layout, name, estimate, projection(cfg, layout))], key=_rank)[:top]
+    counts = SearchCounts(
+        considered=pruned + len(bounded),
+        pruned=pruned,
+        skipped=len(bounded) - len(verdicts),
+        estimated=len(verdicts),
+        fit=sum(v.fits for v in verdicts),
+        margin=sum(not v.fits and not v.refused for v in verdicts),
+        traces=traces_run() - traces_before,
+    )
+    return best, counts
 
 
 SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")  # lighter first
@@ -198,7 +281,6 @@ def plan_sharded(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` layouts that fit once the gradients (optim_grads), or the parameters too
@@ -212,24 +294,21 @@ def plan_sharded(
         for strategy in SHARDED_STRATEGIES:
             sharded = layout.with_ddp(sharding_strategy=strategy)
             estimate = estimate_memory(cfg, sharded)
-            if estimate.fits(device_bytes, threshold):
+            if estimate.fits(device_bytes):
                 proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
                 break
     proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return proposals[:top]
 
 
-def offload_needed(estimate: MemoryEstimate, device_bytes: int, threshold: float = DEFAULT_THRESHOLD) -> float | None:
-    """The share of optimizer state to offload for every rank's full estimate to fit within
-    `threshold` of device memory, before rounding to whole chunks; None when even all of it does not."""
-    limit = int(threshold * device_bytes)
-    needs = [fraction_that_fits(r.total_bytes, r.optimizer_bytes, limit) for r in estimate.ranks]
+def offload_needed(estimate: MemoryEstimate, device_bytes: int) -> float | None:
+    """The share of optimizer state to offload for every rank's full estimate to fit device memory
+    (fit_rule's "fits"), before rounding to whole chunks; None when even all of it does not."""
+    needs = [fraction_that_fits(r.total_bytes, r.optimizer_bytes, device_bytes) for r in estimate.ranks]
     return None if None in needs else max(needs)
 
 
-def smallest_offload(
-    config, layout: MemoryLayout, need: float, device_bytes: int, threshold: float = DEFAULT_THRESHOLD
-) -> MemoryEstimate | None:
+def smallest_offload(config, layout: MemoryLayout, need: float, device_bytes: int) -> MemoryEstimate | None:
     """The estimate at the smallest --optimizer-offload-fraction, in steps of 0.01 from `need` up,
     that fits: the static policy offloads whole chunks, the nearest to the fraction, so `need`
     itself can fall short by up to half a chunk; above it, a bisection (more offload never adds bytes)."""
@@ -240,13 +319,13 @@ def smallest_offload(
 
     first = math.ceil(100 * need - 1e-9)
     best = at(first)
-    if best.fits(device_bytes, threshold):
+    if best.fits(device_bytes):
         return best
     low, high, best = first + 1, 100, None
     while low <= high:
         percent = (low + high) // 2
         estimate = at(percent)
-        if estimate.fits(device_bytes, threshold):
+        if estimate.fits(device_bytes):
             best, high = estimate, percent - 1
         else:
             low = percent + 1
@@ -261,7 +340,6 @@ def plan_offload(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` distributed-optimizer layouts that fit with the offload optimizer (static policy),
@@ -270,13 +348,13 @@ def plan_offload(
     search = dataclasses.replace(search, distributed_optimizer=(True,))
     needed = []
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
-        need = offload_needed(estimate_memory(cfg, layout), device_bytes, threshold)
+        need = offload_needed(estimate_memory(cfg, layout), device_bytes)
         if need:  # None: not even full offload fits; 0: fits without
             needed.append((need, projection(cfg, layout), cfg, layout, name))
     needed.sort(key=lambda n: (n[0], n[1].total_s))
     proposals = []
     for need, time, cfg, layout, name in needed:
-        estimate = smallest_offload(cfg, layout, need, device_bytes, threshold)
+        estimate = smallest_offload(cfg, layout, need, device_bytes)
         if estimate is not None:
             proposals.append(Candidate(cfg, estimate.layout, name, estimate, time))
         if len(proposals) == top:
@@ -300,7 +378,6 @@ def plan_host_resident(
     *,
     search: Search = Search(),
     projection: Projection = DEFAULT_PROJECTION,
-    threshold: float = DEFAULT_THRESHOLD,
     top: int = 10,
 ) -> list[Candidate]:
     """Up to `top` layouts that fit with every chunk's state on host (PatrickStar's placement),
@@ -312,7 +389,7 @@ def plan_host_resident(
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         placed = host_resident(layout)
         estimate = estimate_memory(cfg, placed)
-        if estimate.fits(device_bytes, threshold):
+        if estimate.fits(device_bytes):
             proposals.append(Candidate(cfg, placed, name, estimate, projection(cfg, placed)))
     proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
     return proposals[:top]

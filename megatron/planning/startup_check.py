@@ -1,17 +1,19 @@
 """The start-up memory check's decision and its messages, on a run's estimate.
 
 `check_fit` is what pretrain_*.py runs at start-up (through megatron/training/memory_check.py):
-the per-rank table as log lines; a refusal (ValueError, one line) only when the certain part of a
-rank's estimate (weights, gradients, optimizer state, saved activations: what measurement
-confirms) exceeds device memory, unless told to skip the check; a warning naming the unmeasured
-allowances when only the full estimate does. A check that refuses a job that would run is worse
-than none. The tools print the same table and messages.
+the per-rank table as log lines and fit_rule.fit_verdict's verdict: "does not fit" (the certain
+part of a rank -- weights, gradients, optimizer state, saved activations: what measurement
+confirms -- exceeds device memory) is a refusal (ValueError, one line) unless told to skip the
+check; "fits with margin X" (only the full estimate exceeds it) a warning naming the unmeasured
+parts; "fits" a line. A check that refuses a job that would run is worse than none. The tools
+print the same table and verdict.
 """
 
 from __future__ import annotations
 
 from megatron.planning.budget import GIB
-from megatron.planning.estimator import DEFAULT_THRESHOLD, MemoryEstimate
+from megatron.planning.estimator import MemoryEstimate
+from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.layout import MemoryLayout
 
 MIB = float(1 << 20)
@@ -70,6 +72,25 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
     return lines
 
 
+def explain(estimate: MemoryEstimate) -> list[str]:
+    """Every rank's estimate by named component: the certain part, the derived transients and the
+    allowances (the uncertain part) of the phase that sets its peak, which add up to its total."""
+    lines = []
+    for rank in estimate.ranks:
+        after = rank.peaks_after_backward
+        certain = {"weights": rank.weights_bytes, "grads": rank.grads_bytes, "optimizer": rank.optimizer_bytes}
+        if not after:
+            certain["saved activations"] = rank.activations_bytes
+        uncertain = rank.uncertain()
+        derived = {name: nbytes for name, nbytes in rank.allowances().items() if name not in uncertain}
+        phase = "after backward (the optimizer step; no activation alive)" if after else "during backward"
+        lines.append(f"> pipeline rank {rank.pp_rank}, peak {phase}:")
+        for group, parts in (("certain", certain), ("derived", derived), ("allowance", uncertain)):
+            lines += [f"  {group:<10} {name:<58} {_size(nbytes):>12}" for name, nbytes in parts.items()]
+        lines.append(f"  {'total':<69} {_size(rank.total_bytes):>12}")
+    return lines
+
+
 def _components(rank) -> str:
     return (
         f"weights {_size(rank.weights_bytes)} + grads {_size(rank.grads_bytes)} + optimizer "
@@ -78,7 +99,7 @@ def _components(rank) -> str:
 
 
 def refusal(estimate: MemoryEstimate, device_bytes: int) -> str:
-    """The one-line reason the start-up check refuses a layout (`estimate.would_refuse(device_bytes)`)."""
+    """The one-line reason the start-up check refuses a layout (fit_verdict's "does not fit")."""
     rank = estimate.worst_certain_rank
     return (
         f"the certain part of the memory estimate, {_size(rank.certain_bytes)} on pipeline rank {rank.pp_rank} "
@@ -98,13 +119,17 @@ def _offload_hint(layout: MemoryLayout) -> str:
 
 
 def allowance_warning(estimate: MemoryEstimate, device_bytes: int) -> str:
-    """Why a layout whose full estimate exceeds device memory still starts, and what may not fit."""
-    rank = estimate.worst_rank
+    """Why a layout that fits only with a margin (its full estimate exceeds device memory) still
+    starts, and what may not fit."""
+    verdict = fit_verdict(estimate, device_bytes)
+    rank = estimate.ranks[verdict.pp_rank]
     allowances = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in rank.allowances().items())
     return (
-        f"estimated peak {_size(rank.total_bytes)} (pipeline rank {rank.pp_rank}) exceeds device memory "
-        f"{_size(device_bytes)}, but its certain part {_size(rank.certain_bytes)} ({_components(rank)}) fits; "
-        f"the rest are unmeasured allowances, largest first: {allowances}; starting, it may run out of memory"
+        f"{verdict.label}: estimated peak {_size(rank.total_bytes)} (pipeline rank {rank.pp_rank}) exceeds "
+        f"device memory {_size(device_bytes)}, but its certain part {_size(rank.certain_bytes)} "
+        f"({_components(rank)}) fits; the rest are unmeasured, largest first: {allowances}; the "
+        f"allocator-visible peak {_size(verdict.visible_bytes)} leaves the margin for the allowances "
+        f"{_size(verdict.allowance_bytes)}; starting, it may run out of memory"
     )
 
 
@@ -131,19 +156,15 @@ def check_estimate(estimate: MemoryEstimate, device_bytes: int | None, skip: boo
     """The start-up check's decision as one log line; ValueError (one line) when it refuses."""
     if device_bytes is None:
         return "> memory check: no device memory to compare with (CPU without --device-memory-gb); not checked"
-    peak = estimate.max_total_bytes
-    if estimate.would_refuse(device_bytes):
+    verdict = fit_verdict(estimate, device_bytes)
+    if verdict.refused:
         if not skip:
             raise ValueError(refusal(estimate, device_bytes))
         return f"> WARNING (--skip-memory-check): {refusal(estimate, device_bytes)}"
-    if peak > device_bytes:
+    if not verdict.fits:
         return f"> WARNING: {allowance_warning(estimate, device_bytes)}"
-    if peak > DEFAULT_THRESHOLD * device_bytes:
-        return (
-            f"> warning: estimated peak {_size(peak)} is above {DEFAULT_THRESHOLD:.0%} of device memory; "
-            f"it may run out of memory"
-        )
-    return f"> memory check: estimated peak {_size(peak)} is {peak / device_bytes:.0%} of device memory"
+    peak, share = _size(verdict.total_bytes), verdict.total_bytes / device_bytes
+    return f"> memory check: estimated peak {peak} is {share:.0%} of device memory: {verdict.describe()}"
 
 
 def check_fit(estimate: MemoryEstimate, device_bytes: int | None, host_bytes: int | None, skip: bool) -> list[str]:

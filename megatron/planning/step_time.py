@@ -176,6 +176,13 @@ def pipeline_idle(
     return forward * (_unit_makespan(p, v, m, group_size, ratio_b, ratio_t) - v * m * (1.0 + ratio_b))
 
 
+def least_idle(p: int, forward: float, backward: float) -> float:
+    """Idle time every pipeline schedule of p stages has, at least, with these per-chunk durations
+    (as `pipeline_idle` rounds them): the first chunk forward reaches the last stage after p - 1
+    others, and the last backward returns to the first stage after p - 1 others."""
+    return (p - 1) * forward * (1.0 + _two_digits(backward / forward))
+
+
 def pipeline_seconds(
     p: int, v: int, m: int, group_size: int | None, forward: float, backward: float, transfer: float
 ) -> float:
@@ -324,18 +331,23 @@ def step_time(
     cal: Calibration = DEFAULT_CALIBRATION,
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "auto",
+    *,
+    pipeline: bool = True,
 ) -> StepTime:
     """Project one iteration of `config` (split for the layout's tp / cp) trained with `layout` on `hw`.
-    `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py)."""
+    `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py). `pipeline`
+    False takes for the pipeline's idle time only what no schedule avoids (`least_idle`, no
+    simulation): every other part is the same, so its total is a lower bound."""
     par = layout.parallel
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
-    idle = pipeline_idle(
-        pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer_seconds(config, layout, hw, cal)
-    )
-    bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk) if pp > 1 else 0.0
-    bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
+    idle = bubble = least_idle(pp, f_chunk, b_chunk) if pp > 1 else 0.0
+    if pipeline and pp > 1:
+        transfer = transfer_seconds(config, layout, hw, cal)
+        idle = pipeline_idle(pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer)
+        bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk)
+        bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
     # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
@@ -403,6 +415,10 @@ class Projection:
 
     def __call__(self, config, layout) -> StepTime:
         return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention)
+
+    def lower_bound(self, config, layout) -> float:
+        """Seconds the step takes at least: the projection with the least pipeline idle time."""
+        return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention, pipeline=False).total_s
 
 
 DEFAULT_PROJECTION = Projection()

@@ -14,7 +14,7 @@ code allocates and are NOT validated by measurement yet:
 - cp: the K/V blocks and fp32 accumulators of the context-parallel attention's
   backward (`cp_attention_bytes`), which holds more than its forward;
 - dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
-  in place (NCCL's own buffers are in the runtime allowance);
+  in place (NCCL's own buffers are an allowance, below);
 - the largest temporary during forward/backward, the max of: the last stage's
   logits (and their fp32 copy in the cross entropy when they are bf16/fp16), a
   weight gradient before it is added to `main_grad` (with gradient accumulation
@@ -25,11 +25,18 @@ code allocates and are NOT validated by measurement yet:
 - after backward (a separate phase: activations are gone): the optimizer step's
   temporaries, and the concatenated tied-embedding gradient all-reduced between
   the first and last stage;
-- fragmentation: a fixed fraction of the dynamic memory (activations +
-  transients) for the CUDA caching allocator's rounding and unusable free
-  blocks; and a runtime allowance for the CUDA context, cuBLAS workspaces and
-  NCCL communicator buffers, which torch's allocator does not see. Both are
-  assumptions, not measurements (none on GPU yet); both are 0 on CPU.
+
+The uncertain part, by name (`Transients.allowances`): what the trace cannot see, the only margin
+the fit rule keeps (fit_rule.py). Assumptions, not measurements (none on GPU yet):
+- fragmentation: a fixed fraction of the dynamic memory (activations + transients) for the
+  CUDA caching allocator's rounding and unusable free blocks (0 on CPU);
+- runtime: the CUDA context and cuBLAS workspaces, which torch's allocator does not see
+  (0 on CPU);
+- NCCL buffers: `communicator_bytes` for each communicator the rank runs collectives on
+  (communicators.py; 0 on CPU, where gloo keeps no device buffers);
+- document mask: the [b, 1, s, s] bool mask GPTModel builds from the document ids under
+  --reset-attention-mask (attention.document_mask), one per microbatch-chunk in flight, as
+  the layers' attention keeps it for backward; the trace runs without document ids.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from megatron.planning.parameters import padded_vocab
 FP32 = 4
 FRAGMENTATION_FRACTION = 0.10
 CUDA_RUNTIME_BYTES = 1 << 30
+# NCCL's buffers per communicator: "about 0.5 GB", the figure Fujii et al.'s later estimator adds
+# per communicator on GPUs (as issue 36 quotes it; not measured here), taken as 0.5 GiB
+NCCL_COMMUNICATOR_BYTES = 1 << 29
 
 
 @dataclass(frozen=True)
@@ -96,9 +106,12 @@ class Transients:
     largest_temporary: str
     fragmentation_bytes: int
     runtime_bytes: int
+    communicators: tuple[str, ...]  # communicators.py: the groups whose NCCL buffers are counted
+    communicator_bytes: int  # all of them
+    mask_bytes: int  # document masks of --reset-attention-mask
 
-    def components(self) -> dict[str, int]:
-        """Named parts, as the start-up check's warning lists them."""
+    def derived(self) -> dict[str, int]:
+        """The parts derived from the shapes our code allocates (allocator-visible), by name."""
         return {
             "p2p buffers": self.p2p_bytes,
             "split-backward output gradients": self.split_backward_bytes,
@@ -106,9 +119,29 @@ class Transients:
             "cp attention buffers": self.cp_bytes,
             "dp buckets": self.dp_bucket_bytes,
             f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
-            "fragmentation allowance": self.fragmentation_bytes,
-            "runtime allowance": self.runtime_bytes,
         }
+
+    def allowances(self, after_backward: bool = False) -> dict[str, int]:
+        """The uncertain part, by name; after backward only what stays all along (no activations,
+        so neither fragmentation of them nor document masks)."""
+        nccl = f"NCCL buffers ({', '.join(self.communicators) or 'no communicator'})"
+        fixed = {"runtime allowance": self.runtime_bytes, nccl: self.communicator_bytes}
+        if after_backward:
+            return fixed
+        return {
+            "fragmentation allowance": self.fragmentation_bytes,
+            **fixed,
+            "document mask (--reset-attention-mask)": self.mask_bytes,
+        }
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What every phase holds: the runtime allowance and NCCL's buffers."""
+        return sum(self.allowances(after_backward=True).values())
+
+    def components(self) -> dict[str, int]:
+        """Named parts, as the start-up check's warning lists them."""
+        return {**self.derived(), **self.allowances()}
 
     @property
     def total(self) -> int:
@@ -173,15 +206,17 @@ def after_backward_temporary(dims: Dims, layout, optimizer_step: int, has_embedd
 
 @dataclass(frozen=True)
 class Allowances:
-    """Fragmentation fraction and runtime bytes; defaults depend on the device type."""
+    """Fragmentation fraction, runtime bytes and NCCL bytes per communicator; defaults depend on
+    the device type."""
 
     fragmentation_fraction: float
     runtime_bytes: int
+    communicator_bytes: int = 0
 
     @classmethod
     def default(cls, device_type: str) -> Allowances:
         if device_type == "cuda":
-            return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES)
+            return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES, NCCL_COMMUNICATOR_BYTES)
         return cls(0.0, 0)
 
 
@@ -195,9 +230,12 @@ def estimate_transients(
     cp_bytes: int,
     largest: tuple[int, str],
     activations: int,
+    communicators: tuple[str, ...],
+    microbatches_in_flight: int,
 ) -> Transients:
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.parallel.tp > 1 else 0
-    dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0]
+    mask_bytes = dims.b * dims.s * dims.s * microbatches_in_flight if layout.document_mask else 0
+    dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0] + mask_bytes
     return Transients(
         p2p_bytes=p2p_extra,
         split_backward_bytes=split_bytes,
@@ -208,4 +246,7 @@ def estimate_transients(
         largest_temporary=largest[1],
         fragmentation_bytes=int(allowances.fragmentation_fraction * dynamic),
         runtime_bytes=allowances.runtime_bytes,
+        communicators=communicators,
+        communicator_bytes=allowances.communicator_bytes * len(communicators),
+        mask_bytes=mask_bytes,
     )

@@ -16,10 +16,16 @@ from megatron.planning.startup_check import check_fit, offload_budget_refusal
 
 def layout_from_run(run, device_type: str, *, distributed_optimizer: bool | None = None) -> MemoryLayout:
     """What the estimate reads of `run` on `device_type`: its own parallel config and offload
-    settings and its batch sizes. `distributed_optimizer` overrides --use-distributed-optimizer
-    (None: keep it), to compare the two optimizers on one run (the replicated one without offload)."""
+    settings, its batch sizes and whether its data builds a document mask. `distributed_optimizer`
+    overrides --use-distributed-optimizer (None: keep it), to compare the two optimizers on one run
+    (the replicated one without offload)."""
     layout = MemoryLayout(
-        run.parallel, run.training.micro_batch_size, run.training.num_microbatches, run.optimizer.offload, device_type
+        run.parallel,
+        run.training.micro_batch_size,
+        run.training.num_microbatches,
+        run.optimizer.offload,
+        device_type,
+        document_mask=run.data is not None and run.data.reset_attention_mask,
     )
     if distributed_optimizer is None:
         return layout

@@ -9,10 +9,19 @@ from megatron.core.optimizer.config import OffloadConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning import MemoryLayout, estimate_memory
+from megatron.planning.bounds import certain_lower_bound
 from megatron.planning.hardware import Hardware
 from megatron.planning.pipeline_simulator import simulate
-from megatron.planning.planner import Search, enumerate_layouts, offload_needed, plan, plan_offload, smallest_offload
-from megatron.planning.step_time import bubble_units, step_time
+from megatron.planning.planner import (
+    Search,
+    enumerate_layouts,
+    offload_needed,
+    plan,
+    plan_fastest,
+    plan_offload,
+    smallest_offload,
+)
+from megatron.planning.step_time import Projection, bubble_units, least_idle, pipeline_idle, step_time
 
 MODEL = TransformerConfig(
     num_layers=8,
@@ -31,6 +40,18 @@ MODEL = TransformerConfig(
     params_dtype=torch.bfloat16,
 )
 GIB = 1 << 30
+
+
+def test_no_schedule_idles_less_than_the_least_idle():
+    """What the pruned search's time bound relies on: every simulated schedule idles at least
+    (p - 1) x (forward + backward) of one chunk, whatever m (also below p) and the durations."""
+    for p, v in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4), (8, 2)):
+        for m in (1, 2, p - 1, p, p + 1, 3 * p):
+            if v > 1 and m % p:
+                continue
+            for backward, transfer in ((1.0, 0.0), (2.0, 0.0), (2.3, 0.1), (3.0, 0.5)):
+                idle = pipeline_idle(p, v, m, None, 1.0, backward, transfer)
+                assert idle >= least_idle(p, 1.0, backward) - 1e-9, (p, v, m, backward, transfer)
 
 
 @pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (4, 2), (2, 4)])
@@ -91,7 +112,7 @@ def test_cp_only_where_the_sequence_splits_and_without_attention_dropout():
 def test_plan_drops_what_does_not_fit_and_sorts_by_time():
     fitting, rejected, startable = plan(MODEL, 8, 32, 6 * GIB, search=Search(micro_batch_sizes=(1, 2)))
     assert fitting and rejected and 0 <= startable <= rejected
-    assert all(c.estimate.max_total_bytes <= 0.8 * 6 * GIB for c in fitting)
+    assert all(c.estimate.max_total_bytes <= 6 * GIB for c in fitting)
     times = [c.time.total_s for c in fitting]
     assert times == sorted(times)
     none, rejected, startable = plan(MODEL, 8, 32, GIB // 100)
@@ -99,8 +120,8 @@ def test_plan_drops_what_does_not_fit_and_sorts_by_time():
 
 
 def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
-    """Above 80% of the full estimate a layout is dropped from the recommendations, but the
-    start-up check starts it while its certain part fits."""
+    """A layout whose full estimate exceeds the device is dropped from the recommendations, but the
+    start-up check starts it while its certain part fits ("fits with margin")."""
     search = Search(
         tps=(8,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("none",), distributed_optimizer=(False,)
     )
@@ -110,6 +131,38 @@ def test_plan_counts_dropped_layouts_the_start_up_check_would_start():
     assert estimate.max_certain_bytes < estimate.max_total_bytes
     assert plan(MODEL, 8, 8, between, search=search) == ([], 1, 1)
     assert plan(MODEL, 8, 8, estimate.max_certain_bytes - 1, search=search) == ([], 1, 0)
+
+
+def test_bounds_hold_for_every_layout():
+    """What the pruned search relies on: the parameter count's bound is at most the model states of
+    the fullest rank (so above the device it means "does not fit"), and the step time without the
+    pipeline's least idle time at most the projection (equal without a pipeline)."""
+    projection = Projection()
+    search = Search(micro_batch_sizes=(1,), recompute=("full",))
+    for cfg, layout, _ in enumerate_layouts(MODEL, 8, 32, search, Hardware()):
+        bound = certain_lower_bound(cfg, layout)
+        assert 0 < bound <= max(r.states_bytes for r in estimate_memory(cfg, layout).ranks), layout.describe()
+        full, lower = projection(cfg, layout).total_s, projection.lower_bound(cfg, layout)
+        assert lower <= full and (layout.parallel.pp > 1 or lower == full), layout.describe()
+
+
+def test_plan_fastest_finds_the_exhaustive_top():
+    """On 8 CPU ranks of 2.5 GiB (no allowances, so the parameter count decides early: the replicated
+    optimizer at tp 1 x pp 1 holds 2.8 GiB of model states): the same top 5 as estimating every
+    layout, in the same order, having pruned some by their parameter count and never estimated
+    others (slower by their lower bound); its counts agree with the exhaustive plan's."""
+    search = Search(micro_batch_sizes=(1, 2), device_type="cpu")
+    device = 5 * GIB // 2
+    every, rejected, startable = plan(MODEL, 8, 32, device, search=search)
+    top, counts = plan_fastest(MODEL, 8, 32, device, search=search, top=5)
+    assert [(c.layout, c.recompute) for c in top] == [(c.layout, c.recompute) for c in every[:5]]
+    assert [c.time.total_s for c in top] == [c.time.total_s for c in every[:5]]
+    assert counts.considered == len(every) + rejected
+    assert counts.pruned > 0 and counts.skipped > 0
+    assert counts.estimated + counts.skipped + counts.pruned == counts.considered
+    assert counts.fit <= len(every) and counts.margin <= startable
+    nothing, none = plan_fastest(MODEL, 8, 32, GIB // 100, search=search)
+    assert nothing == [] and none.pruned == none.considered == counts.considered and none.traces == 0
 
 
 def test_search_restrictions():
@@ -128,7 +181,7 @@ ONE = Search(tps=(1,), cps=(1,), pps=(1,), micro_batch_sizes=(1,), recompute=("f
 
 
 def test_plan_offload_proposes_the_smallest_fraction_that_fits():
-    """On one 4 GiB device nothing fits under 80% (8 layers of 1024 in bf16: 1.9 GiB of optimizer
+    """On one 4 GiB device nothing fits (8 layers of 1024 in bf16: 1.9 GiB of optimizer
     state); the offload plan keeps the distributed optimizer and picks the smallest 0.01 step, from
     the share that fits by bytes up, whose whole chunks fit."""
     device = 4 * GIB
@@ -155,7 +208,7 @@ def test_smallest_offload_rounds_up_to_whole_chunks():
     layout = layout.with_ddp(bucket_size=40_000_000)
     plain = estimate_memory(config, layout)
     rank = plain.ranks[0]
-    device = int((rank.total_bytes - rank.optimizer_bytes / 3) / 0.8)  # needs a third offloaded, by bytes
+    device = int(rank.total_bytes - rank.optimizer_bytes / 3)  # needs a third offloaded, by bytes
     need = offload_needed(plain, device)
     assert need == pytest.approx(1 / 3, rel=1e-6)
     estimate = smallest_offload(config, layout, need, device)

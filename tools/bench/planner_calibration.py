@@ -63,38 +63,38 @@ def projection_for(run, cal: Calibration) -> Projection:
     )
 
 
-@functools.cache
-def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
-    """(config, layout, fits under the planner's margin, fits its certain part, GiB) of the run's own layout, or
-    of every layout the planner would consider for it when the source leaves micro batch and virtual stages open
-    (memory does not depend on the constants, so a fit estimates it once)."""
-    device_bytes = int(DEVICES[run.device].memory_gib * GIB)
+def run_layouts(run) -> list[tuple[object, object]]:
+    """(config, layout) of the run's own layout, or of every layout the planner would consider for it
+    when the source leaves micro batch and virtual stages open."""
     flags = list(run.flags) + (["--micro-batch-size", "1"] if run.searched else [])
     config = run_config_for_tool(flags, "gpt", run.num_gpus, PROG)
     if not run.searched:
-        layout = layout_from_run(config, "cuda").with_ddp(grad_dtype=run.grad_dtype)
-        layouts = [(config.model, layout)]
-    else:
-        par = config.parallel
-        search = Search(
-            tps=(par.tp,),
-            cps=(1,),
-            pps=(par.pp,),
-            micro_batch_sizes=(1, 2, 4),
-            recompute=("none",),
-            distributed_optimizer=(True,),
-            stage_splits=((None, None),),
-            grad_dtype=run.grad_dtype,
-            max_virtual_stages=config.model.num_layers,
-        )
-        layouts = [
-            (cfg, lay)
-            for cfg, lay, _ in enumerate_layouts(
-                config.model, run.num_gpus, config.training.global_batch_size, search, DEVICES[run.device]
-            )
-        ]
+        return [(config.model, layout_from_run(config, "cuda").with_ddp(grad_dtype=run.grad_dtype))]
+    par = config.parallel
+    search = Search(
+        tps=(par.tp,),
+        cps=(1,),
+        pps=(par.pp,),
+        micro_batch_sizes=(1, 2, 4),
+        recompute=("none",),
+        distributed_optimizer=(True,),
+        stage_splits=((None, None),),
+        grad_dtype=run.grad_dtype,
+        max_virtual_stages=config.model.num_layers,
+    )
+    batch = config.training.global_batch_size
+    return [
+        (cfg, lay) for cfg, lay, _ in enumerate_layouts(config.model, run.num_gpus, batch, search, DEVICES[run.device])
+    ]
+
+
+@functools.cache
+def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
+    """(config, layout, fit verdict "fits" (fit_rule.py), not refused, GiB) of each of `run_layouts(run)`
+    (memory does not depend on the constants, so a fit estimates it once)."""
+    device_bytes = int(DEVICES[run.device].memory_gib * GIB)
     out = []
-    for cfg, layout in layouts:
+    for cfg, layout in run_layouts(run):
         estimate = estimate_memory(cfg, layout)
         out.append(
             (
@@ -109,8 +109,8 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
 
 
 def evaluate(run, cal: Calibration = DEFAULT_CALIBRATION) -> Outcome:
-    """Predict one published run: its own layout, or the planner's pick (the fastest that fits under
-    the planner's margin) where the source leaves micro batch and virtual stages open."""
+    """Predict one published run: its own layout, or the planner's pick (the fastest whose verdict is
+    "fits") where the source leaves micro batch and virtual stages open."""
     projection = projection_for(run, cal)
     options = [c for c in candidates(run) if c[2]] if run.searched else candidates(run)
     if not options:

@@ -20,6 +20,9 @@ its authors published. Two sources:
   names). Reported: model TFLOP/s per GPU.
   Micro batch and virtual stages are not published: the planner picks them (its fastest
   layout that fits among micro batch 1, 2, 4 and every valid virtual-stage count).
+
+`MEMORY_RUNS`: layouts that trained without running out of memory, for the fit rule's check
+(tools/bench/fit_rule_outcomes.py), with no throughput.
 """
 
 from __future__ import annotations
@@ -162,3 +165,32 @@ RUNS = (
     _mcore("314B", 96, 16384, 128, 8, 8, 1536, 474.4),
     _mcore("462B", 112, 18432, 144, 8, 16, 3072, 459.9),
 )
+
+LLAMA31_8B_SOURCE = (
+    "Megatron-LM training Llama-3.1-8B on 8 x H100 94 GB (93.6 GiB as CUDA reports it), as docs/memory.md "
+    "and tests/unit/test_memory_cli.py record it; the original report is not in this repository"
+)
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    """A layout that trained without running out of memory, whose throughput is not used here."""
+
+    name: str
+    source: str
+    num_gpus: int
+    device_memory_gib: float
+    flags: tuple[str, ...]  # pretrain_llama.py flags of the run
+
+
+def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
+    flags = (
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --vocab-size 128256 --bf16 --tensor-model-parallel-size 2 "
+        f"--sequence-parallel --use-distributed-optimizer --global-batch-size 128 --seq-length {seq} "
+        f"--micro-batch-size {mbs}"
+    ).split()
+    return MemoryRun(f"Llama-3.1-8B s{seq} mbs{mbs}", LLAMA31_8B_SOURCE, 8, 93.6, tuple(flags))
+
+
+MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2))
