@@ -47,23 +47,28 @@ def _free_port() -> int:
 
 def run_oracle(jobs: list[dict], directory: Path, world: int = 2) -> None:
     """Run the jobs (see driver.py) on `world` gloo ranks of megatron-core, isolated from our package."""
-    _run(DRIVER, {"world": world, "port": _free_port(), "jobs": jobs}, directory)
+    _run(DRIVER, {"world": world, "jobs": jobs}, directory)
 
 
 def run_moe_oracle(cases: list[dict], directory: Path) -> None:
     """Run megatron-core's MoELayer on the cases (see moe_driver.py) on one rank, isolated from our package."""
-    _run(MOE_DRIVER, {"port": _free_port(), "cases": cases}, directory)
+    _run(MOE_DRIVER, {"cases": cases}, directory)
 
 
-def _run(driver: Path, spec_values: dict, directory: Path) -> None:
+def _run(driver: Path, spec_values: dict, directory: Path, attempts: int = 3) -> None:
+    """Run `driver` on a free port; another process may take that port between our check and the
+    ranks' rendezvous (EADDRINUSE), so such a start is retried on a new port."""
     spec = directory / "oracle_spec.json"
-    spec.write_text(json.dumps(spec_values))
-    proc = subprocess.run(
-        [megatron_core_python(), "-I", "-W", "ignore", str(driver), str(spec)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
+    for _ in range(attempts):
+        spec.write_text(json.dumps({**spec_values, "port": _free_port()}))
+        proc = subprocess.run(
+            [megatron_core_python(), "-I", "-W", "ignore", str(driver), str(spec)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=600,
+            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        )
+        if "EADDRINUSE" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
