@@ -89,10 +89,20 @@ def _finish(acc, dtype):
     return torch.cat([acc[0][0], acc[1][0]], dim=1).to(dtype), torch.cat([acc[0][1], acc[1][1]], dim=2)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a compact copy of it when it is a view into a larger tensor. The attention's v (and k
+    without rotary embeddings) is a slice of the fused QKV projection's output: saving the slice would
+    keep that whole output alive until backward, (a + 2g) d per token where v alone is g d."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.contiguous()
+
+
 def _save_for_backward(ctx, acc, q, k, v, group, scale, impl):
-    """Finish the merged output; keep only this rank's q, k, v, output and lse for backward."""
+    """Finish the merged output; keep only this rank's q, k, v (each in storage of its own), output
+    and lse for backward."""
     out, lse = _finish(acc, q.dtype)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(*(_own_storage(t) for t in (q, k, v)), out, lse)
     ctx.group, ctx.scale, ctx.impl = group, scale, impl
     return out
 
