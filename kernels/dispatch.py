@@ -53,8 +53,8 @@ def kernel_paths(
     assume_triton=False,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
-    log and the memory estimate. `attention_impl` ('unfused' or a kernel impl) / `norm_impl`: --attention-backend and
-    --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
+    log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend ('unfused', or
+    a kernel impl) and --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
     probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
     `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
     CPU: the interpreter on), for an estimate of a run elsewhere."""

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.dispatch import UNFUSED
 from kernels.flash_attention import flash_attention
 from megatron.core.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -53,13 +54,12 @@ def core_attention(q, k, v, dropout_p: float, paths, cp_group=None, cp_comm_type
     `paths` (kernels/dispatch.py `KernelPaths`, for this call's dropout, mask and cp group) says
     which runs: megatron-core's unfused attention ("unfused", `unfused_attention`); across the cp
     ranks on this rank's load-balanced share of the sequence ("ring", no dropout there: refused at
-    start-up); the flash-attention kernel or its torch reference
-    ("flash_attention"); or torch's SDPA ("sdpa"): the kernel has no dropout and no document
-    boundaries (`attention_mask`, `document_mask`; --attention-backend triton and cp with it are
-    refused at start-up).
+    start-up); the flash-attention kernel or its torch reference ("flash_attention"); or torch's
+    SDPA ("sdpa"): the kernel has no dropout and no document boundaries (`attention_mask`,
+    `document_mask`; --attention-backend triton and cp with it are refused at start-up).
     """
     impl = paths.attention_kernel.impl
-    if paths.attention == "unfused":
+    if paths.attention == UNFUSED:
         return unfused_attention(q, k, v, dropout_p, attention_mask)
     if paths.attention == "ring":
         out = context_parallel_attention(
