@@ -2,13 +2,12 @@
 
 megatron-core 0.16.1 (tests/mcore_oracle/driver.py, local layer spec, Float16Module, fp32 master
 weights) trains the GPT-style and the Llama-style model of test_megatron_core.py in bf16 at tp 2
-(and the Llama at tp 1) for 2 steps on one batch (one microbatch) and saves a torch_dist checkpoint (bf16
-weights, fp32 master weights and moments), then records its logits and loss and 2 more steps.
-Ours loads each checkpoint with --bf16 --attention-backend local in a layout that sums as it
-does (tp 2; two pipeline stages for the Llama at tp 1: `CASES`), the batch as one microbatch (in bf16 a split of the
-batch over microbatches or dp ranks rounds the weight gradients' partial sums otherwise): the
-logits and the per-token loss are megatron-core's, and steps 3-4's losses and grad norms, within
-REL (relative; the logits relative to their largest).
+(and the Llama at tp 1) for 2 steps on one batch (one microbatch) and saves a torch_dist
+checkpoint (bf16 weights, fp32 master weights and moments), then records its logits and loss and
+2 more steps. Ours loads each checkpoint with --bf16 --attention-backend local in a layout that
+sums as it does (`CASES`), the batch as one microbatch: the logits and the per-token loss are
+megatron-core's, and steps 3-4's losses and grad norms, within REL (relative; the logits relative
+to their largest).
 """
 
 from __future__ import annotations
