@@ -11,15 +11,18 @@ from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
 from kernels.triton_support import OpPath, op_path
 
-ATTENTION_PATHS = ("ring", "flash_attention", "sdpa")
+ATTENTION_PATHS = ("ring", "flash_attention", "sdpa", "unfused")
+UNFUSED = "unfused"  # the attention impl that selects megatron-core's unfused DotProductAttention
 
 
 @dataclass(frozen=True)
 class KernelPaths:
     """Which path each op of a model takes. `attention`: 'ring' (context parallelism, whose blocks
     run `attention_kernel`), 'flash_attention' (our kernel or its torch reference, by
-    `attention_kernel`), or 'sdpa' (torch's scaled_dot_product_attention: attention dropout or a
-    document mask, which the kernel does not have). `norm`: the normalization kernels' path."""
+    `attention_kernel`), 'sdpa' (torch's scaled_dot_product_attention: attention dropout or a
+    document mask, which the kernel does not have), or 'unfused' (megatron-core's local-spec
+    attention, rounding as it does: --attention-backend unfused|local). `norm`: the normalization
+    kernels' path."""
 
     attention: str
     attention_kernel: OpPath
@@ -31,6 +34,8 @@ class KernelPaths:
         """The start-up log's attention path (the kernel's path, or why SDPA runs instead)."""
         if self.attention == "sdpa":
             return f"torch scaled_dot_product_attention {self.sdpa_reason}"
+        if self.attention == UNFUSED:
+            return "torch, unfused as megatron-core's DotProductAttention (scores and probabilities stored)"
         return self.attention_kernel.line
 
 
@@ -48,17 +53,23 @@ def kernel_paths(
     assume_triton=False,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
-    log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend and
-    --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
+    log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend ('unfused', or
+    a kernel impl) and --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
     probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
     `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
     CPU: the interpreter on), for an estimate of a run elsewhere."""
+    unfused = attention_impl == UNFUSED
     attention_kernel = op_path(
-        attention_impl, device_type, attention_unsupported(head_dim, dtype, device_type), assume_triton
+        "torch" if unfused else attention_impl,
+        device_type,
+        attention_unsupported(head_dim, dtype, device_type),
+        assume_triton,
     )
     norm = op_path(norm_impl, device_type, norm_unsupported(hidden_size, dtype), assume_triton)
     if context_parallel:
         return KernelPaths("ring", attention_kernel, norm)
+    if unfused:
+        return KernelPaths(UNFUSED, attention_kernel, norm)
     if document_mask:
         return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)")
     if attention_dropout > 0.0:

@@ -260,7 +260,11 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 def layer_norm_torch(x, weight, bias, eps, residual=None):
-    """Reference LayerNorm in (at least) fp32."""
+    """Reference LayerNorm in (at least) fp32. torch's own LayerNorm computes in fp32 inside and rounds
+    its results once, so x and the weights of one dtype go to it as they are: megatron-core's local
+    spec (torch.nn.LayerNorm) then gets the same gradients, rounded the same way."""
+    if residual is None and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return _reference(
         x,
         residual,

@@ -11,7 +11,8 @@ attention (megatron/core/transformer/attention.py `core_attention`)
     takes, or the CPU interpreter with --attention-backend triton);
   * "flash": torch SDPA's flash kernel (the torch reference without dropout on CPU; CUDA
     fp16/bf16 otherwise); "efficient": CUDA memory-efficient SDPA (fp32 without GQA);
-  * "math": composite SDPA (CPU with dropout; CUDA otherwise), in fp32 on CPU.
+  * "math": composite SDPA (CPU with dropout; CUDA otherwise), in fp32 on CPU;
+  * "unfused": megatron-core's unfused attention (--attention-backend unfused|local), plain torch ops.
 normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, or F.rms_norm,
   composite on CPU and `_fused_rms_norm` on CUDA).
 dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
@@ -28,7 +29,7 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str  # "ring" | "triton" | "flash" | "efficient" | "math"
+    attention: str  # "ring" | "triton" | "flash" | "efficient" | "math" | "unfused"
     norm: str  # "triton" | "torch"
 
     def describe(self) -> str:
@@ -57,8 +58,8 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
     paths = config.kernel_paths(device_type, assume_triton=True)
     if attention != "auto":
         chosen = attention
-    elif paths.attention == "ring":
-        chosen = "ring"
+    elif paths.attention in ("ring", "unfused"):
+        chosen = paths.attention
     elif paths.attention == "flash_attention" and paths.attention_kernel.runs_triton:
         chosen = "triton"
     else:

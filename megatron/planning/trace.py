@@ -39,6 +39,7 @@ import torch
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kernels.dispatch import UNFUSED
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.transformer.block import layer_groups
@@ -255,9 +256,8 @@ def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfi
     """`config` with the attention and normalization paths a run on `device_type` takes (with Triton
     installed), so that the trace's fake CPU tensors run them."""
     paths = config.kernel_paths(device_type, assume_triton=True)
-    return dataclasses.replace(
-        config, attention_backend=paths.attention_kernel.impl, normalization_impl=paths.norm.impl
-    )
+    attention = config.attention_backend if paths.attention == UNFUSED else paths.attention_kernel.impl
+    return dataclasses.replace(config, attention_backend=attention, normalization_impl=paths.norm.impl)
 
 
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:

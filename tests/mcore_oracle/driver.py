@@ -5,7 +5,9 @@ Runs only in the megatron-core virtual environment, where our package is not imp
 SPEC (JSON): {"world": ranks, "port": a free port, "jobs": [job, ...]}, the jobs run one after the
 other in the same processes. A job: {"tp": tensor-parallel size (the rest of the ranks are data
 parallel), "model": our model args (TransformerConfig field names, as our checkpoints record them),
-"make_vocab_size_divisible_by": n, "seed": s, "batch": file holding {"tokens": [b, s], "labels":
+"make_vocab_size_divisible_by": n, "seed": s, "bf16": bf16 weights
+(optional: the model in megatron-core's Float16Module, the optimizer with fp32 master weights, as
+Megatron-LM's --bf16 runs it), "batch": file holding {"tokens": [b, s], "labels":
 [b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
 "distributed_optimizer": bool (megatron-core's DistributedOptimizer, default false), "bucket_size": n
 (elements per gradient bucket, as --overlap-grad-reduce --ddp-bucket-size n; default: one bucket),
@@ -59,6 +61,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -68,9 +71,19 @@ def padded_vocab(spec: dict) -> int:
     return -(-spec["model"]["vocab_size"] // multiple) * multiple
 
 
+def params_dtype(spec: dict) -> torch.dtype:
+    return torch.bfloat16 if spec.get("bf16") else torch.float32
+
+
 def build_model(spec: dict) -> GPTModel:
+    """megatron-core's GPTModel with the local layer spec; in bf16, its parameters are bf16 (initialised
+    in fp32 and rounded, as Megatron-LM's --bf16 does) and attention's softmax runs in the scores' dtype
+    (Megatron-LM's default: no --attention-softmax-in-fp32)."""
     m = spec["model"]
     config = TransformerConfig(
+        bf16=bool(spec.get("bf16")),
+        params_dtype=params_dtype(spec),
+        attention_softmax_in_fp32=not spec.get("bf16"),
         num_layers=m["num_layers"],
         hidden_size=m["hidden_size"],
         ffn_hidden_size=m["ffn_hidden_size"],
@@ -143,8 +156,8 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         apply_layernorm_1p=False,
         tensor_model_parallel_size=spec["tp"],
         pipeline_model_parallel_size=1,
-        params_dtype=torch.float32,
-        bf16=False,
+        params_dtype=params_dtype(spec),
+        bf16=bool(spec.get("bf16")),
         fp16=False,
         use_distributed_optimizer=spec.get("distributed_optimizer", False),
         data_parallel_size=dist.get_world_size() // spec["tp"],
@@ -181,7 +194,10 @@ class Oracle:
             use_distributed_optimizer=distributed,
         )
         model = build_model(spec)
-        self.model = DistributedDataParallel(model.config, ddp, model)
+        config, self.gpt = model.config, model
+        if spec.get("bf16"):
+            model = Float16Module(config, model)
+        self.model = DistributedDataParallel(config, ddp, model)
         o = spec.get("optimizer", {})
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -193,7 +209,8 @@ class Oracle:
                 adam_beta2=o.get("beta2", 0.999),
                 adam_eps=o.get("eps", 1e-8),
                 clip_grad=o.get("clip_grad", 1.0),
-                params_dtype=torch.float32,
+                bf16=bool(spec.get("bf16")),
+                params_dtype=params_dtype(spec),
                 use_distributed_optimizer=distributed,
             ),
             [self.model],
@@ -263,7 +280,7 @@ class Oracle:
         self.model.zero_grad_buffer()
         self.loss().float().mean().backward()
         self.model.finish_grad_sync()
-        params = dict(self.model.module.named_parameters())
+        params = dict(self.gpt.named_parameters())
         grads = {}
         for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             if name in params:

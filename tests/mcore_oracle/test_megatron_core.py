@@ -184,7 +184,7 @@ def _logits_and_loss(trainer, batch: dict):
     with torch.no_grad():
         if mesh.pp_size == 1:
             return module(batch["tokens"]), module(batch["tokens"], batch["labels"])
-        hidden = torch.empty(SEQ, BATCH, module.config.hidden_size)
+        hidden = torch.empty(SEQ, BATCH, module.config.hidden_size, dtype=module.config.params_dtype)
         if mesh.pp_rank == 0:
             dist.send(module(batch["tokens"]), dist.get_world_size() - 1)
             return None, None

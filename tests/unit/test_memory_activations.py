@@ -62,14 +62,14 @@ def layer_bytes(config, tp=1, device="cuda", cp=1):
 def test_llama_layer_on_cuda_against_the_paper(t):
     """Paper (Fujii et al., bf16, flash, SP, no dropout): s b h (12 + 4k/a + 8 f/h) / t bytes per layer.
     With our Triton kernels (attention, norms) our layer adds what the code really keeps: RMSNorm's fp32
-    rstd, the kernel's fp32 log-sum-exp, and RoPE's fp32 cos/sin (the projection saves its input, a
-    reshaped view of the kernel's output, as it is)."""
+    rstd, the kernel's fp32 log-sum-exp, and RoPE's cos/sin rounded to bf16 as megatron-core does, once
+    for q and once for k (the projection saves its input, a reshaped view of the kernel's output, as it is)."""
     assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton"
     sbh = S * B * H
     paper = sbh * (12 + 4 * G / A + 8 * F / H) / t
     rstd = 2 * 4 * S * B / t
     lse = 4 * B * A * S / t
-    rope = 4 * S * D * 4
+    rope = 4 * S * D * 2
     assert layer_bytes(LLAMA, t) == paper + rstd + lse + rope
 
 

@@ -151,7 +151,8 @@ def test_variant_flags_reach_the_model():
         == "rope"
     )
     assert (
-        parse_run_config(TINY + ["--attention-backend", "unfused"], GPT_DEFAULTS, 1).model.attention_backend == "torch"
+        parse_run_config(TINY + ["--attention-backend", "unfused"], GPT_DEFAULTS, 1).model.attention_backend
+        == "unfused"
     )
     with pytest.raises(ValueError, match="--recompute-activations \\(selective\\) contradicts"):
         parse_run_config(TINY + ["--recompute-activations", "--recompute-granularity", "full"], GPT_DEFAULTS, 1)

@@ -52,11 +52,10 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sp_group, param, fuse, deferrable):
-        ctx.sp_group, ctx.has_bias, ctx.param, ctx.fuse = sp_group, bias is not None, param, fuse
-        ctx.deferrable = deferrable
+    def forward(ctx, x, weight, sp_group, param, fuse, deferrable):
+        ctx.sp_group, ctx.param, ctx.fuse, ctx.deferrable = sp_group, param, fuse, deferrable
         ctx.save_for_backward(x, weight)
-        return F.linear(sequence_input(x, sp_group), weight, bias)
+        return F.linear(sequence_input(x, sp_group), weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -73,13 +72,12 @@ class _Linear(torch.autograd.Function):
                 weight_grad.accumulate()
             ctx.param.grad_added_to_main_grad = True
             grad_weight = torch.empty_like(weight)
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         grad_input = None
         if ctx.needs_input_grad[0]:  # not for a first layer fed with data
             grad_input = grad_out.matmul(weight)
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 def _linear(
@@ -92,16 +90,19 @@ def _linear(
     gradient_accumulation_fusion: bool = False,
     deferrable: bool = True,
 ) -> torch.Tensor:
-    """x W^T + b through `_Linear` when it does something autograd's linear does not (gather over the
-    sequence; gradients of the layer's own weight straight into its main_grad buffer), else F.linear.
-    Fused accumulation needs main_grad in the weight's dtype (fp32 weights: adding a bf16/fp16 product
-    into fp32 needs a kernel not built here)."""
+    """x W^T + b: the product through `_Linear` when it does something autograd's linear does not
+    (gather over the sequence; gradients of the layer's own weight straight into its main_grad
+    buffer), else F.linear. Fused accumulation needs main_grad in the weight's dtype (fp32 weights:
+    adding a bf16/fp16 product into fp32 needs a kernel not built here). The bias is added to the
+    product rounded to its dtype, as megatron-core's linear layers do (a fused addmm rounds once)."""
     main_grad = getattr(weight, "main_grad", None)
     param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
     if sp_group is None and param is None:
-        return F.linear(x, weight, bias)
-    fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
-    return _Linear.apply(x, weight, bias, sp_group, param, fuse, deferrable)
+        y = F.linear(x, weight)
+    else:
+        fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
+        y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable)
+    return y if bias is None else y + bias
 
 
 class ColumnParallelLinear(torch.nn.Module):

@@ -8,11 +8,13 @@ splitting the rows contiguously across tp ranks hands each rank whole groups.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.dispatch import UNFUSED
 from kernels.flash_attention import flash_attention
 from megatron.core.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -30,17 +32,35 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
 
 
+def unfused_attention(q, k, v, dropout_p: float, attention_mask=None):
+    """megatron-core's DotProductAttention (its local layer spec) step by step, each step rounded to
+    q's dtype as there: scores q k^T / sqrt(d) (one baddbmm), hidden keys set to -10000, softmax
+    (computed in fp32 by torch either way: --attention-softmax-in-fp32 changes nothing), dropout,
+    probabilities @ v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d]; `attention_mask`:
+    `document_mask` (True: visible) or None (causal)."""
+    s, b, h, d = q.shape
+    k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
+    q, k, v = (t.reshape(s, b * h, d).transpose(0, 1) for t in (q, k, v))  # [b * h, s, d]
+    scores = torch.baddbmm(q.new_empty(b * h, s, s), q, k.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(d))
+    hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if attention_mask is None else ~attention_mask
+    probs = torch.softmax(scores.view(b, h, s, s).masked_fill(hidden, -10000.0), dim=-1)
+    probs = F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs
+    return torch.bmm(probs.view(b * h, s, s), v).view(b, h, s, d).permute(2, 0, 1, 3)
+
+
 def core_attention(q, k, v, dropout_p: float, paths, cp_group=None, cp_comm_type: str = "p2p", attention_mask=None):
     """Causal softmax(q k^T / sqrt(d)) v. q [s, b, h, d], k/v [s, b, h_kv, d] -> [s, b, h, d].
 
     `paths` (kernels/dispatch.py `KernelPaths`, for this call's dropout, mask and cp group) says
-    which runs: across the cp ranks on this rank's load-balanced share of the sequence ("ring",
-    no dropout there: refused at start-up); the flash-attention kernel or its torch reference
-    ("flash_attention"); or torch's SDPA ("sdpa"): the kernel has no dropout and no document
-    boundaries (`attention_mask`, `document_mask`; --attention-backend triton and cp with it are
-    refused at start-up).
+    which runs: megatron-core's unfused attention ("unfused", `unfused_attention`); across the cp
+    ranks on this rank's load-balanced share of the sequence ("ring", no dropout there: refused at
+    start-up); the flash-attention kernel or its torch reference ("flash_attention"); or torch's
+    SDPA ("sdpa"): the kernel has no dropout and no document boundaries (`attention_mask`,
+    `document_mask`; --attention-backend triton and cp with it are refused at start-up).
     """
     impl = paths.attention_kernel.impl
+    if paths.attention == UNFUSED:
+        return unfused_attention(q, k, v, dropout_p, attention_mask)
     if paths.attention == "ring":
         out = context_parallel_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cp_group, comm_type=cp_comm_type, impl=impl

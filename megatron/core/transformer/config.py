@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import KernelPaths, kernel_paths
+from kernels.dispatch import UNFUSED, KernelPaths, kernel_paths
 from megatron.core.tensor_parallel.initialization import RANDOM_KINDS
 from megatron.core.transformer.moe.validation import moe_layer_pattern, validate_moe
 
@@ -180,10 +180,10 @@ class TransformerConfig:
             )
         else:
             need(self.recompute_method is None, "--recompute-method only applies with --recompute-granularity full")
-        for name in ("attention_backend", "normalization_impl"):
+        for name, impls in (("attention_backend", (*KERNEL_IMPLS, UNFUSED)), ("normalization_impl", KERNEL_IMPLS)):
             need(
-                getattr(self, name) in KERNEL_IMPLS,
-                f"--{name.replace('_', '-')} must be one of {', '.join(KERNEL_IMPLS)}",
+                getattr(self, name) in impls,
+                f"--{name.replace('_', '-')} must be one of {', '.join(impls)}",
             )
         self._validate_tensor_parallel()
         self._validate_context_parallel()

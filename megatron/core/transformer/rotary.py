@@ -62,10 +62,12 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first angles.shape[-1] channels of x [s, b, h, d] by angles [s, b or 1, 1, r]; the
-    other channels pass unchanged. Computed in fp32, returned in x's dtype."""
+    other channels pass unchanged. As megatron-core: cos and sin (of fp32 angles) are rounded to x's
+    dtype and the rotation is computed in x's dtype."""
     rotary_dim = angles.shape[-1]
-    xf = x[..., :rotary_dim].float()
-    out = (xf * angles.cos() + _rotate(xf, interleaved) * angles.sin()).to(x.dtype)
+    rotated = x[..., :rotary_dim]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    out = rotated * cos + _rotate(rotated, interleaved) * sin
     if rotary_dim == x.shape[-1]:
         return out
     return torch.cat([out, x[..., rotary_dim:]], dim=-1)

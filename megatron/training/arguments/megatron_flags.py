@@ -45,7 +45,8 @@ _NO_OP = {
         "--grad-reduce-in-bf16 --ddp-reduce-scatter-with-fp32-accumulation"
     ),
     "attention's softmax always accumulates in fp32 here": "--attention-softmax-in-fp32",
-    "attention scores are fp32 here, where scaling them by 1/layer and back cancels": "--apply-query-key-layer-scaling",
+    "attention scores are fp32 in the flash and SDPA paths, where scaling them by 1/layer and back cancels "
+    "(the unfused path, --attention-backend local, does not apply it)": "--apply-query-key-layer-scaling",
     "the vocab-parallel cross-entropy is already one pass over the logits": (
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl V"
     ),

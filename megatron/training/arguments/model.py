@@ -10,15 +10,16 @@ from megatron.training.arguments.parallel import cp_comm_type_from_args
 
 # Megatron's --attention-backend choices onto our paths (the start-up log says which one runs): its
 # fused kernels (flash, cuDNN "fused") -> our flash kernel where it can run, the torch path elsewhere
-# (so a GPU script also starts on CPU); "unfused"/"local" -> torch. Our own "triton" forces the kernel.
+# (so a GPU script also starts on CPU); "unfused"/"local" -> megatron-core's unfused DotProductAttention
+# (its local spec's arithmetic and rounding). Our own "triton" forces the kernel, "torch" torch's SDPA.
 ATTENTION_BACKENDS = {
     "auto": "auto",
     "triton": "triton",
     "torch": "torch",
     "flash": "auto",
     "fused": "auto",
-    "unfused": "torch",
-    "local": "torch",
+    "unfused": "unfused",
+    "local": "unfused",
 }
 
 
@@ -85,7 +86,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--attention-backend",
         choices=list(ATTENTION_BACKENDS),
         default="auto",
-        help="flash/fused: our Triton flash kernel where it can run (as auto); unfused/local: torch",
+        help="flash/fused: our Triton flash kernel where it can run (as auto); "
+        "unfused/local: megatron-core's unfused attention",
     )
     g.add_argument("--normalization-impl", choices=["auto", "triton", "torch"], default="auto")
     g.add_argument(
