@@ -184,13 +184,16 @@ def test_first_and_last_stage_extras():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_under_cp(cp):
-    """cp > 1, on any device or backend: the ring attention saves q, k, v as given (rotated q and k, v a
-    view of the QKV output) plus its own output (the projection's input is a view of it) and the fp32
-    lse of the local s/cp tokens: what torch SDPA flash keeps at s/cp."""
+    """cp > 1, on any device or backend: the ring attention saves rotated q and k, a copy of v (not the
+    view that would keep the whole QKV output alive), its own output (the projection's input is a view
+    of it) and the fp32 lse of the local s/cp tokens: what torch SDPA flash keeps at s/cp, less the QKV
+    output's (a + 2g) d columns, plus v's g d."""
     ring = dataclasses.replace(LLAMA, context_parallel_size=cp, attention_backend="torch")
     assert resolve_kernels(ring, "cuda").attention == "ring" == resolve_kernels(ring, "cpu").attention
     local = dataclasses.replace(LLAMA, seq_length=S // cp, attention_backend="torch")
-    assert layer_bytes(ring, cp=cp) == layer_bytes(local)
+    tokens = S // cp * B
+    qkv_output, v = tokens * (A + 2 * G) * D * 2, tokens * G * D * 2
+    assert layer_bytes(ring, cp=cp) == layer_bytes(local) - qkv_output + v
 
 
 def test_positions_buffer_counts_once_per_rank():
