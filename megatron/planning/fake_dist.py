@@ -72,6 +72,10 @@ def fake_collectives():
         "all_gather_single": done,
         "reduce_scatter_single": done,
     }
+    # torch before 2.13 names the single-tensor collectives all_gather_into_tensor / reduce_scatter_tensor
+    # (megatron/core/distributed/collectives.py): patch whichever names this torch has
+    replacements |= {"all_gather_into_tensor": done, "reduce_scatter_tensor": done}
+    replacements = {name: fake for name, fake in replacements.items() if hasattr(dist, name)}
     saved = {name: getattr(dist, name) for name in (*replacements, "batch_isend_irecv", "P2POp")}
     try:
         for name, fake in replacements.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import collectives
 from megatron.core.tensor_parallel.mappings import CommStats
 
 COMM_STATS = CommStats()
@@ -64,7 +65,7 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """[c, *x.shape]: every cp rank's x, stacked in cp rank order."""
     out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))  # gloo wants them concatenated
     COMM_STATS.add("all_gather", out)
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    collectives.all_gather_single(out, x.contiguous(), group=group)
     return out.view((group_size(group),) + tuple(x.shape))
 
 
@@ -72,5 +73,5 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over cp ranks of x[cp_rank] from a [c, ...] tensor."""
     out = x.new_empty(tuple(x.shape[1:]))
     COMM_STATS.add("reduce_scatter", x)
-    dist.reduce_scatter_single(out, x.flatten(0, 1).contiguous(), group=group)
+    collectives.reduce_scatter_single(out, x.flatten(0, 1).contiguous(), group=group)
     return out

@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import collectives
 from megatron.core.distributed.bucket_layout import SHARD_ALIGN, STRATEGIES, BufferLayout
 from megatron.core.distributed.transient import TransientBuffer
 from megatron.core.tensor_parallel.initialization import initialize_, is_deferred
@@ -106,11 +107,13 @@ class Bucket:
             if self.group_size == 1:
                 self._scattered.copy_(self.grad)
             else:
-                self.grad_handle = dist.reduce_scatter_single(
+                self.grad_handle = collectives.reduce_scatter_single(
                     self._scattered, self.grad, group=self.group, async_op=True
                 )
         elif self.group_size > 1 and self.sharded:
-            self.grad_handle = dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group, async_op=True)
+            self.grad_handle = collectives.reduce_scatter_single(
+                self.grad_shard, self.grad, group=self.group, async_op=True
+            )
         elif self.group_size > 1:
             self.grad_handle = dist.all_reduce(self.grad, group=self.group, async_op=True)
 
@@ -146,7 +149,7 @@ class Bucket:
             if self.params_on_host:  # into this rank's own slot of the bucket, gathered in place
                 source = self.param[self.shard_slot]
                 self.host_chunks.fetch(source, self.param_shard)
-            self.param_handle = dist.all_gather_single(self.param, source, group=self.group, async_op=True)
+            self.param_handle = collectives.all_gather_single(self.param, source, group=self.group, async_op=True)
 
     def wait_for_shard(self) -> None:
         """Run `before_gather` if one is pending: this rank's shard is final after it."""

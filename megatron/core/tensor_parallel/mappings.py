@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import collectives
+
 
 @dataclass
 class CommStats:
@@ -83,7 +85,7 @@ def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
     COMM_STATS.add("all_gather", out)
-    dist.all_gather_single(out, x, group=group)
+    collectives.all_gather_single(out, x, group=group)
     return out
 
 
@@ -94,7 +96,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
     COMM_STATS.add("reduce_scatter", x)
-    dist.reduce_scatter_single(out, x, group=group)
+    collectives.reduce_scatter_single(out, x, group=group)
     return out
 
 

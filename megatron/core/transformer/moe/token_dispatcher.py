@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import collectives
 from megatron.core.tensor_parallel.mappings import (
     COMM_STATS,
     all_gather_sequence,
@@ -162,7 +163,7 @@ class AllToAllDispatcher:
             return rows, counts.tolist(), row_probs, handle
         local = len(self.local_ids)
         every_rank = counts.new_empty(ep * etp * self.num_experts)
-        dist.all_gather_single(every_rank, counts, group=self.tp_ep_group)
+        collectives.all_gather_single(every_rank, counts, group=self.tp_ep_group)
         # [etp source, ep source, local expert]: rows this rank's experts get from every rank of the group
         mine = every_rank.view(ep, etp, -1).transpose(0, 1)[:, :, self.local_ids.start : self.local_ids.stop]
         etp_rank = dist.get_rank(self.etp_group) if etp > 1 else 0
