@@ -170,8 +170,12 @@ class Trainer:
         return self.loaders["train"].batch_fn(iteration)
 
     def close(self) -> None:
+        """Stop the data loaders and release the model's hooks, so that the model's memory is freed
+        once the trainer is dropped (a process that builds several trainers, as the tests do)."""
         for loader in self.loaders.values():
             loader.close()
+        for chunk in self.chunks:
+            chunk.release_hooks()
 
     def parameters_on_rank(self) -> int:
         return sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters())

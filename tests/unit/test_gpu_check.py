@@ -33,6 +33,8 @@ OFFLOAD_CONFIGS = [
     "optim_grads_params, device",
     "host resident 1/1/1",
     "offload-policy auto",
+    "distributed optimizer, device, fp32",
+    "optimizer offload 1, fp32",
 ]
 
 

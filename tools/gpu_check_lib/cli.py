@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 PARTS = {"kernels-step": ("kernels", "step", "memory"), "offload": ("offload", "size")}
+SECTIONS = tuple(section for sections in PARTS.values() for section in sections)
 PART_BUDGET_S = 360.0  # each part must end within 6 minutes on one H100 (see the module docstring of gpu_check.py)
 
 
@@ -24,7 +25,20 @@ def parse(argv):
     parser.add_argument("--part", required=True, choices=[*PARTS, "all"], help="what to check (all: both parts)")
     parser.add_argument("--out", default="runs/gpu_check", help="directory for report.json and report.md")
     parser.add_argument("--dry-run", action="store_true", help="the same code path on CPU at tiny sizes")
+    parser.add_argument(
+        "--only",
+        type=_sections,
+        help=f"comma-separated sections of the part(s) to run, the rest left out ({', '.join(SECTIONS)})",
+    )
     return parser.parse_args(argv)
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    chosen = tuple(s.strip() for s in text.split(","))
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section {unknown[0]!r} (valid: {', '.join(SECTIONS)})")
+    return chosen
 
 
 def writable(path: str) -> Path:
@@ -109,7 +123,7 @@ def main(argv=None) -> int:
     }
     for part in PARTS if args.part == "all" else [args.part]:
         ctx = Context(device, args.dry_run, PART_BUDGET_S)
-        for section in PARTS[part]:
+        for section in (s for s in PARTS[part] if args.only is None or s in args.only):
             begin = time.perf_counter()
             _run_section(report, section, lambda s=section, c=ctx: sections[s](c))
             report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)

@@ -22,25 +22,30 @@ from megatron.core.distributed.host_memory import Transfers
 from megatron.core.distributed.placement import AUTO_MARGIN
 from megatron.core.optimizer.offload import placement_bytes
 from tools.gpu_check_lib.env import estimate_run
-from tools.gpu_check_lib.report import NA
+from tools.gpu_check_lib.report import GIB, NA
 from tools.gpu_check_lib.runs import run_config, train
 
-GIB, MIB = float(1 << 30), float(1 << 20)
+MIB = float(1 << 20)
 EXACT_TOL = 1e-5  # relative loss tolerance of tests/parallel/test_host_chunks.py and test_offload_optimizer.py
 REAL = dict(layers=8, hidden=1024, ffn=2816, heads=8, seq=2048, vocab=32000, bucket=20_000_000)
 DRY = dict(layers=2, hidden=64, ffn=176, heads=4, seq=32, vocab=256, bucket=20_000)
 DISTOPT = ["--use-distributed-optimizer"]
 OGP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 OFFLOAD = ["--optimizer-cpu-offload"]
+BF16 = ["--bf16"]
 CONFIGS = (  # name, flags, the device run it is compared with
-    ("distributed optimizer, device", DISTOPT, None),
-    ("optimizer offload 1", DISTOPT + OFFLOAD, "distributed optimizer, device"),
-    ("optimizer offload 0.5", DISTOPT + OFFLOAD + ["--optimizer-offload-fraction", "0.5"],
+    ("distributed optimizer, device", BF16 + DISTOPT, None),
+    ("optimizer offload 1", BF16 + DISTOPT + OFFLOAD, "distributed optimizer, device"),
+    ("optimizer offload 0.5", BF16 + DISTOPT + OFFLOAD + ["--optimizer-offload-fraction", "0.5"],
      "distributed optimizer, device"),
-    ("optim_grads_params, device", OGP, None),
-    ("host resident 1/1/1", OGP + OFFLOAD + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"],
+    ("optim_grads_params, device", BF16 + OGP, None),
+    ("host resident 1/1/1", BF16 + OGP + OFFLOAD + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"],
      "optim_grads_params, device"),
-    ("offload-policy auto", OGP + OFFLOAD + ["--offload-policy", "auto"], "optim_grads_params, device"),
+    ("offload-policy auto", BF16 + OGP + OFFLOAD + ["--offload-policy", "auto"], "optim_grads_params, device"),
+    # the same pair in fp32: on CUDA the device's Adam and the CPU's round differently in the last fp32 bit, which
+    # bf16 weights turn into whole bf16 steps; in fp32 the pair shows that difference as it is
+    ("distributed optimizer, device, fp32", DISTOPT, None),
+    ("optimizer offload 1, fp32", DISTOPT + OFFLOAD, "distributed optimizer, device, fp32"),
 )  # fmt: skip
 
 
@@ -49,7 +54,7 @@ def small_flags(dry_run: bool, iters: int = 5) -> list[str]:
     argv = ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]), "--ffn-hidden-size", str(m["ffn"])]
     argv += ["--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]), "--vocab-size", str(m["vocab"])]
     argv += ["--max-position-embeddings", str(m["seq"]), "--ddp-bucket-size", str(m["bucket"])]
-    argv += ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(iters), "--bf16"]
+    argv += ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(iters)]
     return argv + ["--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant"]
 
 
@@ -172,7 +177,7 @@ def run_configs(ctx, warmup: int = 1, iters: int = 4) -> dict:
             continue
         argv = small_flags(ctx.dry_run, warmup + iters) + flags
         if "auto" in flags:
-            budget = auto_budget_gb(ctx, argv, small_flags(ctx.dry_run) + OGP)
+            budget = auto_budget_gb(ctx, argv, small_flags(ctx.dry_run) + BF16 + OGP)
             argv += ["--device-memory-gb", f"{budget:.6f}"]
         device_bytes = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.cuda else None
         estimate = estimate_run(run_config(argv), ctx.device, device_bytes)

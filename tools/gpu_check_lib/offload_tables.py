@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from tools.gpu_check_lib.offload_check import CONFIGS, EXACT_TOL, MIB, plain_copy_gbps, run_configs
-from tools.gpu_check_lib.report import NA
-
-GIB = float(1 << 30)
-
-
-def _gib(value):
-    return value / GIB if isinstance(value, int) else value
+from tools.gpu_check_lib.report import GIB, NA, gib
 
 
 def _ratio(a, b):
@@ -47,7 +41,8 @@ def correctness(report, results: dict) -> None:
         )
     section.notes.append(
         "tolerance: the relative loss tolerance of tests/parallel/test_host_chunks.py and test_offload_optimizer.py "
-        "(bf16 weights, fp32 master weights and reductions), over every iteration including the first"
+        "(bf16 weights, fp32 master weights and reductions), over every iteration including the first; the fp32 pair "
+        "shows what the device's and the CPU's Adam arithmetic alone make of the difference"
     )
 
 
@@ -73,15 +68,15 @@ def bytes_table(report, ctx, results: dict) -> None:
             configuration=name,
             **{
                 "chunks on host o/g/p": extra.get("chunks", "0 (none)") if not measured.error else measured.error,
-                "device peak": _gib(peak),
+                "device peak": gib(peak),
                 "estimate certain": estimate.certain / GIB,
                 "estimate total": estimate.total / GIB,
                 "peak / certain": _ratio(peak, estimate.certain),
-                "host slab": _gib(slab),
+                "host slab": gib(slab),
                 "estimate host": estimate.host / GIB,
                 "slab / estimate": _ratio(slab, estimate.host) if estimate.host else None,
-                "pinned (torch allocator)": _gib(pinned[0]),
-                "VmPin + VmLck": _gib(pinned[1]),
+                "pinned (torch allocator)": gib(pinned[0]),
+                "VmPin + VmLck": gib(pinned[1]),
             },
         )
     section.notes.append(

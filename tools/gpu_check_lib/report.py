@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NA = "n/a (dry run)"
+GIB = float(1 << 30)
+
+
+def gib(value):
+    """Bytes as GiB; a cell that is not a byte count (NA, an error) stays as it is."""
+    return value / GIB if isinstance(value, int) else value
 
 
 def fmt(value) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -74,6 +76,7 @@ class Measured:
     sync_sites: list = field(default_factory=list)
     max_allocated: object = NA
     max_reserved: object = NA
+    allocated_before: object = NA  # torch.cuda.memory_allocated before the build: what earlier runs left
     extra: dict = field(default_factory=dict)  # what `inspect` collected
     error: str | None = None
 
@@ -115,6 +118,8 @@ def train(ctx: Context, argv: list[str], iters: int, warmup: int, *, count_syncs
     Out of memory (or another runtime error) ends the run and is recorded, not raised."""
     free_device_memory(ctx)
     measured, trainer = Measured(), None
+    if ctx.cuda:
+        measured.allocated_before = torch.cuda.memory_allocated()
     try:
         trainer = Trainer(run_config(argv), ctx.device)
         results = [trainer.train_step(i) for i in range(1, warmup + 1)]
@@ -140,6 +145,7 @@ def train(ctx: Context, argv: list[str], iters: int, warmup: int, *, count_syncs
             inspect(trainer, measured)
     except (RuntimeError, ValueError, OSError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
         measured.error = "out of memory" if isinstance(error, torch.cuda.OutOfMemoryError) else error_line(error)
+        traceback.print_exc(file=sys.stderr)  # the report keeps one line; the log keeps where it came from
         if ctx.cuda:
             measured.max_allocated = torch.cuda.max_memory_allocated()
             measured.max_reserved = torch.cuda.max_memory_reserved()

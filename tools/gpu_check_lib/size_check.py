@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from tools.gpu_check_lib.env import estimate_run, host_budget, size_rule
+from tools.gpu_check_lib.report import GIB
 from tools.gpu_check_lib.runs import run_config, train
 
-GIB = float(1 << 30)
 HOST_SHARE = 0.9  # of MemAvailable: the process itself needs host memory too (a host OOM kills the check)
 COLUMNS = (("host resident", 200), ("plain AdamW", 90))  # the rule's column, seconds a GPU run may need
 
@@ -85,7 +85,7 @@ def check_size(report, ctx) -> None:
         row["device peak GiB"] = peak / GIB if isinstance(peak, int) else peak
         row["peak / estimate device"] = peak / rule.device_bytes(estimate.rank) if isinstance(peak, int) else peak
         step = measured.step_s
-        row["tokens/s"] = seq / step if isinstance(step, float) else step
+        row["tokens/s"] = seq / step if isinstance(step, float) else (None if measured.error else step)
         section.add(**row)
     device = f"{budget / GIB:.2f} GiB device" + (
         " (dry run: 5% above the smallest member; estimated for CPU, where host memory is the device's, so host "

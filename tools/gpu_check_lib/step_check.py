@@ -11,10 +11,9 @@ from megatron.core.transformer.flops import flops_per_iteration
 from megatron.training.kernel_paths import startup_kernel_paths
 from tools.gpu_check_lib.bare_llama import BareLoop
 from tools.gpu_check_lib.env import estimate_run
-from tools.gpu_check_lib.report import NA
+from tools.gpu_check_lib.report import GIB, NA, gib
 from tools.gpu_check_lib.runs import SyncCounter, error_line, free_device_memory, run_config, train
 
-GIB = float(1 << 30)
 # Llama-3.2-1B's shape with a 32k vocabulary: 1.10B parameters
 REAL_MODEL = dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, seq=4096, vocab=32000)
 DRY_MODEL = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, seq=32, vocab=256)
@@ -124,7 +123,7 @@ def _figures(ctx, m: dict, tokens: int, flops: float, peak) -> dict:
     out["MFU"] = tflops / peak[0] if isinstance(tflops, float) and peak[0] else (NA if ctx.dry_run else None)
     out["host syncs/iter"] = m["syncs"]
     alloc = m["max_allocated"]
-    out["max allocated GiB"] = alloc / GIB if isinstance(alloc, int) else alloc
+    out["max allocated GiB"] = gib(alloc)
     return out
 
 
@@ -133,7 +132,7 @@ def check_memory(report, ctx) -> None:
         "memory",
         "Memory estimate vs the CUDA allocator after 3 iterations",
         ["configuration", "certain GiB", "total GiB", "host GiB", "max allocated GiB", "max reserved GiB",
-         "allocated / certain", "reserved / total", "start-up check", "ran", "check right"],
+         "allocated / certain", "reserved / total", "allocated before GiB", "start-up check", "ran", "check right"],
     )  # fmt: skip
     device_bytes = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.cuda else None
     for name, micro_batch, extra in MEMORY_CONFIGS:
@@ -155,10 +154,11 @@ def check_memory(report, ctx) -> None:
                 "certain GiB": estimate.certain / GIB,
                 "total GiB": estimate.total / GIB,
                 "host GiB": estimate.host / GIB,
-                "max allocated GiB": alloc / GIB if isinstance(alloc, int) else alloc,
-                "max reserved GiB": reserved / GIB if isinstance(reserved, int) else reserved,
+                "max allocated GiB": gib(alloc),
+                "max reserved GiB": gib(reserved),
                 "allocated / certain": alloc / estimate.certain if isinstance(alloc, int) else alloc,
                 "reserved / total": reserved / estimate.total if isinstance(reserved, int) else reserved,
+                "allocated before GiB": gib(measured.allocated_before),
                 "start-up check": estimate.decision,
                 "ran": ran,
                 "check right": right,
@@ -167,5 +167,6 @@ def check_memory(report, ctx) -> None:
     section.notes.append(
         "certain = weights + grads + optimizer + saved activations (refused above the device); total adds the "
         "unmeasured transients and allowances; every configuration runs whatever the check says, so a refusal "
-        "is right when the run ran out of memory and a start is right when it did not"
+        "is right when the run ran out of memory and a start is right when it did not; allocated before: what "
+        "the earlier runs of this process left allocated (0 when each run frees its memory)"
     )

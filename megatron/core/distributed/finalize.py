@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.host_memory import by_device
+
 
 def _all_reduce_flat(grads: list, group) -> None:
     if not grads or dist.get_world_size(group) == 1:
@@ -42,7 +44,9 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = N
         chunk.finish_grad_sync()
     buffers = [buffer for chunk in chunks for buffer in chunk.buffers]
     if grad_scale is not None:
-        torch._foreach_mul_([bucket.grad_shard for b in buffers for bucket in b.buckets], grad_scale.float())
+        shards = [bucket.grad_shard for b in buffers for bucket in b.buckets]
+        for where, group in by_device(shards).items():  # host-resident shards take the scale on the host
+            torch._foreach_mul_(group, grad_scale.float().to(where))
     _all_reduce_flat(
         [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))], mesh.tp_group
     )

@@ -14,6 +14,14 @@ import weakref
 import torch
 
 
+def by_device(tensors: list) -> dict:
+    """The tensors grouped by device (host-resident gradient shards sit beside device ones)."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
 class HostMemoryError(RuntimeError):
     """Host buffers for offloaded state could not be allocated (one line naming what to change)."""
 

@@ -151,6 +151,14 @@ class ModelChunkBuffers(torch.nn.Module):
                 if any(True for _ in m.parameters(recurse=False))
             ]
 
+    def release_hooks(self) -> None:
+        """Remove this chunk's hooks. Autograd holds a post-accumulate-grad hook out of the garbage
+        collector's sight, so without this a closed trainer's parameters and buffers (the hook's
+        bound method reaches them) stay allocated for the life of the process."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def _accumulate(self, param: torch.Tensor) -> None:
         if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder
             param.grad_added_to_main_grad = False

@@ -13,13 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-
-def by_device(tensors: list) -> dict:
-    """The tensors grouped by device (host-resident gradient shards sit beside device ones)."""
-    groups: dict = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device, []).append(tensor)
-    return groups
+from megatron.core.distributed.host_memory import by_device
 
 
 def unscale_and_check(grads: list, scale: float, device: torch.device) -> bool:
