@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU self-check: run once on a new GPU machine, one process, one GPU.
 
-    python tools/gpu_check.py --part {kernels-step,offload,all} [--out DIR] [--dry-run]
+    python tools/gpu_check.py --part {kernels-step,offload,all} [--out DIR] [--dry-run] [--only SECTIONS]
 
 Prints its tables and writes DIR/report.json and DIR/report.md (default runs/gpu_check). User
 guide: docs/gpu-check.md. Parts (tools/gpu_check_lib/):
@@ -25,18 +25,9 @@ offload (issue 35)
   4. size_check: the largest Llama that fits this GPU and host with full host residency, and
      without offload, by tools/bench/max_model_size.py's rule; 3 iterations each.
 
-Time budget (6 minutes per part on one H100, not measured: nothing has run on a GPU yet). Each
-part has a 360 s deadline; a section that would start with less time left than it needs is
-skipped and says so, so a part cannot run far over. Estimated on an H100 (~400 TFLOP/s
-achieved bf16, ~25 GB/s PCIe, 16 CPU cores): kernels ~90 s (8 attention and 4 norm cases,
-~0.5 s of timing each at 25 + 100 ms do_bench per pass and implementation, plus Triton
-compilation of 2 head dims x 3 kernels, ~10 s each, and one fp32 reference per case); training
-step ~60 s (build ~10 s per side, 23 iterations of 32k tokens at ~0.5 s, twice); memory ~90 s
-(five builds of ~10 s and 3 iterations, plus five traced estimates of ~1-2 s). offload: six
-runs ~90 s (a 0.17B model: the CPU Adam step over 0.17B elements ~0.3 s per iteration);
-size ~200 s (bisection: ~14 traced estimates; the host-resident member, ~7B parameters with
-128 GiB of host memory, pins ~110 GiB and runs a CPU step of ~5-10 s per iteration; the
-no-offload member ~4B, 3 fast iterations). Budget for a part: 360 s minus ~30 s start-up.
+Time budget: 6 minutes per part. Each part has a 360 s deadline; a section that would start with
+less time left than it needs is skipped and says so. Measured 2026-11-26 (docs/gpu-check.md):
+kernels-step 74-85 s on an H100, offload 176 s on an H200.
 
 --dry-run runs the same code on CPU at tiny sizes (kernels under TRITON_INTERPRET=1) and fills
 every cell that needs no CUDA; speed and allocator cells read "n/a (dry run)".

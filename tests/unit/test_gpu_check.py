@@ -68,7 +68,7 @@ def test_every_section_and_row(report):
     ]
     for key in ("offload_correctness", "offload_bytes"):
         assert [r["configuration"] for r in sections[key]["rows"]] == OFFLOAD_CONFIGS
-    assert len(sections["offload_overlap"]["rows"]) == 4
+    assert len(sections["offload_overlap"]["rows"]) == 5  # the offloaded configurations
     assert [r["column"] for r in sections["size_fits"]["rows"]] == ["host resident", "plain AdamW"]
     for section in sections.values():
         for row in section["rows"]:
@@ -108,6 +108,7 @@ def test_runs_and_dry_run_cells(report):
     "flags",
     [
         ["--part", "everything", "--dry-run"],
+        ["--part", "all", "--dry-run", "--only", "memory,speed"],
         ["--part", "all", "--dry-run", "--out", "tests/unit/test_gpu_check.py/out"],
         pytest.param(
             ["--part", "offload"],
@@ -120,3 +121,10 @@ def test_bad_input_is_one_line(flags):
     assert proc.returncode == 2, explain(proc)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+def test_only_runs_the_named_sections(tmp_path):
+    flags = ["--dry-run", "--part", "kernels-step", "--only", "memory", "--out", str(tmp_path)]
+    proc = run_cli("tools/gpu_check.py", flags, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    assert set(json.loads((tmp_path / "report.json").read_text())["sections"]) == {"memory"}
