@@ -11,4 +11,4 @@ source tools/python_env.sh
 "$PYTHON" -m ruff format --check .
 "$PYTHON" -m ruff check .
 export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
-"$PYTHON" -m pytest tests -q "$@"
+"$PYTHON" -m pytest tests -q --durations=25 "$@"
