@@ -11,7 +11,9 @@ Megatron-LM's --bf16 runs it), "batch": file holding {"tokens": [b, s], "labels"
 [b, s]}, "optimizer": {lr, min_lr, warmup_iters, decay_iters, weight_decay, clip_grad, ...},
 "distributed_optimizer": bool (megatron-core's DistributedOptimizer, default false), "bucket_size": n
 (elements per gradient bucket, as --overlap-grad-reduce --ddp-bucket-size n; default: one bucket),
-"ops": [...]}.
+"dp_split": bool (default false: every data-parallel rank trains on the whole batch; true: dp rank d on its
+own rows, the d-th of dp equal parts, as Megatron-LM's data loader gives them, and `train` records the
+loss averaged over dp as Megatron-LM reports it; `forward` and `grads` then see rank 0's rows), "ops": [...]}.
 The ops run in order on every rank:
 - {"op": "forward", "out": F}: rank 0 writes {"logits": [b, s, vocab], "loss": [b, s]} to F;
 - {"op": "train", "iters": n, "out": F}: n optimizer steps on the batch; F gets losses, grad norms, lrs;
@@ -232,6 +234,11 @@ class Oracle:
         self.iteration, self.consumed = 0, 0
         batch = torch.load(spec["batch"])
         self.tokens, self.labels = batch["tokens"], batch["labels"]
+        self.samples = self.tokens.shape[0]  # the global batch, whatever this rank trains on
+        if spec.get("dp_split"):
+            dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+            rows = slice(rank * self.samples // dp, (rank + 1) * self.samples // dp)
+            self.tokens, self.labels = self.tokens[rows].contiguous(), self.labels[rows].contiguous()
         self.positions = torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
 
     def loss(self) -> torch.Tensor:
@@ -268,9 +275,13 @@ class Oracle:
             ok, grad_norm, _ = self.optimizer.step()
             assert ok
             record["lr"].append(self.optimizer.param_groups[0]["lr"])
-            self.scheduler.step(increment=self.tokens.shape[0])
+            self.scheduler.step(increment=self.samples)
             self.iteration += 1
-            self.consumed += self.tokens.shape[0]
+            self.consumed += self.samples
+            if self.spec.get("dp_split"):
+                loss = loss.detach().clone()
+                dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+                loss /= parallel_state.get_data_parallel_world_size()
             record["loss"].append(loss.item())
             record["grad_norm"].append(float(grad_norm))
         if dist.get_rank() == 0:

@@ -8,6 +8,13 @@ checkpoint (bf16 weights, fp32 master weights and moments), then records its log
 sums as it does (`CASES`), the batch as one microbatch: the logits and the per-token loss are
 megatron-core's, and steps 3-4's losses and grad norms, within REL (relative; the logits relative
 to their largest).
+
+Megatron-LM's default configuration, both ways: megatron-core trains the GPT with 100 tokens and the
+Llama with 120, each padded to 128 rows, in bf16 with its DistributedOptimizer at tp 1 x dp 2 (each dp
+rank its own half of the batch) and saves torch_dist as Megatron-LM does (`dp_reshardable` buckets);
+ours resumes it with --bf16 --use-distributed-optimizer --attention-backend local at dp 2 and gives
+megatron-core's steps 3-4, then saves --ckpt-format torch_dist after step 4, and megatron-core resumes
+ours with our steps 5-6: losses and grad norms within REL.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import pytest
 import torch
 
 from megatron.core.pipeline_parallel.microbatch import Microbatch
+from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
-from tests.mcore_oracle.test_megatron_core import BATCH, SEQ, _job, _load, _logits_and_loss, _train
+from tests.mcore_oracle.test_megatron_core import BATCH, PADDED, PADDED_GPT, SEQ, _job, _load, _logits_and_loss, _train
 
 REL = 1e-6
 # (model, our layout, megatron-core's tp that computes the same sums): at tp 1 its two dp ranks each
@@ -30,11 +38,19 @@ CASES = (("gpt", "tp2", 2), ("llama", "tp2", 2), ("llama", "pp2", 1))
 # one microbatch of the whole batch, as megatron-core's step takes it (in bf16, splitting the batch over
 # microbatches or dp ranks rounds the weight gradients' partial sums differently)
 BF16 = ["--bf16", "--attention-backend", "local", "--micro-batch-size", str(BATCH)]
+# Megatron-LM's default configuration: a padded vocabulary (the GPT's 100 tokens, the Llama's 120, in 128
+# rows), bf16 and the distributed optimizer (its checkpoint in dp_reshardable buckets) at tp 1 x dp 2, each dp
+# rank one microbatch of its own half of the batch (megatron-core's `dp_split`; ours: --micro-batch-size 1):
+# both sum the dp ranks' bf16 weight gradients in fp32
+DEFAULT_MODELS = (PADDED_GPT, PADDED)
+DEFAULT_JOB = {"bf16": True, "distributed_optimizer": True, "dp_split": True}
+DEFAULT = ["--bf16", "--attention-backend", "local", "--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="module")
 def trained_by_megatron_core(tmp_path_factory):
-    """Per model and tp: megatron-core's bf16 checkpoint after 2 steps, its logits and loss there, steps 3-4."""
+    """Per model and tp: megatron-core's bf16 checkpoint after 2 steps, its logits and loss there, steps 3-4;
+    per DEFAULT_MODELS model, the same in Megatron-LM's default configuration (no logits)."""
     megatron_core_python()
     directory = tmp_path_factory.mktemp("mcore_bf16")
     torch.manual_seed(0)
@@ -52,6 +68,15 @@ def trained_by_megatron_core(tmp_path_factory):
             {"op": "train", "iters": 2, "out": str(out / "steps_3_4.json")},
         ]
         jobs.append(_job(model, tp, batch, ops) | {"bf16": True})
+    for model in DEFAULT_MODELS:
+        out = directory / f"default_{model}"
+        out.mkdir()
+        ops = [
+            {"op": "train", "iters": 2, "out": str(out / "steps_1_2.json")},
+            {"op": "save", "root": str(out / "trained"), "iteration": 2},
+            {"op": "train", "iters": 2, "out": str(out / "steps_3_4.json")},
+        ]
+        jobs.append(_job(model, 1, batch, ops) | DEFAULT_JOB)
     run_oracle(jobs, directory)
     return directory, batch
 
@@ -79,6 +104,20 @@ def relative_error(ours, theirs) -> float:
     return ((ours - theirs).abs() / theirs.abs()).max().item()
 
 
+def _step_errors(case: str, ours: dict, theirs: dict, first: int) -> dict[str, float]:
+    """The relative error of every step's loss and grad norm, ours against megatron-core's from step `first`."""
+    errors = {}
+    for key in ("loss", "grad_norm"):
+        for i, (a, b) in enumerate(zip(ours[key], theirs[key], strict=True)):
+            errors[case + f": step {first + i} {key}"] = relative_error(a, b)
+    return errors
+
+
+def _within_rel(errors: dict[str, float]) -> None:
+    print("\n".join(f"{case}: {error:.2e}" for case, error in errors.items()))
+    assert all(error <= REL for error in errors.values()), errors
+
+
 def test_bf16_resumed_run_is_megatron_cores(trained_by_megatron_core):
     directory, batch_file = trained_by_megatron_core
     results = run_distributed(2, _ours, str(directory), batch_file)[-1]
@@ -91,8 +130,50 @@ def test_bf16_resumed_run_is_megatron_cores(trained_by_megatron_core):
         logits, theirs = ours["logits"].double(), reference["logits"].double()
         errors[case + ": logits"] = ((logits - theirs).abs().max() / theirs.abs().max()).item()
         errors[case + ": per-token loss"] = relative_error(ours["loss"], reference["loss"])
-        for key in ("loss", "grad_norm"):
-            for i, (a, b) in enumerate(zip(ours["steps"][key], steps[key])):
-                errors[case + f": step {3 + i} {key}"] = relative_error(a, b)
-    print("\n".join(f"{case}: {error:.2e}" for case, error in errors.items()))
-    assert all(error <= REL for error in errors.values()), errors
+        errors |= _step_errors(case, ours["steps"], steps, 3)
+    _within_rel(errors)
+
+
+def _ours_default(rank: int, directory: str, batch_file: str) -> dict:
+    """Per model: steps 3-4 from megatron-core's checkpoint, a torch_dist save after step 4, steps 5-6."""
+    batch = torch.load(batch_file)
+    results = {}
+    for model in DEFAULT_MODELS:
+        trainer, iteration = _load(model, "tp1", f"{directory}/default_{model}/trained", batch, DEFAULT)
+        results[model] = {"steps 3-4": _train(trainer, iteration + 1, 4)}
+        save_megatron_checkpoint(f"{directory}/ours_default_{model}", 4, trainer)
+        results[model]["steps 5-6"] = _train(trainer, 5, 6)
+    return results
+
+
+def test_megatron_lm_default_configuration_resumes_both_ways(trained_by_megatron_core):
+    """Megatron-LM's default configuration (DEFAULT_JOB): megatron-core's checkpoint (bf16 weights, fp32
+    master weights and moments in dp_reshardable buckets, padding rows) resumes in ours at dp 2 with its
+    steps 3-4, and ours, saved with --ckpt-format torch_dist after step 4, in megatron-core with our
+    steps 5-6, within REL."""
+    directory, batch_file = trained_by_megatron_core
+    results = run_distributed(2, _ours_default, str(directory), batch_file)[0]
+    errors = {}
+    for model in DEFAULT_MODELS:
+        theirs = json.loads((directory / f"default_{model}" / "steps_3_4.json").read_text())
+        errors |= _step_errors(f"{model}: megatron-core's save resumed by ours", results[model]["steps 3-4"], theirs, 3)
+    _within_rel(errors)
+    jobs = [
+        _job(
+            model,
+            1,
+            batch_file,
+            [
+                {"op": "load", "root": str(directory / f"ours_default_{model}"), "optimizer": True},
+                {"op": "train", "iters": 2, "out": str(directory / f"ours_default_{model}_steps_5_6.json")},
+            ],
+        )
+        | DEFAULT_JOB
+        for model in DEFAULT_MODELS
+    ]
+    run_oracle(jobs, directory)
+    errors = {}
+    for model in DEFAULT_MODELS:
+        theirs = json.loads((directory / f"ours_default_{model}_steps_5_6.json").read_text())
+        errors |= _step_errors(f"{model}: our save resumed by megatron-core", results[model]["steps 5-6"], theirs, 5)
+    _within_rel(errors)

@@ -97,6 +97,8 @@ MODELS = {
 }
 PADDED = "llama_vocab_120"
 MODELS[PADDED] = (LLAMA_DEFAULTS, MODELS["llama"][1][:-1] + ["120"])
+PADDED_GPT = "gpt_vocab_100"  # the tied GPT with 100 tokens in 128 rows (tests/mcore_oracle/test_bf16.py)
+MODELS[PADDED_GPT] = (GPT_DEFAULTS, MODELS["gpt"][1][:-1] + ["100"])
 TRAINED = ("gpt", "llama", PADDED)
 LAYOUTS = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
 # (model, saved tp, our layout) whose state after step 5 we save as torch_dist: the tied GPT from two
