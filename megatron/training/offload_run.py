@@ -37,11 +37,10 @@ from megatron.training.memory_check import layout_from_run
 MIB = float(1 << 20)
 
 
-def place_chunks(run, pp_rank: int, buffers: list, device: torch.device) -> tuple[Placement, AutoDecision | None]:
-    """The placement of this rank's chunks (`buffers`: its ParamAndGradBuffers, not yet placed)
-    and, with the auto policy, the decision that chose it."""
+def place_chunks(run, pp_rank: int, layouts: list, device: torch.device) -> tuple[Placement, AutoDecision | None]:
+    """The placement of this rank's chunks (`layouts`: the BufferLayouts of its buffers, not made
+    yet) and, with the auto policy, the decision that chose it."""
     offload = run.optimizer.offload
-    layouts = [buffer.layout for buffer in buffers]
     if offload.policy == "static":
         return chunk_placement(layouts, offload.fraction, offload.grad_fraction, offload.param_fraction), None
     fixed = estimate_memory(run.model, layout_from_run(run, device.type)).ranks[pp_rank].total_bytes

@@ -10,7 +10,7 @@ import torch
 
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.distributed.host_chunks import HostChunks
-from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers
+from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers, chunk_layouts
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
@@ -70,16 +70,19 @@ class Trainer:
         eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
         if eager:  # it would keep the value it was built with, not its InitSpec's
             raise ValueError(f"{eager[0]}: a parameter not made by make_param cannot be initialised in its buffer")
-        self.chunks = [
-            ModelChunkBuffers(m, parallel.ddp, self.mesh.dp_cp_group, training.seed, self.mesh.edp_group)
-            for m in modules
-        ]
+        groups = (self.mesh.dp_cp_group, self.mesh.edp_group)
         self.placement_decision = None  # --offload-policy auto: what it chose and why
         host = None
-        if run.optimizer.offload.enabled:
-            buffers = [buffer for chunk in self.chunks for buffer in chunk.buffers]
-            placement, self.placement_decision = place_chunks(run, self.mesh.pp_rank, buffers, device)
-            host = HostChunks(buffers, placement, device)
+        if run.optimizer.offload.enabled:  # placed first: host-resident shards are made on host
+            layouts = [layout for m in modules for layout in chunk_layouts(m, parallel.ddp, *groups)]
+            placement, self.placement_decision = place_chunks(run, self.mesh.pp_rank, layouts, device)
+            host = HostChunks(layouts, placement, model_cfg.params_dtype, device)
+        reducing: list = []  # one gradient reduction in flight per rank, whichever chunk it is of
+        self.chunks = [
+            ModelChunkBuffers(m, parallel.ddp, groups[0], training.seed, groups[1], host=host, reducing=reducing)
+            for m in modules
+        ]
+        if host is not None:
             keep_gathered_buckets(self.chunks, self.placement_decision, parallel.pp)
         self.optimizer = MixedPrecisionOptimizer(self.chunks, run.optimizer, self.mesh, host)
         s = model_cfg.seq_length // parallel.cp // (parallel.tp if model_cfg.sequence_parallel else 1)

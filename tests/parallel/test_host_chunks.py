@@ -3,14 +3,18 @@
 optim_grads_params with the offload optimizer, whose chunks also keep their fp32 gradient shard
 (--grad-offload-fraction) and their parameter shard (--param-offload-fraction) in host memory:
 every part of every chunk on host (static 1/1/1), nested halves (static 1/0.5/0.5), and
---offload-policy auto under a device budget that keeps some parts of some chunks. At DP2 (GPT
-with tied embeddings, Llama), TP2 x SP x DP2 (Llama) and PP2 (v2) x DP2 (GPT), clipping active,
-4 microbatches, buckets small enough that parameters straddle shards: the losses of 5
+--offload-policy auto under a device budget that keeps some parts of some chunks. At one rank
+(Llama, every part on host), DP2 (GPT with tied embeddings, Llama), TP2 x SP x DP2 (Llama) and
+PP2 (v2) x DP2 (GPT), clipping active, 4 microbatches per dp rank (8 at one rank), buckets small
+enough that parameters straddle shards: the losses of 5
 iterations, the iteration-1 grad norm and the parameters after 5 steps match one process (1e-5).
 
 Per rank, after the first step: the device bytes of weights, gradients and optimizer state and
-the host slab equal the memory estimator's for the static layouts; under auto the placement is
-partial and the parts it kept on the device are the bytes it decided. In one step the parameter
+the host slab equal the memory estimator's for the static layouts, and while the trainer is
+built and runs its first two steps (the first forward has no trace to release by) the buckets
+hold on the device, besides the shards they keep there, at most the estimate's gathered buckets
+(host-resident shards are made on host; a forward holds the buckets in use); under auto the
+placement is partial and the parts it kept on the device are the bytes it decided. In one step the parameter
 shards fetched from host are 2 per microbatch for each host-resident parameter chunk without
 pipelining (forward and backward gathers) and 1 per step under PP (kept gathered from forward to
 backward), the gradient copies to host one reduce-scattered shard per microbatch for each
@@ -24,10 +28,13 @@ host budget below the slab is one line.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 
+from megatron.core.distributed.param_and_grad_buffer import Bucket
+from megatron.core.distributed.transient import TransientBuffer
 from megatron.core.optimizer.offload import placement_bytes
 from megatron.planning.estimator import estimate_memory
 from megatron.training.memory_check import layout_from_run
@@ -43,6 +50,7 @@ FULL = HOST + ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]
 HALF = HOST + ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
 AUTO = HOST + ["--offload-policy", "auto", "--device-memory-gb"]  # a budget that keeps some parts, not all:
 LAYOUTS = {  # world -> name -> (model, flags)
+    1: {"dp1-full-llama": ("llama", FULL)},
     2: {
         "dp2-full-gpt": ("gpt", FULL),
         "dp2-half-llama": ("llama", HALF),
@@ -58,14 +66,61 @@ LAYOUTS = {  # world -> name -> (model, flags)
 CASES = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
 
 
+def _bucket_device_bytes(bucket: Bucket) -> int:
+    """What `bucket` holds on the device now: whole buckets (gathered parameters, unsharded
+    gradient), its reduce-scatter output, and its shards not in host memory."""
+    tensors = [getattr(bucket, "_scattered", None)]
+    tensors += [bucket.param_full.data] if bucket.shards_params else []
+    tensors += [bucket.grad_full.data] if bucket.shards_grads else []
+    tensors += [] if bucket.params_on_host else [bucket.param_shard]
+    tensors += [] if bucket.grads_on_host else [bucket.grad_shard]
+    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+
+class BucketBytes:
+    """The most bytes that the buckets made inside hold on the device at once, per `phase`:
+    sampled after every allocation of their memory (a bucket made, a whole bucket allocated,
+    a reduce-scatter started)."""
+
+    PATCHED = ((Bucket, "__init__"), (Bucket, "start_grad_reduce"), (TransientBuffer, "allocate"))
+
+    def __init__(self):
+        self.buckets, self.peaks, self.phase = {}, {}, "build"
+
+    def __enter__(self):
+        self._originals = [getattr(owner, name) for owner, name in self.PATCHED]
+        for (owner, name), original in zip(self.PATCHED, self._originals):
+            setattr(owner, name, self._sampled(original))
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), original in zip(self.PATCHED, self._originals):
+            setattr(owner, name, original)
+
+    def _sampled(self, original):
+        @functools.wraps(original)
+        def sampled(obj, *args, **kwargs):
+            out = original(obj, *args, **kwargs)
+            if isinstance(obj, Bucket):
+                self.buckets[obj] = None
+            held = sum(_bucket_device_bytes(bucket) for bucket in self.buckets)
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), held)
+            return out
+
+        return sampled
+
+
 def _accounting(model: str, flags: list[str]) -> dict:
-    """Bytes where they live after step 1, and the traffic of step 2."""
-    trainer = build_trainer(model, COMMON + flags)
-    optimizer, host = trainer.optimizer, trainer.optimizer.host
-    trainer.train_step(1)
-    host.take_stats()
-    with count_collectives() as collectives:
-        trainer.train_step(2)
+    """Bytes where they live after step 1, the traffic of step 2, and the buckets' device bytes
+    at their peak while building and during steps 1 and 2."""
+    with BucketBytes() as buckets_held:
+        trainer = build_trainer(model, COMMON + flags)
+        optimizer, host = trainer.optimizer, trainer.optimizer.host
+        buckets_held.phase = "steps"
+        trainer.train_step(1)
+        host.take_stats()
+        with count_collectives() as collectives:
+            trainer.train_step(2)
     traffic = host.take_stats()
     params, grads = (sum(v) for v in zip(*(chunk.buffer.kept_bytes() for chunk in trainer.chunks)))
     device_optimizer, slab = placement_bytes(optimizer.adam)
@@ -92,6 +147,8 @@ def _accounting(model: str, flags: list[str]) -> dict:
         "spare": None if decision is None else decision.spare_bytes,
         "gathered": collectives["all_gather_single"],
         "bucket_bytes": sum(b.param_full.nbytes for b in buckets),
+        "bucket_peaks": buckets_held.peaks,
+        "gathered_estimate": rank.gathered_bytes,
     }
 
 
@@ -133,8 +190,14 @@ def test_host_chunks_match_one_process(results, world, layout):
         else:
             assert 0 < counts["params"] + counts["grads"] + counts["optimizer"] < 3 * chunks, counts
             assert sum(acc["bytes"][:3]) == acc["kept"], f"rank {rank}: device bytes {acc['bytes']} vs decided"
-        if "auto" not in layout:  # auto is estimated as full residency (its best case)
+        if "auto" not in layout:  # auto is estimated as full residency (its best case), and keeps more gathered
             assert acc["bytes"] == acc["estimate"], f"rank {rank}: measured {acc['bytes']} vs {acc['estimate']}"
+            kept_shards = acc["bytes"][0] + acc["bytes"][1]
+            for phase, peak in acc["bucket_peaks"].items():
+                assert peak - kept_shards <= acc["gathered_estimate"], (
+                    f"rank {rank} {phase}: buckets held {peak - kept_shards} bytes beyond their kept shards, "
+                    f"the estimate's gathered buckets {acc['gathered_estimate']}"
+                )
         fetches, prefetched, h2d, d2h = acc["traffic"]
         gathers = 1 if "pp2" in layout else 2 * acc["m"]
         assert h2d == gathers * acc["host_param_bytes"], f"rank {rank}: {h2d} bytes fetched"

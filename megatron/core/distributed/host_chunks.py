@@ -1,9 +1,10 @@
 """Host-resident gradient and parameter shards of a rank's buckets, and their traffic.
 
 `placement.Placement` says which chunks keep which part in host memory. `HostChunks` cuts one
-host slab for all of it (the optimizer state's part too, taken by the optimizer), moves the
-chosen gradient and parameter shards into it once the buffers exist, and moves their bytes
-during training:
+host slab for all of it (the optimizer state's part too, taken by the optimizer) before the
+buffers exist, hands each bucket its host-resident gradient and parameter shards as the bucket
+is made (so they never exist on the device, and building holds one whole bucket at a time on
+it), and moves their bytes during training:
 - gradients: each microbatch's reduce-scattered gradient of a bucket (a device tensor) is
   copied into one of two host staging slots and added into the host shard by a worker thread
   once the copy has landed, so neither the training thread nor the device waits for the
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.distributed.host_memory import HostMemory, Transfers
-from megatron.core.distributed.placement import ADD_STAGING_SLOTS, Placement, host_elements
+from megatron.core.distributed.placement import ADD_STAGING_SLOTS, Placement, host_elements, shard_numels
 
 
 @dataclass
@@ -45,41 +46,43 @@ class FetchStats:
 
 
 class HostChunks:
-    """`buffers`: the rank's ParamAndGradBuffers (their buckets in build_shards' order)."""
+    """`layouts`: the BufferLayouts of the rank's ParamAndGradBuffers, not made yet (their buckets
+    in build_shards' order, the order `next_shards` is asked in); `model_dtype`: the weights'."""
 
-    def __init__(self, buffers: list, placement: Placement, device: torch.device):
+    def __init__(self, layouts: list, placement: Placement, model_dtype: torch.dtype, device: torch.device):
         self.placement = placement
-        buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
-        numels = [bucket.param_shard.numel() for bucket in buckets]
-        model_dtype = buckets[0].param_shard.dtype if buckets else torch.float32
-        self.memory = HostMemory(host_elements(numels, placement, model_dtype.itemsize), pin=device.type == "cuda")
+        self.numels = shard_numels(layouts)
+        self.memory = HostMemory(host_elements(self.numels, placement, model_dtype.itemsize), pin=device.type == "cuda")
         self.transfers = Transfers(device)
-        if any(not buckets[i].shards_grads for i in placement.grads) or any(
-            not buckets[i].shards_params for i in placement.params
-        ):
-            raise ValueError(
-                "host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
-                "optim_grads or optim_grads_params), host-resident parameters optim_grads_params"
-            )
-        for index, bucket in enumerate(buckets):
-            if index in placement.grads:
-                self._take(bucket, "grad_shard", "grads_on_host")
-            if index in placement.params:
-                self._take(bucket, "param_shard", "params_on_host")
-        largest = max((numels[i] for i in placement.grads), default=0)
+        largest = max((self.numels[i] for i in placement.grads), default=0)
         self._staging = [self.memory.empty(largest) for _ in range(ADD_STAGING_SLOTS if placement.grads else 0)]
         self._adds: list = [None] * len(self._staging)
         self._next_slot = 0
         self._worker = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-grad-add") if placement.grads else None
         )
+        self._made = 0  # buckets given their shards so far
         self.stats = FetchStats()
 
-    def _take(self, bucket, shard: str, flag: str) -> None:
-        """Move the bucket's shard `shard` into the slab and mark it host-resident (`flag`)."""
-        setattr(bucket, shard, self.memory.copy_of(getattr(bucket, shard)))
-        setattr(bucket, flag, True)
-        bucket.host_chunks = self
+    def next_shards(
+        self, numel: int, dtype: torch.dtype, grad_dtype: torch.dtype, shards_params: bool, shards_grads: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The (parameter, gradient) shards of the next bucket made, cut from the slab (zeroed) where
+        the placement puts them on host, else None (the bucket makes that part on the device)."""
+        index, self._made = self._made, self._made + 1
+        if index >= len(self.numels) or numel != self.numels[index]:
+            raise ValueError(
+                f"bucket {index} of {numel} elements is not the placed layout's ({len(self.numels)} buckets)"
+            )
+        params, grads = index in self.placement.params, index in self.placement.grads
+        if (grads and not shards_grads) or (params and not shards_params):
+            raise ValueError(
+                "host-resident gradients need sharded gradients (--data-parallel-sharding-strategy "
+                "optim_grads or optim_grads_params), host-resident parameters optim_grads_params"
+            )
+        param = self.memory.empty_as(numel, dtype).zero_() if params else None
+        grad = self.memory.empty_as(numel, grad_dtype).zero_() if grads else None
+        return param, grad
 
     # ---- gradients ----
 

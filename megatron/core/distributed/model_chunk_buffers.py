@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.bucket_layout import STRATEGIES, default_bucket_size
-from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, buffer_layout
 from megatron.core.distributed.param_gather import BucketHooks
 from megatron.core.tensor_parallel.initialization import is_deferred
 from megatron.core.tensor_parallel.weight_grads import WeightGradQueue
@@ -92,6 +92,42 @@ class DDPConfig:
         return self.sharding_strategy == "optim_grads_params"
 
 
+def _trained_params(module: torch.nn.Module) -> list:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _buffer_args(module: torch.nn.Module, config: DDPConfig, dp_cp_group, expert_dp_group) -> list[dict]:
+    """What each of the chunk's buffers is made of: the dense parameters, and the expert weights
+    (`is_expert`) reduced over `expert_dp_group` and divided by dp x cp, as Megatron reduces them."""
+
+    def bucket_size(group) -> int:
+        return config.bucket_size or default_bucket_size(dist.get_world_size(group))
+
+    named = _trained_params(module)
+    dense = [(n, p) for n, p in named if not getattr(p, "is_expert", False)]
+    experts = [(n, p) for n, p in named if getattr(p, "is_expert", False)]
+    out = [dict(named_params=list(reversed(dense)), bucket_size=bucket_size(dp_cp_group), group=dp_cp_group)]
+    if experts:
+        out.append(
+            dict(
+                named_params=list(reversed(experts)),
+                bucket_size=bucket_size(expert_dp_group),
+                group=expert_dp_group,
+                grad_divisor=dist.get_world_size(dp_cp_group),
+            )
+        )
+    return out
+
+
+def chunk_layouts(module: torch.nn.Module, config: DDPConfig, dp_cp_group, expert_dp_group=None) -> list:
+    """The BufferLayouts of the buffers ModelChunkBuffers would make for `module`, without making
+    them: host-resident chunks are placed before any of their memory exists."""
+    return [
+        buffer_layout(a["named_params"], a["bucket_size"], a["group"], config.sharding_strategy)
+        for a in _buffer_args(module, config, dp_cp_group, expert_dp_group)
+    ]
+
+
 class ModelChunkBuffers(torch.nn.Module):
     def __init__(
         self,
@@ -100,31 +136,26 @@ class ModelChunkBuffers(torch.nn.Module):
         dp_cp_group,
         init_seed: int | None = None,
         expert_dp_group=None,
+        host=None,
+        reducing: list | None = None,
     ):
         """`init_seed`: the run's seed, for parameters made under `deferred_initialization`
         (initialised in the buffer, see ParamAndGradBuffer). Expert weights (`is_expert`) get a buffer
-        of their own, `expert_buffer`, reduced over `expert_dp_group` (the ranks holding the same
-        experts) and divided by dp x cp, as Megatron reduces them; `buffers` lists both."""
+        of their own, `expert_buffer` (see `_buffer_args`); `buffers` lists both. `host`: the rank's
+        HostChunks, which gives host-resident buckets their shards as they are made. `reducing`: the
+        rank's list of buckets being reduced, shared by all its chunks (None: one for this chunk)."""
         super().__init__()
         self.module = module
         self.config = config
         self.sync_now = True
         self.weight_grads = WeightGradQueue()
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        dense = [(n, p) for n, p in named if not getattr(p, "is_expert", False)]
-        experts = [(n, p) for n, p in named if getattr(p, "is_expert", False)]
-        bucket_size = config.bucket_size or default_bucket_size(dist.get_world_size(dp_cp_group))
+        named = _trained_params(module)
+        shared = [] if reducing is None else reducing  # by this chunk's buffers at least
         common = dict(grad_dtype=config.grad_dtype, strategy=config.sharding_strategy, init_seed=init_seed)
-        self.buffer = ParamAndGradBuffer(list(reversed(dense)), bucket_size=bucket_size, group=dp_cp_group, **common)
-        self.expert_buffer = None
-        if experts:
-            self.expert_buffer = ParamAndGradBuffer(
-                list(reversed(experts)),
-                bucket_size=config.bucket_size or default_bucket_size(dist.get_world_size(expert_dp_group)),
-                group=expert_dp_group,
-                grad_divisor=dist.get_world_size(dp_cp_group),
-                **common,
-            )
+        common.update(host=host, reducing=shared)
+        dense, *experts = _buffer_args(module, config, dp_cp_group, expert_dp_group)
+        self.buffer = ParamAndGradBuffer(**dense, **common)
+        self.expert_buffer = ParamAndGradBuffer(**experts[0], **common) if experts else None
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b is not None]
         self._buffer_of = {p: b for b in self.buffers for p in b.params.values()}
         unplaced = [n for n, p in module.named_parameters() if is_deferred(p)]

@@ -17,9 +17,9 @@ strategy (Megatron-FSDP's names):
   only; a bucket's whole parameters exist while gathered (`gather_params` / `release_params`,
   driven by the module hooks of `param_gather.py`).
 Under the last two, a bucket's gradient shard and parameter shard may live in host memory
-(`host_chunks.HostChunks` sets `host_chunks` and re-points the shard): the reduce-scattered
-gradient is then added on host, and the parameter shard is copied into the gathered bucket
-before the all-gather.
+(cut from `host_chunks.HostChunks`'s slab when the bucket is made, never on the device): the
+reduce-scattered gradient is then added on host, and the parameter shard is copied into the
+gathered bucket before the all-gather.
 "Local shard" below means this rank's shard (the whole bucket when replicated): the part of
 the gradient that is valid after the reduction and that this rank's optimizer steps.
 """
@@ -40,7 +40,8 @@ from megatron.core.tensor_parallel.initialization import initialize_, is_deferre
 class Bucket:
     """Views of one bucket in both buffers, the parameters whose gradients fill it, and the
     handles of its collectives in flight. `param_data`/`grad_data`: the chunk's flat buffers, or
-    None where this bucket has its own transient one (sharded gradients / parameters)."""
+    None where this bucket has its own transient one (sharded gradients / parameters). `host`:
+    the rank's HostChunks, which gives the bucket its host-resident shards (None: all on the device)."""
 
     def __init__(
         self,
@@ -55,22 +56,34 @@ class Bucket:
         grad_dtype: torch.dtype,
         device,
         grad_divisor: int | None = None,
+        host=None,
     ):
         self.place = place
         start, end = place.shard(shard_rank)
         self.shard_slot = slice(start - place.start, end - place.start)  # this rank's part of the whole bucket
         self.shards_grads, self.shards_params = grad_data is None, param_data is None
+        self.host_chunks = host
+        host_param, host_grad = (
+            (None, None)
+            if host is None
+            else host.next_shards(end - start, dtype, grad_dtype, self.shards_params, self.shards_grads)
+        )
+        self.params_on_host, self.grads_on_host = host_param is not None, host_grad is not None
         if self.shards_params:  # gathered on demand; whole at construction only while its parameters are placed
             self.param_full = TransientBuffer(place.numel, dtype, device)
             self.param = self.param_full.data
-            self.param_shard = torch.zeros(end - start, dtype=dtype, device=device)
+            self.param_shard = (
+                host_param if self.params_on_host else torch.zeros(end - start, dtype=dtype, device=device)
+            )
         else:
             self.param = param_data[place.start : place.end]
             self.param_shard = param_data[start:end]
         if self.shards_grads:
             self.grad_full = TransientBuffer(place.numel, grad_dtype, device)  # freed once views are taken
             self.grad = self.grad_full.data
-            self.grad_shard = torch.zeros(end - start, dtype=grad_dtype, device=device)
+            self.grad_shard = (
+                host_grad if self.grads_on_host else torch.zeros(end - start, dtype=grad_dtype, device=device)
+            )
             self._scattered = None  # the reduce-scatter's output, added into grad_shard when it lands
         else:
             self.grad = grad_data[place.start : place.end]
@@ -83,8 +96,6 @@ class Bucket:
         self.reducing = False
         self.grad_handle = self.param_handle = None
         self.before_gather = None  # called once before the next gather (an offloaded shard's CPU step landing)
-        self.host_chunks = None  # host_chunks.HostChunks, which sets these when a shard lives in host memory
-        self.grads_on_host = self.params_on_host = False
 
     # ---- gradients ----
 
@@ -102,8 +113,8 @@ class Bucket:
         self.reducing = True
         if self.grad_divisor > 1:
             self.grad.div_(self.grad_divisor)  # gloo has no AVG: sum of the pre-divided gradients
-        if self.shards_grads:
-            self._scattered = torch.empty_like(self.grad_shard)
+        if self.shards_grads:  # on the device whatever the shard's place: the collective writes it
+            self._scattered = torch.empty(self.grad_shard.shape, dtype=self.grad.dtype, device=self.grad.device)
             if self.group_size == 1:
                 self._scattered.copy_(self.grad)
             else:
@@ -182,12 +193,22 @@ class Bucket:
             self.param_full.free()
 
 
+def buffer_layout(named_params: list, bucket_size: int, group, strategy: str) -> BufferLayout:
+    """The layout of a ParamAndGradBuffer of `named_params` over `group`, without making it."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    shards = dist.get_world_size(group) if strategy != "no_shard" else 1
+    params = [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params]
+    return BufferLayout(params, bucket_size, shards, SHARD_ALIGN)
+
+
 class ParamAndGradBuffer:
     """`named_params`: (name, parameter) in the order backward produces their gradients.
     `strategy`: one of STRATEGIES (anything but no_shard splits each bucket over the group).
     Parameters made under `deferred_initialization` are initialised here, in their place in the
     buffer (`init_seed`: the run's seed), bucket by bucket: with sharded parameters a bucket is
-    whole only while it is filled and its shard taken, so building never holds the whole model."""
+    whole only while it is filled and its shard taken, and host-resident shards are made in host
+    memory (`host`: the rank's HostChunks), so building never holds the whole model on the device."""
 
     def __init__(
         self,
@@ -199,24 +220,20 @@ class ParamAndGradBuffer:
         strategy: str,
         init_seed: int | None = None,
         grad_divisor: int | None = None,
+        host=None,
+        reducing: list | None = None,
     ):
         """`grad_divisor`: what the sum over `group` is divided by (None: the group's size, an average);
-        expert weights are summed over their expert-data-parallel replicas and divided by dp x cp."""
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown sharding strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+        expert weights are summed over their expert-data-parallel replicas and divided by dp x cp.
+        `reducing` (sharded gradients): the buckets whose reduce-scatter is in flight, a list shared
+        by the rank's buffers so that one reduction is in flight per rank, not per buffer (None: this
+        buffer's own)."""
+        self.layout = buffer_layout(named_params, bucket_size, group, strategy)
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) > 1:
             raise ValueError(f"a model chunk's parameters must share one dtype for its flat buffer, got {dtypes}")
         self.strategy = strategy
-        sharded = strategy != "no_shard"
-        shards = dist.get_world_size(group) if sharded else 1
-        self.layout = BufferLayout(
-            [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
-            bucket_size,
-            shards,
-            SHARD_ALIGN,
-        )
-        self.shard_rank = dist.get_rank(group) if sharded else 0
+        self.shard_rank = dist.get_rank(group) if strategy != "no_shard" else 0
         self.device = named_params[0][1].device if named_params else torch.device("cpu")
         dtype = dtypes.pop() if dtypes else torch.float32
         shard_grads, shard_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
@@ -240,6 +257,7 @@ class ParamAndGradBuffer:
                 grad_dtype=grad_dtype,
                 device=self.device,
                 grad_divisor=grad_divisor,
+                host=host,
             )
             self.buckets.append(bucket)
             for member in members:
@@ -250,7 +268,7 @@ class ParamAndGradBuffer:
             bucket.zero_grad()
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         self.reuse_waits: list = []
-        self._reducing: list = []  # sharded gradients: buckets whose reduce-scatter is in flight
+        self._reducing = [] if reducing is None else reducing
 
     @staticmethod
     def _place(param, member, bucket: Bucket, init_seed: int | None) -> None:
@@ -305,9 +323,11 @@ class ParamAndGradBuffer:
     def mark_ready(self, param, reduce: bool = True):
         """Record that `param`'s gradient is final; start its bucket's reduction once all are and
         return the bucket then (else None). With sharded gradients the reductions still in
-        flight finish first (their unsharded buckets are freed), so at most one bucket is
-        reducing while the next one fills. `reduce` False (accumulating unsharded): the complete
-        bucket is returned but keeps its whole gradient for the next microbatch."""
+        flight finish first (their unsharded buckets are freed; those of the other buffers sharing
+        `reducing` too: another model chunk's last bucket would otherwise stay unsharded until that
+        chunk's next backward), so at most one bucket is reducing while the next one fills.
+        `reduce` False (accumulating unsharded): the complete bucket is returned but keeps its
+        whole gradient for the next microbatch."""
         bucket = self.bucket_of[param]
         bucket.ready.add(param)
         if len(bucket.ready) < len(bucket.params) or bucket.reducing:
@@ -328,7 +348,7 @@ class ParamAndGradBuffer:
             bucket.start_grad_reduce()
         for bucket in self.buckets:
             bucket.finish_grad_reduce()
-        self._reducing.clear()
+        self._reducing[:] = [bucket for bucket in self._reducing if bucket.reducing]  # other buffers' in flight
         for host in {bucket.host_chunks for bucket in self.buckets if bucket.grads_on_host}:
             host.settle()  # host-resident gradients are final (read next: tp/pp reductions, norm, step)
 

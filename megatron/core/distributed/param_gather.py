@@ -6,7 +6,10 @@ passed to it as arguments: the tied output layer gets the embedding) are gathere
 next module's buckets are prefetched (gathered asynchronously). With `reshard_after_forward`
 a bucket is released after the last module of the forward that uses it; the first forward
 records the order in which modules use buckets (a trace), later forwards release and
-prefetch by it, and a forward that strays from the trace keeps its buckets until it ends.
+prefetch by it. Without a trace to follow (the first forward, or one that strays from it) the
+last use is not known: a completed module's buckets are released when the next module with
+parameters starts, unless it or a module enclosing it uses them (then gathered again if a later
+module does), so such a forward too holds only the buckets in use, never the whole model.
 Backward: a hook on each module's outputs runs before the module's backward; it gathers the
 module's buckets again (and prefetches those of the module that completed before it in the
 forward, whose backward comes next) and makes
@@ -72,6 +75,7 @@ class BucketHooks:
         self.trace: ForwardTrace | None = None
         self.keep_bytes = 0  # gathered-bucket bytes a forward may leave for its backward
         self._kept: list = []  # buckets kept by the forward in progress, in the order kept
+        self._finished: dict = {}  # off the trace: buckets of completed modules, not released yet (ordered)
         self._calls: list | None = None  # buckets per module call of the forward in progress
         self._completions: list = []
         self._stack: list = []
@@ -101,7 +105,7 @@ class BucketHooks:
         """Around the chunk's forward: trace it (the first time), release what is left after it
         (but the buckets kept for backward)."""
         self._calls, self._completions, self._stack, self._on_trace = [], [], [], self.trace is not None
-        self._kept = []
+        self._kept, self._finished = [], {}
         try:
             yield
         finally:
@@ -124,6 +128,14 @@ class BucketHooks:
         while sum(b.param_full.nbytes for b in self._kept) > self.keep_bytes:
             self._kept.pop(0).release_params()
 
+    def _release_finished(self) -> None:
+        """Off the trace, as a module with parameters starts (on the stack now): release the
+        completed modules' buckets that no module on the stack uses."""
+        used = set().union(*self._stack)
+        for bucket in [b for b in self._finished if b not in used]:
+            bucket.release_params()
+            del self._finished[bucket]
+
     def _pre_forward(self, own: tuple):
         def hook(_module, args):
             buckets = self._buckets_of_call(own, args)
@@ -135,6 +147,8 @@ class BucketHooks:
                 self._on_trace = self._on_trace and index < len(self.trace.calls) and self.trace.calls[index] == buckets
             if not buckets or not self.gathers:
                 return
+            if tracing and self.reshard and not self._on_trace:
+                self._release_finished()
             for bucket in buckets:
                 bucket.gather_params()
             if tracing and self._on_trace:
@@ -153,6 +167,8 @@ class BucketHooks:
             if self.reshard and self._on_trace:
                 for bucket in self.trace.release_after[index]:
                     self._release_or_keep(bucket)
+            elif self.reshard:
+                self._finished.update(dict.fromkeys(buckets))
             if buckets and torch.is_grad_enabled():
                 # backward runs the modules in reverse: prefetch what completed just before this one
                 following = self.trace.previous_completion[index] if self.reshard and self._on_trace else ()
