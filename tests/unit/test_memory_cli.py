@@ -620,3 +620,22 @@ def test_start_up_check_estimates_moe_runs():
     assert lines[-1].startswith("> memory check: estimated peak") and "of device memory: fits: " in lines[-1]
     assert "MoE routing imbalance (each expert at 1.5x the balanced load, assumed: dropless)" in lines[-1]
 
+
+def test_planner_searches_ep_of_moe_jobs_without_a_step_time(capsys):
+    base = ["--num-gpus", "4", "--micro-batch-size", "1", "--recompute-granularity", "none"]
+    base += ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "1"] + MOE_TINY[:-4]
+    argv = base[:-2] + ["--global-batch-size", "8"] + MOE
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert out.splitlines()[1].endswith("ep  etp") and {row[-2] for row in rows} >= {"1", "2"}
+    assert all(row[12:15] == ["-", "-", "-"] for row in rows)
+    assert "> step times: not projected: the step-time model does not cover MoE layers (--num-experts)" in out
+    code, out, err = run_tool(plan_tool, argv + ["--expert-model-parallel-size", "2"], capsys)
+    assert code == 0 and {line.split()[-2] for line in out.splitlines() if line.split()[0].isdigit()} == {"2"}
+    code, out, err = run_tool(
+        plan_tool, base[:-2] + ["--global-batch-size", "8", "--expert-model-parallel-size", "2"], capsys
+    )
+    assert code == 2 and err.strip() == (
+        "error: --expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts"
+    )
