@@ -239,9 +239,7 @@ def estimate_rank(
         moe_dispatch=moe_dispatch_bytes(dims, config) if moe else 0,
         moe_imbalance=_routing_imbalance(
             traced, setting, layout, pp_rank, chunks, dims.residual_bytes, inflight.activations_bytes
-        )
-        if moe
-        else (0, ""),
+        ),
     )
     has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
     after = after_backward_temporary(

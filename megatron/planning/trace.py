@@ -306,9 +306,13 @@ def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, pat
     config = TransformerConfig(*config_key)
     plain = _key(_without_recompute(config))
     units = _units(config, pattern)
-    kinds = {kind: _trace(_key(_unit_config(config, *kind)), setting, "layers", kind[0]) for kind in set(units)}
-    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + [kinds[kind] for kind in units]
-    pieces += [_trace(plain, setting, "head")] if post else []
+    unrouted = dataclasses.replace(setting, routing_load=1.0)  # pieces without MoE layers: one trace for any load
+    kinds = {
+        kind: _trace(_key(_unit_config(config, *kind)), setting if any(kind[0]) else unrouted, "layers", kind[0])
+        for kind in set(units)
+    }
+    pieces = ([_trace(plain, unrouted, "embedding")] if pre else []) + [kinds[kind] for kind in units]
+    pieces += [_trace(plain, unrouted, "head")] if post else []
     total = 0 if pre else _residual_bytes(config, setting)
     for before, after in zip(pieces, pieces[1:]):
         total += before.output_bytes if before.output_saved or after.input_saved else 0
