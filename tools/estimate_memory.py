@@ -17,8 +17,10 @@ grads, optimizer on the device, activations, transients, certain, total, host: o
 optimizer state, % of device), or --json.
 
 --explain adds every rank's components by name: the certain part, the derived transients and
-the allowances (fragmentation, runtime, NCCL buffers per communicator, and with
---reset-attention-mask the document masks: the data's flag, accepted here without --data-path).
+the allowances (fragmentation, runtime, NCCL buffers per communicator, with
+--reset-attention-mask the document masks: the data's flag, accepted here without --data-path,
+and with MoE layers the routing imbalance: their activations are estimated at the balanced load,
+docs/moe.md).
 
 The last line is the fit verdict (megatron/planning/fit_rule.py), the same the planner and the
 start-up check give: "fits", "fits with margin X" (the certain part fits, the full estimate does

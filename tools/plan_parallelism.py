@@ -38,6 +38,13 @@ list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 
+MoE models (--num-experts): ep is searched too, every size that divides the experts and, times
+etp, the ranks of a stage (tp x cp x dp), as Megatron requires; --expert-model-parallel-size
+restricts it (several values allowed) and --expert-tensor-parallel-size sets etp (default: tp, as
+Megatron). The step-time model does not cover MoE layers: one line says so, no step time is
+printed, and the layouts that fit are ordered by a rule of thumb (least tp x cp x pp, least
+recomputation, larger micro batch, lighter), each estimated.
+
 When no layout fits, it proposes sharding more than the optimizer state first
 (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads, else optim_grads_params,
 per layout the lighter that fits; dist-opt column: grads / params), and when that fits
@@ -76,7 +83,7 @@ from megatron.planning.planner import (  # noqa: E402
     plan_sharded,
 )
 from megatron.planning.startup_check import refusal  # noqa: E402
-from megatron.planning.step_time import Overlap, Projection  # noqa: E402
+from megatron.planning.step_time import Overlap, Projection, uncovered  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool, tool_parser  # noqa: E402
 
@@ -107,6 +114,12 @@ def _parser():
         default=["none", "selective", "full"],
     )
     parser.add_argument("--sequence-parallel", action="store_true", help="accepted; always on with tp > 1")
+    parser.add_argument(
+        "--expert-model-parallel-size", type=int, nargs="+", dest="eps", help="MoE: ep (default: every valid one)"
+    )
+    parser.add_argument(
+        "--expert-tensor-parallel-size", type=int, nargs="+", dest="etps", help="MoE: etp (default: tp)"
+    )
     parser.add_argument(
         "--decoder-first-pipeline-num-layers",
         type=int,
@@ -145,18 +158,29 @@ def _stages(lay) -> str:
     return f"{lay.parallel.first_stage_layers or '='}/{lay.parallel.last_stage_layers or '='}"
 
 
+def _header(candidates, offload: bool) -> str:
+    experts = any(c.config.num_moe_experts is not None for c in candidates)
+    return (OFFLOAD_HEADER if offload else HEADER) + ("   ep  etp" if experts else "")
+
+
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
     par = lay.parallel
+    time = (
+        f"{1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% {t.model_tflops_per_gpu:11.1f}"
+        if t is not None
+        else f"{'-':>10} {'-':>8} {'-':>11}"
+    )
     row = (
         f"{rank:4d} {par.tp:3d} {par.cp:3d} {par.pp:3d} {par.virtual_stages:3d} {par.dp:4d} "
         f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
         f"{SHARDING_CELLS[lay.parallel.ddp.sharding_strategy]:>8} {est.max_total_bytes / GIB:9.2f} "
-        f"{100 * est.max_total_bytes / device_bytes:6.1f}% {1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% "
-        f"{t.model_tflops_per_gpu:11.1f}  {_stages(lay):>6}"
+        f"{100 * est.max_total_bytes / device_bytes:6.1f}% {time}  {_stages(lay):>6}"
     )
     if lay.offload_fractions.optimizer:
         row += f" {lay.offload_fractions.optimizer:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
+    if c.config.num_moe_experts is not None:
+        row += f" {par.ep:4d} {par.dims.etp:4d}"
     return row
 
 
@@ -172,6 +196,8 @@ def _json(c, device_bytes: int, why: str | None = None) -> dict:
         "pp": lay.parallel.pp,
         "virtual_stages": lay.parallel.virtual_stages,
         "dp": lay.parallel.dp,
+        "ep": lay.parallel.ep,
+        "etp": lay.parallel.dims.etp,
         "micro_batch_size": lay.micro_batch_size,
         "num_microbatches": lay.num_microbatches,
         "decoder_first_pipeline_num_layers": lay.parallel.first_stage_layers,
@@ -186,19 +212,26 @@ def _json(c, device_bytes: int, why: str | None = None) -> dict:
         "fits": why is None,
         "verdict": fit_verdict(est, device_bytes).label,
         "why_not": why,
-        "predicted_step_time_s": t.total_s,
-        "predicted_tokens_per_s": t.tokens_per_s,
-        "predicted_model_tflops_per_gpu": t.model_tflops_per_gpu,
-        "predicted_hardware_tflops_per_gpu": t.hardware_tflops_per_gpu,
-        "breakdown": t.breakdown(),
-        "step_time_s": t.total_s,
-        "bubble_fraction": t.bubble_fraction,
+        "step_time_not_projected": uncovered(c.config),
+        **_json_time(t),
     }
 
 
+def _json_time(t) -> dict:
+    """The projection's keys (None where no step time is projected)."""
+    keys = ("predicted_step_time_s", "predicted_tokens_per_s", "predicted_model_tflops_per_gpu")
+    keys += ("predicted_hardware_tflops_per_gpu", "breakdown", "step_time_s", "bubble_fraction")
+    if t is None:
+        return dict.fromkeys(keys)
+    values = (t.total_s, t.tokens_per_s, t.model_tflops_per_gpu, t.hardware_tflops_per_gpu, t.breakdown())
+    return dict(zip(keys, values + (t.total_s, t.bubble_fraction)))
+
+
 def explain(c, hw: Hardware) -> list[str]:
-    """The step-time breakdown of one layout, one line per part."""
+    """The step-time breakdown of one layout, one line per part (or why there is none)."""
     t = c.time
+    if t is None:
+        return [f"> step time of {c.layout.describe()}: not projected: {uncovered(c.config)}"]
     lines = [
         f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
         f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
@@ -263,7 +296,11 @@ def main(argv: list[str]) -> int:
             raise ArgumentError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
         if min(n for n in (args.first_layers, args.last_layers, 1) if n is not None) < 1:
             raise ArgumentError("--decoder-first/last-pipeline-num-layers must be >= 1")
+        if min(args.eps or [1]) < 1 or min(args.etps or [1]) < 1:
+            raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)
+        if (args.eps or args.etps) and run.model.num_moe_experts is None:
+            raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
         hw = _hardware(args)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device_bytes = device_memory_bytes(device, args.device_memory_gb, args.device)
@@ -280,6 +317,8 @@ def main(argv: list[str]) -> int:
             device_type=args.device_type,
             virtual_stages=tuple(args.vpps) if args.vpps else None,
             stage_splits=((args.first_layers, args.last_layers),) if uneven else None,
+            eps=tuple(args.eps) if args.eps else None,
+            etps=tuple(args.etps) if args.etps else None,
         )
         ddp = run.parallel.ddp
         projection = Projection(
@@ -353,16 +392,23 @@ def main(argv: list[str]) -> int:
             "every shard on host; the run keeps on the device what fits): --use-megatron-fsdp "
             "--data-parallel-sharding-strategy optim_grads_params --optimizer-cpu-offload --offload-policy auto"
         )
-    print(OFFLOAD_HEADER if offloaded or resident else HEADER)
+    print(_header(shown, offloaded or resident))
     for rank, candidate in enumerate(shown, start=1):
         print(_row(rank, candidate, device_bytes))
     if args.explain:
         print("\n".join(explain(shown[0], hw)))
-    print(
-        "> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what it "
-        "leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded or resident else "")
-    )
+    print(_step_time_note(run.model, offloaded or resident))
     return 0
+
+
+def _step_time_note(config, offloaded: bool) -> str:
+    if uncovered(config):
+        return (
+            f"> step times: not projected: {uncovered(config)}; layouts ordered by a rule of thumb instead (least "
+            "tp x cp x pp, least recomputation, larger micro batch, lighter)"
+        )
+    note = "> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what "
+    return note + "it leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded else "")
 
 
 def _one_layout(layouts) -> bool:
@@ -379,13 +425,15 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
     if args.json:
         print(json.dumps([_json(c, device_bytes, why) for c, why in zip(candidates, whys)], indent=2))
         return 0 if fits else 1
-    print(HEADER)
+    print(_header(candidates, offload=False))
     for rank, candidate in enumerate(candidates, start=1):
         print(_row(rank, candidate, device_bytes))
     for rank, (candidate, why) in enumerate(zip(candidates, whys), start=1):
         if args.explain:
             print("\n".join(explain(candidate, hw)))
         print(f"> layout {rank} fits: {'yes' if why is None else 'no, ' + why}")
+    if uncovered(candidates[0].config):
+        print(f"> step times: not projected: {uncovered(candidates[0].config)}")
     return 0 if fits else 1
 
 

@@ -11,13 +11,14 @@ the last backward, when no activation is alive.
 
 Parameter shapes and saved activations are traced from our modules (trace.py), the
 microbatches in flight walked on our schedule (inflight.py), the buffers laid out by the
-trainer's own BufferLayout (model_states.py).
+trainer's own BufferLayout (model_states.py). MoE layers are traced at the balanced load, their
+routing imbalance is an allowance (moe_routing.py).
 
 Only part of that is certain: weights, gradients, optimizer state and saved
 activations (`certain_bytes`) equal measured bytes on CPU; the transients and the
 after-backward temporaries are derived from our code's shapes but unmeasured, and the
-allowances (fragmentation, runtime, NCCL buffers per communicator, document masks:
-`RankEstimate.uncertain`) are assumptions. Whether a layout fits is decided once, by
+allowances (fragmentation, runtime, NCCL buffers per communicator, document masks, MoE
+routing imbalance: `RankEstimate.uncertain`) are assumptions. Whether a layout fits is decided once, by
 fit_rule.fit_verdict, for the planner, the start-up check and the tools alike.
 """
 
@@ -31,7 +32,8 @@ from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.inflight import rank_in_flight
 from megatron.planning.kernels import KernelChoice, resolve_kernels
 from megatron.planning.layout import MemoryLayout
-from megatron.planning.model_states import chunk_buffer, model_states, optimizer_step_temporary
+from megatron.planning.model_states import chunk_buffers, model_states, optimizer_step_temporary
+from megatron.planning.moe_routing import describe, imbalance_label, imbalance_load
 from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
 from megatron.planning.trace import Setting, chunk_saved
 from megatron.planning.transients import (
@@ -42,6 +44,7 @@ from megatron.planning.transients import (
     cp_attention_bytes,
     estimate_transients,
     largest_temporary,
+    moe_dispatch_bytes,
     split_backward_bytes,
 )
 
@@ -138,6 +141,7 @@ class MemoryEstimate:
     total_parameters: int
     kernels: KernelChoice
     layout: MemoryLayout
+    moe_routing: str | None = None  # what the estimate assumes of MoE routing (moe_routing.describe)
 
     @property
     def max_total_bytes(self) -> int:
@@ -177,6 +181,7 @@ class MemoryEstimate:
             "would_refuse": self.would_refuse(device_bytes),
             "layout": self.layout.to_dict(),
             "kernels": asdict(self.kernels),
+            "moe_routing": self.moe_routing,
         }
 
 
@@ -197,24 +202,27 @@ def estimate_rank(
 ) -> RankEstimate:
     par = layout.parallel
     chunks = rank_chunks(config, layout, pp_rank)
-    largest_param = max((numel(s) for c in chunks for s in set(chunk_shapes(config, par.tp, c))), default=0)
-    buffers = [chunk_buffer(config, layout, c) for c in chunks]
-    states = model_states(config, layout, buffers)
+    shapes = {s for c in chunks for expert in (False, True) for s in chunk_shapes(config, par.tp, c, expert)}
+    per_chunk = [chunk_buffers(config, layout, c) for c in chunks]
+    buffers = [b for c in per_chunk for b in c]
+    states = model_states(config, layout, per_chunk)
     setting = Setting(par.tp, par.cp, layout.micro_batch_size, layout.device_type, kernels.attention)
     traced = _with_attention(config, kernels.attention)
-    activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, len(c.layer_ids)) for c in chunks]
+    activations = [chunk_saved(traced, setting, c.pre_process, c.post_process, c.layer_ids) for c in chunks]
     dims = Dims.of(config, layout)
     inflight = rank_in_flight(
         layout, pp_rank, [a.bytes for a in activations], dims.residual_bytes, [a.shared_bytes for a in activations]
     )
+    moe = any(config.is_moe_layer(i) for c in chunks for i in c.layer_ids)
     tied = not config.untie_embeddings_and_output_weights
     largest = largest_temporary(
         dims,
         config,
-        largest_param,
+        max(map(numel, shapes), default=0),
         has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),
+        moe=moe,
     )
     split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
     transients = estimate_transients(
@@ -226,8 +234,12 @@ def estimate_rank(
         cp_bytes=cp_attention_bytes(dims, par.cp, config.cp_comm_type),
         largest=largest,
         activations=inflight.activations_bytes,
-        communicators=communicators(config, layout, pp_rank),
+        communicators=communicators(config, layout, pp_rank, moe),
         microbatches_in_flight=inflight.peak_microbatches,
+        moe_dispatch=moe_dispatch_bytes(dims, config) if moe else 0,
+        moe_imbalance=_routing_imbalance(
+            traced, setting, layout, pp_rank, chunks, dims.residual_bytes, inflight.activations_bytes
+        ),
     )
     has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
     after = after_backward_temporary(
@@ -250,20 +262,41 @@ def estimate_rank(
     )
 
 
+def _routing_imbalance(config, setting: Setting, layout, pp_rank: int, chunks, residual: int, balanced: int):
+    """The "MoE routing imbalance" allowance (moe_routing.py) as (bytes, name): the in-flight activation
+    peak with the experts at the imbalance load, less the balanced one (`balanced`)."""
+    load = imbalance_load(config)
+    if load is None:
+        return 0, ""
+    uneven = dataclasses.replace(setting, routing_load=load)
+    saved = [chunk_saved(config, uneven, c.pre_process, c.post_process, c.layer_ids) for c in chunks]
+    peak = rank_in_flight(layout, pp_rank, [a.bytes for a in saved], residual, [a.shared_bytes for a in saved])
+    return max(0, peak.activations_bytes - balanced), imbalance_label(config)
+
+
+def _check_split(config, layout: MemoryLayout) -> None:
+    """The model config must be split as the layout is (one line naming the flag otherwise)."""
+    par = layout.parallel
+    sizes = [
+        ("--tensor-model-parallel-size", config.tensor_model_parallel_size, par.tp),
+        ("--context-parallel-size", config.context_parallel_size, par.cp),
+    ]
+    if config.num_moe_experts is not None:
+        sizes += [
+            ("--expert-model-parallel-size", config.expert_model_parallel_size, par.ep),
+            ("--expert-tensor-parallel-size", config.expert_tensor_parallel_size, par.dims.etp),
+        ]
+    for flag, configured, laid_out in sizes:
+        if configured != laid_out:
+            raise ValueError(f"{flag}: the model config is split for {configured} but the layout has {laid_out}")
+
+
 def estimate_memory(
     config, layout: MemoryLayout, *, attention: str = "auto", allowances: Allowances | None = None
 ) -> MemoryEstimate:
     """Estimate every pipeline rank of `layout` training `config` (a TransformerConfig)."""
-    if config.num_moe_experts is not None:
-        raise ValueError("the memory estimate does not cover MoE layers (--num-experts) yet")
-    tp, cp = layout.parallel.tp, layout.parallel.cp
-    if config.tensor_model_parallel_size != tp:
-        raise ValueError(
-            f"the model config is split for tp={config.tensor_model_parallel_size} but the layout has tp={tp}"
-        )
-    if config.context_parallel_size != cp:
-        raise ValueError(f"the model config is split for cp={config.context_parallel_size} but the layout has cp={cp}")
+    _check_split(config, layout)
     kernels = resolve_kernels(config, layout.device_type, attention)
     allowances = allowances or Allowances.default(layout.device_type)
     ranks = tuple(estimate_rank(config, layout, kernels, allowances, r) for r in range(layout.parallel.pp))
-    return MemoryEstimate(ranks=ranks, total_parameters=total_parameters(config, tp), kernels=kernels, layout=layout)
+    return MemoryEstimate(ranks, total_parameters(config, layout.parallel.tp), kernels, layout, describe(config))

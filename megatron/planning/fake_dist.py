@@ -71,6 +71,7 @@ def fake_collectives():
         "all_reduce": done,
         "all_gather_single": done,
         "reduce_scatter_single": done,
+        "all_to_all_single": done,
     }
     # torch before 2.13 names the single-tensor collectives all_gather_into_tensor / reduce_scatter_tensor
     # (megatron/core/distributed/collectives.py): patch whichever names this torch has

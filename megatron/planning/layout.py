@@ -89,6 +89,8 @@ class MemoryLayout:
     def describe(self) -> str:
         par, ddp = self.parallel, self.parallel.ddp
         text = f"TP={par.tp} CP={par.cp} PP={par.pp} DP={par.dp}"
+        if par.ep > 1 or par.dims.etp != par.tp:
+            text += f" EP={par.ep} ETP={par.dims.etp}"
         if par.virtual_stages > 1:
             text += f" VPP={par.virtual_stages}"
         if par.first_stage_layers is not None or par.last_stage_layers is not None:
@@ -117,6 +119,8 @@ class MemoryLayout:
             "cp": par.cp,
             "pp": par.pp,
             "dp": par.dp,
+            "ep": par.ep,
+            "etp": par.dims.etp,
             "virtual_stages": par.virtual_stages,
             "microbatch_group_size": par.microbatch_group_size,
             "micro_batch_size": self.micro_batch_size,

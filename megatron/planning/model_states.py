@@ -1,9 +1,10 @@
 """Weights, gradients and optimizer state of one rank, exact to our buffers and optimizer.
 
 Every model chunk keeps its parameters and their fp32 gradients (`main_grad`) in two
-flat buffers laid out by `BufferLayout` (megatron/core/distributed/bucket_layout.py),
-and the optimizer (megatron/core/optimizer/) keeps one flat fp32 shard per bucket.
-The estimate builds the same `BufferLayout` from the parameter shapes, so:
+flat buffers laid out by `BufferLayout` (megatron/core/distributed/bucket_layout.py), and
+its experts' in two more (the expert buffer, sharded over the expert-data-parallel group
+instead of dp x cp), and the optimizer (megatron/core/optimizer/) keeps one flat fp32 shard
+per bucket. The estimate builds the same `BufferLayout`s from the parameter shapes, so:
 
 - weights and gradients: the buffers' elements, padding included, in `params_dtype`
   and in the gradient dtype; `param.grad` exists only inside backward (the
@@ -13,7 +14,8 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
   are their own master). The step count is one Python integer: no per-tensor state;
 - a shard is a whole bucket with the replicated optimizer (no padding), and 1/(dp cp)
   of a bucket padded to a multiple of dp x cp x SHARD_ALIGN elements with the
-  distributed optimizer: 6 + 12/d bytes per parameter for bf16 weights, plus padding;
+  distributed optimizer: 6 + 12/d bytes per parameter for bf16 weights, plus padding
+  (experts: 1/edp, edp = tp cp dp / (ep etp) the ranks holding the same expert shards);
 - offload and host-resident chunks (`--optimizer-cpu-offload` and the gradient / parameter
   fractions, offload.py): the parts the static policy puts on host cost nothing on the device
   and their bytes in `host_bytes`; offloaded shards are stepped on the CPU, so the device
@@ -23,7 +25,8 @@ The estimate builds the same `BufferLayout` from the parameter shapes, so:
   Sharded parameters (optim_grads_params) keep only the shard of the weights too; a bucket's
   whole weights exist while gathered. Those whole buckets are `gathered_bytes`, alive during
   forward and backward only: without pipelining at most UNSHARDED_BUCKETS of the largest
-  bucket (filled/used, being reduced or prefetched, the next), plus one held through the pass
+  bucket of each buffer kind, dense and expert, whose hooks run apart (filled/used, being
+  reduced or prefetched, the next), plus one held through the pass
   where the tied embedding and output layer share a chunk (with --unsharded-grad-accumulation
   every bucket's whole gradient, from the first backward to the last); under pipeline parallelism (unless
   --reshard-params-after-forward) every bucket's weights stay gathered from the first forward
@@ -59,19 +62,25 @@ class ModelStates:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.gathered_bytes
 
 
-def chunk_buffer(config, layout, chunk) -> BufferLayout:
-    """The bucket layout of `chunk`'s buffers, as ModelChunkBuffers builds it: parameters in
-    reverse order (the order backward produces their gradients), the embedding tied across
-    stages in a bucket of its own, sharded over dp x cp with the distributed optimizer."""
+def chunk_buffers(config, layout, chunk) -> list[BufferLayout]:
+    """The bucket layouts of `chunk`'s buffers, as ModelChunkBuffers builds them (its `buffers`: the
+    dense one, then the experts' if the chunk has MoE layers): parameters in reverse order (the order
+    backward produces their gradients), the embedding tied across stages in a bucket of its own,
+    sharded over dp x cp (experts: over edp) with the distributed optimizer."""
     par = layout.parallel
-    numels = tuple(numel(s) for s in chunk_shapes(config, par.tp, chunk))
-    replicas = par.dp * par.cp
-    return _buffer_layout(
-        numels,
-        shared_embedding_index(config, layout, chunk),
-        par.ddp.bucket_size or default_bucket_size(replicas),
-        replicas if par.ddp.use_distributed_optimizer else 1,
-    )
+    dense = tuple(numel(s) for s in chunk_shapes(config, par.tp, chunk))
+    experts = tuple(numel(s) for s in chunk_shapes(config, par.tp, chunk, expert=True))
+    buffers = [(dense, shared_embedding_index(config, layout, chunk), par.dp * par.cp)]
+    buffers += [(experts, None, par.dims.edp)] if experts else []
+    return [
+        _buffer_layout(
+            numels,
+            shared,
+            par.ddp.bucket_size or default_bucket_size(replicas),
+            replicas if par.ddp.use_distributed_optimizer else 1,
+        )
+        for numels, shared, replicas in buffers
+    ]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -81,7 +90,9 @@ def _buffer_layout(numels: tuple[int, ...], shared: int | None, bucket_size: int
     return BufferLayout(list(reversed(params)), bucket_size, shards, SHARD_ALIGN)
 
 
-def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
+def model_states(config, layout, chunks: list[list[BufferLayout]]) -> ModelStates:
+    """`chunks`: each model chunk's `chunk_buffers`."""
+    buffers = [b for buffers in chunks for b in buffers]
     states = state_bytes(buffers, layout, dtype_bytes(config.params_dtype))
     return ModelStates(
         parameters=sum(p.numel for b in buffers for p in b.params),
@@ -89,25 +100,29 @@ def model_states(config, layout, buffers: list[BufferLayout]) -> ModelStates:
         grads_bytes=states.grads,
         optimizer_bytes=states.optimizer,
         host_bytes=states.host,
-        gathered_bytes=gathered_bytes(config, layout, buffers),
+        gathered_bytes=gathered_bytes(config, layout, chunks),
     )
 
 
-def gathered_bytes(config, layout, buffers: list[BufferLayout]) -> int:
-    """Whole buckets besides the persistent shards, at the peak of forward/backward (see above)."""
+def gathered_bytes(config, layout, chunks: list[list[BufferLayout]]) -> int:
+    """Whole buckets besides the persistent shards, at the peak of forward/backward (see above);
+    `chunks`: each model chunk's `chunk_buffers`."""
     ddp = layout.parallel.ddp
     if not ddp.shards_grads:
         return 0
-    largest = max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
+    dense, experts = [c[0] for c in chunks], [b for c in chunks for b in c[1:]]
     held = int(not config.untie_embeddings_and_output_weights and layout.parallel.stages == 1)
-    grads = (
-        sum(b.numel for b in buffers) if ddp.unsharded_grad_accumulation else (UNSHARDED_BUCKETS + held) * largest
-    ) * ddp.grad_dtype.itemsize
+
+    def whole(buffers: list[BufferLayout], held: int) -> int:
+        """Elements of the whole buckets of one kind alive at once."""
+        return (UNSHARDED_BUCKETS + held) * max((bucket.numel for b in buffers for bucket in b.buckets), default=0)
+
+    every = sum(b.numel for buffers in chunks for b in buffers)
+    grads = every if ddp.unsharded_grad_accumulation else whole(dense, held) + whole(experts, 0)
     if not ddp.shards_params:
-        return grads
-    if not ddp.reshard_after_forward:
-        return grads + sum(b.numel for b in buffers) * dtype_bytes(config.params_dtype)
-    return grads + (UNSHARDED_BUCKETS + held) * largest * dtype_bytes(config.params_dtype)
+        return grads * ddp.grad_dtype.itemsize
+    params = whole(dense, held) + whole(experts, 0) if ddp.reshard_after_forward else every
+    return grads * ddp.grad_dtype.itemsize + params * dtype_bytes(config.params_dtype)
 
 
 def optimizer_step_temporary(buffers: list[BufferLayout], offload_fraction: float = 0.0) -> int:

@@ -1,8 +1,9 @@
 """Parameter shapes on every pipeline rank and model chunk, read from our modules (trace.py).
 
-All tp ranks of a stage hold the same shapes (every split is even). Shapes come in the
-order of the chunk's `named_parameters()`, which the gradient buffer's bucket layout (and
-so the distributed optimizer's padding) depends on.
+All tp ranks of a stage hold the same shapes (every split is even), and all ep x etp ranks the
+same number of experts of the same shapes. Shapes come in the order of the chunk's
+`named_parameters()`, which the gradient buffers' bucket layouts (and so the distributed
+optimizer's padding) depend on; experts' parameters apart from the others, as their buffer holds them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     return chunks
 
 
-def chunk_shapes(config, tp: int, chunk: ModelChunk) -> list[Shape]:
-    return chunk_parameter_shapes(config, tp, chunk.pre_process, chunk.post_process, len(chunk.layer_ids))
+def chunk_shapes(config, tp: int, chunk: ModelChunk, expert: bool = False) -> list[Shape]:
+    """Shapes of the chunk's parameters outside experts, or (`expert`) of its experts' (local experts,
+    split over etp)."""
+    parameters = chunk_parameter_shapes(config, tp, chunk.pre_process, chunk.post_process, chunk.layer_ids)
+    return [shape for shape, is_expert in parameters if is_expert == expert]
 
 
 def shared_embedding_index(config, layout, chunk: ModelChunk) -> int | None:
@@ -61,15 +65,35 @@ def numel(shape: Shape) -> int:
     return math.prod(shape)
 
 
-def total_parameters(config, tp: int = 1) -> int:
-    """Parameters of one model replica, each counted once: the one-rank model with the vocabulary
-    padded for `tp` (tp shards summed, norms and replicated biases once, no tied output-layer copy)."""
+def _whole_model_parameters(config, tp: int, expert: bool | None = None) -> int:
+    """Parameters of the one-rank model with the vocabulary padded for `tp` (tp shards summed, every
+    expert, norms and replicated biases once, no tied output-layer copy): all, or only the experts'
+    (`expert` True) or the others' (False)."""
     whole = dataclasses.replace(
         config,
         tensor_model_parallel_size=1,
         sequence_parallel=False,
         context_parallel_size=1,
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by * tp,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
     )
-    ends, one_layer = (sum(map(numel, chunk_parameter_shapes(whole, 1, True, True, n))) for n in (0, 1))
-    return ends + config.num_layers * (one_layer - ends)  # every layer has the same shapes
+
+    def count(layer_ids: list[int]) -> int:
+        parameters = chunk_parameter_shapes(whole, 1, True, True, layer_ids)
+        return sum(numel(shape) for shape, is_expert in parameters if expert in (None, is_expert))
+
+    kinds = [config.is_moe_layer(i) for i in range(config.num_layers)]
+    ends = count([])
+    per_layer = {moe: count([kinds.index(moe)]) - ends for moe in set(kinds)}  # layers of a kind are alike
+    return ends + sum(per_layer[moe] for moe in kinds)
+
+
+def total_parameters(config, tp: int = 1) -> int:
+    """Parameters of one model replica, each counted once (`_whole_model_parameters`)."""
+    return _whole_model_parameters(config, tp)
+
+
+def expert_parameters(config) -> int:
+    """The routed experts' share of `total_parameters`."""
+    return _whole_model_parameters(config, 1, expert=True)

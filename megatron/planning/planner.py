@@ -1,8 +1,10 @@
 """Enumerate parallel layouts, keep those whose memory estimate fits, rank them by step time.
 
 A layout is (tp, cp, pp, virtual stages, dp, micro batch, recomputation, replicated or
-distributed optimizer) for a fixed number of GPUs and global batch. Sequence parallelism
-is on whenever tp > 1 (same communication volume, less activation memory). Layouts our
+distributed optimizer, and for MoE models ep and etp) for a fixed number of GPUs and global
+batch. Sequence parallelism is on whenever tp > 1 (same communication volume, less activation
+memory). MoE models have no step-time projection (step_time.uncovered): their layouts that fit
+are ordered by a rule of thumb instead (`_rank`), every one estimated. Layouts our
 code would refuse (sizes that do not divide, a sequence that does not split into 2 x cp
 chunks, cp with attention dropout, interleaving without enough microbatches) are
 skipped, using the same validation as training (TransformerConfig, build_schedule).
@@ -16,6 +18,7 @@ its best case; the run keeps on the device what fits).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -32,7 +35,7 @@ from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.hardware import Hardware
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.offload import fraction_that_fits
-from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime
+from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime, uncovered
 from megatron.planning.trace import traces_run
 
 RECOMPUTE = {
@@ -48,7 +51,7 @@ class Candidate:
     layout: MemoryLayout
     recompute: str
     estimate: MemoryEstimate
-    time: StepTime
+    time: StepTime | None  # None: the step-time model does not cover the model (step_time.uncovered)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class Search:
     device_type: str = "cuda"
     stage_splits: tuple[tuple[int | None, int | None], ...] | None = None  # (first, last) stage layers
     grad_dtype: torch.dtype = torch.float32  # our trainer's gradient buffers; bf16 describes a run with bf16 ones
+    eps: tuple[int, ...] | None = None  # MoE: expert-parallel sizes
+    etps: tuple[int, ...] | None = None  # MoE: expert-tensor-parallel sizes (None: tp, Megatron's default)
 
 
 def _divisors(n: int) -> list[int]:
@@ -123,9 +128,24 @@ def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
                             yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
 
 
-def _split_config(config, tp: int, cp: int, recompute: str):
-    """The model config split for (tp, cp) with a recomputation, or None when our code refuses it
-    (tp does not divide the heads, groups or ffn; the sequence does not split)."""
+def _expert_sizes(config, stage_ranks: int, tp: int, search: Search):
+    """(ep, etp) of a stage of `stage_ranks` = tp x cp x dp ranks, as Megatron constrains them
+    (moe/validation.py, ParallelDims): ep divides the experts, etp the expert width, ep x etp the
+    stage; (1, None) for a dense model."""
+    if config.num_moe_experts is None:
+        yield 1, None
+        return
+    for etp in search.etps or (tp,):
+        for ep in search.eps or _divisors(config.num_moe_experts):
+            fits = config.num_moe_experts % ep == 0 and stage_ranks % (ep * etp) == 0
+            if fits and config.moe_ffn_hidden_size % etp == 0:
+                yield ep, etp
+
+
+def _split_config(config, tp: int, cp: int, recompute: str, ep: int, etp: int | None):
+    """The model config split for (tp, cp, and for MoE ep, etp) with a recomputation, or None when our
+    code refuses it (tp does not divide the heads, groups or ffn; the sequence does not split)."""
+    experts = {} if etp is None else dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
         return dataclasses.replace(
             config,
@@ -133,6 +153,7 @@ def _split_config(config, tp: int, cp: int, recompute: str):
             sequence_parallel=tp > 1,
             context_parallel_size=cp,
             **RECOMPUTE[recompute],
+            **experts,
         )
     except ValueError:
         return None
@@ -142,14 +163,16 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
     """Yield (config, layout, recompute name) for every valid layout (each split config built once)."""
     configs = {}
     for tp, cp, pp, v, dp, (first, last) in _mesh_shapes(config, num_gpus, search, hw):
-        for mbs in search.micro_batch_sizes:
+        for (ep, etp), mbs in itertools.product(
+            _expert_sizes(config, tp * cp * dp, tp, search), search.micro_batch_sizes
+        ):
             m = global_batch_size // (mbs * dp)
             if global_batch_size % (mbs * dp) or (v > 1 and not _valid_schedule(pp, v, m)):
                 continue
             for name in search.recompute:
-                if (tp, cp, name) not in configs:
-                    configs[tp, cp, name] = _split_config(config, tp, cp, name)
-                cfg = configs[tp, cp, name]
+                if (tp, cp, name, ep, etp) not in configs:
+                    configs[tp, cp, name, ep, etp] = _split_config(config, tp, cp, name, ep, etp)
+                cfg = configs[tp, cp, name, ep, etp]
                 if cfg is None:
                     continue
                 for sharded in search.distributed_optimizer:
@@ -163,6 +186,8 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                         ddp=dataclasses.replace(ddp, reshard_after_forward=pp == 1),  # the trainer's default
                         first_stage_layers=first,
                         last_stage_layers=last,
+                        ep=ep,
+                        etp=etp,
                     )
                     yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
 
@@ -179,7 +204,12 @@ def evaluate_layout(
     config, layout: MemoryLayout, recompute: str, projection: Projection = DEFAULT_PROJECTION
 ) -> Candidate:
     """One layout's memory estimate and projected step time, whether it fits or not."""
-    return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
+    return Candidate(config, layout, recompute, estimate_memory(config, layout), _time(projection, config, layout))
+
+
+def _time(projection: Projection, config, layout: MemoryLayout) -> StepTime | None:
+    """The projected step time; None where the model does not cover `config` (step_time.uncovered)."""
+    return None if uncovered(config) else projection(config, layout)
 
 
 def plan(
@@ -204,14 +234,24 @@ def plan(
             rejected += 1
             startable += verdict is not None and not verdict.refused
             continue
-        fitting.append(Candidate(cfg, layout, name, estimate, projection(cfg, layout)))
+        fitting.append(Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout)))
     fitting.sort(key=_rank)
     return fitting, rejected, startable
 
 
-def _rank(candidate: Candidate) -> tuple[float, int]:
-    """The planner's order: fastest first, then the lighter."""
-    return candidate.time.total_s, candidate.estimate.max_total_bytes
+def _rank(candidate: Candidate) -> tuple:
+    """The planner's order: fastest first, then the lighter. Without a projected step time (MoE), a rule
+    of thumb and not a projection: the least model parallelism (tp x cp x pp) first, then the least
+    recomputation, the larger micro batch, the lighter."""
+    if candidate.time is not None:
+        return candidate.time.total_s, candidate.estimate.max_total_bytes
+    par = candidate.layout.parallel
+    return (
+        par.tp * par.cp * par.pp,
+        list(RECOMPUTE).index(candidate.recompute),
+        -candidate.layout.micro_batch_size,
+        candidate.estimate.max_total_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -241,23 +281,26 @@ def plan_fastest(
     layout: those the parameter count rules out are pruned (bounds.py), the rest visited in the
     order of a lower bound of their step time (`Projection.lower_bound`, no pipeline simulation),
     each estimated and, when it fits, projected in full; the visit stops at the first layout
-    whose bound exceeds the slowest of `top` layouts found (ties visited: `plan`'s order breaks them)."""
+    whose bound exceeds the slowest of `top` layouts found (ties visited: `plan`'s order breaks them).
+    Without a step-time projection (MoE) every layout that is not pruned is estimated."""
     traces_before = traces_run()
+    projected = uncovered(config) is None
     bounded, pruned = [], 0
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         if certain_lower_bound(cfg, layout) > device_bytes:
             pruned += 1
         else:
-            bounded.append((projection.lower_bound(cfg, layout), cfg, layout, name))
+            bounded.append((projection.lower_bound(cfg, layout) if projected else 0.0, cfg, layout, name))
     bounded.sort(key=lambda b: b[0])
     best, verdicts = [], []
     for bound, cfg, layout, name in bounded:
-        if len(best) == top and bound > best[-1].time.total_s:
+        if projected and len(best) == top and bound > best[-1].time.total_s:
             break
         estimate = estimate_memory(cfg, layout)
         verdicts.append(fit_verdict(estimate, device_bytes))
         if verdicts[-1].fits:
-            best = sorted([*best, Candidate(cfg, layout, name, estimate, projection(cfg, layout))], key=_rank)[:top]
+            found = Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout))
+            best = sorted([*best, found], key=_rank)[:top]
     counts = SearchCounts(
         considered=pruned + len(bounded),
         pruned=pruned,
@@ -295,9 +338,9 @@ def plan_sharded(
             sharded = layout.with_ddp(sharding_strategy=strategy)
             estimate = estimate_memory(cfg, sharded)
             if estimate.fits(device_bytes):
-                proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
+                proposals.append(Candidate(cfg, sharded, name, estimate, _time(projection, cfg, sharded)))
                 break
-    proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+    proposals.sort(key=_rank)
     return proposals[:top]
 
 
@@ -348,18 +391,19 @@ def plan_offload(
     search = dataclasses.replace(search, distributed_optimizer=(True,))
     needed = []
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
-        need = offload_needed(estimate_memory(cfg, layout), device_bytes)
+        estimate = estimate_memory(cfg, layout)
+        need = offload_needed(estimate, device_bytes)
         if need:  # None: not even full offload fits; 0: fits without
-            needed.append((need, projection(cfg, layout), cfg, layout, name))
-    needed.sort(key=lambda n: (n[0], n[1].total_s))
+            needed.append((need, Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout))))
+    needed.sort(key=lambda n: (n[0], _rank(n[1])))
     proposals = []
-    for need, time, cfg, layout, name in needed:
-        estimate = smallest_offload(cfg, layout, need, device_bytes)
+    for need, candidate in needed:
+        estimate = smallest_offload(candidate.config, candidate.layout, need, device_bytes)
         if estimate is not None:
-            proposals.append(Candidate(cfg, estimate.layout, name, estimate, time))
+            proposals.append(dataclasses.replace(candidate, layout=estimate.layout, estimate=estimate))
         if len(proposals) == top:
             break
-    proposals.sort(key=lambda c: (c.layout.offload_fractions.optimizer, c.time.total_s))
+    proposals.sort(key=lambda c: (c.layout.offload_fractions.optimizer, _rank(c)))
     return proposals
 
 
@@ -390,6 +434,6 @@ def plan_host_resident(
         placed = host_resident(layout)
         estimate = estimate_memory(cfg, placed)
         if estimate.fits(device_bytes):
-            proposals.append(Candidate(cfg, placed, name, estimate, projection(cfg, placed)))
-    proposals.sort(key=lambda c: (c.time.total_s, c.estimate.max_total_bytes))
+            proposals.append(Candidate(cfg, placed, name, estimate, _time(projection, cfg, placed)))
+    proposals.sort(key=_rank)
     return proposals[:top]

@@ -64,6 +64,8 @@ def format_table(estimate: MemoryEstimate, device_bytes: int | None) -> list[str
         f"({worst.peak_microbatches} microbatch-chunks in flight, largest temporary "
         f"{worst.transients.largest_temporary})"
     )
+    if estimate.moe_routing:
+        lines.append(estimate.moe_routing)
     if layout.offload_auto:
         lines.append(
             "> offload policy auto: estimated with every movable part on host, the best case (the start-up "

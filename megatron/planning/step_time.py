@@ -16,6 +16,7 @@ first forward with --overlap-param-gather. Last the optimizer step, memory-bound
 
 Bandwidths are per GPU (hardware.py); a group stays on NVLink while it fits in a node.
 The constants are in compute_cost.Calibration, fitted on published runs (docs/planner.md).
+MoE layers are not modelled (`uncovered`): no projection rather than a dense one.
 """
 
 from __future__ import annotations
@@ -324,6 +325,16 @@ def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tup
     return grad / bandwidth, gather / bandwidth
 
 
+def uncovered(config) -> str | None:
+    """Why the model cannot project `config`, in one line; None when it can."""
+    if config.num_moe_experts is None:
+        return None
+    return (
+        "the step-time model does not cover MoE layers (--num-experts): the routed experts' GEMMs, the token "
+        "dispatch and its expert-parallel communication are not modelled, so no step time is projected"
+    )
+
+
 def step_time(
     config,
     layout,
@@ -338,6 +349,8 @@ def step_time(
     `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py). `pipeline`
     False takes for the pipeline's idle time only what no schedule avoids (`least_idle`, no
     simulation): every other part is the same, so its total is a lower bound."""
+    if uncovered(config):
+        raise ValueError(uncovered(config))
     par = layout.parallel
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention)

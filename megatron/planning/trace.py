@@ -12,18 +12,23 @@ that is a module buffer (the positions of learned position embeddings) is the sa
 microbatch and is reported apart (`shared_bytes`). A forward is enough: saved tensors are
 packed during the forward only, and backward allocates transients (transients.py).
 
+MoE layers run their experts on the rows the routing sends them, data that fake tensors do not
+have: the dispatchers read it in one place, for which the trace stands in the balanced load
+(moe_routing.py; `Setting.routing_load` times it for the imbalance allowance), and build expert
+groups of the config's ep and etp sizes.
+
 For a CUDA estimate the trace's fake CPU tensors dispatch as on CUDA: the traced config names
 the paths kernels/dispatch.py `kernel_paths` chooses there (`_for_device`; our Triton kernels
 run shape-only: outputs allocated and saved, nothing launched), torch's device-dependent ops
 through cuda_ops.py.
 
-Speed: layers of one configuration are identical, so a chunk is never traced whole. It is
+Speed: layers of one kind (MoE or dense) are identical, so a chunk is never traced whole. It is
 cut into pieces: the embedding, its layers in units (`_units`: one layer, or one recomputed
 group as TransformerBlock forms them), the head; each kind of piece is traced once, and a
 chunk adds up its pieces' own storages, each storage passed from one piece to the next once
 when either keeps it, and once what the block hands every layer (rotary angles, attention
 mask) if a layer keeps it. That is exact as long as a piece keeps nothing of another piece
-but its input and output, and the layers of a chunk differ only in their index
+but its input and output, and the layers of a chunk differ only in their index and kind
 (tests/parallel/test_memory_measured.py would show otherwise). Every trace is cached, so the
 planner traces each distinct (configuration, tp, cp, micro batch, device) once.
 """
@@ -41,11 +46,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernels.dispatch import UNFUSED
 from megatron.core.models.gpt_model import GPTModel
+from megatron.core.parallel_state import ExpertGroups
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning.cuda_ops import CudaOps
 from megatron.planning.fake_dist import FakeGroup, fake_collectives
+from megatron.planning.moe_routing import stand_in_routing
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -59,6 +66,7 @@ class Setting:
     micro_batch_size: int
     device_type: str
     attention: str  # KernelChoice.attention: the SDPA kernel a CUDA run picks
+    routing_load: float = 1.0  # MoE: routes per expert as a multiple of the balanced load (moe_routing.py)
 
 
 @dataclass(frozen=True)
@@ -147,25 +155,47 @@ def _fake_run(device_type: str, attention: str):
         yield
 
 
-def _build(config: TransformerConfig, tp: int, cp: int, pre: bool, post: bool, n_layers: int) -> GPTModel:
+def _build(config: TransformerConfig, tp: int, cp: int, pre: bool, post: bool, layer_ids: list[int]) -> GPTModel:
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
+    experts = ExpertGroups(ep=FakeGroup(ep), etp=FakeGroup(etp), tp_ep=FakeGroup(ep * etp), tp_cp=FakeGroup(tp * cp))
     return GPTModel(
         config,
         tp_group=FakeGroup(tp),
         rng_tracker=_NoRandomness(),
-        layer_ids=range(n_layers),
+        layer_ids=layer_ids,
         pre_process=pre,
         post_process=post,
         cp_group=FakeGroup(cp) if cp > 1 else None,
+        expert_groups=experts,
         device="cpu",
     )
+
+
+def _layer_ids(config: TransformerConfig, pattern: tuple[bool, ...]) -> list[int]:
+    """Distinct global layer indices whose kinds (MoE layer or not) follow `pattern`: a traced piece's layers
+    differ from a chunk's only in their index."""
+    if config.num_moe_experts is None:
+        return list(range(len(pattern)))  # any index is a dense layer's
+    pattern_of_model = _moe_pattern(config, range(config.num_layers))
+    kinds = {moe: iter([i for i, kind in enumerate(pattern_of_model) if kind == moe]) for moe in (False, True)}
+    return [next(kinds[moe]) for moe in pattern]
+
+
+def _moe_pattern(config: TransformerConfig, layer_ids) -> tuple[bool, ...]:
+    return tuple(config.is_moe_layer(i) for i in layer_ids)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 
 
 def _key(config: TransformerConfig) -> tuple:
-    """The config's field values: a cache key from which `TransformerConfig(*key)` rebuilds it."""
-    return tuple(getattr(config, name) for name in _FIELDS)
+    """The config's field values: a cache key from which `TransformerConfig(*key)` rebuilds it (a list,
+    --moe-layer-freq's, as a tuple)."""
+    return tuple(_hashable(getattr(config, name)) for name in _FIELDS)
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
@@ -188,20 +218,20 @@ def _without_recompute(config: TransformerConfig) -> TransformerConfig:
 
 
 @functools.lru_cache(maxsize=8192)
-def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) -> _Piece:
-    """kind: "embedding" (token ids in, hidden states out), "layers" (a middle chunk of `n_layers`
-    layers) or "head" (final norm, output layer, the loss accounted as the executor does)."""
+def _trace(config_key: tuple, setting: Setting, kind: str, pattern: tuple[bool, ...] = ()) -> _Piece:
+    """kind: "embedding" (token ids in, hidden states out), "layers" (a middle chunk of layers, MoE
+    where `pattern` says so) or "head" (final norm, output layer, the loss accounted as the executor does)."""
     config = TransformerConfig(*config_key)
     b, s = setting.micro_batch_size, config.seq_length // setting.cp
+    rows = s // setting.tp if config.sequence_parallel else s  # of the residual stream: a layer's tokens
     pre, post = kind == "embedding", kind == "head"
-    with _fake_run(setting.device_type, setting.attention):
-        model = _build(config, setting.tp, setting.cp, pre, post, n_layers)
+    with _fake_run(setting.device_type, setting.attention), stand_in_routing(config, rows * b, setting.routing_load):
+        model = _build(config, setting.tp, setting.cp, pre, post, _layer_ids(config, pattern))
         for p in model.parameters():  # as ModelChunkBuffers: linear layers add weight gradients into it
             p.main_grad = torch.empty(p.shape, dtype=torch.float32)
         if pre:
             x = torch.zeros(b, s, dtype=torch.long)
         else:
-            rows = s // setting.tp if config.sequence_parallel else s
             x = torch.empty(rows, b, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
         recorder = _Recorder(model)
         block_inputs = set()
@@ -229,18 +259,21 @@ def _trace(config_key: tuple, setting: Setting, kind: str, n_layers: int = 0) ->
     )
 
 
-def _units(config: TransformerConfig, n_layers: int) -> list[tuple[int, bool]]:
-    """(layers, recomputed?) of a chunk's units: each recomputed group, and each other layer."""
+def _units(config: TransformerConfig, pattern: tuple[bool, ...]) -> list[tuple[tuple[bool, ...], bool]]:
+    """(layer kinds, recomputed?) of a chunk's units: each recomputed group, and each other layer."""
     units = []
-    for start, end, recomputed in layer_groups(config, n_layers):
-        units += [(end - start, True)] if recomputed else [(1, False)] * (end - start)
+    for start, end, recomputed in layer_groups(config, len(pattern)):
+        if recomputed:
+            units.append((pattern[start:end], True))
+        else:
+            units += [(pattern[i : i + 1], False) for i in range(start, end)]
     return units
 
 
-def _unit_config(config: TransformerConfig, layers: int, recomputed: bool) -> TransformerConfig:
-    """A config whose block runs `layers` layers as one unit of this kind."""
+def _unit_config(config: TransformerConfig, pattern: tuple[bool, ...], recomputed: bool) -> TransformerConfig:
+    """A config whose block runs the layers of `pattern` as one unit of this kind."""
     if recomputed:
-        return dataclasses.replace(config, recompute_method="uniform", recompute_num_layers=layers)
+        return dataclasses.replace(config, recompute_method="uniform", recompute_num_layers=len(pattern))
     if config.recompute_granularity == "full":
         return dataclasses.replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     return config
@@ -260,21 +293,26 @@ def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfi
     return dataclasses.replace(config, attention_backend=attention, normalization_impl=paths.norm.impl)
 
 
-def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
-    """Saved bytes of one microbatch on a chunk of `n_layers` layers (module docstring): its pieces'
+def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, layer_ids) -> Saved:
+    """Saved bytes of one microbatch on a chunk of the layers `layer_ids` (module docstring): its pieces'
     own tensors, each storage passed between two pieces once when either keeps it (a received input
     is kept by the executor in any case), and the block's shared inputs once."""
-    return _chunk_saved(_key(_for_device(config, setting.device_type)), setting, pre, post, n_layers)
+    key = _key(_for_device(config, setting.device_type))
+    return _chunk_saved(key, setting, pre, post, _moe_pattern(config, layer_ids))
 
 
 @functools.lru_cache(maxsize=65536)
-def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, n_layers: int) -> Saved:
+def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, pattern: tuple[bool, ...]) -> Saved:
     config = TransformerConfig(*config_key)
     plain = _key(_without_recompute(config))
-    units = _units(config, n_layers)
-    kinds = {kind: _trace(_key(_unit_config(config, *kind)), setting, "layers", kind[0]) for kind in set(units)}
-    pieces = ([_trace(plain, setting, "embedding")] if pre else []) + [kinds[kind] for kind in units]
-    pieces += [_trace(plain, setting, "head")] if post else []
+    units = _units(config, pattern)
+    unrouted = dataclasses.replace(setting, routing_load=1.0)  # pieces without MoE layers: one trace for any load
+    kinds = {
+        kind: _trace(_key(_unit_config(config, *kind)), setting if any(kind[0]) else unrouted, "layers", kind[0])
+        for kind in set(units)
+    }
+    pieces = ([_trace(plain, unrouted, "embedding")] if pre else []) + [kinds[kind] for kind in units]
+    pieces += [_trace(plain, unrouted, "head")] if post else []
     total = 0 if pre else _residual_bytes(config, setting)
     for before, after in zip(pieces, pieces[1:]):
         total += before.output_bytes if before.output_saved or after.input_saved else 0
@@ -282,23 +320,32 @@ def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, n_l
     return Saved(total, sum(p.shared_bytes for p in pieces), max(p.recompute_bytes for p in pieces))
 
 
+Parameter = tuple[tuple[int, ...], bool]  # (shape, an expert's?)
+
+
 @functools.lru_cache(maxsize=8192)
-def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple, tuple]:
-    """(shapes of a chunk with one layer, in named_parameters() order; the index range of the layer's)."""
+def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple, dict, tuple]:
+    """(the parameters before the layers, {MoE layer?: one such layer's}, those after), each a
+    `Parameter` in named_parameters() order, from a chunk with one layer of each kind."""
+    config = TransformerConfig(*config_key)
+    kinds = sorted({config.is_moe_layer(i) for i in range(config.num_layers)})
     with _fake_run("cpu", "flash"):
-        model = _build(TransformerConfig(*config_key), tp, 1, pre, post, 1)
-    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    layer = [i for i, (n, _) in enumerate(named) if n.startswith(LAYER_PREFIX)]
-    return tuple(s for _, s in named), (layer[0], layer[-1] + 1)
+        model = _build(config, tp, 1, pre, post, _layer_ids(config, tuple(kinds)))
+    before, layers, after = [], {moe: [] for moe in kinds}, []
+    for name, p in model.named_parameters():
+        parameter = (tuple(p.shape), getattr(p, "is_expert", False))
+        if name.startswith(LAYER_PREFIX):
+            layers[config.is_moe_layer(int(name[len(LAYER_PREFIX) :].split(".")[0]))].append(parameter)
+        else:
+            (after if any(layers.values()) else before).append(parameter)
+    return tuple(before), {moe: tuple(shapes) for moe, shapes in layers.items()}, tuple(after)
 
 
-def chunk_parameter_shapes(
-    config: TransformerConfig, tp: int, pre: bool, post: bool, n_layers: int
-) -> list[tuple[int, ...]]:
-    """This tp rank's parameter shapes of a chunk, in named_parameters() order (the gradient
-    buffer's bucket layout depends on it)."""
-    shapes, (start, end) = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)
-    return list(shapes[:start]) + list(shapes[start:end]) * n_layers + list(shapes[end:])
+def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: bool, layer_ids) -> list[Parameter]:
+    """This tp rank's parameters of a chunk of the layers `layer_ids`, in named_parameters() order
+    (the gradient buffers' bucket layouts depend on it), each with whether it is an expert's."""
+    before, layers, after = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)
+    return [*before, *(p for i in layer_ids for p in layers[config.is_moe_layer(i)]), *after]
 
 
 def trace_cache_clear() -> None:

@@ -13,6 +13,9 @@ code allocates and are NOT validated by measurement yet:
   all-reduce makes, or the gathered gradient in backward);
 - cp: the K/V blocks and fp32 accumulators of the context-parallel attention's
   backward (`cp_attention_bytes`), which holds more than its forward;
+- MoE dispatch: two [rows, h] tensors of the token dispatcher that are not saved (the permuted
+  rows sent and those received by alltoall, the group's gathered tokens and the summed output
+  with allgather, and their gradients in backward), at the balanced load (`moe_dispatch_bytes`);
 - dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
   in place (NCCL's own buffers are an allowance, below);
 - the largest temporary during forward/backward, the max of: the last stage's
@@ -20,8 +23,8 @@ code allocates and are NOT validated by measurement yet:
   weight gradient before it is added to `main_grad` (with gradient accumulation
   fusion the layer's placeholder of the same size; two of them for an
   embedding tied within one stage: the output layer's gradient waits for the
-  embedding's), the MLP's activation gradients, and the recomputed activations
-  of one recomputed group;
+  embedding's), the MLP's activation gradients (an MoE layer's: its local experts' rows at
+  the balanced load), and the recomputed activations of one recomputed group;
 - after backward (a separate phase: activations are gone): the optimizer step's
   temporaries, and the concatenated tied-embedding gradient all-reduced between
   the first and last stage;
@@ -36,7 +39,9 @@ the fit rule keeps (fit_rule.py). Assumptions, not measurements (none on GPU yet
   (communicators.py; 0 on CPU, where gloo keeps no device buffers);
 - document mask: the [b, 1, s, s] bool mask GPTModel builds from the document ids under
   --reset-attention-mask (attention.document_mask), one per microbatch-chunk in flight, as
-  the layers' attention keeps it for backward; the trace runs without document ids.
+  the layers' attention keeps it for backward; the trace runs without document ids;
+- MoE routing imbalance: the saved activations that uneven routing adds to the balanced load
+  the trace assumes (moe_routing.py), named with its assumption; the estimator traces it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.planning.kernels import dtype_bytes
+from megatron.planning.moe_routing import routes_per_expert
 from megatron.planning.parameters import padded_vocab
 
 FP32 = 4
@@ -109,6 +115,9 @@ class Transients:
     communicators: tuple[str, ...]  # communicators.py: the groups whose NCCL buffers are counted
     communicator_bytes: int  # all of them
     mask_bytes: int  # document masks of --reset-attention-mask
+    moe_dispatch_bytes: int = 0
+    moe_imbalance_bytes: int = 0  # saved activations uneven routing adds (moe_routing.py)
+    moe_imbalance: str = ""  # the allowance's name, with its assumption
 
     def derived(self) -> dict[str, int]:
         """The parts derived from the shapes our code allocates (allocator-visible), by name."""
@@ -117,6 +126,7 @@ class Transients:
             "split-backward output gradients": self.split_backward_bytes,
             "tp buffer": self.tp_bytes,
             "cp attention buffers": self.cp_bytes,
+            "MoE dispatch buffers": self.moe_dispatch_bytes,
             "dp buckets": self.dp_bucket_bytes,
             f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
         }
@@ -132,6 +142,7 @@ class Transients:
             "fragmentation allowance": self.fragmentation_bytes,
             **fixed,
             "document mask (--reset-attention-mask)": self.mask_bytes,
+            self.moe_imbalance: self.moe_imbalance_bytes,
         }
 
     @property
@@ -182,15 +193,39 @@ def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
     return (1 + cp) * block * dims.p + cp * block * FP32 + dq
 
 
+def expert_rows(dims: Dims, config) -> int:
+    """Rows an MoE layer's local experts run on one rank at the balanced load: routes per expert from
+    each of the ep x etp ranks whose tokens reach them (alltoall sends, allgather gathers them)."""
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
+    local = config.num_moe_experts // ep
+    return routes_per_expert(config, dims.s_res * dims.b) * local * ep * etp
+
+
+def moe_dispatch_bytes(dims: Dims, config) -> int:
+    """Two [rows, h] tensors of the dispatcher alive at once (module docstring): alltoall's rows are the
+    larger of those sent and those received, allgather's the ep x etp group's tokens."""
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
+    if config.moe_token_dispatcher_type == "allgather":
+        rows = dims.s_res * dims.b * ep * etp
+    else:
+        sent = routes_per_expert(config, dims.s_res * dims.b) * config.num_moe_experts
+        rows = max(sent, expert_rows(dims, config))
+    return 2 * rows * dims.h * dims.p
+
+
 def largest_temporary(
-    dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool, recompute_working: int
+    dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool, recompute_working: int, moe: bool
 ) -> tuple[int, str]:
-    """`largest_param`: elements of the rank's largest parameter."""
+    """`largest_param`: elements of the rank's largest parameter; `moe`: whether the rank has MoE layers."""
+    activation_gradients = 3 if config.swiglu else 2
     candidates = {
         "weight gradient": largest_param * dims.p * (2 if tied_in_one_stage else 1),
-        "mlp activation gradients": dims.s * dims.b * dims.ffn * dims.p * (3 if config.swiglu else 2),
+        "mlp activation gradients": dims.s * dims.b * dims.ffn * dims.p * activation_gradients,
         "recomputation": recompute_working,
     }
+    if moe:
+        width = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
+        candidates["expert activation gradients"] = expert_rows(dims, config) * width * dims.p * activation_gradients
     if has_last:
         candidates["logits"] = logits_temporary(dims)
     name = max(candidates, key=candidates.get)
@@ -232,10 +267,12 @@ def estimate_transients(
     activations: int,
     communicators: tuple[str, ...],
     microbatches_in_flight: int,
+    moe_dispatch: int = 0,
+    moe_imbalance: tuple[int, str] = (0, ""),
 ) -> Transients:
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.parallel.tp > 1 else 0
     mask_bytes = dims.b * dims.s * dims.s * microbatches_in_flight if layout.document_mask else 0
-    dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + largest[0] + mask_bytes
+    dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + moe_dispatch + largest[0] + mask_bytes
     return Transients(
         p2p_bytes=p2p_extra,
         split_backward_bytes=split_bytes,
@@ -249,4 +286,7 @@ def estimate_transients(
         communicators=communicators,
         communicator_bytes=allowances.communicator_bytes * len(communicators),
         mask_bytes=mask_bytes,
+        moe_dispatch_bytes=moe_dispatch,
+        moe_imbalance_bytes=moe_imbalance[0],
+        moe_imbalance=moe_imbalance[1],
     )

@@ -36,10 +36,7 @@ def check_memory(
     run, device: torch.device, device_memory_gb: float | None, skip: bool, host_memory_gb: float | None = None
 ) -> list[str]:
     """Estimate `run` on `device`; return log lines, raise ValueError when its certain part cannot fit
-    the device or its host part the host. MoE models are not estimated yet (their activations depend on the
-    routing): a line says so (and --offload-policy auto, which needs the estimate, is refused with them)."""
-    if run.model.num_moe_experts is not None:
-        return ["> memory check: the memory estimate does not cover MoE layers yet; not estimated, not checked"]
+    the device or its host part the host."""
     estimate = estimate_memory(run.model, layout_from_run(run, device.type))
     device_bytes = device_memory_bytes(device, device_memory_gb)
     return check_fit(estimate, device_bytes, host_memory_bytes(device, host_memory_gb), skip)
@@ -47,10 +44,9 @@ def check_memory(
 
 def check_offload_budget(run, device: torch.device) -> None:
     """Refuse (ValueError, one line) a device budget that cannot hold a rank even with the whole
-    optimizer state on host. MoE models are not estimated (the start-up memory line says so), so not
-    checked here either."""
+    optimizer state on host."""
     budget = device_memory_bytes(device, run.training.device_memory_gb)
-    if not run.optimizer.offload.enabled or budget is None or run.model.num_moe_experts is not None:
+    if not run.optimizer.offload.enabled or budget is None:
         return
     reason = offload_budget_refusal(estimate_memory(run.model, layout_from_run(run, device.type)), budget)
     if reason is not None:

@@ -6,7 +6,8 @@ per-sequence aux loss, a shared expert, a dense first layer) train 5 iterations 
 and --use-distributed-optimizer), EP2 x TP2 with sequence parallelism (experts split over tp, and whole with
 --expert-tensor-parallel-size 1), EP2 x PP2 (also with two virtual stages), EP2 and EP4 with CP2, EP2 x DP2 under
 the optim_grads and optim_grads_params sharding strategies (experts sharded over their expert-data-parallel
-ranks) and with half the optimizer state offloaded to host, capacity-limited (dropping; and padded), with full
+ranks), with half the optimizer state offloaded to host and with --offload-policy auto placing it (one of the
+two chunks, dense and expert, kept on the device), capacity-limited (dropping; and padded), with full
 recomputation (aux losses and expert-bias counts taken once, in the replay), with both dispatchers: every rank's
 losses, the iteration-1 grad norm (expert and dense weights counted once each) and every parameter after the
 last step equal the one-process run within 1e-5 relative (tests/parallel/layouts.py), as does the logged
@@ -80,6 +81,7 @@ PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-param-gather"]
+AUTO = ["--offload-policy", "auto", "--device-memory-gb", "0.0026"]  # keeps the optimizer state of 1 of 2 chunks
 LAYOUTS = {
     2: {
         "ep2-alltoall": ("mixtral", EP2 + A2A),
@@ -106,6 +108,7 @@ LAYOUTS = {
         "ep2-dp2-optim-grads-params": ("deepseek", EP2 + FSDP + ["optim_grads_params"]),
         "ep2-tp2-sp-optim-grads-params": ("mixtral", EP2 + TP2_SP + A2A + FSDP + ["optim_grads_params"]),
         "ep2-dp2-offload-half": ("deepseek", EP2 + A2A + OFFLOAD + ["--optimizer-offload-fraction", "0.5"]),
+        "ep2-dp2-offload-auto": ("deepseek", EP2 + A2A + OFFLOAD + AUTO),
         "ep4-cp2-deepseek": ("deepseek", EP4 + CP2),
     },
 }
@@ -121,8 +124,10 @@ def _train(model: str, extra: list[str], iterations: int = 5) -> dict:
         logged.append({name: float(value) for name, value in result.moe_losses.items()})
     trainer.optimizer.finish_param_sync()
     final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    host = trainer.optimizer.host
+    placed = None if host is None else (host.placement.counts()["optimizer"], len(trainer.optimizer.shards))
     trainer.close()
-    return {"losses": losses, "grad_norms": grad_norms, "final": final, "logged": logged}
+    return {"losses": losses, "grad_norms": grad_norms, "final": final, "logged": logged, "on_host": placed}
 
 
 def _train_many(rank: int, runs: list) -> list[dict]:
@@ -148,6 +153,8 @@ def test_expert_parallel_layout_matches_one_process(results, layout):
     reference = results[f"reference-{model}"][0]
     for rank, out in enumerate(results[layout]):
         assert_final_weights_match(rank, out, reference, LR)
+    if "auto" in layout:  # the placement is partial: the optimizer state of some chunks on host, not all
+        assert all(0 < out["on_host"][0] < out["on_host"][1] for out in results[layout]), results[layout][0]["on_host"]
     last, expected = results[layout][-1]["logged"], reference["logged"]  # the last rank prints the log line
     name = "seq_load_balancing_loss" if model == "deepseek" else "load_balancing_loss"
     for it, (mine, theirs) in enumerate(zip(last, expected), start=1):
@@ -200,9 +207,11 @@ def test_allgather_bytes_are_the_analytic_volume():
         assert measured == expected, (measured, expected)
 
 
-def test_cli_prints_megatron_moe_losses():
-    proc = run_cli("pretrain_llama.py", TINY_LLAMA + MIXTRAL + ["--moe-grouped-gemm"])
+def test_cli_prints_megatron_moe_losses_and_the_memory_check():
+    proc = run_cli("pretrain_llama.py", TINY_LLAMA + MIXTRAL + ["--moe-grouped-gemm", "--device-memory-gb", "1"])
     assert proc.returncode == 0, explain(proc)
     assert "> note: --moe-grouped-gemm runs the local experts one after the other" in proc.stdout
+    assert "> MoE: saved activations at the balanced load" in proc.stdout  # the start-up memory check
+    assert re.search(r"> memory check: estimated peak .* of device memory: fits: .*MoE routing imbalance", proc.stdout)
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
     assert len(lines) == 5 and all(re.search(r"lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: ", x) for x in lines)

@@ -49,7 +49,7 @@ def _saved(config, pre=False, post=False, n_layers=1, tp=1, cp=1, device="cuda")
         config, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp
     )
     setting = Setting(tp, cp, B, device, resolve_kernels(config, device).attention)
-    return chunk_saved(config, setting, pre, post, n_layers)
+    return chunk_saved(config, setting, pre, post, range(n_layers))
 
 
 def layer_bytes(config, tp=1, device="cuda", cp=1):

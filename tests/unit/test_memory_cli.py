@@ -585,3 +585,57 @@ def test_a_given_layout_is_printed_even_when_it_does_not_fit(capsys):
     code, out, _ = run_tool(plan_tool, argv[:-1] + ["--json"], capsys)  # either optimizer: both printed
     assert code == 1 and [row["distributed_optimizer"] for row in json.loads(out)] == [False, True]
     assert not any(row["fits"] for row in json.loads(out))
+
+
+MOE = ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-token-dispatcher-type", "alltoall"]
+MOE_TINY = ["--model-family", "llama", "--device-type", "cpu", "--device-memory-gb", "1"] + TINY + MOE
+
+
+def test_estimate_memory_covers_moe(capsys):
+    """Dropless: the balanced load, and the imbalance an allowance named with its assumption; padded to the
+    capacity: no assumption left."""
+    argv = ["--num-gpus", "4", "--expert-model-parallel-size", "4", "--explain"] + MOE_TINY
+    code, out, err = run_tool(estimate_tool, argv, capsys)
+    assert code == 0, err
+    assert "EP=4 ETP=1" in out and "> MoE: saved activations at the balanced load" in out
+    assert "allowance  MoE routing imbalance (each expert at 1.5x the balanced load, assumed: dropless)" in out
+    assert out.splitlines()[-1].startswith("> fits")
+    padded = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    code, out, err = run_tool(estimate_tool, argv + padded, capsys)
+    assert code == 0 and "every expert's rows are its capacity (padded): exact" in out and "imbalance" not in out
+    code, out, _ = run_tool(
+        estimate_tool, ["--num-gpus", "4", "--expert-model-parallel-size", "4", "--json"] + MOE_TINY, capsys
+    )
+    data = json.loads(out)
+    assert data["layout"]["ep"] == 4 and data["moe_routing"].startswith("> MoE:")
+    assert any(name.startswith("MoE routing imbalance") for name in data["ranks"][0]["uncertain"])
+
+
+def test_start_up_check_estimates_moe_runs():
+    run = _run(TINY + MOE + ["--expert-model-parallel-size", "2"], world=2)
+    lines = check_memory(run, torch.device("cpu"), 1.0, skip=False)
+    assert "EP=2 ETP=1" in lines[0] and any(
+        line.startswith("> MoE: saved activations at the balanced") for line in lines
+    )
+    assert lines[-1].startswith("> memory check: estimated peak") and "of device memory: fits: " in lines[-1]
+    assert "MoE routing imbalance (each expert at 1.5x the balanced load, assumed: dropless)" in lines[-1]
+
+
+def test_planner_searches_ep_of_moe_jobs_without_a_step_time(capsys):
+    base = ["--num-gpus", "4", "--micro-batch-size", "1", "--recompute-granularity", "none"]
+    base += ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "1"] + MOE_TINY[:-4]
+    argv = base[:-2] + ["--global-batch-size", "8"] + MOE
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert out.splitlines()[1].endswith("ep  etp") and {row[-2] for row in rows} >= {"1", "2"}
+    assert all(row[12:15] == ["-", "-", "-"] for row in rows)
+    assert "> step times: not projected: the step-time model does not cover MoE layers (--num-experts)" in out
+    code, out, err = run_tool(plan_tool, argv + ["--expert-model-parallel-size", "2"], capsys)
+    assert code == 0 and {line.split()[-2] for line in out.splitlines() if line.split()[0].isdigit()} == {"2"}
+    code, out, err = run_tool(
+        plan_tool, base[:-2] + ["--global-batch-size", "8", "--expert-model-parallel-size", "2"], capsys
+    )
+    assert code == 2 and err.strip() == (
+        "error: --expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts"
+    )

@@ -10,7 +10,7 @@ from megatron.core.models.gpt_model import GPTModel
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning import MemoryLayout, estimate_memory
-from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
+from megatron.planning.parameters import chunk_shapes, expert_parameters, numel, rank_chunks, total_parameters
 from tests.distributed import run_distributed
 
 LLAMA = dict(
@@ -59,6 +59,25 @@ def test_llama2_7b_total():
 def test_llama3_8b_total():
     assert total_parameters(LLAMA3_8B) == 8_030_261_248
     assert estimate_memory(LLAMA3_8B, MemoryLayout()).ranks[0].parameters == 8_030_261_248
+
+
+MIXTRAL_8X7B = dataclasses.replace(LLAMA3_8B, vocab_size=32000, num_moe_experts=8, moe_router_topk=2)
+
+
+def test_mixtral_total_and_experts_per_rank():
+    """Mixtral-8x7B's published 46.7B parameters, 45.1B of them experts'; under ep 4 a rank holds 2
+    experts per layer (split over etp 2 when tp 2 splits them), in a buffer of their own."""
+    experts = 32 * 8 * 3 * 4096 * 14336
+    assert total_parameters(MIXTRAL_8X7B) == 46_702_792_704 and expert_parameters(MIXTRAL_8X7B) == experts
+    for tp, ep in ((1, 4), (2, 4)):
+        config = dataclasses.replace(
+            MIXTRAL_8X7B, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep
+        )
+        config = dataclasses.replace(config, expert_tensor_parallel_size=tp)
+        rank = estimate_memory(config, MemoryLayout(ParallelConfig(tp=tp, dp=8 // tp, ep=ep))).ranks[0]
+        dense = total_parameters(MIXTRAL_8X7B, tp) - experts
+        replicated = 32 * (2 + 8) * 4096 + 4096  # norms and the router (tp ranks hold it whole), the final norm
+        assert rank.parameters == (dense - replicated) // tp + replicated + experts // (ep * tp)
 
 
 def test_vocabulary_is_padded_per_tp():

@@ -213,3 +213,38 @@ def test_smallest_offload_rounds_up_to_whole_chunks():
     assert need == pytest.approx(1 / 3, rel=1e-6)
     estimate = smallest_offload(config, layout, need, device)
     assert estimate.fits(device) and estimate.layout.offload_fractions.optimizer > 0.34
+
+
+MOE = dataclasses.replace(MODEL, num_layers=4, seq_length=256, num_moe_experts=8, moe_ffn_hidden_size=512)
+
+
+def test_moe_layouts_search_ep_as_megatron_constrains_it():
+    """ep divides the experts and ep x etp the ranks of a stage (etp = tp unless given); the config is split
+    as the layout; the parameter count's bound holds with experts split over ep x etp and their optimizer
+    state over edp; a given ep restricts the search."""
+    search = Search(tps=(1, 2), pps=(1, 2), micro_batch_sizes=(1,), recompute=("none",))
+    layouts = list(enumerate_layouts(MOE, 8, 16, search, Hardware()))
+    assert {lay.parallel.ep for _, lay, _ in layouts} == {1, 2, 4, 8}
+    for cfg, layout, _ in layouts:
+        par = layout.parallel
+        assert (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (par.ep, par.tp)
+        assert 8 % par.ep == 0 and par.tp * par.cp * par.dp % (par.ep * par.tp) == 0
+        bound = certain_lower_bound(cfg, layout)
+        assert 0 < bound <= max(r.states_bytes for r in estimate_memory(cfg, layout).ranks), layout.describe()
+    given = dataclasses.replace(search, eps=(2,), etps=(1,))
+    assert {
+        (lay.parallel.ep, lay.parallel.dims.etp) for _, lay, _ in enumerate_layouts(MOE, 8, 16, given, Hardware())
+    } == {(2, 1)}
+
+
+def test_moe_is_planned_without_a_step_time():
+    """The step-time model refuses MoE in one line rather than projecting dense numbers; the planner keeps the
+    layouts that fit, ordered by its rule of thumb (least tp x cp x pp first), every one estimated."""
+    with pytest.raises(ValueError, match=r"^the step-time model does not cover MoE layers \(--num-experts\)"):
+        step_time(MOE, MemoryLayout())
+    search = Search(tps=(1, 2), pps=(1,), cps=(1,), micro_batch_sizes=(1,), recompute=("none",), eps=(2, 4))
+    top, counts = plan_fastest(MOE, 4, 8, 80 * GIB, search=search, top=3)
+    assert counts.skipped == 0 and counts.estimated == counts.considered - counts.pruned
+    assert len(top) == 3 and all(c.time is None for c in top)
+    model_parallel = [c.layout.parallel.tp for c in top]
+    assert model_parallel == sorted(model_parallel)

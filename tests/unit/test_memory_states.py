@@ -11,7 +11,7 @@ from megatron.core.optimizer.config import OffloadConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning import MemoryLayout
-from megatron.planning.model_states import chunk_buffer, gathered_bytes, model_states, optimizer_step_temporary
+from megatron.planning.model_states import chunk_buffers, gathered_bytes, model_states, optimizer_step_temporary
 from megatron.planning.parameters import ModelChunk, chunk_shapes, numel
 from megatron.planning.step_time import dp_collectives
 
@@ -27,7 +27,7 @@ def buffer(shards=1, bucket_size=10**8):
 def states(dtype, shards=1, bucket_size=10**8, parallel=None, offload=None, device_type="cuda"):
     config = dataclasses.replace(CONFIG, params_dtype=dtype)
     layout = MemoryLayout(parallel or ParallelConfig(), offload=offload or OffloadConfig(), device_type=device_type)
-    return model_states(config, layout, [buffer(shards, bucket_size)])
+    return model_states(config, layout, [[buffer(shards, bucket_size)]])
 
 
 def test_fp32_weights_are_their_own_master():
@@ -73,10 +73,11 @@ def test_chunk_buffer_follows_the_run():
     layout = MemoryLayout(
         ParallelConfig(dp=2, cp=2, pp=2, ddp=DDPConfig(bucket_size=10**8, use_distributed_optimizer=True))
     )
-    built = chunk_buffer(CONFIG, layout, first)
+    (built,) = chunk_buffers(CONFIG, layout, first)
     assert built.shards == 4 and len(built.buckets) == 2
     assert built.buckets[-1].numel == -(-numel(chunk_shapes(CONFIG, 1, first)[0]) // 256) * 256
-    assert len(chunk_buffer(CONFIG, MemoryLayout(ParallelConfig(dp=2)), ModelChunk(0, (0, 1), True, True)).buckets) == 1
+    (whole,) = chunk_buffers(CONFIG, MemoryLayout(ParallelConfig(dp=2)), ModelChunk(0, (0, 1), True, True))
+    assert len(whole.buckets) == 1
 
 
 @pytest.mark.parametrize("dtype,on_device", [(torch.float32, 8), (torch.bfloat16, 12)])
@@ -193,7 +194,7 @@ def test_unsharded_grad_accumulation_holds_every_whole_gradient_and_reduces_once
     buffers = [buffer(shards=2, bucket_size=20_000)]
     ddp = DDPConfig(sharding_strategy="optim_grads", unsharded_grad_accumulation=True)
     layout = MemoryLayout(ParallelConfig(dp=2, ddp=ddp), num_microbatches=4)
-    assert gathered_bytes(CONFIG, layout, buffers) == 4 * buffers[0].numel
+    assert gathered_bytes(CONFIG, layout, [buffers]) == 4 * buffers[0].numel
     assert dp_collectives(layout) == (1, 1)
     assert dp_collectives(layout.with_ddp(unsharded_grad_accumulation=False)) == (4, 1)
     with pytest.raises(ValueError, match="unsharded-grad-accumulation applies to the optim_grads"):

@@ -357,10 +357,6 @@ TINY += "--mock-data --vocab-size 100"
         ("--num-experts 6 --expert-model-parallel-size 4", "--num-experts (6) must be divisible by --expert-model"),
         ("--num-experts 8 --expert-model-parallel-size 8", "--expert-model-parallel-size (8) = 8 must divide tp x cp"),
         ("--expert-model-parallel-size 2", "--expert-model-parallel-size need --num-experts"),
-        (
-            "--num-experts 4 --use-distributed-optimizer --optimizer-cpu-offload --offload-policy auto",
-            "--offload-policy auto needs the memory estimate",
-        ),
         ("--num-experts 4 --save /nonexistent --ckpt-format torch_dist", "torch_dist with --num-experts"),
     ],
 )
@@ -397,13 +393,3 @@ def test_flops_count_the_routed_experts():
     dense, routed = 3 * h * f, h * 8 + 3 * h * 2 * 16  # router + the 2 experts a token reaches
     per_token = 2 * (2 * attention + dense + routed + h * 128)
     assert flops_per_iteration(config, global_batch_size=3) == 3 * per_token * s * 3
-
-
-def test_memory_estimate_refuses_moe_in_one_line():
-    """(The planner estimates every candidate through the same function.)"""
-    from tests.cli import run_cli
-
-    flags = "--num-gpus 2 --device h100-80gb --model-family llama --global-batch-size 8 --num-experts 4 " + TINY
-    proc = run_cli("tools/estimate_memory.py", flags.split())
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip() == "error: the memory estimate does not cover MoE layers (--num-experts) yet"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Memory estimate vs. measurement, per rank, on CPU (gloo ranks), for tiny GPT and Llama runs.
 
-    python tools/bench/estimator_accuracy.py
+    python tools/bench/estimator_accuracy.py [--model moe]     (--model: only that model's layouts)
 
 Layouts: DP, TP, TP+SP, CP (ring attention), PP, interleaved and uneven PP, full and
 selective recomputation, the distributed optimizer (several padded buckets, an embedding
@@ -11,11 +11,13 @@ resharding after forward, and with half the optimizer offloaded), host-resident 
 and parameter shards on host: all of them, and nested halves; host gradients under optim_grads),
 fp32 and bf16; GPT with
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
-Triton interpreter is available, our Triton attention and norm kernels.
+Triton interpreter is available, our Triton attention and norm kernels; a Llama with MoE layers
+under EP2 (alltoall, allgather), EP2 x TP2+SP with ETP 1, EP2 x PP2, and EP2 over DP4 with the
+distributed optimizer, half of it offloaded and optim_grads_params (experts over their edp ranks).
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters, whose storages are the flat parameter
-  buffers, plus each bucket's persistent shard where the parameters are sharded
+  buffers (the experts' in a buffer of their own), plus each bucket's persistent shard where the parameters are sharded
   (optim_grads_params: the whole buckets are released after the step, so a bucket left
   gathered would count too); gradients: the flat `main_grad` buffers, or with optim_grads(_params)
   the fp32 gradient shards (plus any `param.grad` left); optimizer: the optimizer's
@@ -40,6 +42,7 @@ during forward/backward (the estimate's `gathered_bytes`).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -71,22 +74,19 @@ BASE = [
     "--vocab-size",
     "100",
 ]
+LLAMA = ["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4"]
+LLAMA += ["--ffn-hidden-size", "96"]
+# MoE layers 0 and 2 of the Llama: 4 experts of intermediate 32, top-2, aux and z losses
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.01"]
+MOE += ["--moe-z-loss-coeff", "0.001"]
+# capacity-limited and padded, so that every expert runs exactly its capacity of rows: with dropless routing the
+# activations are data (the estimate assumes the balanced load there: megatron/planning/moe_routing.py)
+PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 MODELS = {  # GPT keeps its dropout (CPU attention takes the math path); Llama has none (CPU flash path)
     "gpt": (GPT_DEFAULTS, ["--hidden-size", "32", "--num-attention-heads", "4"]),
-    "llama": (
-        LLAMA_DEFAULTS,
-        [
-            "--hidden-size",
-            "64",
-            "--num-attention-heads",
-            "8",
-            "--group-query-attention",
-            "--num-query-groups",
-            "4",
-            "--ffn-hidden-size",
-            "96",
-        ],
-    ),
+    "llama": (LLAMA_DEFAULTS, LLAMA),
+    "moe": (LLAMA_DEFAULTS, LLAMA + MOE + PADDED),
+    "moe-dropless": (LLAMA_DEFAULTS, LLAMA + MOE),
     # head dim 64, which our Triton flash-attention kernel takes; 2 layers, 2 microbatches (interpreter speed)
     "llama-d64": (
         LLAMA_DEFAULTS,
@@ -121,6 +121,8 @@ NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no drop
 TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
 OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
 HALF = ["--optimizer-offload-fraction", "0.5"]
+EP2, ALLTOALL = ["--expert-model-parallel-size", "2"], ["--moe-token-dispatcher-type", "alltoall"]
+ETP1 = ["--expert-tensor-parallel-size", "1"]
 HOST_FULL = ["--grad-offload-fraction", "1", "--param-offload-fraction", "1"]  # host-resident chunks
 HOST_HALF = ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"]
 # sharded gradients (and parameters): the shards are what stays; the whole buckets gathered or filled
@@ -163,6 +165,8 @@ LAYOUTS = {
             "gpt",
             OPTIM_GRADS + OFFLOAD + ["--grad-offload-fraction", "0.5"] + BUCKETS,
         ),
+        ("ep2-alltoall", "moe", EP2 + ALLTOALL),
+        ("ep2-allgather-bf16", "moe", EP2 + BF16),
     ],
     4: [
         ("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2),
@@ -188,8 +192,16 @@ LAYOUTS = {
             "llama",
             TP2 + SP + OPTIM_GRADS_PARAMS + OFFLOAD + HOST_HALF + BF16 + BUCKETS,
         ),
+        ("ep2-tp2-sp-etp1-alltoall", "moe", EP2 + TP2 + SP + ETP1 + ALLTOALL),
+        ("dp4-ep2-distopt-alltoall-buckets", "moe", EP2 + DISTOPT + ALLTOALL + BUCKETS),
+        ("ep2-pp2-alltoall", "moe", EP2 + PP2 + ALLTOALL),
+        ("dp4-ep2-offload-half-bf16-buckets", "moe", EP2 + ALLTOALL + OFFLOAD + HALF + BF16 + BUCKETS),
+        ("dp4-ep2-optim-grads-params-bf16-buckets", "moe", EP2 + ALLTOALL + OPTIM_GRADS_PARAMS + BF16 + BUCKETS),
     ],
 }
+# dropless routing: the rows each expert runs are data, so these are not compared exactly but printed against
+# the estimate at the balanced load and its "MoE routing imbalance" allowance
+DROPLESS = {2: [("ep2-alltoall", "moe-dropless", EP2 + ALLTOALL), ("ep2-allgather", "moe-dropless", EP2)]}
 COMPONENTS = ("parameters", "weights_bytes", "grads_bytes", "optimizer_bytes", "host_bytes", "activations_bytes")
 
 
@@ -263,11 +275,12 @@ def measure(trainer: Trainer) -> dict:
     def on_device(tensors):
         return [t for t in tensors if _storage(t)[0] != slab]
 
-    buckets = [b for c in trainer.chunks for b in c.buffer.buckets]
+    buffers = [buffer for c in trainer.chunks for buffer in c.buffers]  # the experts' buffers too
+    buckets = [b for buffer in buffers for b in buffer.buckets]
     grads = [
         t
-        for c in trainer.chunks
-        for t in ([c.buffer.grad_data] if c.buffer.grad_data is not None else [b.grad_shard for b in c.buffer.buckets])
+        for buffer in buffers
+        for t in ([buffer.grad_data] if buffer.grad_data is not None else [b.grad_shard for b in buffer.buckets])
     ]
     grads += [p.grad for p in params if p.grad is not None]
     # the weights' storages, and the persistent shards where a bucket's whole parameters are
@@ -327,17 +340,32 @@ def _cells(m: dict, e: dict) -> list[str]:
     return [f"{m[c]:,} / {e[c]:,}" for c in COMPONENTS + ("peak_microbatches",)]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     from tests.distributed import run_distributed
 
-    print("Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n")
-    print(
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), help="only the layouts of this model")
+    only = parser.parse_args(argv).model
+    exact = {world: [lay for lay in layouts if only in (None, lay[1])] for world, layouts in LAYOUTS.items()}
+    if any(exact.values()):
+        print("\n".join(exact_table(run_distributed, exact)))
+    if only in (None, "moe-dropless"):
+        print("\n".join(dropless_table(run_distributed)))
+    return 0
+
+
+def exact_table(run_distributed, layouts_by_world: dict) -> list[str]:
+    """Every component measured / estimated, per rank (ranks of a pipeline stage that agree share a row)."""
+    lines = [
+        "Measured / estimated bytes per rank (ranks of one pipeline stage that agree share a row).\n",
         "| layout | world | ranks (pp rank) | parameters | weights | grads | optimizer | host | activations "
-        "| microbatch-chunks in flight |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        "| microbatch-chunks in flight |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     differing = 0
-    for world, layouts in LAYOUTS.items():
+    for world, layouts in layouts_by_world.items():
+        if not layouts:
+            continue
         grouped: dict = {}
         for row in compare(world, layouts, run_distributed(world, measure_layouts, layouts)):
             m, e = row["measured"], row["estimate"]
@@ -345,10 +373,32 @@ def main() -> int:
             key = (row["layout"], row["pp_rank"], tuple(_cells(m, e)))
             grouped.setdefault(key, []).append(str(row["rank"]))
         for (layout, pp_rank, cells), ranks in grouped.items():
-            print(f"| {layout} | {world} | {','.join(ranks)} ({pp_rank}) | " + " | ".join(cells) + " |")
-    print(f"\n(rank, component) pairs where estimate and measurement differ: {differing}")
-    return 0
+            lines.append(f"| {layout} | {world} | {','.join(ranks)} ({pp_rank}) | " + " | ".join(cells) + " |")
+    return lines + [f"\n(rank, component) pairs where estimate and measurement differ: {differing}"]
+
+
+def dropless_table(run_distributed) -> list[str]:
+    """Saved activations measured under dropless routing against the estimate at the balanced load."""
+    lines = [
+        "\nDropless routing (the rows per expert are data): saved activations, measured / estimated at the "
+        "balanced load\n",
+        "| layout | world | rank | measured | estimated | measured / estimated | imbalance allowance |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, layouts in DROPLESS.items():
+        per_rank = run_distributed(world, measure_layouts, layouts)
+        for index, (name, model, flags) in enumerate(layouts):
+            run = run_config(model, flags, world)
+            for rank, results in enumerate(per_rank):
+                got = results[index]
+                estimated = estimate_memory(run.model, layout_from_run(run, "cpu")).ranks[got["pp_rank"]]
+                m, e = got["measured"]["activations_bytes"], estimated.activations_bytes
+                lines.append(
+                    f"| {model} {name} | {world} | {rank} | {m:,} | {e:,} | {m / e:.3f} | "
+                    f"{estimated.transients.moe_imbalance_bytes:,} |"
+                )
+    return lines
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -55,7 +55,7 @@ from megatron.core.distributed.placement import (  # noqa: E402
     shard_numels,  # noqa: E402
 )
 from megatron.planning.estimator import estimate_memory  # noqa: E402
-from megatron.planning.model_states import chunk_buffer  # noqa: E402
+from megatron.planning.model_states import chunk_buffers  # noqa: E402
 from megatron.planning.parameters import rank_chunks  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
@@ -152,7 +152,7 @@ def auto_decision(width: int, dp: int, bf16: bool, budget: float, host_budget: f
     chunk by chunk, from the estimate with every part on host, with its 10% device margin."""
     member, full = (width, dp, bf16, OGP), (1.0, 1.0, 1.0)
     model, layout = member_run(*member, full)
-    buffers = [chunk_buffer(model, layout, chunk) for chunk in rank_chunks(model, layout, 0)]
+    buffers = [b for chunk in rank_chunks(model, layout, 0) for b in chunk_buffers(model, layout, chunk)]
     costs = part_bytes(2 if bf16 else 4, shards_grads=True, shards_params=True)
     return auto_placement(
         forward_order(buffers),

@@ -122,12 +122,6 @@ def moe_notes(config) -> list[str]:
     return notes
 
 
-def refuse_moe_offload_auto(config, offload) -> None:
-    """--offload-policy auto places chunks from the memory estimate, which does not cover MoE layers yet."""
-    if config.num_moe_experts is not None and offload.enabled and offload.policy == "auto":
-        raise ValueError("--offload-policy auto needs the memory estimate, which does not cover --num-experts yet")
-
-
 def refuse_moe_checkpoints(config, checkpoint) -> None:
     """What checkpoints of MoE models cannot hold yet: Megatron-LM's expert tensors (torch_dist)."""
     if config.num_moe_experts is None:

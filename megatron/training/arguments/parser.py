@@ -24,12 +24,7 @@ from megatron.training.arguments.megatron_flags import (
     strip_fusion_toggles,
 )
 from megatron.training.arguments.model import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
-from megatron.training.arguments.moe import (
-    add_moe_arguments,
-    moe_notes,
-    refuse_moe_checkpoints,
-    refuse_moe_offload_auto,
-)
+from megatron.training.arguments.moe import add_moe_arguments, moe_notes, refuse_moe_checkpoints
 from megatron.training.arguments.offload import add_offload_arguments, offload_config_from_args
 from megatron.training.arguments.optimizer import (
     DEFAULT_LR,
@@ -158,7 +153,6 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     checkpoint = checkpoint_config_from_args(args)
     refuse_moe_checkpoints(model, checkpoint)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
-    refuse_moe_offload_auto(model, optimizer.offload)
     return RunConfig(
         model=model,
         optimizer=optimizer,

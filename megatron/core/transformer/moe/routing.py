@@ -2,7 +2,8 @@
 function (with group-limited selection and aux-loss-free expert bias), capacity-limited token dropping, and the
 auxiliary losses (Switch load balancing, per sequence or per batch, and ST-MoE's z-loss).
 
-Shapes: logits, probs and routing maps are [tokens, experts]; a routing map is boolean.
+Shapes: logits, probs and routing maps are [tokens, experts]; a routing map is boolean. Selections whose values
+are not used take detached scores: an autograd node would save its indices only for them to be freed at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
     """Keep the `group_topk` expert groups whose top topk/group_topk scores sum highest, then the top-k experts
     among them (DeepSeek's device- or node-limited routing). Returns (values, indices) of the top-k."""
     tokens, experts = scores.shape
-    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_scores = scores.detach().view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
@@ -55,7 +56,7 @@ def topk_routing(
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits.float()).type_as(logits)
         if expert_bias is not None:
-            _, indices = _select(scores + expert_bias, topk, num_groups, group_topk)
+            _, indices = _select((scores + expert_bias).detach(), topk, num_groups, group_topk)
             scores = torch.gather(scores, dim=1, index=indices).type_as(logits)
         else:
             scores, indices = _select(scores, topk, num_groups, group_topk)
@@ -85,7 +86,7 @@ def drop_over_capacity(
         keep = torch.ones_like(routing_map)
     else:
         ranked = probs if policy == "probs" else routing_map.int()
-        _, indices = torch.topk(ranked, k=capacity, dim=0, sorted=False)
+        _, indices = torch.topk(ranked.detach(), k=capacity, dim=0, sorted=False)
         keep = torch.zeros_like(probs).scatter(0, indices, 1).bool()
     final_map = keep if pad else routing_map & keep
     return probs * final_map, final_map
@@ -99,7 +100,7 @@ def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: str) -> tup
     else:
         scores = torch.sigmoid(logits)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    _, indices = torch.topk(scores, k=topk, dim=1)
+    _, indices = torch.topk(scores.detach(), k=topk, dim=1)
     return torch.zeros_like(logits, dtype=torch.int32).scatter(1, indices, 1).bool(), scores
 
 

@@ -30,13 +30,21 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+def host_counts(counts: torch.Tensor) -> list[list[int]]:
+    """Routes per (source rank, expert), counts [sources, experts], read to the host in one sync: the dispatch's split
+    sizes, as Megatron reads them. The only value the dispatch takes from the routing, so that the memory estimate's
+    trace (megatron/planning/moe_routing.py) can stand in a routing for it."""
+    return counts.tolist()
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_rows: int):
     """Rows grouped by expert (expert 0's tokens first, each group in token order), their routing weights and the
-    token each row came from. tokens [T, h], routing_map and probs [T, E]."""
-    num_tokens, num_experts = routing_map.shape
-    by_expert = routing_map.T.contiguous()
-    token_of_row = torch.arange(num_tokens, device=tokens.device).expand(num_experts, -1).masked_select(by_expert)
-    return tokens.index_select(0, token_of_row), probs.T.contiguous().masked_select(by_expert), token_of_row
+    token each row came from. tokens [T, h], routing_map and probs [T, E]; `num_rows`: the routes in the map (known
+    on the host, so every shape here is)."""
+    num_tokens = routing_map.shape[0]
+    route = routing_map.T.contiguous().flatten().nonzero_static(size=num_rows).squeeze(1)  # expert-major positions
+    token_of_row = route % num_tokens
+    return tokens.index_select(0, token_of_row), probs.T.flatten().index_select(0, route), token_of_row
 
 
 def unpermute(rows: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -85,14 +93,16 @@ class AllGatherDispatcher:
         """hidden [s, b, h], probs and routing_map [s*b, E] -> (rows, rows per local expert, row weights, handle)."""
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        if _size(self.group) > 1:
+        sources = _size(self.group)
+        if sources > 1:
             routing_map = all_gather_sequence(routing_map.to(torch.uint8), self.group).bool()
             probs = gather_from_sequence_parallel_region(probs, self.group)
             tokens = gather_from_sequence_parallel_region(tokens, self.group)
         lo, hi = self.local_ids.start, self.local_ids.stop
         local_map = routing_map[:, lo:hi]
-        rows, row_probs, token_of_row = permute(tokens, local_map, probs[:, lo:hi])
-        counts = local_map.sum(dim=0).tolist()
+        per_source = host_counts(local_map.reshape(sources, -1, hi - lo).sum(dim=1))  # gathered in rank order
+        counts = [sum(column) for column in zip(*per_source)]
+        rows, row_probs, token_of_row = permute(tokens, local_map, probs[:, lo:hi], sum(counts))
         return rows, counts, row_probs, _Dispatched(token_of_row, tokens.shape[0], shape)
 
     def combine(self, rows: torch.Tensor, handle: _Dispatched, dtype: torch.dtype) -> torch.Tensor:
@@ -155,38 +165,47 @@ class AllToAllDispatcher:
     def dispatch(self, hidden, probs, routing_map):
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        rows, row_probs, token_of_row = permute(tokens, routing_map, probs)
-        handle = _Dispatched(token_of_row, tokens.shape[0], shape)
         counts = routing_map.sum(dim=0)
         ep, etp = _size(self.ep_group), _size(self.etp_group)
         if ep * etp == 1:
-            return rows, counts.tolist(), row_probs, handle
-        local = len(self.local_ids)
-        every_rank = counts.new_empty(ep * etp * self.num_experts)
-        collectives.all_gather_single(every_rank, counts, group=self.tp_ep_group)
-        # [etp source, ep source, local expert]: rows this rank's experts get from every rank of the group
-        mine = every_rank.view(ep, etp, -1).transpose(0, 1)[:, :, self.local_ids.start : self.local_ids.stop]
+            table = host_counts(counts.view(1, -1))
+        else:  # every rank's counts: rows in tp_ep rank order (etp fastest)
+            every_rank = counts.new_empty(ep * etp * self.num_experts)
+            collectives.all_gather_single(every_rank, counts, group=self.tp_ep_group)
+            table = host_counts(every_rank.view(ep * etp, -1))
+        own = table[dist.get_rank(self.tp_ep_group) if ep * etp > 1 else 0]
+        rows, row_probs, token_of_row = permute(tokens, routing_map, probs, sum(own))
+        handle = _Dispatched(token_of_row, tokens.shape[0], shape)
+        lo, hi = self.local_ids.start, self.local_ids.stop
+        if ep * etp == 1:
+            return rows, own[lo:hi], row_probs, handle
+        local = hi - lo
+        # mine[t][r][e]: rows this rank's local expert e gets from the rank at etp t, ep r
+        mine = [[table[r * etp + t][lo:hi] for r in range(ep)] for t in range(etp)]
         etp_rank = dist.get_rank(self.etp_group) if etp > 1 else 0
-        sent, received = counts.view(ep, local).sum(dim=1).tolist(), mine[etp_rank].sum(dim=1).tolist()
+        sent = [sum(own[r * local : (r + 1) * local]) for r in range(ep)]
+        received = [sum(chunk) for chunk in mine[etp_rank]]
         handle.splits = (received, sent)
         if ep > 1:
             rows = all_to_all(rows, received, sent, self.ep_group)
             row_probs = all_to_all(row_probs, received, sent, self.ep_group)
         if etp > 1:
-            handle.gathered = mine.sum(dim=(1, 2)).tolist()
+            handle.gathered = [sum(map(sum, per_ep)) for per_ep in mine]
             rows = _GatherUneven.apply(rows, handle.gathered, self.etp_group)
             row_probs = _GatherUneven.apply(row_probs, handle.gathered, self.etp_group)
-        handle.chunk_sizes = mine.flatten().tolist()
+        handle.chunk_sizes = [n for per_ep in mine for chunk in per_ep for n in chunk]
         if local > 1:  # (source, expert) order -> (expert, source)
             rows, row_probs = (_reorder(t, handle.chunk_sizes, ep * etp, local) for t in (rows, row_probs))
-        return rows, mine.sum(dim=(0, 1)).tolist(), row_probs, handle
+        per_expert = [sum(chunk[e] for per_ep in mine for chunk in per_ep) for e in range(local)]
+        return rows, per_expert, row_probs, handle
 
     def combine(self, rows: torch.Tensor, handle: _Dispatched, dtype: torch.dtype) -> torch.Tensor:
         if handle.splits is not None:
             ep, etp, local = _size(self.ep_group), _size(self.etp_group), len(self.local_ids)
             if local > 1:
-                by_expert = torch.tensor(handle.chunk_sizes).view(ep * etp, local).T.flatten().tolist()
-                rows = _reorder(rows, by_expert, local, ep * etp)
+                sizes, sources = handle.chunk_sizes, ep * etp
+                by_expert = [sizes[s * local + e] for e in range(local) for s in range(sources)]
+                rows = _reorder(rows, by_expert, local, sources)
             if etp > 1:
                 rows = _ReduceScatterUneven.apply(rows.to(dtype), handle.gathered, self.etp_group).to(rows.dtype)
             if ep > 1:
