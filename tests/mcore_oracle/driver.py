@@ -31,7 +31,9 @@ The ops run in order on every rank:
 - {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
   and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
 A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
-(local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does.
+(local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does; "ep"
+(optional, default 1): the expert-parallel size; "moe_args" (optional): the MoE arguments its checkpoints record
+(Megatron-LM's argparse names).
 """
 
 import argparse
@@ -129,7 +131,7 @@ def build_model(spec: dict) -> GPTModel:
 def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Namespace:
     """The model and run arguments a Megatron-LM training checkpoint records (its argparse names)."""
     m, o = spec["model"], spec.get("optimizer", {})
-    return argparse.Namespace(
+    values = dict(
         num_layers=m["num_layers"],
         hidden_size=m["hidden_size"],
         ffn_hidden_size=m["ffn_hidden_size"],
@@ -174,7 +176,9 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         min_lr=o.get("min_lr"),
         global_batch_size=spec.get("global_batch_size"),
         ckpt_format="torch_dist",
+        expert_model_parallel_size=spec.get("ep", 1),
     )
+    return argparse.Namespace(**values | spec.get("moe_args", {}))
 
 
 def content_metadata(sharding: str) -> dict:
@@ -401,7 +405,9 @@ def run(rank: int, spec: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
     for job in spec["jobs"]:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=job["tp"], expert_model_parallel_size=job.get("ep", 1)
+        )
         oracle = Oracle(job)
         for op in job["ops"]:
             op = dict(op)

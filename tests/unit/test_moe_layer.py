@@ -357,7 +357,10 @@ TINY += "--mock-data --vocab-size 100"
         ("--num-experts 6 --expert-model-parallel-size 4", "--num-experts (6) must be divisible by --expert-model"),
         ("--num-experts 8 --expert-model-parallel-size 8", "--expert-model-parallel-size (8) = 8 must divide tp x cp"),
         ("--expert-model-parallel-size 2", "--expert-model-parallel-size need --num-experts"),
-        ("--num-experts 4 --save /nonexistent --ckpt-format torch_dist", "torch_dist with --num-experts"),
+        (
+            "--num-experts 4 --save /nonexistent --ckpt-format torch_dist --use-distributed-optimizer",
+            "--ckpt-format torch_dist --use-distributed-optimizer with --num-experts",
+        ),
     ],
 )
 def test_bad_moe_flags_are_one_line(flags, message):

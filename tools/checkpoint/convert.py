@@ -49,7 +49,7 @@ from megatron.core.checkpointing import (  # noqa: E402
     saved_tensors,
     verify_files,
 )
-from megatron.core.checkpointing.megatron_lm import our_tensors, to_megatron  # noqa: E402
+from megatron.core.checkpointing.megatron_lm import megatron_layout, our_tensors, to_megatron  # noqa: E402
 from megatron.core.checkpointing.vocabulary import (  # noqa: E402
     VOCABULARY,
     is_vocabulary,
@@ -261,10 +261,12 @@ def torch_dist_source(load_dir: str) -> Source:
         for ours, shape in our_tensors(name, shape)
     }
 
+    layout = megatron_layout(config)
+
     def read(names):
         tensors = {name: torch.empty(saved[name][0], dtype=saved[name][1]) for name in names}
         read_pieces(
-            [to_megatron(TensorPiece.whole(name, t), config.num_layers) for name, t in tensors.items()],
+            [to_megatron(TensorPiece.whole(name, t), layout) for name, t in tensors.items()],
             info.directory,
         )
         return tensors

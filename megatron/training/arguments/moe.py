@@ -122,9 +122,14 @@ def moe_notes(config) -> list[str]:
     return notes
 
 
-def refuse_moe_checkpoints(config, checkpoint) -> None:
-    """What checkpoints of MoE models cannot hold yet: Megatron-LM's expert tensors (torch_dist)."""
+def refuse_moe_checkpoints(config, checkpoint, parallel) -> None:
+    """What checkpoints of MoE models cannot hold yet: the distributed optimizer's bucket form (Megatron-LM's
+    dp_reshardable torch_dist) of the expert buffers."""
     if config.num_moe_experts is None:
         return
-    if checkpoint.ckpt_format == "torch_dist" and (checkpoint.save or checkpoint.load):
-        raise ValueError("--ckpt-format torch_dist with --num-experts: Megatron-LM's expert tensors are not mapped yet")
+    if checkpoint.ckpt_format == "torch_dist" and checkpoint.save and parallel.ddp.use_distributed_optimizer:
+        raise ValueError(
+            "--ckpt-format torch_dist --use-distributed-optimizer with --num-experts: the expert gradient buffers' "
+            "dp_reshardable bucket state is not written here; save with --ckpt-format canonical, or without "
+            "--use-distributed-optimizer"
+        )

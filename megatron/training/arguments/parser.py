@@ -151,7 +151,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
         )
     notes += moe_notes(model)
     checkpoint = checkpoint_config_from_args(args)
-    refuse_moe_checkpoints(model, checkpoint)
+    refuse_moe_checkpoints(model, checkpoint, parallel)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
     return RunConfig(
         model=model,

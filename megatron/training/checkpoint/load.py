@@ -140,7 +140,7 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         verify_files(info.directory, info.metadata["files"])
         names = list
     else:  # our pieces -> the same data as pieces of Megatron-LM's tensors
-        names = stored_as_megatron(trainer.run.model.num_layers)
+        names = stored_as_megatron(trainer.run.model)
     rows = saved_vocab_rows(saved_tensors(info.directory))  # another layout's padding: the rows both have
 
     def stored(pieces: list[TensorPiece]) -> list[TensorPiece]:

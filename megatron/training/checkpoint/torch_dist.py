@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.core.checkpointing import CheckpointError, saved_tensors, write_pieces
 from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM, dp_group_object_name
-from megatron.core.checkpointing.megatron_lm import extra_state_objects, to_megatron
+from megatron.core.checkpointing.megatron_lm import extra_state_objects, megatron_layout, to_megatron
 from megatron.training.checkpoint.directory import (
     MEGATRON,
     METADATA,
@@ -220,9 +220,11 @@ def megatron_checkpoint_to_load(root: str, run) -> CheckpointInfo:
     return dataclasses.replace(info, notes=info.notes + (note,)) if note else info
 
 
-def stored_as_megatron(num_layers: int):
-    """Our pieces -> the same data as pieces of Megatron-LM's tensors."""
-    return lambda pieces: [to_megatron(p, num_layers) for p in pieces]
+def stored_as_megatron(config):
+    """Our pieces of a model with TransformerConfig `config` -> the same data as pieces of Megatron-LM's
+    tensors."""
+    layout = megatron_layout(config)
+    return lambda pieces: [to_megatron(p, layout) for p in pieces]
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
@@ -288,6 +290,8 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
         "min_lr": trainer.run.optimizer.min_lr,
         "data_parallel_size": dims.dp,
         "context_parallel_size": dims.cp,
+        "expert_model_parallel_size": dims.ep,
+        "expert_tensor_parallel_size": dims.etp,
     }
     if distributed:  # what megatron-core's buffer layout depends on (torch_dist_buckets.our_layout)
         extra.update(
@@ -339,10 +343,11 @@ def publish_megatron_checkpoint(
     as common.pt, and `extra` (pieces and objects already in Megatron's names: the distributed
     optimizer's buckets, RNG states). Written into a temporary directory that is renamed and only then
     named by the tracker, as ours."""
-    megatron = [to_megatron(p, config.num_layers) for p in pieces]
+    layout = megatron_layout(config)
+    megatron = [to_megatron(p, layout) for p in pieces]
     extra_pieces, extra_objects = extra
     staging = prepare_staging(root, iteration)
-    objects = {**extra_state_objects(pieces, config.num_layers), **extra_objects}
+    objects = {**extra_state_objects(pieces, layout), **extra_objects}
     write_pieces(megatron + list(extra_pieces), staging, objects=objects)
     final = iteration_dir(root, iteration)
     if global_rank() == 0:

@@ -17,7 +17,6 @@ from megatron.core.transformer.model_fields import MODEL_FIELDS, ModelField, dif
 
 # Megatron-LM arguments of models this framework does not build, with the value that means "off"
 UNSUPPORTED = {
-    "num_experts": None,
     "multi_latent_attention": False,
     "squared_relu": False,
     "mtp_num_layers": None,

@@ -79,6 +79,7 @@ def saving_layout(args, directory: str) -> SavingLayout:
         "--decoder-first-pipeline-num-layers": value("decoder_first_pipeline_num_layers", None) is not None,
         "--decoder-last-pipeline-num-layers": value("decoder_last_pipeline_num_layers", None) is not None,
         "several distributed-optimizer instances": (value("num_distributed_optimizer_instances", 1) or 1) > 1,
+        "--num-experts (the expert gradient buffers' buckets)": value("num_experts", None) is not None,
         "--transformer-impl transformer_engine (its parameter order is not checked here)": value(
             "transformer_impl", "local"
         )
