@@ -113,11 +113,20 @@ def _refuse_unsupported_resets(args) -> None:
 
 def _data_config(args) -> DataConfig | None:
     """None for --mock-data; else the validated data flags. A real tokenizer sets the model's
-    vocabulary (--vocab-size is only for mock data and NullTokenizer)."""
+    vocabulary (--vocab-size is only for mock data and NullTokenizer); so does a --tokenizer-type
+    given with --mock-data, as in Megatron-LM (NullTokenizer: --vocab-size + 1 ids)."""
     _refuse_unsupported_resets(args)
     if args.mock_data:
         if args.data_path or args.train_data_path:
             raise ArgumentError("give either --mock-data or --data-path/--train-data-path, not both")
+        if args.tokenizer_type is not None:
+            args.vocab_size = build_tokenizer(
+                tokenizer_type=args.tokenizer_type,
+                vocab_file=args.vocab_file,
+                merge_file=args.merge_file,
+                tokenizer_model=args.tokenizer_model,
+                vocab_size=args.vocab_size,
+            ).vocab_size
         if args.vocab_size is None or args.vocab_size < 2:
             raise ArgumentError(f"--mock-data needs --vocab-size >= 2, got {args.vocab_size}")
         return None
