@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 
@@ -305,3 +306,12 @@ def test_megatron_defaults_for_swiglu_ffn_and_query_groups():
     assert llama.num_query_groups == 1
     gpt = parse([]).model
     assert gpt.ffn_hidden_size == 4 * 32 and gpt.num_query_groups == 4
+
+
+def test_mock_data_with_a_tokenizer_takes_its_vocabulary():
+    """As Megatron-LM: --mock-data with --tokenizer-type builds the tokenizer (NullTokenizer: --vocab-size + 1)."""
+    assert parse([]).model.vocab_size == 100
+    assert parse(["--tokenizer-type", "NullTokenizer"]).model.vocab_size == 101
+    spm = str(Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "spm" / "tokenizer.model")
+    llama2 = parse(["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", spm])
+    assert llama2.model.vocab_size == sentencepiece.SentencePieceProcessor(model_file=spm).vocab_size()
