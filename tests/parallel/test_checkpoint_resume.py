@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron.core.checkpointing import write_pieces
+from megatron.core.checkpointing import write_pieces_with_digests
 from megatron.data.batches import microbatch_indices
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint, save_checkpoint
@@ -236,7 +236,7 @@ def _async_saves(rank: int, root: str) -> dict:
     saver.finish()
     _steps(trainer, 2, 3)
     released = threading.Event()  # the writer starts only after iteration 4 has changed the weights
-    checkpoint_saver.write_pieces = lambda *args: (released.wait(), write_pieces(*args))[1]
+    checkpoint_saver.write_pieces_with_digests = lambda *args: (released.wait(), write_pieces_with_digests(*args))[1]
     try:
         saver.save(3)
         _steps(trainer, 4, 4)
@@ -245,7 +245,7 @@ def _async_saves(rank: int, root: str) -> dict:
         released.set()
         saver.finish()
     finally:
-        checkpoint_saver.write_pieces = write_pieces
+        checkpoint_saver.write_pieces_with_digests = write_pieces_with_digests
     finalized = _tracker(root)
     directory = os.path.join(root, "iter_0000003")
     with open(os.path.join(directory, "metadata.json")) as handle:

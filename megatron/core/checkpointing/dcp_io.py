@@ -130,16 +130,19 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
 
 
 def write_pieces(
-    pieces: list[TensorPiece], directory: str, process_group=None, objects: dict[str, object] | None = None
-) -> list[str]:
+    pieces: list[TensorPiece],
+    directory: str,
+    process_group=None,
+    objects: dict[str, object] | None = None,
+    file_system=None,
+) -> None:
     """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
-    `process_group` (or one process without torch.distributed). Returns every file of the
-    checkpoint, relative to `directory`."""
+    `process_group` (or one process without torch.distributed); `file_system`: DCP's `FileSystem` to write
+    through (default: its own)."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=WRITER_THREADS)
-    metadata = dcp.save(
-        {}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group
-    )
-    return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
+    if file_system is not None:
+        writer.fs = file_system
+    dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group)
 
 
 def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -> None:

@@ -1,7 +1,9 @@
 """Size and CRC-32 of each checkpoint file: recorded at save, verified before a load.
 
 DCP itself notices a missing file only when a rank reads from it, mid-load, and
-never notices a truncated or altered file. Ranks hash disjoint subsets of the
+never notices a truncated or altered file. A save digests each file from the bytes
+as they are written (`DigestingStream`: no second pass over the files), and the
+ranks share their files' digests. A load's ranks verify disjoint subsets of the
 files in parallel (file i on rank i mod world), then share the results.
 
 The digest guards against accidents (a truncated copy, a flipped bit, a file of
@@ -15,10 +17,14 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
-from megatron.core.checkpointing.dcp_io import CheckpointError
+from megatron.core.checkpointing.dcp_io import CheckpointError, write_pieces
+from megatron.core.checkpointing.pieces import TensorPiece
 
 _BLOCK = 1 << 24
 RECORD = "metadata.json"  # the file that holds the digests of all the others
@@ -44,9 +50,60 @@ def _sha256(path: str) -> str:
 DIGESTS = {"crc32": _crc32, "sha256": _sha256}  # the first is written; any is verified
 
 
-def file_digest(path: str) -> dict:
-    """{'size': bytes, 'crc32': hex digest} of one file, read in 16 MiB blocks."""
-    return {"size": os.path.getsize(path), "crc32": _crc32(path)}
+class DigestingStream:
+    """A file being written: forwards each write and keeps the size and CRC-32 of the bytes written,
+    its record ({'size': bytes, 'crc32': hex digest}) without reading the file back. It has no `seek`
+    (a writer that needs one fails), so the bytes written, in order, are the file's content."""
+
+    def __init__(self, stream):
+        self.stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += memoryview(data).nbytes
+        return self.stream.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def record(self) -> dict:
+        return {"size": self.size, "crc32": f"{self.crc:08x}"}
+
+
+class _DigestingFileSystem(FileSystem):
+    """DCP's local file system, keeping the record of every file written through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, dict] = {}  # file name -> record (set by DCP's writer threads)
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            digesting = DigestingStream(stream)
+            yield digesting
+        self.digests[Path(path).name] = digesting.record()
+
+    def rename(self, path, new_path) -> None:  # DCP writes `.metadata` under a temporary name
+        super().rename(path, new_path)
+        self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+
+
+def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process_group=None) -> dict[str, dict]:
+    """`write_pieces`, returning the record of each file this rank wrote (rank 0 also writes `.metadata`),
+    from the bytes written (no communication: a background thread may call it)."""
+    file_system = _DigestingFileSystem()
+    write_pieces(pieces, directory, process_group, file_system=file_system)
+    return file_system.digests
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -55,23 +112,13 @@ def _my_share(names: list[str]) -> list[str]:
     return names[dist.get_rank() :: dist.get_world_size()]
 
 
-def _merge(local: dict) -> dict:
+def gather_digests(local: dict) -> dict:
+    """Every rank's {file: record} (or {file: problem}) merged, on every rank (a collective)."""
     if not dist.is_initialized():
         return local
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     return {key: value for part in parts for key, value in part.items()}
-
-
-def digest_share(directory: str, names: list[str]) -> dict[str, dict]:
-    """Digests of this rank's share of `names` (no communication: a background thread may call it)."""
-    return {name: file_digest(os.path.join(directory, name)) for name in _my_share(sorted(names))}
-
-
-def digest_files(directory: str, names: list[str]) -> dict[str, dict]:
-    """Digest of every file in `names` (relative to `directory`), computed in parallel over the ranks;
-    every rank receives all of them."""
-    return _merge(digest_share(directory, names))
 
 
 def _problem(directory: str, name: str, expected: dict) -> str | None:
@@ -98,7 +145,7 @@ def verify_files(directory: str, expected: dict[str, dict]) -> None:
         if (name.endswith(".distcp") or name == ".metadata") and name not in expected
     )
     problems = sorted(
-        [p for p in _merge(local).values() if p is not None]
+        [p for p in gather_digests(local).values() if p is not None]
         + [
             f"{os.path.join(directory, name)}: not in the checkpoint's record of files and digests "
             "(written by a rank whose digests were lost?)"
