@@ -20,6 +20,7 @@ import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -102,7 +103,16 @@ def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process
     """`write_pieces`, returning the record of each file this rank wrote (rank 0 also writes `.metadata`),
     from the bytes written (no communication: a background thread may call it)."""
     file_system = _DigestingFileSystem()
-    write_pieces(pieces, directory, process_group, file_system=file_system)
+    # DCP torch.saves each item: a zip record with a CRC-32 of its own, which torch.load never checks.
+    # The file's CRC-32 covers those bytes, so torch's second pass over the data is left out (a global
+    # setting while the write lasts: a torch.save elsewhere meanwhile writes records without it, which
+    # torch.load reads all the same).
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        write_pieces(pieces, directory, process_group, file_system=file_system)
+    finally:
+        torch.serialization.set_crc32_options(computed)
     return file_system.digests
 
 
