@@ -48,6 +48,18 @@ def _key(index: MetadataIndex) -> tuple:
     return index.fqn, tuple(index.offset)
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous `tensor` as a tensor whose storage is its own bytes (shared, not copied). DCP's writer
+    clones a tensor that is a view of a larger storage (a parameter in a flat buffer, an optimizer state
+    range), so that torch.save does not write all of that storage: a copy of the whole state."""
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == size:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()[start : start + size]  # keeps the larger storage alive
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, tensor.shape, tensor.stride())
+
+
 class _PieceSavePlanner(DefaultSavePlanner):
     def __init__(self, pieces: list[TensorPiece], objects: dict[str, object]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -77,7 +89,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects:
             return self.objects[index.fqn]  # DCP pickles it (torch.save)
-        return self.pieces[_key(index)].tensor()
+        return _own_storage(self.pieces[_key(index)].tensor())
 
 
 class _PieceLoadPlanner(DefaultLoadPlanner):
