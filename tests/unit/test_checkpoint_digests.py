@@ -29,3 +29,14 @@ def test_crc32_recorded_while_writing_and_both_digests_verified(tmp_path):
     for expected, kind in ((record, "CRC32"), (old, "SHA256")):
         with pytest.raises(CheckpointError, match=f"{kind} differs from the checkpoint metadata"):
             verify_files(str(tmp_path), {path.name: expected})
+
+
+def test_an_empty_file_is_recorded_and_verified(tmp_path):
+    """DCP writes an empty file for a writer thread that got no items."""
+    path = tmp_path / "__0_1.distcp"
+    with open(path, "wb") as handle:
+        stream = DigestingStream(handle)
+    verify_files(str(tmp_path), {path.name: stream.record()})
+    path.write_bytes(b"\0")
+    with pytest.raises(CheckpointError, match="1 bytes, the checkpoint metadata records 0"):
+        verify_files(str(tmp_path), {path.name: stream.record()})
