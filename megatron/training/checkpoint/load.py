@@ -131,6 +131,17 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
         )
 
 
+def _why_rng_not_loaded(info: CheckpointInfo, trainer, config) -> str | None:
+    """The log line saying why the RNG states are not loaded (None: they are)."""
+    if config.no_load_rng:
+        return "> --no-load-rng: RNG states not loaded"
+    if "rng" not in info.metadata["contents"]:
+        return "> the checkpoint holds no RNG states: RNG states not loaded"
+    if info.metadata["layout"] != layout_of(trainer):
+        return f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
+    return None
+
+
 def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
     from, lines for the log). Our files are verified against their digests, and every saved model
@@ -149,10 +160,15 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)
-    read_pieces(pieces, info.directory)
+    why_not_rng = None if config.finetune else _why_rng_not_loaded(info, trainer, config)
+    # our RNG states are read with the model (one DCP read less) and set once everything is loaded
+    rng = rng_states(trainer) if info.format == OURS and not config.finetune and why_not_rng is None else {}
+    read_pieces(pieces + [TensorPiece.whole(name, state) for name, state in rng.items()], info.directory)
     for chunk in trainer.chunks:
         chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
+    # the optimizer state is read after params_written: where the fp32 master weights are the
+    # parameters' shards, taking the shards from the whole parameters would overwrite saved masters
     if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
@@ -160,18 +176,10 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         _load_optimizer(info, trainer, stored)
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
-    if config.no_load_rng:
-        notes.append("> --no-load-rng: RNG states not loaded")
-    elif "rng" not in info.metadata["contents"]:
-        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
-    elif info.metadata["layout"] != layout_of(trainer):
-        notes.append(
-            f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
-        )
+    if why_not_rng is not None:
+        notes.append(why_not_rng)
     elif info.format == MEGATRON:
         notes += [note] if (note := load_megatron_rng(trainer, info.directory)) else []
     else:
-        states = rng_states(trainer)
-        read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)
-        set_rng_states(trainer, states)
+        set_rng_states(trainer, rng)
     return info.iteration, notes
