@@ -12,6 +12,7 @@ halves of a SwiGLU shard) and DTensor placements cannot express those.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -162,9 +163,7 @@ def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -
     piece is checked against the checkpoint's shapes first, on every rank, so a mismatch raises
     CheckpointError before any rank starts the collective."""
     check_pieces_match(pieces, directory, process_group)
-    dcp.load(
-        {}, storage_reader=FileSystemReader(directory), planner=_PieceLoadPlanner(pieces), process_group=process_group
-    )
+    dcp.load({}, storage_reader=_Reader(directory), planner=_PieceLoadPlanner(pieces), process_group=process_group)
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -178,6 +177,22 @@ def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 
 
 def _read_metadata(directory: str):
-    if not os.path.isfile(os.path.join(directory, DCP_METADATA)):
-        raise CheckpointError(f"{directory}: no {DCP_METADATA} file (not a complete torch_dist checkpoint)")
+    """The checkpoint's `.metadata`, parsed once while the file stays the same one: a load reads it for
+    the vocabulary rows, the shape checks and each DCP read."""
+    try:
+        stat = os.stat(os.path.join(directory, DCP_METADATA))
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {DCP_METADATA} file (not a complete torch_dist checkpoint)") from None
+    return _parsed_metadata(os.path.abspath(directory), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_metadata(directory: str, identity: tuple[int, int, int]):
     return FileSystemReader(directory).read_metadata()
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader, with the `.metadata` as parsed once (`_read_metadata`)."""
+
+    def read_metadata(self, *args, **kwargs):
+        return _read_metadata(str(self.path))
