@@ -28,8 +28,11 @@ The ops run in order on every rank:
   [name, start, stop, bucket] in the buffer and each bucket's [offset, numel, numel_unpadded];
 - {"op": "load_state", "file": F}: the model's state dict from a torch.save file under megatron-core's names
   (those of our one-rank model with the local layer spec); nothing but `_extra_state` may be left out.
-- {"op": "time_checkpoint", "root": D, "repeat": n, "out": F}: the slowest rank's seconds of "save"
-  and "load" (with the optimizer), best of n, and the checkpoint's bytes, written to F (a benchmark).
+- {"op": "time_checkpoint", "root": D, "repeat": n, "out": F, "turns": T}: the slowest rank's seconds of
+  "save" and "load" (with the optimizer) in each of n rounds, and the checkpoint's bytes, written to F (a
+  benchmark). With "turns" (a directory, optional), the rounds alternate with another program's: the
+  driver writes T/mcore_0 when ready and T/mcore_<i+1> after its round i, which waits for T/ours_<i>;
+  a file T/stop ends the run.
 A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
 (local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does; "ep"
 (optional, default 1): the expert-parallel size; "moe_args" (optional): the MoE arguments its checkpoints record
@@ -380,7 +383,7 @@ class Oracle:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             json.dump(layout, open(out, "w"))
 
-    def time_checkpoint(self, root: str, repeat: int, out: str) -> None:
+    def time_checkpoint(self, root: str, repeat: int, out: str, turns: str | None = None) -> None:
         def timed(fn) -> float:
             dist.barrier()
             start = time.perf_counter()
@@ -389,15 +392,31 @@ class Oracle:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             return seconds.item()
 
+        def turn(name: str) -> None:
+            """Rank 0 writes T/<name> once every rank is done."""
+            if turns is not None:
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    open(os.path.join(turns, name), "w").close()
+
+        def wait(name: str) -> None:
+            while turns is not None and not os.path.exists(os.path.join(turns, name)):
+                if os.path.exists(os.path.join(turns, "stop")):
+                    raise SystemExit("time_checkpoint: the other side stopped")
+                time.sleep(0.01)
+
         times = {"save": [], "load": []}
-        for _ in range(repeat):
+        turn("mcore_0")
+        for i in range(repeat):
+            wait(f"ours_{i}")
             if dist.get_rank() == 0:
                 shutil.rmtree(root, ignore_errors=True)
             times["save"].append(timed(lambda: self.save(root, 1)))
             times["load"].append(timed(lambda: self.load(root, optimizer=True)))
+            turn(f"mcore_{i + 1}")
         if dist.get_rank() == 0:
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-            json.dump({key: min(values) for key, values in times.items()} | {"bytes": size}, open(out, "w"))
+            json.dump(times | {"bytes": size}, open(out, "w"))
         dist.barrier()
 
 

@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron.core.checkpointing import write_pieces
+from megatron.core.checkpointing import write_pieces_with_digests
 from megatron.data.batches import microbatch_indices
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint, save_checkpoint
@@ -27,7 +27,7 @@ from megatron.training.checkpoint import save as checkpoint_saver
 from megatron.training.checkpoint.directory import TRACKER
 from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.parallel.layouts import model_flags
+from tests.parallel.layouts import model_flags, named_params
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "2"]  # the scale grows while it runs
@@ -125,6 +125,28 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
             for (model, flags), (straight, resumed) in zip(cases, rank_results):
                 assert straight == resumed, (model, flags, straight, resumed)
                 assert any(norm is not None for _, norm in resumed), (model, flags)
+
+
+def _fp32_run_loads_bf16_master_weights(rank: int, root: str) -> list[str]:
+    """A bf16 run saves fp32 master weights; an fp32 run, whose parameters are its own master weights,
+    loads them: its parameters are those exact values, not the saved bf16 model tensors. Returns the
+    names of the parameters that differ."""
+    bf16 = Trainer(_run("llama", ["--bf16"]), torch.device("cpu"))
+    _steps(bf16, 1, 2)  # the master weights move off the bf16 grid
+    save_checkpoint(root, 2, bf16)
+    masters = {
+        name: torch.cat([views["master"] for _, _, views in ranges])
+        for name, ranges in bf16.optimizer.state_dict_by_name().items()
+        if name != "step"
+    }
+    run = _run("llama", ["--load", root])
+    trainer = Trainer(run, torch.device("cpu"))
+    load_checkpoint(checkpoint_to_load(run), trainer, run.checkpoint)
+    return [name for name, p in named_params(trainer) if not torch.equal(p.detach().flatten(), masters[name])]
+
+
+def test_an_fp32_run_loads_the_exact_fp32_master_weights_of_a_bf16_checkpoint(tmp_path):
+    assert run_distributed(1, _fp32_run_loads_bf16_master_weights, str(tmp_path))[0] == []
 
 
 def _save_and_continue(rank: int, root: str, layouts: list) -> list:
@@ -236,7 +258,7 @@ def _async_saves(rank: int, root: str) -> dict:
     saver.finish()
     _steps(trainer, 2, 3)
     released = threading.Event()  # the writer starts only after iteration 4 has changed the weights
-    checkpoint_saver.write_pieces = lambda *args: (released.wait(), write_pieces(*args))[1]
+    checkpoint_saver.write_pieces_with_digests = lambda *args: (released.wait(), write_pieces_with_digests(*args))[1]
     try:
         saver.save(3)
         _steps(trainer, 4, 4)
@@ -245,7 +267,7 @@ def _async_saves(rank: int, root: str) -> dict:
         released.set()
         saver.finish()
     finally:
-        checkpoint_saver.write_pieces = write_pieces
+        checkpoint_saver.write_pieces_with_digests = write_pieces_with_digests
     finalized = _tracker(root)
     directory = os.path.join(root, "iter_0000003")
     with open(os.path.join(directory, "metadata.json")) as handle:

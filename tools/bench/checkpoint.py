@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Checkpoint save and load: our formats vs megatron-core's dist_checkpointing and torch.save, side by side.
 
-    python tools/bench/checkpoint.py [--repeat 2] [--dir /tmp]
+    python tools/bench/checkpoint.py [--repeat 5] [--ranks 1,2,4] [--dir /tmp]
 
 A Llama of ~27M parameters (fp32 weights; with the optimizer's two Adam moments ~330 MB of state) on
 1, 2 and 4 CPU gloo ranks (tensor parallel, so each rank holds 1/n). Ours: `save_checkpoint` (every
-rank writes its canonical pieces through torch.distributed.checkpoint, then SHA-256 of every file,
+rank writes its canonical pieces through torch.distributed.checkpoint with their CRC-32s, then
 metadata, rename) and `load_checkpoint` (verify every file, then read model and optimizer state; the
-SHA-256 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
+CRC-32 check alone is shown as "verify"). Baseline: every rank `torch.save`s its own parameters and
 optimizer tensors into one file (Megatron's per-rank `torch` format, bound to the layout), fsynced
 as ours is, and loads them back with `torch.load` + copy. Ours in Megatron-LM's format:
 `--ckpt-format torch_dist`'s save (no digests: Megatron-LM records none) and our load of it (file
@@ -15,15 +15,18 @@ lengths checked against `.metadata`, then read). megatron-core 0.16.1 (its own e
 tests/mcore_oracle/driver.py, skipped when it cannot be installed): the same model built as its
 GPTModel on the same ranks, after one AdamW step, `dist_checkpointing.save` of model + optimizer +
 common state as Megatron-LM's save_checkpoint passes it, and `dist_checkpointing.load` + the model's
-and optimizer's load_state_dict. Times are the slowest rank's, best of `--repeat`; loads read from
-the page cache (the files were just written).
+and optimizer's load_state_dict. Each round times all of them, megatron-core's save and load taking
+their turn after ours (its processes wait meanwhile), so that a change in the machine's load
+affects every side alike. Every save writes where nothing is (the previous round's files are
+removed before the timer starts, as a save of a new iteration finds them). Times are the slowest
+rank's, the median of `--repeat` rounds; loads read from the page cache (the files were just written).
 
 Then the training loop's blocked time: `--loop-iterations` iterations of the same model on
 `--loop-ranks` ranks, saving every `--loop-interval` through `CheckpointSaver` as pretrain does
 (poll, save when due, wait for a pending save at the end), synchronously and with --async-save.
 Blocked: the time the loop spends in those calls (async: the host copy, finalizing, and waiting
 when a write is not done yet); loop: the whole loop, training steps included (the background
-writer competes with training for the CPU cores). Slowest rank, best of `--repeat`.
+writer competes with training for the CPU cores). Slowest rank, median of `--repeat` rounds.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +58,7 @@ from megatron.training.checkpoint import (  # noqa: E402
 )
 from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint  # noqa: E402
 from megatron.training.trainer import Trainer  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
 
 FLAGS = [
     "--num-layers",
@@ -107,7 +113,35 @@ def _durable_torch_save(state: dict, path: str) -> None:
         os.fsync(handle.fileno())
 
 
-def measure(rank: int, root: str, repeat: int) -> dict:
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+class Turns:
+    """Rounds taken in turn with megatron-core's (driver.py time_checkpoint's "turns"): round i starts once
+    megatron-core has written mcore_<i> (ready, or its round i - 1 done) and ends writing ours_<i>. Without
+    a directory, or once it holds `stop` (megatron-core could not run), there is no one to wait for."""
+
+    def __init__(self, directory: str | None):
+        self.directory = directory
+
+    def wait(self, i: int) -> None:
+        while self.directory is not None and not os.path.exists(os.path.join(self.directory, f"mcore_{i}")):
+            if os.path.exists(os.path.join(self.directory, "stop")):
+                self.directory = None
+                return
+            time.sleep(0.01)
+
+    def done(self, i: int) -> None:
+        dist.barrier()
+        if self.directory is not None and dist.get_rank() == 0:
+            Path(self.directory, f"ours_{i}").touch()
+
+
+def measure(rank: int, root: str, repeat: int, turns: str | None) -> dict:
     world = dist.get_world_size()
     ours, baseline = os.path.join(root, f"ours_{world}"), os.path.join(root, f"torch_{world}")
     run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world), "--load", ours], LLAMA_DEFAULTS, world)
@@ -122,7 +156,13 @@ def measure(rank: int, root: str, repeat: int) -> dict:
         FLAGS + ["--tensor-model-parallel-size", str(world), "--load", megatron], LLAMA_DEFAULTS, world
     )
     times = {"save": [], "load": [], "verify": [], "torch_save": [], "torch_load": [], "td_save": [], "td_load": []}
-    for _ in range(repeat):
+    turns = Turns(turns)
+    for i in range(repeat):
+        turns.wait(i)
+        if rank == 0:
+            _remove(os.path.join(ours, "iter_0000001"))
+            _remove(os.path.join(megatron, "iter_0000001"))
+        _remove(own)
         times["save"].append(_timed(save_checkpoint, ours, 1, trainer))
         info = checkpoint_to_load(run)
         times["load"].append(_timed(load_checkpoint, info, trainer, run.checkpoint))
@@ -142,17 +182,19 @@ def measure(rank: int, root: str, repeat: int) -> dict:
             load_checkpoint(info, trainer, megatron_run.checkpoint)
 
         times["td_load"].append(_timed(megatron_load))
-    dist.barrier()
+        turns.done(i)
+    turns.wait(repeat)  # megatron-core's last round: this side idle meanwhile
     return {
-        "times": {key: min(values) for key, values in times.items()},
+        "times": {key: statistics.median(values) for key, values in times.items()},
         "bytes": _bytes(ours),
         "torch_bytes": _bytes(baseline),
         "td_bytes": _bytes(megatron),
     }
 
 
-def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
-    """megatron-core's save and load of the same model on `world` ranks (None: it cannot be installed)."""
+def measure_megatron_core(world: int, root: str, repeat: int, turns: str) -> dict | None:
+    """megatron-core's save and load of the same model on `world` ranks, the median of `repeat` rounds
+    taken in turn with ours (None: it cannot be installed; then `turns` gets `stop`)."""
     import pytest
 
     from tests.mcore_oracle.oracle import run_oracle
@@ -182,6 +224,7 @@ def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
                 "root": str(directory / "ckpt"),
                 "repeat": repeat,
                 "out": str(directory / "times.json"),
+                "turns": turns,
             },
         ],
     }
@@ -190,7 +233,36 @@ def measure_megatron_core(world: int, root: str, repeat: int) -> dict | None:
     except pytest.skip.Exception as reason:
         print(f"megatron-core rows skipped: {reason}")
         return None
-    return json.loads((directory / "times.json").read_text())
+    finally:
+        Path(turns, "stop").touch()  # ours no longer waits (megatron-core is done, or failed)
+    times = json.loads((directory / "times.json").read_text())
+    return {key: statistics.median(times[key]) for key in ("save", "load")} | {"bytes": times["bytes"]}
+
+
+def measure_side_by_side(world: int, root: str, repeat: int, megatron_core: bool) -> tuple[dict, dict | None]:
+    """(ours, megatron-core's or None) on `world` ranks, megatron-core's rounds taken in turn with ours."""
+    if not megatron_core:
+        return run_distributed(world, measure, root, repeat, None)[0], None
+    turns = os.path.join(root, f"turns_{world}")
+    os.makedirs(turns)
+    mcore = {}
+
+    def run_megatron_core() -> None:
+        try:
+            mcore["times"] = measure_megatron_core(world, root, repeat, turns)
+        except BaseException as error:  # noqa: BLE001 - reported below, once ours has finished
+            mcore["error"] = error
+
+    thread = threading.Thread(target=run_megatron_core)
+    thread.start()
+    try:
+        ours = run_distributed(world, measure, root, repeat, turns)[0]
+    finally:
+        Path(turns, "stop").touch()  # megatron-core's driver stops waiting if ours failed
+        thread.join()
+    if "error" in mcore:
+        raise mcore["error"]
+    return ours, mcore["times"]
 
 
 def measure_loop(rank: int, root: str, iterations: int, interval: int, repeat: int) -> dict:
@@ -202,8 +274,10 @@ def measure_loop(rank: int, root: str, iterations: int, interval: int, repeat: i
         run = parse_run_config(FLAGS + ["--tensor-model-parallel-size", str(world)], LLAMA_DEFAULTS, world)
         trainer = Trainer(run, torch.device("cpu"))
         saver = CheckpointSaver(directory, trainer, lambda line: None, asynchronous=mode == "async")
-        best = (float("inf"), float("inf"))
+        rounds = []
         for _ in range(repeat):
+            if dist.get_rank() == 0:
+                _remove(directory)
             dist.barrier()
             blocked, start = 0.0, time.perf_counter()
             for iteration in range(1, iterations + 1):
@@ -217,20 +291,20 @@ def measure_loop(rank: int, root: str, iterations: int, interval: int, repeat: i
             saver.finish()
             blocked += time.perf_counter() - began
             loop = time.perf_counter() - start
-            best = min(best, (_slowest(blocked), _slowest(loop)))
-        out[mode] = best
+            rounds.append((_slowest(blocked), _slowest(loop)))
+        out[mode] = tuple(statistics.median(column) for column in zip(*rounds))
         trainer.close()
     return out
 
 
 def main() -> int:
-    from tests.distributed import run_distributed
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--ranks", default="1,2,4", help="rank counts of the save/load rows (default 1,2,4)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--loop-only", action="store_true", help="only the training loop's blocked time")
     parser.add_argument("--no-megatron-core", action="store_true", help="leave out megatron-core's rows")
+    parser.add_argument("--no-loop", action="store_true", help="leave out the training loop's blocked time")
     parser.add_argument("--loop-ranks", type=int, default=2)
     parser.add_argument("--loop-iterations", type=int, default=8)
     parser.add_argument("--loop-interval", type=int, default=4)
@@ -239,8 +313,8 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     try:
         rows, peers = [], []
-        for world in () if args.loop_only else (1, 2, 4):
-            r = run_distributed(world, measure, root, args.repeat)[0]
+        for world in () if args.loop_only else [int(n) for n in args.ranks.split(",")]:
+            r, mcore = measure_side_by_side(world, root, args.repeat, not args.no_megatron_core)
             t = r["times"]
             rows.append(
                 (
@@ -256,17 +330,17 @@ def main() -> int:
                     t["load"] / t["torch_load"],
                 )
             )
-            mcore = None if args.no_megatron_core else measure_megatron_core(world, root, args.repeat)
             peers.append((world, t, r["td_bytes"], mcore))
-        loop = run_distributed(
-            args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval, args.repeat
-        )[0]
+        if not args.no_loop:
+            loop = run_distributed(
+                args.loop_ranks, measure_loop, root, args.loop_iterations, args.loop_interval, args.repeat
+            )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if rows:
         print(
             f"checkpoint save/load, Llama {FLAGS[3]} hidden x {FLAGS[1]} layers, fp32 weights + Adam moments, "
-            f"tensor parallel over n CPU gloo ranks; slowest rank, best of {args.repeat}"
+            f"tensor parallel over n CPU gloo ranks; slowest rank, median of {args.repeat} rounds"
         )
         print(
             f"{'ranks':>5} {'MB ours':>8} {'MB torch':>8} {'save s':>7} {'torch.save s':>12} {'ratio':>6} "
@@ -298,10 +372,12 @@ def main() -> int:
                 f"{t['save'] / ms:>6.2f} {t['load']:>9.2f} {t['load'] / ml:>6.2f} | {t['td_save']:>7.2f} "
                 f"{t['td_save'] / ms:>6.2f} {t['td_load']:>7.2f} {t['td_load'] / ml:>6.2f}"
             )
+    if args.no_loop:
+        return 0
     saves = args.loop_iterations // args.loop_interval
     print(
         f"training loop, {args.loop_iterations} iterations on {args.loop_ranks} ranks (tensor parallel), "
-        f"{saves} saves; slowest rank, best of {args.repeat}"
+        f"{saves} saves; slowest rank, median of {args.repeat} rounds"
     )
     print(f"{'':>6} {'blocked s':>9} {'loop s':>7}")
     for mode in ("sync", "async"):

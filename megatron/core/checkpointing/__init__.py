@@ -2,7 +2,7 @@
 torch.distributed.checkpoint, plus per-file integrity records."""
 
 from megatron.core.checkpointing.dcp_io import CheckpointError, read_pieces, saved_tensors, write_pieces
-from megatron.core.checkpointing.integrity import RECORD, digest_files, digest_share, verify_files
+from megatron.core.checkpointing.integrity import RECORD, gather_digests, verify_files, write_pieces_with_digests
 from megatron.core.checkpointing.optimizer_state import MOMENTS, optimizer_state_pieces, state_name
 from megatron.core.checkpointing.pieces import TensorPiece, model_pieces, parameter_pieces
 
@@ -11,8 +11,7 @@ __all__ = [
     "RECORD",
     "CheckpointError",
     "TensorPiece",
-    "digest_files",
-    "digest_share",
+    "gather_digests",
     "model_pieces",
     "optimizer_state_pieces",
     "parameter_pieces",
@@ -21,4 +20,5 @@ __all__ = [
     "state_name",
     "verify_files",
     "write_pieces",
+    "write_pieces_with_digests",
 ]

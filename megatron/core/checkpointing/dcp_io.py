@@ -12,6 +12,8 @@ halves of a SwiGLU shard) and DTensor placements cannot express those.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import torch
@@ -48,6 +50,18 @@ def _key(index: MetadataIndex) -> tuple:
     return index.fqn, tuple(index.offset)
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous `tensor` as a tensor whose storage is its own bytes (shared, not copied). DCP's writer
+    clones a tensor that is a view of a larger storage (a parameter in a flat buffer, an optimizer state
+    range), so that torch.save does not write all of that storage: a copy of the whole state."""
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == size:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()[start : start + size]  # keeps the larger storage alive
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, tensor.shape, tensor.stride())
+
+
 class _PieceSavePlanner(DefaultSavePlanner):
     def __init__(self, pieces: list[TensorPiece], objects: dict[str, object]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -77,29 +91,33 @@ class _PieceSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects:
             return self.objects[index.fqn]  # DCP pickles it (torch.save)
-        return self.pieces[_key(index)].tensor()
+        return _own_storage(self.pieces[_key(index)].tensor())
 
 
 class _PieceLoadPlanner(DefaultLoadPlanner):
     def __init__(self, pieces: list[TensorPiece]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.piece_list = pieces
-        self.pieces = {_key(_index(p)): p for p in pieces}
+        self.pieces = pieces
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
+        """The reads of piece i land in piece i (their destination's index): two pieces may read the same
+        box into two tensors (a model tensor into a parameter and into its fp32 master weights)."""
         requests = []
-        for piece in self.piece_list:
+        for i, piece in enumerate(self.pieces):
             chunk = ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes))
-            requests += create_read_items_for_chunk_list(
-                piece.name, self.metadata.state_dict_metadata[piece.name], [chunk]
-            )
+            requests += [
+                dataclasses.replace(read, dest_index=MetadataIndex(piece.name, piece.offsets, index=i))
+                for read in create_read_items_for_chunk_list(
+                    piece.name, self.metadata.state_dict_metadata[piece.name], [chunk]
+                )
+            ]
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[_key(index)].tensor()
+        return self.pieces[index.index].tensor()
 
 
 def _mismatch(pieces: list[TensorPiece], saved: dict, directory: str) -> str | None:
@@ -130,16 +148,19 @@ def check_pieces_match(pieces: list[TensorPiece], directory: str, process_group=
 
 
 def write_pieces(
-    pieces: list[TensorPiece], directory: str, process_group=None, objects: dict[str, object] | None = None
-) -> list[str]:
+    pieces: list[TensorPiece],
+    directory: str,
+    process_group=None,
+    objects: dict[str, object] | None = None,
+    file_system=None,
+) -> None:
     """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
-    `process_group` (or one process without torch.distributed). Returns every file of the
-    checkpoint, relative to `directory`."""
+    `process_group` (or one process without torch.distributed); `file_system`: DCP's `FileSystem` to write
+    through (default: its own)."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=WRITER_THREADS)
-    metadata = dcp.save(
-        {}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group
-    )
-    return sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
+    if file_system is not None:
+        writer.fs = file_system
+    dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects or {}), process_group=process_group)
 
 
 def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -> None:
@@ -147,9 +168,7 @@ def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -
     piece is checked against the checkpoint's shapes first, on every rank, so a mismatch raises
     CheckpointError before any rank starts the collective."""
     check_pieces_match(pieces, directory, process_group)
-    dcp.load(
-        {}, storage_reader=FileSystemReader(directory), planner=_PieceLoadPlanner(pieces), process_group=process_group
-    )
+    dcp.load({}, storage_reader=_Reader(directory), planner=_PieceLoadPlanner(pieces), process_group=process_group)
 
 
 def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -163,6 +182,22 @@ def saved_tensors(directory: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 
 
 def _read_metadata(directory: str):
-    if not os.path.isfile(os.path.join(directory, DCP_METADATA)):
-        raise CheckpointError(f"{directory}: no {DCP_METADATA} file (not a complete torch_dist checkpoint)")
+    """The checkpoint's `.metadata`, parsed once while the file stays the same one: a load reads it for
+    the vocabulary rows, the shape checks and each DCP read."""
+    try:
+        stat = os.stat(os.path.join(directory, DCP_METADATA))
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {DCP_METADATA} file (not a complete torch_dist checkpoint)") from None
+    return _parsed_metadata(os.path.abspath(directory), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_metadata(directory: str, identity: tuple[int, int, int]):
     return FileSystemReader(directory).read_metadata()
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader, with the `.metadata` as parsed once (`_read_metadata`)."""
+
+    def read_metadata(self, *args, **kwargs):
+        return _read_metadata(str(self.path))

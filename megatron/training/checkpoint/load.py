@@ -94,21 +94,15 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     return info if run.checkpoint.finetune else continue_data_position(info, run)
 
 
-def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
-    """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
-    saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
-    saved = info.metadata["optimizer"]
+def _optimizer_pieces(info: CheckpointInfo, trainer) -> list[TensorPiece]:
+    """The optimizer state to read, into any layout: moments and master weights (the saved fp32 copies,
+    or the checkpoint's model tensors where the saving run kept fp32 weights)."""
     separate = not all(shard.aliased for shard in trainer.optimizer.shards)  # low precision or offloaded
-    if saved["master_weights"]:
+    if info.metadata["optimizer"]["master_weights"]:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    pieces = optimizer_pieces(trainer, tied_copies=True, master=master)
-    if saved.get("form") == BUCKET_FORM:  # Megatron-LM's distributed optimizer, in its buckets
-        read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, pieces)
-    else:
-        read_pieces(stored(pieces), info.directory)
-    trainer.optimizer.load_scalar_state(saved)
+    return optimizer_pieces(trainer, tied_copies=True, master=master)
 
 
 def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]) -> None:
@@ -131,6 +125,17 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
         )
 
 
+def _why_rng_not_loaded(info: CheckpointInfo, trainer, config) -> str | None:
+    """The log line saying why the RNG states are not loaded (None: they are)."""
+    if config.no_load_rng:
+        return "> --no-load-rng: RNG states not loaded"
+    if "rng" not in info.metadata["contents"]:
+        return "> the checkpoint holds no RNG states: RNG states not loaded"
+    if info.metadata["layout"] != layout_of(trainer):
+        return f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
+    return None
+
+
 def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[str]]:
     """Load `info`'s checkpoint into the trainer (a collective). Returns (the iteration to continue
     from, lines for the log). Our files are verified against their digests, and every saved model
@@ -149,29 +154,41 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)
-    read_pieces(pieces, info.directory)
+    why_not_rng = None if config.finetune else _why_rng_not_loaded(info, trainer, config)
+    # our RNG states are read with the model and set once everything is loaded
+    rng = rng_states(trainer) if info.format == OURS and not config.finetune and why_not_rng is None else {}
+    pieces += [TensorPiece.whole(name, state) for name, state in rng.items()]
+    load_optimizer = not (config.finetune or config.no_load_optim)
+    optimizer = _optimizer_pieces(info, trainer) if load_optimizer else []
+    buckets = load_optimizer and info.metadata["optimizer"].get("form") == BUCKET_FORM  # Megatron-LM's
+    # One DCP read takes everything, but for the optimizer state in Megatron-LM's buckets (a reader of its
+    # own) and saved fp32 master weights that are an fp32 run's parameters themselves: read after the
+    # model and params_written (which takes sharded parameters' shards from the whole ones), they
+    # overwrite the model's rounded values.
+    after = buckets or (
+        load_optimizer
+        and info.metadata["optimizer"]["master_weights"]
+        and any(shard.aliased for shard in trainer.optimizer.shards)
+    )
+    read_pieces(pieces + ([] if after else stored(optimizer)), info.directory)
     for chunk in trainer.chunks:
         chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
-    if config.finetune or config.no_load_optim:
+    if not load_optimizer:
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
     else:
-        _load_optimizer(info, trainer, stored)
+        if buckets:
+            read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, optimizer)
+        elif after:
+            read_pieces(stored(optimizer), info.directory)
+        trainer.optimizer.load_scalar_state(info.metadata["optimizer"])
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
-    if config.no_load_rng:
-        notes.append("> --no-load-rng: RNG states not loaded")
-    elif "rng" not in info.metadata["contents"]:
-        notes.append("> the checkpoint holds no RNG states: RNG states not loaded")
-    elif info.metadata["layout"] != layout_of(trainer):
-        notes.append(
-            f"> RNG states not loaded: saved with layout {info.metadata['layout']}, running {layout_of(trainer)}"
-        )
+    if why_not_rng is not None:
+        notes.append(why_not_rng)
     elif info.format == MEGATRON:
         notes += [note] if (note := load_megatron_rng(trainer, info.directory)) else []
     else:
-        states = rng_states(trainer)
-        read_pieces([TensorPiece.whole(name, state) for name, state in states.items()], info.directory)
-        set_rng_states(trainer, states)
+        set_rng_states(trainer, rng)
     return info.iteration, notes

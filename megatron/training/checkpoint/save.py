@@ -5,7 +5,7 @@ in the background with --async-save (ours only).
 An asynchronous save blocks training only to copy this rank's pieces (model, optimizer state,
 RNG states) to host memory. A writer thread then writes the copies into `iter_NNNNNNN.tmp`
 through torch.distributed.checkpoint, on a gloo process group of its own (so its collectives
-never interleave with training's), and hashes this rank's share of the files. The checkpoint
+never interleave with training's), digesting its files as it writes them. The checkpoint
 is finalized as a synchronous save is (digests shared, metadata.json written, the directory
 renamed, the tracker rewritten last) only once every rank's writer has finished: while a
 save is pending the ranks agree on that through one small all-reduce per iteration (`poll`).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.core.checkpointing import CheckpointError, digest_share, write_pieces
+from megatron.core.checkpointing import CheckpointError, write_pieces_with_digests
 from megatron.training.checkpoint.canonical import commit_checkpoint, publish_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, prepare_staging
 from megatron.training.checkpoint.state import checkpoint_contents
@@ -54,18 +54,12 @@ def _in_background(fn, *args) -> Future:
     return future
 
 
-def _write_and_digest(pieces, staging: str, group) -> dict[str, dict]:
-    """Write this rank's pieces (DCP returns once every rank's files and `.metadata` are written),
-    then hash this rank's share of all the files."""
-    return digest_share(staging, write_pieces(pieces, staging, group))
-
-
 @dataclass
 class _Pending:
     iteration: int
     staging: str
     metadata: dict
-    written: Future  # this rank's digest share
+    written: Future  # the digests of this rank's files
 
 
 class CheckpointSaver:
@@ -88,7 +82,7 @@ class CheckpointSaver:
         staging = prepare_staging(self.root, iteration)
         snapshot = [piece.snapshot() for piece in pieces]
         self.pending = _Pending(
-            iteration, staging, metadata, _in_background(_write_and_digest, snapshot, staging, self.group)
+            iteration, staging, metadata, _in_background(write_pieces_with_digests, snapshot, staging, self.group)
         )
         self.emit(f"> saving {staging} in the background (iteration {iteration})")
 
