@@ -30,7 +30,7 @@ from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E
 from megatron.planning.step_time import DEFAULT_CALIBRATION, Overlap, Projection  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
-from tools.bench.published_runs import RUNS  # noqa: E402
+from tools.bench.published_runs import ALL_RUNS, RUNS, SOURCES  # noqa: E402
 
 PROG = "tools/bench/planner_calibration.py"
 
@@ -46,12 +46,20 @@ class Outcome:
 
     @property
     def predicted(self) -> float:
+        """The prediction in the published metric's unit."""
         t = self.time
-        return t.hardware_tflops_per_gpu if self.run.metric == "hardware" else t.model_tflops_per_gpu
+        return {
+            "hardware": t.hardware_tflops_per_gpu,
+            "model": t.model_tflops_per_gpu,
+            "step_s": t.total_s,
+        }[self.run.metric]
 
     @property
     def error(self) -> float:
-        return self.predicted / self.run.tflops - 1
+        """Predicted / published throughput - 1 (for step seconds: published / predicted - 1)."""
+        if self.run.metric == "step_s":
+            return self.run.published / self.predicted - 1
+        return self.predicted / self.run.published - 1
 
 
 def projection_for(run, cal: Calibration) -> Projection:
@@ -67,9 +75,14 @@ def run_layouts(run) -> list[tuple[object, object]]:
     """(config, layout) of the run's own layout, or of every layout the planner would consider for it
     when the source leaves micro batch and virtual stages open."""
     flags = list(run.flags) + (["--micro-batch-size", "1"] if run.searched else [])
-    config = run_config_for_tool(flags, "gpt", run.num_gpus, PROG)
+    config = run_config_for_tool(flags, run.family, run.num_gpus, PROG)
     if not run.searched:
-        return [(config.model, layout_from_run(config, "cuda").with_ddp(grad_dtype=run.grad_dtype))]
+        layout = layout_from_run(config, "cuda").with_ddp(grad_dtype=run.grad_dtype)
+        if run.interleave:
+            layout = dataclasses.replace(
+                layout, parallel=dataclasses.replace(layout.parallel, virtual_stages=run.interleave)
+            )
+        return [(config.model, layout)]
     par = config.parallel
     search = Search(
         tps=(par.tp,),
@@ -95,6 +108,9 @@ def candidates(run) -> tuple[tuple[object, object, bool, bool, float], ...]:
     device_bytes = int(DEVICES[run.device].memory_gib * GIB)
     out = []
     for cfg, layout in run_layouts(run):
+        if run.interleave:  # a layout our trainer cannot build: not estimated
+            out.append((cfg, layout, None, None, float("nan")))
+            continue
         estimate = estimate_memory(cfg, layout)
         out.append(
             (
@@ -137,7 +153,11 @@ GRID = {
 }
 
 
-def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS) -> Calibration:
+# where a fit that should not inherit the fitted defaults starts (--holdout, --leave-one-source-out)
+NEUTRAL = Calibration(gemm_peak_fraction=0.85, flash_fraction=0.35, layer_overhead_s=2e-4, step_overhead_s=0.1)
+
+
+def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS, verbose: bool = True) -> Calibration:
     """Coordinate descent over GRID: each constant in turn takes the grid value with the smallest
     (mean |error|, max |error|) over `runs`, the others held; `passes` rounds."""
     best, score = start, summary(evaluate_all(start, runs))
@@ -146,29 +166,92 @@ def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS) ->
             for value in values:
                 cal = dataclasses.replace(best, **{name: value})
                 trial = summary(evaluate_all(cal, runs))
-                print(f"  {name} = {value:g}: mean {100 * trial[0]:.2f}% max {100 * trial[1]:.2f}%", flush=True)
+                if verbose:
+                    print(f"  {name} = {value:g}: mean {100 * trial[0]:.2f}% max {100 * trial[1]:.2f}%", flush=True)
                 if trial < score:
                     best, score = cal, trial
-    print(f"fitted: {best} (mean {100 * score[0]:.2f}%, max {100 * score[1]:.2f}%)")
+    if verbose:
+        print(f"fitted: {best} (mean {100 * score[0]:.2f}%, max {100 * score[1]:.2f}%)")
     return best
+
+
+def _short_source(source: str) -> str:
+    return source.split(" (")[0].split(",")[0].split(":")[0]
+
+
+def leave_one_source_out(runs=ALL_RUNS, start: Calibration = NEUTRAL, passes: int = 2) -> list[tuple[str, object]]:
+    """For each source of `runs`: fit the constants (`fit` from `start`) on the other sources' rows,
+    predict the source's own rows. Returns (source, fitted Calibration, held-out outcomes) per source."""
+    folds = []
+    for source in dict.fromkeys(run.source for run in runs):
+        held = [run for run in runs if run.source == source]
+        fitted = fit(start, passes, [run for run in runs if run.source != source], verbose=False)
+        folds.append((source, fitted, evaluate_all(fitted, held)))
+        mean, worst = summary(folds[-1][2])
+        print(
+            f"  {_short_source(source)}: fitted on the other sources {_constants_text(fitted)}; "
+            f"held out: mean {100 * mean:.1f}%, max {100 * worst:.1f}%",
+            flush=True,
+        )
+    return folds
+
+
+def _constants_text(cal: Calibration) -> str:
+    return (
+        f"(gemm {cal.gemm_peak_fraction:g}, flash {cal.flash_fraction:g}, "
+        f"layer {1e3 * cal.layer_overhead_s:g} ms, step {cal.step_overhead_s:g} s)"
+    )
+
+
+def print_folds(folds, markdown: bool = False) -> None:
+    """Per held-out row, then per source (mean and max |error|) and over all held-out rows."""
+    every = [o for _, _, outcomes in folds for o in outcomes]
+    (print_markdown if markdown else print_table)(every)
+    print()
+    if markdown:
+        print("| held-out source | rows | GPU | mean abs error | max abs error | constants fitted on the others |")
+        print("|---|---|---|---|---|---|")
+    for source, fitted, outcomes in folds:
+        mean, worst = summary(outcomes)
+        devices = "/".join(sorted({o.run.device.split("-")[0].upper() for o in outcomes}))
+        if markdown:
+            print(
+                f"| {_short_source(source)} | {len(outcomes)} | {devices} | {100 * mean:.1f}% | {100 * worst:.1f}% | "
+                f"{_constants_text(fitted)[1:-1]} |"
+            )
+        else:
+            print(
+                f"{_short_source(source):<40} {len(outcomes):3d} rows {devices:<5} mean |error| {100 * mean:5.1f}%  "
+                f"max {100 * worst:5.1f}%  {_constants_text(fitted)}"
+            )
+    mean, worst = summary(every)
+    by_source = sum(summary(outcomes)[0] for _, _, outcomes in folds) / len(folds)
+    print(
+        f"leave-one-source-out: mean |error| {100 * mean:.1f}% over {len(every)} held-out rows "
+        f"({100 * by_source:.1f}% averaged by source), max {100 * worst:.1f}%"
+    )
 
 
 def _layout_text(lay) -> str:
     par = lay.parallel
-    text = f"t{par.tp} p{par.pp} d{par.dp} v{par.virtual_stages} mbs{lay.micro_batch_size} m{lay.num_microbatches}"
-    return text
+    cp = f" c{par.cp}" if par.cp > 1 else ""
+    return f"t{par.tp}{cp} p{par.pp} d{par.dp} v{par.virtual_stages} mbs{lay.micro_batch_size} m{lay.num_microbatches}"
+
+
+def _fits_text(fits) -> str:
+    return "n/a" if fits is None else "yes" if fits else "no"
 
 
 def print_table(outcomes: list[Outcome]) -> None:
     print(
-        f"{'run':<14} {'layout':<30} {'metric':<8} {'published':>9} {'predicted':>9} {'error':>7} "
+        f"{'run':<30} {'layout':<34} {'metric':<8} {'published':>9} {'predicted':>9} {'error':>7} "
         f"{'step s':>7} {'bubble':>6} {'mem GiB':>8} {'fits':>4}"
     )
     for o in outcomes:
         print(
-            f"{o.run.name:<14} {_layout_text(o.layout):<30} {o.run.metric:<8} {o.run.tflops:9.1f} "
-            f"{o.predicted:9.1f} {100 * o.error:+6.1f}% {o.time.total_s:7.2f} {100 * o.time.bubble_fraction:5.1f}% "
-            f"{o.total_gib:8.1f} {'yes' if o.fits else 'no':>4}"
+            f"{o.run.name:<30} {_layout_text(o.layout):<34} {o.run.metric:<8} {o.run.published:9.2f} "
+            f"{o.predicted:9.2f} {100 * o.error:+6.1f}% {o.time.total_s:7.2f} {100 * o.time.bubble_fraction:5.1f}% "
+            f"{o.total_gib:8.1f} {_fits_text(o.fits):>4}"
         )
 
 
@@ -178,7 +261,7 @@ def print_markdown(outcomes: list[Outcome]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for o in outcomes:
         print(
-            f"| {o.run.name} | {_layout_text(o.layout)} | {o.run.metric} | {o.run.tflops:.1f} | {o.predicted:.1f} | "
+            f"| {o.run.name} | {_layout_text(o.layout)} | {o.run.metric} | {o.run.published:.2f} | {o.predicted:.2f} | "
             f"{100 * o.error:+.1f}% | {o.time.total_s:.2f} | {100 * o.time.bubble_fraction:.1f}% | {o.total_gib:.1f} |"
         )
 
@@ -234,11 +317,26 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="also fit on every other run (from a neutral start) and report the error on the rest",
     )
+    parser.add_argument(
+        "--leave-one-source-out",
+        action="store_true",
+        help="for each source of every published run (tools/bench/published_runs.py ALL_RUNS): fit the constants "
+        "on the other sources (from a neutral start) and report the error on the source left out",
+    )
+    parser.add_argument("--passes", type=int, default=2, help="coordinate-descent passes of each fit (default 2)")
+    parser.add_argument(
+        "--all", action="store_true", help="the table (and --fit) over every published run, not the calibration set"
+    )
     parser.add_argument("--no-search-timing", action="store_true", help="skip timing the 1,000-layout search")
     parser.add_argument("--markdown", action="store_true", help="print the table in markdown (docs/planner.md)")
     args = parser.parse_args(argv)
-    cal = fit() if args.fit else Calibration()
-    outcomes = evaluate_all(cal)
+    runs = ALL_RUNS if args.all else RUNS
+    if args.leave_one_source_out:
+        print(f"leave-one-source-out over {len(SOURCES)} sources, {len(ALL_RUNS)} rows ({args.passes} passes per fit):")
+        print_folds(leave_one_source_out(passes=args.passes), markdown=args.markdown)
+        return 0
+    cal = fit(passes=args.passes, runs=runs) if args.fit else Calibration()
+    outcomes = evaluate_all(cal, runs)
     (print_markdown if args.markdown else print_table)(outcomes)
     if not args.no_search_timing:
         count, fitting, seconds, cpu = time_search()
@@ -255,7 +353,8 @@ def main(argv: list[str]) -> int:
             f"mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}%"
         )
     mean, worst = summary(outcomes)
-    print(f"calibration: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% over {len(outcomes)} published runs")
+    label = "all published runs" if args.all else "calibration"
+    print(f"{label}: mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}% over {len(outcomes)} published runs")
     return 0
 
 

@@ -43,12 +43,17 @@ class PublishedRun:
     num_gpus: int
     flags: tuple[str, ...]  # pretrain_gpt.py flags of the run
     attention: str  # the attention kernel it ran (megatron/planning/kernels.py names)
-    metric: str  # "hardware" (recomputation counted) or "model" TFLOP/s per GPU
-    tflops: float
+    metric: str  # "hardware" (recomputation counted) or "model" TFLOP/s per GPU, or "step_s": seconds per iteration
+    published: float  # the figure as published, in the metric's unit
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     searched: bool = False  # micro batch and virtual stages not published: the planner picks them
     grad_dtype: torch.dtype = torch.float32  # gradient buffer element: Megatron-Core's default holds bf16 gradients
+    family: str = "gpt"  # pretrain_gpt.py or pretrain_llama.py defaults
+    # virtual stages of an interleaved schedule our trainer cannot lay out (a rank's layers not divisible
+    # by them: Llama 3's 7-layer first and last stages in 8 chunks, one of them the embedding or the
+    # output layer alone): the projection runs the schedule with them, the memory estimate is skipped
+    interleave: int | None = None
 
 
 def _sc21(name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, tflops, layers_per_virtual=None):
@@ -166,6 +171,174 @@ RUNS = (
     _mcore("462B", 112, 18432, 144, 8, 16, 3072, 459.9),
 )
 
+KORTHIKANTI = (
+    "Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models (MLSys 2023, "
+    "arXiv 2205.05198): Table 3 (layouts), Table 5 (iteration seconds), Section 6.3 (the 530B model on 2240 GPUs)"
+)
+DGXC = (
+    "NVIDIA dgxc-benchmarking v25.01 (github.com/NVIDIA/dgxc-benchmarking, commit 143b90d): the BF16 tables "
+    "of nemo_megatron/README_175b.md, llama3.1/README_70b.md, llama3.1/README_405b.md and "
+    "nemotron/README_340b.md (training step seconds), layouts from the YAML configs beside them"
+)
+LLAMA3 = "Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4 and Section 3.3.2"
+
+
+def _korthikanti(name, layers, hidden, heads, pp, gpus, gbs, mbs, seconds, present, virtual=None):
+    """Table 3's layouts (tp 8, no data parallelism except the 2240-GPU row) with Table 5's iteration
+    seconds: "Full Recompute" (no sequence parallelism, every layer recomputed: as SC21) or "Present
+    Work" (sequence parallelism and selective recomputation). A100 80 GB (Selene), seq 2048, vocab
+    51,200, interleaving with 3 stages for the 175B and 530B models. Assumed, as SC21: fp16, GPT-3
+    layers with dropout 0.1 and the unfused attention of the time, the replicated optimizer, fp32
+    gradients reduced after the backward (Section 6.3: "we do not use any overlapping of gradient
+    all-reduces with back-propagation")."""
+    flags = [
+        "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
+        "--seq-length", 2048, "--max-position-embeddings", 2048, "--vocab-size", 51200, "--fp16",
+        "--tensor-model-parallel-size", 8, "--pipeline-model-parallel-size", pp,
+        "--micro-batch-size", mbs, "--global-batch-size", gbs,
+    ]  # fmt: skip
+    if present:
+        flags += ["--sequence-parallel", "--recompute-granularity", "selective"]
+    else:
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    if virtual:
+        flags += ["--num-virtual-stages-per-pipeline-rank", virtual]
+    return PublishedRun(
+        f"Korthikanti {name} {'sel+SP' if present else 'full'}",
+        KORTHIKANTI,
+        "a100-80gb",
+        gpus,
+        tuple(map(str, flags)),
+        "math",
+        "step_s",
+        seconds,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+    )
+
+
+def _dgxc(name, gpus, gbs, seconds, shape, tp, pp, vp, cp=1, family="gpt"):
+    """A DGX Cloud benchmark recipe on DGX H100 (NeMo 24.05 / 24.09: Megatron-Core with Transformer
+    Engine), BF16, micro batch 1: the distributed optimizer (distributed_fused_adam) with overlapped
+    gradient reduce-scatter and parameter all-gather and bf16 gradient reduction (grad_sync_dtype),
+    sequence parallelism, fused / flash attention, and (GPT-3, Llama 3.1: ub_tp_comm_overlap; not Nemotron-4)
+    Transformer Engine's overlap of the tensor-parallel collectives with the GEMMs. Weak scaling: the
+    batch grows with the GPUs."""
+    flags = list(shape) + [
+        "--bf16", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+        "--context-parallel-size", cp, "--num-virtual-stages-per-pipeline-rank", vp,
+        "--micro-batch-size", 1, "--global-batch-size", gbs, "--sequence-parallel", "--use-distributed-optimizer",
+    ]  # fmt: skip
+    return PublishedRun(
+        f"DGXC {name} {gpus}",
+        DGXC,
+        "h100-80gb",
+        gpus,
+        tuple(map(str, flags)),
+        "flash",
+        "step_s",
+        seconds,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_dtype=torch.bfloat16,
+        family=family,
+    )
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+# GPT-3 175B (gpt3_175b_hydra.yaml, NeMo 24.05): GPT2BPETokenizer (50,257 tokens), dropout 0.1, tied embeddings
+GPT3_175B = _words(
+    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+    "--max-position-embeddings 2048 --vocab-size 50257"
+)
+# Llama 3.1 70B (llama3.1_70b.yaml, NeMo 24.09): the Llama 3 tokenizer
+LLAMA31_70B = _words(
+    "--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --group-query-attention "
+    "--num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256"
+)
+# Llama 3.1 405B (llama3.1_405b.yaml, NeMo 24.09): 16 query groups and the GPT2BPETokenizer "as a proxy", as configured
+LLAMA31_405B_DGXC = _words(
+    "--num-layers 126 --hidden-size 16384 --ffn-hidden-size 53248 --num-attention-heads 128 "
+    "--group-query-attention --num-query-groups 16 --seq-length 8192 --max-position-embeddings 8192 --vocab-size 50257"
+)
+# Nemotron-4 340B (nemotron4-340b-synth.yaml): layernorm1p (LayerNorm), squared ReLU (two matrices, as GELU),
+# rope, no bias, untied, 8 query groups, vocab 256,000, no dropout; selective recomputation, no tp overlap
+NEMOTRON4_340B = _words(
+    "--num-layers 96 --hidden-size 18432 --ffn-hidden-size 73728 --num-attention-heads 96 --group-query-attention "
+    "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --vocab-size 256000 "
+    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--attention-dropout 0 --hidden-dropout 0 --recompute-granularity selective"
+)
+
+
+def _llama3(name, gpus, cp, dp, seq, batch_per_dp, tflops):
+    """Table 4: Llama 3 405B on H100 80 GB (Grand Teton, 400 Gb/s RoCE per GPU: the h100-80gb preset's
+    network), BF16 model TFLOP/s per GPU (MFU as Chowdhery et al. count it: full attention, as ours).
+    Published: tp, cp, pp, dp, sequence length, sequences per dp rank. From Section 3.3.2: FSDP sharding
+    the optimizer and gradients with parameters kept after the forward (the distributed optimizer's
+    collectives, one gather and one reduce-scatter a step, overlapped: "asynchronously prefetching
+    sharded model weights and reducing gradients"), FP32 gradient accumulation and reduce-scatter,
+    no activation checkpointing at 8K, one layer fewer on the first and last stages and an
+    interleaved schedule whose first chunk is the embedding alone and last the output layer alone:
+    126 layers + 2 = 16 ranks x 8 chunks of one layer. Assumed: micro batch 1 (so the sequences per
+    dp rank are the microbatches), 8 virtual stages (the only count giving every chunk the same
+    layers), no recomputation at 128K either (a cp rank holds 8K tokens, as at 8K), flash attention.
+    The 128K row's dp is 8: the table prints 4, but its 16,384 GPUs = 8 x 16 x 16 x dp and its 16M
+    tokens per batch = dp x 16 x 131,072 both give 8."""
+    flags = [
+        "--num-layers", 126, "--hidden-size", 16384, "--ffn-hidden-size", 53248, "--num-attention-heads", 128,
+        "--group-query-attention", "--num-query-groups", 8, "--seq-length", seq, "--max-position-embeddings", seq,
+        "--vocab-size", 128256, "--bf16", "--tensor-model-parallel-size", 8, "--pipeline-model-parallel-size", 16,
+        "--context-parallel-size", cp, "--decoder-first-pipeline-num-layers", 7,
+        "--decoder-last-pipeline-num-layers", 7, "--micro-batch-size", 1, "--global-batch-size", dp * batch_per_dp,
+        "--sequence-parallel", "--use-distributed-optimizer",
+    ]  # fmt: skip
+    return PublishedRun(
+        f"Llama3 {name}",
+        LLAMA3,
+        "h100-80gb",
+        gpus,
+        tuple(map(str, flags)),
+        "flash",
+        "model",
+        tflops,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        family="llama",
+        interleave=8,
+    )
+
+
+# Held out of the default fit: other sources, sizes, GPU counts, context lengths (planner_calibration.py
+# --leave-one-source-out fits on every source but one and predicts the one left out)
+EXTRA_RUNS = (
+    _korthikanti("22B", 48, 6144, 64, 1, 8, 4, 4, 1.42, present=False),
+    _korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 18.13, present=False, virtual=3),
+    _korthikanti("530B", 105, 20480, 128, 35, 280, 280, 1, 49.05, present=False, virtual=3),
+    _korthikanti("1T", 128, 25600, 160, 64, 512, 512, 1, 94.42, present=False),
+    _korthikanti("22B", 48, 6144, 64, 1, 8, 4, 4, 1.10, present=True),
+    _korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 13.75, present=True, virtual=3),
+    _korthikanti("530B", 105, 20480, 128, 35, 280, 280, 1, 37.83, present=True, virtual=3),
+    _korthikanti("1T", 128, 25600, 160, 64, 512, 512, 1, 71.49, present=True),
+    _korthikanti("530B dp8", 105, 20480, 128, 35, 2240, 2240, 1, 39.15, present=True, virtual=3),
+    *(_dgxc("GPT3-175B", g, 2 * g, t, GPT3_175B, 4, 8, 12) for g, t in
+      ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))),
+    *(_dgxc("Llama3.1-70B", g, 2 * g, t, LLAMA31_70B, 4, 4, 5, cp=2, family="llama") for g, t in
+      ((64, 14.72), (128, 14.73), (256, 14.8), (512, 14.89), (1024, 14.92), (2048, 14.98))),
+    *(_dgxc("Llama3.1-405B", g, g * 252 // 576, t, LLAMA31_405B_DGXC, 8, 9, 7, cp=2, family="llama") for g, t in
+      ((576, 17.20), (1152, 17.52), (2304, 17.62))),
+    *(_dgxc("Nemotron4-340B", g, g // 4, t, NEMOTRON4_340B, 8, 8, 12) for g, t in
+      ((128, 4.61), (256, 4.67), (512, 4.7), (1024, 4.73), (2048, 4.84))),
+    _llama3("405B 8K 8192", 8192, 1, 64, 8192, 32, 430),
+    _llama3("405B 8K 16384", 16384, 1, 128, 8192, 16, 400),
+    _llama3("405B 128K 16384", 16384, 16, 8, 131072, 16, 380),
+)  # fmt: skip
+ALL_RUNS = RUNS + EXTRA_RUNS
+SOURCES = tuple(dict.fromkeys(run.source for run in ALL_RUNS))
+
 LLAMA31_8B_SOURCE = (
     "Megatron-LM training Llama-3.1-8B on 8 x H100 94 GB (93.6 GiB as CUDA reports it), as docs/memory.md "
     "and tests/unit/test_memory_cli.py record it; the original report is not in this repository"
@@ -189,7 +362,7 @@ def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
         "--group-query-attention --num-query-groups 8 --vocab-size 128256 --bf16 --tensor-model-parallel-size 2 "
         f"--sequence-parallel --use-distributed-optimizer --global-batch-size 128 --seq-length {seq} "
         f"--micro-batch-size {mbs}"
-    ).split()
+    )
     return MemoryRun(f"Llama-3.1-8B s{seq} mbs{mbs}", LLAMA31_8B_SOURCE, 8, 93.6, tuple(flags))
 
 
