@@ -12,7 +12,6 @@ halves of a SwiGLU shard) and DTensor placements cannot express those.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -97,27 +96,23 @@ class _PieceSavePlanner(DefaultSavePlanner):
 class _PieceLoadPlanner(DefaultLoadPlanner):
     def __init__(self, pieces: list[TensorPiece]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
+        self.piece_list = pieces
+        self.pieces = {_key(_index(p)): p for p in pieces}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        """The reads of piece i land in piece i (their destination's index): two pieces may read the same
-        box into two tensors (a model tensor into a parameter and into its fp32 master weights)."""
         requests = []
-        for i, piece in enumerate(self.pieces):
+        for piece in self.piece_list:
             chunk = ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes))
-            requests += [
-                dataclasses.replace(read, dest_index=MetadataIndex(piece.name, piece.offsets, index=i))
-                for read in create_read_items_for_chunk_list(
-                    piece.name, self.metadata.state_dict_metadata[piece.name], [chunk]
-                )
-            ]
+            requests += create_read_items_for_chunk_list(
+                piece.name, self.metadata.state_dict_metadata[piece.name], [chunk]
+            )
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[index.index].tensor()
+        return self.pieces[_key(index)].tensor()
 
 
 def _mismatch(pieces: list[TensorPiece], saved: dict, directory: str) -> str | None:

@@ -94,15 +94,21 @@ def checkpoint_to_load(run) -> CheckpointInfo | None:
     return info if run.checkpoint.finetune else continue_data_position(info, run)
 
 
-def _optimizer_pieces(info: CheckpointInfo, trainer) -> list[TensorPiece]:
-    """The optimizer state to read, into any layout: moments and master weights (the saved fp32 copies,
-    or the checkpoint's model tensors where the saving run kept fp32 weights)."""
+def _load_optimizer(info: CheckpointInfo, trainer, stored) -> None:
+    """Moments, master weights (the saved fp32 copies, or the checkpoint's model tensors where the
+    saving run kept fp32 weights) and the step count and loss scaler, into any layout."""
+    saved = info.metadata["optimizer"]
     separate = not all(shard.aliased for shard in trainer.optimizer.shards)  # low precision or offloaded
-    if info.metadata["optimizer"]["master_weights"]:
+    if saved["master_weights"]:
         master = SAVED_MASTER
     else:  # fp32 weights saved: they are the master weights (already loaded where the master is the parameter)
         master = MODEL_AS_MASTER if separate else None
-    return optimizer_pieces(trainer, tied_copies=True, master=master)
+    pieces = optimizer_pieces(trainer, tied_copies=True, master=master)
+    if saved.get("form") == BUCKET_FORM:  # Megatron-LM's distributed optimizer, in its buckets
+        read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, pieces)
+    else:
+        read_pieces(stored(pieces), info.directory)
+    trainer.optimizer.load_scalar_state(saved)
 
 
 def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]) -> None:
@@ -155,34 +161,19 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
     _refuse_unused_model_tensors(info, pieces)
     why_not_rng = None if config.finetune else _why_rng_not_loaded(info, trainer, config)
-    # our RNG states are read with the model and set once everything is loaded
+    # our RNG states are read with the model (one DCP read less) and set once everything is loaded
     rng = rng_states(trainer) if info.format == OURS and not config.finetune and why_not_rng is None else {}
-    pieces += [TensorPiece.whole(name, state) for name, state in rng.items()]
-    load_optimizer = not (config.finetune or config.no_load_optim)
-    optimizer = _optimizer_pieces(info, trainer) if load_optimizer else []
-    buckets = load_optimizer and info.metadata["optimizer"].get("form") == BUCKET_FORM  # Megatron-LM's
-    # One DCP read takes everything, but for the optimizer state in Megatron-LM's buckets (a reader of its
-    # own) and saved fp32 master weights that are an fp32 run's parameters themselves: read after the
-    # model and params_written (which takes sharded parameters' shards from the whole ones), they
-    # overwrite the model's rounded values.
-    after = buckets or (
-        load_optimizer
-        and info.metadata["optimizer"]["master_weights"]
-        and any(shard.aliased for shard in trainer.optimizer.shards)
-    )
-    read_pieces(pieces + ([] if after else stored(optimizer)), info.directory)
+    read_pieces(pieces + [TensorPiece.whole(name, state) for name, state in rng.items()], info.directory)
     for chunk in trainer.chunks:
         chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
-    if not load_optimizer:
+    # the optimizer state is read after params_written: where the fp32 master weights are the
+    # parameters' shards, taking the shards from the whole parameters would overwrite saved masters
+    if config.finetune or config.no_load_optim:
         trainer.optimizer.reload_master_weights()
         notes.append("> optimizer state not loaded: master weights from the model, moments zero, step 0")
     else:
-        if buckets:
-            read_bucket_state(info.directory, info.metadata["megatron_args"], trainer, optimizer)
-        elif after:
-            read_pieces(stored(optimizer), info.directory)
-        trainer.optimizer.load_scalar_state(info.metadata["optimizer"])
+        _load_optimizer(info, trainer, stored)
     if config.finetune:
         return 0, notes + ["> --finetune: model only; starting at iteration 0"]
     if why_not_rng is not None:
