@@ -41,7 +41,14 @@ from megatron.planning.step_time import (
     step_time,
     transfer_seconds,
 )
-from tools.bench.planner_calibration import evaluate_all, print_table, summary
+from tools.bench.planner_calibration import (
+    balanced_summary,
+    evaluate_all,
+    leave_one_source_out,
+    print_table,
+    summary,
+)
+from tools.bench.published_runs import ALL_RUNS, RUNS
 
 A100 = DEVICES["a100-80gb"]
 CAL = Calibration()
@@ -242,15 +249,34 @@ def test_data_parallel_group_spans_nodes():
 
 
 def test_calibration_against_published_runs():
-    """Every published run of tools/bench/published_runs.py within 15%, the mean |error| below 8%,
-    and no published layout dropped by the memory estimate on its device."""
-    outcomes = evaluate_all()
+    """With the constants fitted on all 50 published runs (5 sources, docs/planner.md): every row of the
+    calibration set (SC21, Megatron-Core: measured max 10.5%, mean 4.9%) within 15% and their mean
+    below 8%; over all 50 rows the mean below 6% and the worst below 16% (measured 4.7% and 15.5%:
+    Llama 3 405B at 8K on 8,192 GPUs); no calibration-set layout dropped by the memory estimate on
+    its device (two of NVIDIA's DGX Cloud layouts are: docs/planner.md)."""
+    outcomes = evaluate_all(runs=ALL_RUNS)
     print_table(outcomes)
+    calibration = [o for o in outcomes if o.run in RUNS]
     mean, worst = summary(outcomes)
     print(f"mean |error| {100 * mean:.1f}%, max {100 * worst:.1f}%")
-    assert all(abs(o.error) < 0.15 for o in outcomes), [(o.run.name, round(o.error, 3)) for o in outcomes]
-    assert mean < 0.08
-    assert all(o.fits and o.certain_fits for o in outcomes), [o.run.name for o in outcomes if not o.fits]
+    assert len(calibration) == len(RUNS)
+    assert all(abs(o.error) < 0.15 for o in calibration), [(o.run.name, round(o.error, 3)) for o in calibration]
+    assert summary(calibration)[0] < 0.08
+    assert mean < 0.06 and worst < 0.16, [(o.run.name, round(o.error, 3)) for o in outcomes if abs(o.error) > 0.1]
+    assert all(o.fits and o.certain_fits for o in calibration), [o.run.name for o in calibration if not o.fits]
+
+
+def test_leave_one_source_out_predicts_each_source_from_the_others():
+    """Each fold holds out one source's rows and fits on the rest (no pass here: the start
+    constants); the by-source mean counts every source once, however many rows it has."""
+    runs = [RUNS[0], RUNS[1], ALL_RUNS[len(RUNS)]]  # two SC21 rows, one of Korthikanti et al.
+    folds = leave_one_source_out(runs, start=CAL, passes=0)
+    assert [source for source, _, _ in folds] == [RUNS[0].source, ALL_RUNS[len(RUNS)].source]
+    assert [[o.run for o in outcomes] for _, _, outcomes in folds] == [runs[:2], runs[2:]]
+    assert all(fitted == CAL for _, fitted, _ in folds)
+    every = [o for _, _, outcomes in folds for o in outcomes]
+    by_source = (summary(folds[0][2])[0] + summary(folds[1][2])[0]) / 2
+    assert balanced_summary(every) == pytest.approx((by_source, summary(every)[1]))
 
 
 def test_host_traffic_of_host_resident_chunks():

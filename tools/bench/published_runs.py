@@ -1,7 +1,8 @@
 """Published training throughputs the step-time model is calibrated and checked against.
 
-Each row is a run that really happened, in pretrain_gpt.py flags, with the TFLOP/s per GPU
-its authors published. Two sources:
+Each row is a run that really happened, in pretrain_gpt.py / pretrain_llama.py flags, with the
+figure its authors published (TFLOP/s per GPU, or seconds per iteration). `RUNS`, the
+calibration set, holds two sources:
 
 * Megatron-LM SC21 (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM", 2021), Table 1; the launch script is NVIDIA/Megatron-LM
@@ -17,9 +18,32 @@ its authors published. Two sources:
   sequence parallelism, bf16 gradient buffers (Megatron-Core's default without
   --accumulate-allreduce-grads-in-fp32; ours are always fp32), flash attention (no dropout),
   GPT layers (GELU MLP of 4 h, untied embeddings: the parameter counts match the table's
-  names). Reported: model TFLOP/s per GPU.
+  names), tensor-parallel communication overlapped with the GEMMs (the README: "TP
+  (`--tp-comm-overlap`)"). Reported: model TFLOP/s per GPU.
   Micro batch and virtual stages are not published: the planner picks them (its fastest
   layout that fits among micro batch 1, 2, 4 and every valid virtual-stage count).
+
+`EXTRA_RUNS`, three more sources, out of the default fit; `--leave-one-source-out`
+(tools/bench/planner_calibration.py) fits on all sources but one and predicts the one left out:
+
+* Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+  Tables 3 and 5: 22B-1T on 8-512 A100s without data parallelism, full recomputation vs
+  sequence parallelism with selective recomputation (iteration seconds), and Section 6.3's
+  530B on 2240 GPUs (dp 8). Published: the whole layout; assumed: see `_korthikanti`.
+* NVIDIA dgxc-benchmarking v25.01 (DGX Cloud benchmark recipes, NeMo 24.05/24.09 on DGX H100,
+  BF16): GPT-3 175B, Llama 3.1 70B and 405B, Nemotron-4 340B, each weak-scaled over 64-2304
+  GPUs (training step seconds); the layouts and every setting are in the recipes' YAML files.
+* Llama 3 405B (Llama Team 2024, Table 4): 8,192 and 16,384 H100s at 8K context, 16,384 at
+  128K with cp 16 (model TFLOP/s per GPU). Published: tp, cp, pp, dp, sequences per dp rank;
+  the rest from Section 3.3.2 and assumed: see `_llama3`. The interleaved schedule (one layer
+  per chunk, the embedding and output layer in chunks of their own) is one our trainer cannot
+  lay out; the projection runs it (`interleave`), the memory estimate is skipped.
+
+Left out, the layout not pinned down: MegaScale (Jiang et al. 2024) Table 2's Megatron-LM
+baseline (micro batch, recomputation, optimizer sharding, attention kernel, GPU memory and
+network of its "Ampere GPUs" unpublished); BLOOM-176B (ALiBi, Omni-Path network with 4
+links per 8-GPU node, CUDA_LAUNCH_BLOCKING=1: outside what the model describes); NeMo's
+performance tables (FP8 only for dense models on H100).
 
 `MEMORY_RUNS`: layouts that trained without running out of memory, for the fit rule's check
 (tools/bench/fit_rule_outcomes.py), with no throughput.
@@ -180,7 +204,7 @@ DGXC = (
     "of nemo_megatron/README_175b.md, llama3.1/README_70b.md, llama3.1/README_405b.md and "
     "nemotron/README_340b.md (training step seconds), layouts from the YAML configs beside them"
 )
-LLAMA3 = "Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4 and Section 3.3.2"
+LLAMA3 = "Llama 3 405B (Llama Team, The Llama 3 Herd of Models, arXiv 2407.21783): Table 4 and Section 3.3.2"
 
 
 def _korthikanti(name, layers, hidden, heads, pp, gpus, gbs, mbs, seconds, present, virtual=None):
@@ -357,7 +381,7 @@ class MemoryRun:
 
 
 def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
-    flags = (
+    flags = _words(
         "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
         "--group-query-attention --num-query-groups 8 --vocab-size 128256 --bf16 --tensor-model-parallel-size 2 "
         f"--sequence-parallel --use-distributed-optimizer --global-batch-size 128 --seq-length {seq} "
