@@ -28,7 +28,16 @@ from megatron.core.pipeline_parallel.microbatch import Microbatch
 from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
-from tests.mcore_oracle.test_megatron_core import BATCH, PADDED, PADDED_GPT, SEQ, _job, _load, _logits_and_loss, _train
+from tests.mcore_oracle.test_megatron_core import (
+    BATCH,
+    PADDED,
+    PADDED_GPT,
+    _job,
+    _load,
+    _logits_and_loss,
+    _train,
+    write_batch,
+)
 
 REL = 1e-6
 # (model, our layout, megatron-core's tp that computes the same sums): at tp 1 its two dp ranks each
@@ -53,10 +62,7 @@ def trained_by_megatron_core(tmp_path_factory):
     per DEFAULT_MODELS model, the same in Megatron-LM's default configuration (no logits)."""
     megatron_core_python()
     directory = tmp_path_factory.mktemp("mcore_bf16")
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
-    batch = str(directory / "batch.pt")
-    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    batch = write_batch(directory)
     jobs = []
     for model, _, tp in CASES:
         out = directory / f"{model}_tp{tp}"

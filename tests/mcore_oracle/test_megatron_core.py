@@ -115,6 +115,15 @@ OPTIMIZER = {
 }
 
 
+def write_batch(directory) -> str:
+    """One seeded batch of token ids and their next-token labels, as both frameworks read it; its path."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
+    batch = str(directory / "batch.pt")
+    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    return batch
+
+
 def _run(model: str, extra: list[str], world: int):
     defaults, flags = MODELS[model]
     return parse_run_config(COMMON + flags + extra, defaults, world)
@@ -138,10 +147,7 @@ def saved_by_megatron_core(tmp_path_factory):
     """megatron-core's checkpoints (iteration 0 and 2), logits and 5 training steps per model and tp."""
     megatron_core_python()
     directory = tmp_path_factory.mktemp("mcore")
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
-    batch = str(directory / "batch.pt")
-    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    batch = write_batch(directory)
     jobs = []
     for model in TRAINED:
         for tp in (1, 2):

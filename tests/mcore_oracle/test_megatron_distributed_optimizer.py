@@ -29,7 +29,7 @@ from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
 from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
-from tests.mcore_oracle.test_megatron_core import BATCH, SEQ, _close, _feed, _job, _run, _train
+from tests.mcore_oracle.test_megatron_core import _close, _feed, _job, _run, _train, write_batch
 
 BUCKET_SIZE = 2000  # elements: the GPT's parameters then fill several buckets
 SAVED = {  # case -> (model, tp, megatron-core job options)
@@ -51,10 +51,7 @@ WRITERS = {"dp2": 1, "tp2_dp2": 2}  # our layouts that save torch_dist -> the tp
 def saved_by_megatron_core(tmp_path_factory):
     megatron_core_python()
     directory = tmp_path_factory.mktemp("mcore_distopt")
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
-    batch = str(directory / "batch.pt")
-    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    batch = write_batch(directory)
     jobs = []
     for case, (model, tp, options) in SAVED.items():
         out = directory / case

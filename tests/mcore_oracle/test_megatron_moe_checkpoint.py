@@ -23,7 +23,7 @@ from megatron.core.transformer.model_fields import MODEL_FIELDS, model_record
 from megatron.training.checkpoint.torch_dist import save_megatron_checkpoint
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
-from tests.mcore_oracle.test_megatron_core import BATCH, SEQ, _close, _job, _load, _run, _train
+from tests.mcore_oracle.test_megatron_core import _close, _job, _load, _run, _train, write_batch
 from tests.mcore_oracle.test_moe_training import DEEPSEEK, MIXTRAL, RECORDED, TRAINING_ONLY
 
 AUX_LOSS = ("--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-load-balancing-type")
@@ -79,10 +79,7 @@ def _ours(rank: int, directory: str, batch_file: str, ep: int) -> dict:
 
 def test_megatron_core_moe_checkpoints_load_in_our_layouts_and_ours_in_megatron_core(tmp_path):
     megatron_core_python()
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
-    batch = str(tmp_path / "batch.pt")
-    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    batch = write_batch(tmp_path)
     jobs = [
         _moe_job(
             case,

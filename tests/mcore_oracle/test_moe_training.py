@@ -19,7 +19,7 @@ from megatron.core.transformer.model_fields import model_record
 from megatron.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.mcore_oracle.oracle import megatron_core_python, run_oracle
-from tests.mcore_oracle.test_megatron_core import BATCH, OPTIMIZER, SEQ, _close, _run
+from tests.mcore_oracle.test_megatron_core import BATCH, OPTIMIZER, _close, _run, write_batch
 
 MIXTRAL = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 MIXTRAL += ["--moe-aux-loss-coeff", "1e-1", "--moe-z-loss-coeff", "1e-2"]
@@ -75,10 +75,7 @@ def _ours(rank: int, directory: str, batch_file: str) -> dict:
 
 def test_moe_model_trains_as_megatron_core(tmp_path):
     megatron_core_python()
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (BATCH, SEQ + 1))
-    batch = str(tmp_path / "batch.pt")
-    torch.save({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}, batch)
+    batch = write_batch(tmp_path)
     ours = run_distributed(1, _ours, str(tmp_path), batch)[0]
     jobs = [
         {
