@@ -182,15 +182,41 @@ def alive(pid: int) -> bool:
         return False
 
 
-def fail_mid_run(log: Path, ckpt: Path, after: int, kill) -> tuple[float, float, list[int]]:
+def threads_of(pid: int) -> str:
+    """Each thread of a process: name, state and the kernel function it waits in (where a process
+    that should have exited is stuck, for a failure message)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            name = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().split(")")[-1].split()[0]
+            wchan = (task / "wchan").read_text().strip()
+        except OSError:
+            continue
+        lines.append(f"  {pid}/{task.name} {name} {state} {wchan}")
+    return "\n".join(lines)
+
+
+def fail_mid_run(
+    log: Path, ckpt: Path, after: int, kill, snapshot_after: float = 0.0
+) -> tuple[float, float, list[int], str]:
     """Once iteration `after` is logged, call kill() (a rank or a node); returns the wall-clock time
-    of the kill, the seconds until every rank still alive right after it had exited, and their pids."""
+    of the kill, the seconds until every rank still alive right after it had exited, their pids,
+    and (when snapshot_after > 0) the threads of the ranks still alive that many seconds later."""
     wait_for(f"iteration {after}", lambda: logged(log, rf"iteration\s+{after}/"), poll=0.05)
     killed_at, killed = time.time(), time.monotonic()
     kill()
     survivors = [pid for pid in rank_pids(str(ckpt)) if alive(pid)]
-    wait_for("the surviving ranks to exit", lambda: not any(map(alive, survivors)), timeout=600, poll=0.05)
-    return killed_at, time.monotonic() - killed, survivors
+    late = ""
+
+    def exited() -> bool:
+        nonlocal late
+        if snapshot_after and not late and time.monotonic() - killed > snapshot_after:
+            late = "\n".join(threads_of(pid) for pid in survivors if alive(pid)) or "(none alive)"
+        return not any(map(alive, survivors))
+
+    wait_for("the surviving ranks to exit", exited, timeout=600, poll=0.05)
+    return killed_at, time.monotonic() - killed, survivors, late
 
 
 def restored_iterations(text: str) -> list[int]:

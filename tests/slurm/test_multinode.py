@@ -163,17 +163,27 @@ def test_torchrun_script_on_two_nodes_restarts_a_killed_rank(tmp_path, one_proce
     )
 
 
-def _kill_node_mid_run(tmp_path, hard: bool) -> tuple[str, Path, float, list[int]]:
+def _kill_node_mid_run(tmp_path, hard: bool) -> tuple[str, Path, float, list[int], str]:
     """Submit the CPU sbatch on two nodes, kill node2 after KILL_AFTER iterations; returns the job,
-    its log, the seconds from the kill until every surviving rank had exited, and their pids."""
+    its log, the seconds from the kill until every surviving rank had exited, their pids, and what
+    the survivors' threads were waiting in when the bound had passed (for the failure message)."""
     log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
     job = cluster.submit(
         "train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": ckpt}, MODEL + TRAINING + TP2
     )
-    _, seconds, survivors = cluster.fail_mid_run(
-        log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool("kill-node", "node2", *(["--hard"] if hard else []))
+    kill = ["kill-node", "node2"] + (["--hard"] if hard else [])
+    _, seconds, survivors, late = cluster.fail_mid_run(
+        log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool(*kill), snapshot_after=BOUND
     )
-    return job, log, seconds, survivors
+    return job, log, seconds, survivors, late
+
+
+def _exited_within_the_bound(log: Path, seconds: float, survivors: list[int], late: str) -> None:
+    assert len(survivors) == 2, survivors
+    assert seconds <= BOUND, (
+        f"survivors exited {seconds:.1f} s after the kill (bound {BOUND} s); their threads at the bound:\n"
+        f"{late}\nthe job's log:\n{cluster.log_tail(log)}"
+    )
 
 
 def _resume_and_finish(job: str, log, uninterrupted) -> None:
@@ -194,9 +204,8 @@ def _resume_and_finish(job: str, log, uninterrupted) -> None:
 def test_hard_node_failure_ends_the_survivors_within_the_heartbeat_bound_then_heals(tmp_path, uninterrupted):
     job = None
     try:
-        job, log, seconds, survivors = _kill_node_mid_run(tmp_path, hard=True)
-        assert len(survivors) == 2
-        assert seconds <= BOUND, f"survivors exited {seconds:.1f} s after the kill (bound {BOUND} s)"
+        job, log, *exit = _kill_node_mid_run(tmp_path, hard=True)
+        _exited_within_the_bound(log, *exit)
         assert re.search(r"error: heartbeat: rank \d \(node1\) exits: .*rank [23] \(node2", log.read_text()), (
             cluster.log_tail(log)
         )
@@ -211,8 +220,8 @@ def test_hard_node_failure_ends_the_survivors_within_the_heartbeat_bound_then_he
 def test_soft_node_failure_heals(tmp_path, uninterrupted):
     job = None
     try:
-        job, log, seconds, survivors = _kill_node_mid_run(tmp_path, hard=False)
-        assert len(survivors) == 2 and seconds <= BOUND
+        job, log, *exit = _kill_node_mid_run(tmp_path, hard=False)
+        _exited_within_the_bound(log, *exit)
         _resume_and_finish(job, log, uninterrupted)
     finally:
         cluster.nodes_tool("start", "2")

@@ -57,7 +57,7 @@ def _torchrun(out: Path):
         "TORCHRUN_ARGS": "--max-restarts 1",
     }
     job = cluster.submit("llama_slurm.sbatch", log, ["-N2", "--gpus-per-node=0", "--cpus-per-task=1"], env, TRAINING)
-    killed_at, exited, _ = cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: _kill_last_rank(ckpt))
+    killed_at, exited, _, _ = cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: _kill_last_rank(ckpt))
     return job, log, killed_at, exited
 
 
@@ -66,7 +66,7 @@ def _node(out: Path, hard: bool, heartbeat: bool):
     flags = MODEL + TRAINING + TP2 + ([] if heartbeat else ["--heartbeat-timeout-seconds", "0"])
     job = cluster.submit("train_tiny_cpu_slurm.sbatch", log, TWO_NODES, {**JOB_ENV, "CKPT": ckpt}, flags)
     kill = ["kill-node", "node2"] + (["--hard"] if hard else [])
-    killed_at, exited, _ = cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool(*kill))
+    killed_at, exited, _, _ = cluster.fail_mid_run(log, ckpt, KILL_AFTER, lambda: cluster.nodes_tool(*kill))
     cluster.nodes_tool("start", "2")
     cluster.release(job)
     return job, log, killed_at, exited
