@@ -1,20 +1,25 @@
 #!/usr/bin/env python
-"""Layouts that ran, kept or dropped: the 80% rule before issue 36 against fit_rule.fit_verdict.
+"""Published layouts that ran and that ran out of memory, kept or dropped: the 80% rule before
+issue 36 against fit_rule.fit_verdict.
 
     python tools/bench/fit_rule_outcomes.py
 
-Every layout here trained without running out of memory:
+The layouts, each with its published outcome:
 
-* the runs of tools/bench/published_runs.py (SC21 Table 1 on A100 80 GB, Megatron-Core r0.8 weak
-  scaling on H100 80 GB). Megatron-Core does not publish micro batch and virtual stages, so for its
-  rows every candidate the calibration considers (micro batch 1, 2, 4, every virtual-stage count)
-  is counted, one of which ran: a row whose candidates are all dropped drops the run;
-* `MEMORY_RUNS` of published_runs.py: Llama-3.1-8B on 8 x H100 94 GB.
+* ran: the runs of tools/bench/published_runs.py (SC21 Table 1 on A100 80 GB, Megatron-Core r0.8
+  weak scaling on H100 80 GB). Megatron-Core does not publish micro batch and virtual stages, so
+  for its rows every candidate the calibration considers (micro batch 1, 2, 4, every
+  virtual-stage count) is counted, one of which ran: a row whose candidates are all dropped drops
+  the run;
+* `MEMORY_RUNS` of published_runs.py: Llama-3.1-8B on 8 x H100 94 GB (ran), and BigScience's
+  BLOOM-176B layout search on 384 A100 80 GB (Megatron-DeepSpeed), rows that ran and rows that ran
+  out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran.
 
 Before: the estimate as it was (fragmentation 10% of the dynamic memory, runtime 1 GiB, no NCCL
 buffers, no document mask), kept when its total is within 80% of the device (Fujii et al.'s rule).
 After: the estimate with NCCL buffers per communicator, kept when fit_verdict says "fits". The
-last line sums the layouts given in full and the runs.
+last lines: of the layouts that ran, how many each rule drops (wrongly); of those that ran out of
+memory, how many each rule keeps (wrongly).
 """
 
 from __future__ import annotations
@@ -47,33 +52,50 @@ def kept(config, layout, device_bytes: int) -> tuple[bool, bool, float, str]:
 
 
 def rows():
-    """(name, device GiB, layouts, kept before, kept after, detail) per run."""
+    """(name, device GiB, layouts, kept before, kept after, detail, out of memory) per run."""
     for run in RUNS:
         device_bytes = int(DEVICES[run.device].memory_gib * GIB)
         outcomes = [kept(cfg, lay, device_bytes) for cfg, lay in run_layouts(run)]
         detail = outcomes[0][3] if len(outcomes) == 1 else "candidates (mbs, v); one ran"
-        yield run.name, device_bytes / GIB, outcomes, detail
+        yield run.name, device_bytes / GIB, outcomes, detail, False
     for run in MEMORY_RUNS:
-        args = run_config_for_tool(list(run.flags), "llama", run.num_gpus, PROG)
+        args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, PROG)
         device_bytes = int(run.device_memory_gib * GIB)
-        outcome = kept(args.model, layout_from_run(args, "cuda"), device_bytes)
-        yield run.name, device_bytes / GIB, [outcome], f"{outcome[3]} ({outcome[2]:.2f} GiB)"
+        outcome = kept(args.model, memory_run_layout(run, args), device_bytes)
+        measured = f", measured {run.measured_gb:g} GB" if run.measured_gb is not None else ""
+        yield run.name, device_bytes / GIB, [outcome], f"{outcome[3]} ({outcome[2]:.2f} GiB{measured})", run.oom
+
+
+def memory_run_layout(run, args):
+    """The layout of a `MEMORY_RUNS` row, with its gradient buffer's element."""
+    return layout_from_run(args, "cuda").with_ddp(grad_dtype=run.grad_dtype)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part} ({part / whole:.0%})" if whole else "0"
 
 
 def main() -> int:
-    print(f"{'run':<26} {'device GiB':>10} {'layouts':>7} {'kept before':>11} {'kept after':>10}  after")
-    given = [0, 0, 0]  # layouts given in full: count, kept before, kept after
+    print(f"{'run':<42} {'outcome':>7} {'GiB':>6} {'layouts':>7} {'kept before':>11} {'kept after':>10}  after")
+    given = [0, 0, 0]  # layouts given in full that ran: count, kept before, kept after
     runs = [0, 0, 0]  # runs: count, some candidate kept before, after
-    for name, gib, outcomes, detail in rows():
+    ooms = [0, 0, 0]  # layouts that ran out of memory: count, kept before, kept after
+    for name, gib, outcomes, detail, oom in rows():
         before, after = sum(o[0] for o in outcomes), sum(o[1] for o in outcomes)
-        print(f"{name:<26} {gib:10.2f} {len(outcomes):7d} {before:11d} {after:10d}  {detail}")
+        outcome = "OOM" if oom else "ran"
+        print(f"{name:<42} {outcome:>7} {gib:6.2f} {len(outcomes):7d} {before:11d} {after:10d}  {detail}")
+        if oom:
+            ooms = [ooms[0] + 1, ooms[1] + before, ooms[2] + after]
+            continue
         if len(outcomes) == 1:
             given = [given[0] + 1, given[1] + before, given[2] + after]
         runs = [runs[0] + 1, runs[1] + (before > 0), runs[2] + (after > 0)]
     print(
-        f"layouts given in full that ran: {given[0]}, kept before {given[1]}, after {given[2]}; runs (any "
-        f"candidate kept): {runs[0]}, kept before {runs[1]}, after {runs[2]}"
+        f"ran, layouts given in full: {given[0]}, dropped before {_share(given[0] - given[1], given[0])}, "
+        f"after {_share(given[0] - given[2], given[0])}; runs (dropped: no candidate kept): {runs[0]}, dropped "
+        f"before {_share(runs[0] - runs[1], runs[0])}, after {_share(runs[0] - runs[2], runs[0])}"
     )
+    print(f"out of memory: {ooms[0]} layouts, kept before {_share(ooms[1], ooms[0])}, after {_share(ooms[2], ooms[0])}")
     return 0
 
 

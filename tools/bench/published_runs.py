@@ -45,8 +45,12 @@ network of its "Ampere GPUs" unpublished); BLOOM-176B (ALiBi, Omni-Path network 
 links per 8-GPU node, CUDA_LAUNCH_BLOCKING=1: outside what the model describes); NeMo's
 performance tables (FP8 only for dense models on H100).
 
-`MEMORY_RUNS`: layouts that trained without running out of memory, for the fit rule's check
-(tools/bench/fit_rule_outcomes.py), with no throughput.
+`MEMORY_RUNS`: layouts with a published memory outcome, trained or out of memory, for the fit
+rule's check (tools/bench/fit_rule_outcomes.py), with no throughput: Llama-3.1-8B on H100 94 GB
+(both ran), and BigScience's search for the BLOOM-176B layout on 48 nodes of 8 x A100 80 GB
+(Jean Zay), in its chronicle bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md:
+every row of the sections of 02-25 and 02-28 (the two with out-of-memory rows), 38 that ran and 6
+that ran out of memory. See `_bigscience` for what is published and what is assumed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from megatron.planning.hardware import DEVICES
 
 SC21 = "Megatron-LM SC21 Table 1 (examples/sc21/run_table_1.sh)"
 MCORE = "Megatron-Core r0.8 weak scaling (Megatron-LM README, images/model_table.png)"
@@ -371,13 +377,17 @@ LLAMA31_8B_SOURCE = (
 
 @dataclass(frozen=True)
 class MemoryRun:
-    """A layout that trained without running out of memory, whose throughput is not used here."""
+    """A layout with a published memory outcome: it trained, or it ran out of memory."""
 
     name: str
     source: str
     num_gpus: int
     device_memory_gib: float
-    flags: tuple[str, ...]  # pretrain_llama.py flags of the run
+    flags: tuple[str, ...]  # pretrain_llama.py (family "llama") or pretrain_gpt.py flags of the run
+    family: str = "llama"
+    oom: bool = False  # the published outcome: out of memory (else it trained)
+    grad_dtype: torch.dtype = torch.float32  # the gradient buffer's element
+    measured_gb: float | None = None  # the memory the source reports for a run that trained, if any
 
 
 def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
@@ -390,4 +400,83 @@ def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
     return MemoryRun(f"Llama-3.1-8B s{seq} mbs{mbs}", LLAMA31_8B_SOURCE, 8, 93.6, tuple(flags))
 
 
-MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2))
+BIGSCIENCE = (
+    "BigScience, BLOOM-176B layout search on Jean Zay (48 nodes of 8 x A100 80 GB), Megatron-DeepSpeed: "
+    "github.com/bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md, sections "
+    '"GBS Variations" to "NHIDDEN=12288 / NLAYERS=96" (02-25) and "Rebalancing layers" (02-28); flags of the '
+    "time in train/tr11-200B-ml/tr11-200B-ml.slurm and train/tr11-176B-ml/tr11-176B-ml.slurm"
+)
+OOM = None  # a row's measured memory when it ran out of memory
+
+
+def _bigscience(date, layers, hidden, heads, dp, tp, pp, mbs, gbs, measured_gb) -> MemoryRun:
+    """One row of the chronicle's tables (Nodes, DP, TP, PP, MBS, GBS, Mem; NLAYERS / NHIDDEN / NHEADS above
+    or beside them), on 384 GPUs. Mem is "OOM" or the most memory a GPU of the first or last node used
+    (nvidia-smi, so the caching allocator's reserve and the CUDA context included; "GB" when not read).
+
+    Published: the layout, the model's shape, the sequence (2048) and the 250k vocabulary (padded to
+    250,880 in tr11-176B-ml.slurm), and, for 02-28 on, "BF16 optimizer [...] to accumulate gradients
+    in fp32 [...] 4 bytes x params [...] not sharded" and `--pp-partition-method
+    'type:transformer|embedding'` (the embedding takes a stage's layer slot: (layers + 2) / pp slots,
+    one fewer transformer layer on the first and last stage). The scripts of the time: full
+    recomputation (--checkpoint-activations, one layer each), ALiBi (no position parameters),
+    embedding layer norm, tied embeddings, DeepSpeed ZeRO stage 1 (optimizer state sharded over dp:
+    our distributed optimizer), fp16 before 02-28 (tr11-200B-ml.slurm; its 16-bit gradients: the
+    gradient buffer is fp16) and bf16 from 02-28 (fp32 gradients). Assumed: GPT-3 layers otherwise as
+    pretrain_gpt.py (GELU MLP of 4 h, LayerNorm, biases, dropout 0.1), Megatron-DeepSpeed's unfused
+    attention with ALiBi (our "unfused" backend: the s x s scores materialized), the
+    default partition ('type:transformer': the layers split evenly) before 02-28. Not modelled:
+    DeepSpeed's pipeline engine and optimizers themselves (their buffers are not ours)."""
+    bf16 = date == "02-28"
+    flags = [
+        "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads, "--seq-length", 2048,
+        "--max-position-embeddings", 2048, "--vocab-size", 250880, "--position-embedding-type", "none",
+        "--bf16" if bf16 else "--fp16", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+        "--micro-batch-size", mbs, "--global-batch-size", gbs, "--use-distributed-optimizer",
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1,
+        "--attention-backend", "unfused",
+    ]  # fmt: skip
+    if bf16 and pp > 1:  # 'type:transformer|embedding'
+        slots = (layers + 2) // pp
+        flags += ["--decoder-first-pipeline-num-layers", slots - 1, "--decoder-last-pipeline-num-layers", slots - 1]
+    return MemoryRun(
+        f"BigSci {date} L{layers}/h{hidden}/a{heads} {dp}x{tp}x{pp} m{mbs} g{gbs}",
+        BIGSCIENCE,
+        dp * tp * pp,
+        DEVICES["a100-80gb"].memory_gib,
+        tuple(map(str, flags)),
+        family="gpt",
+        oom=measured_gb is OOM,
+        grad_dtype=torch.float32 if bf16 else torch.float16,
+        measured_gb=None if measured_gb in (OOM, "GB") else measured_gb,
+    )
+
+
+BIGSCIENCE_RUNS = (
+    # 02-25, fp16 and ZeRO-1; NLAYERS=72, NHIDDEN=14336, NHEADS=64 ("GBS Variations", "some more configs with
+    # lower PP", "Tweaking TP"): date, layers, hidden, heads, dp, tp, pp, mbs, gbs, Mem
+    *(_bigscience("02-25", 72, 14336, 64, *row) for row in (
+        (8, 8, 6, 4, 1568, 56), (8, 8, 6, 4, 2048, 55), (8, 8, 6, 6, 2016, 66),
+        (4, 8, 12, 4, 1568, "GB"), (4, 8, 12, 4, 2048, 49), (4, 8, 12, 2, 1568, "GB"), (4, 8, 12, 2, 2048, "GB"),
+        (6, 8, 8, 4, 2016, 52), (12, 8, 4, 2, 2016, 53), (12, 8, 4, 4, 2016, 59), (24, 8, 2, 1, 2016, 65),
+        (24, 8, 2, 2, 2016, 76), (48, 8, 1, 1, 2016, OOM),
+        (8, 4, 12, 4, 2048, 60), (8, 4, 12, 2, 2048, 44),  # the table lists the second twice: 44 and 38 GB
+        (16, 4, 6, 4, 2048, 75), (16, 4, 6, 2, 2048, 57), (16, 2, 12, 2, 2048, 63),
+        (32, 2, 6, 2, 2048, OOM), (32, 2, 6, 1, 2048, OOM),
+        (8, 2, 24, 1, 2048, 44), (8, 2, 24, 2, 2048, 53), (4, 4, 24, 1, 2048, "GB"),
+    )),
+    _bigscience("02-25", 96, 12288, 64, 8, 1, 48, 1, 2048, 58),
+    # 02-28, bf16 with fp32 gradient accumulation, 'type:transformer|embedding' ("Rebalancing layers")
+    *(_bigscience("02-28", 106, 12288, a, 8, 4, 12, m, 2048, gb) for a, m, gb in
+      ((64, 2, 67), (96, 2, 65), (128, 2, 67), (96, 4, 79))),
+    *(_bigscience("02-28", 100, 12288, 64, *row) for row in
+      ((16, 4, 6, 2, 2048, OOM), (16, 4, 6, 1, 2048, OOM), (8, 8, 6, 2, 2048, 61), (8, 8, 6, 4, 2048, 72))),
+    *(_bigscience("02-28", 82, 13312, a, dp, tp, 12, m, 2048, gb) for a, dp, tp, m, gb in
+      ((64, 4, 8, 4, 52), (64, 8, 4, 2, 63), (104, 8, 4, 2, 62), (128, 8, 4, 2, 60), (64, 8, 4, 4, 74))),
+    _bigscience("02-28", 94, 13312, 128, 8, 4, 12, 2, 2048, 67),
+    *(_bigscience("02-28", 70, 14336, a, dp, tp, 12, m, 2048, gb) for a, dp, tp, m, gb in
+      ((64, 4, 8, 2, 40), (64, 8, 4, 2, 59), (112, 8, 4, 2, 59), (128, 8, 4, 2, 60), (64, 8, 4, 4, 73))),
+    _bigscience("02-28", 82, 14336, 128, 8, 4, 12, 2, 2048, OOM),
+)  # fmt: skip
+
+MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS)
