@@ -78,6 +78,9 @@ class PublishedRun:
     # by them: Llama 3's 7-layer first and last stages in 8 chunks, one of them the embedding or the
     # output layer alone): the projection runs the schedule with them, the memory estimate is skipped
     interleave: int | None = None
+    # what the run's framework did differently from our trainer (megatron/planning/step_time.py Practice)
+    cp_all_gather: bool = False  # K and V all-gathered before attention, on the critical path (no ring)
+    regather_params: bool = False  # the parameter all-gather before every microbatch's forward
 
 
 def _sc21(name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, tflops, layers_per_virtual=None):
