@@ -310,7 +310,11 @@ def _llama3(name, gpus, cp, dp, seq, batch_per_dp, tflops):
     sharded model weights and reducing gradients"), FP32 gradient accumulation and reduce-scatter,
     no activation checkpointing at 8K, one layer fewer on the first and last stages and an
     interleaved schedule whose first chunk is the embedding alone and last the output layer alone:
-    126 layers + 2 = 16 ranks x 8 chunks of one layer. Assumed: micro batch 1 (so the sequences per
+    126 layers + 2 = 16 ranks x 8 chunks of one layer; context parallelism by all-gathering K and V
+    before attention, not a ring: "the all-gather communication latency is exposed in the critical
+    path" (`cp_all_gather`: the ring's bytes, K/V forward and their gradients backward, none hidden;
+    the paper calls it small next to the attention at 128K, which the projection agrees with: 0.6 s
+    of a 13-17 s step). Assumed: micro batch 1 (so the sequences per
     dp rank are the microbatches), 8 virtual stages (the only count giving every chunk the same
     layers), no recomputation at 128K either (a cp rank holds 8K tokens, as at 8K), flash attention.
     The 128K row's dp is 8: the table prints 4, but its 16,384 GPUs = 8 x 16 x 16 x dp and its 16M
@@ -336,6 +340,7 @@ def _llama3(name, gpus, cp, dp, seq, batch_per_dp, tflops):
         overlap_param_gather=True,
         family="llama",
         interleave=8,
+        cp_all_gather=True,
     )
 
 
