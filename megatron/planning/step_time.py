@@ -13,6 +13,9 @@ Then the data-parallel gradient reduction (and the distributed optimizer's param
 all-gather): with --overlap-grad-reduce it runs during the last microbatch's backward,
 so only what exceeds that backward counts; the parameter all-gather likewise behind the
 first forward with --overlap-param-gather. Last the optimizer step, memory-bound.
+A published run of another framework may differ where its paper says so (`Practice`): context
+parallelism by an all-gather of K and V on the critical path, parameters gathered again before
+every microbatch's forward.
 
 Bandwidths are per GPU (hardware.py); a group stays on NVLink while it fits in a node.
 The constants are in compute_cost.Calibration, fitted on published runs (docs/planner.md).
@@ -51,7 +54,27 @@ class Overlap:
     param_gather: bool = False  # --overlap-param-gather (distributed optimizer only)
 
 
+@dataclass(frozen=True)
+class Practice:
+    """What a published run of another framework did differently from our trainer (which run, and on
+    what evidence: tools/bench/published_runs.py); our own layouts leave both off.
+
+    `cp_all_gather`: context parallelism by an all-gather of K and V before each layer's attention
+    (and a reduce-scatter of their gradients after its backward) on the critical path, not our ring
+    that overlaps the attention blocks it feeds: the same bytes, none hidden (Llama 3, Section 3.3.2:
+    "the all-gather communication latency is exposed in the critical path").
+    `regather_params`: the distributed optimizer's parameter all-gather runs before every
+    microbatch's forward instead of once a step: parameters kept from a microbatch's forward to its
+    backward only (FSDP2's behaviour with `reshard_after_forward=False` under gradient accumulation:
+    `reshard_after_backward` stays on), the gradients still accumulated whole and reduce-scattered
+    once. Each gather hides behind the microbatch forward it feeds, only what exceeds it counts."""
+
+    cp_all_gather: bool = False
+    regather_params: bool = False
+
+
 DEFAULT_HARDWARE, DEFAULT_CALIBRATION, DEFAULT_OVERLAP = Hardware(), Calibration(), Overlap()
+DEFAULT_PRACTICE = Practice()
 
 
 @dataclass(frozen=True)
@@ -220,9 +243,12 @@ def _recomputed(config, forward: PassTime, layers: int) -> PassTime:
     return forward.scaled(recomputed_layers(config, layers))
 
 
-def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention: str = "auto") -> RankWork:
+def slowest_rank_work(
+    config, layout, hw: Hardware, cal: Calibration, attention: str = "auto", cp_all_gather: bool = False
+) -> RankWork:
     """One microbatch through the pipeline rank with the most work (its layers, and the output layer
-    on the last rank: uneven first/last stages move that balance)."""
+    on the last rank: uneven first/last stages move that balance). `cp_all_gather`: the context-
+    parallel K/V exchange on the critical path (`Practice`), not hidden behind the attention."""
     tp, cp = layout.parallel.tp, layout.parallel.cp
     element = dtype_bytes(config.params_dtype)
     tokens = layout.micro_batch_size * config.seq_length // cp
@@ -237,6 +263,8 @@ def slowest_rank_work(config, layout, hw: Hardware, cal: Calibration, attention:
     )
     cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
     cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
+    if cp_all_gather:
+        cp_f, cp_b = cp_layer, 2 * cp_layer
 
     def work(layers: int, last: bool) -> RankWork:
         forward = layer_f.scaled(layers) + (out_f if last else PassTime())
@@ -280,16 +308,16 @@ def rank_parameters(config, layout) -> float:
     return (max(counts) * per_layer + embedding) / par.tp
 
 
-def dp_collectives(layout) -> tuple[int, int]:
+def dp_collectives(layout, regather_params: bool = False) -> tuple[int, int]:
     """(gradient reduce-scatters, parameter all-gathers) per step: one each, except that sharded
     gradients (optim_grads, optim_grads_params) are reduce-scattered per microbatch and sharded
     parameters gathered before a microbatch's forward and again before its backward (once a step
     when they stay gathered between them under pipeline parallelism); gradients accumulated
-    unsharded are reduce-scattered once per step."""
+    unsharded are reduce-scattered once per step. `regather_params` (`Practice`): one gather
+    before every microbatch's forward."""
     m, ddp = layout.num_microbatches, layout.parallel.ddp
-    return (m if ddp.shards_grads and not ddp.unsharded_grad_accumulation else 1), (
-        2 * m if ddp.shards_params and ddp.reshard_after_forward else 1
-    )
+    gathers = 2 * m if ddp.shards_params and ddp.reshard_after_forward else m if regather_params else 1
+    return (m if ddp.shards_grads and not ddp.unsharded_grad_accumulation else 1), gathers
 
 
 def host_traffic_bytes(config, layout) -> tuple[float, float]:
@@ -309,7 +337,9 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
     return down, up
 
 
-def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tuple[float, float]:
+def data_parallel_seconds(
+    config, layout, hw: Hardware, cal: Calibration, regather_params: bool = False
+) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
     par = layout.parallel
     d = par.dp * par.cp
@@ -319,7 +349,7 @@ def data_parallel_seconds(config, layout, hw: Hardware, cal: Calibration) -> tup
         par.ddp.grad_dtype.itemsize,
         dtype_bytes(config.params_dtype),
         par.ddp.use_distributed_optimizer,
-        *dp_collectives(layout),
+        *dp_collectives(layout, regather_params),
     )
     bandwidth = group_bandwidth(hw, d, par.tp) * cal.comm_efficiency
     return grad / bandwidth, gather / bandwidth
@@ -344,16 +374,18 @@ def step_time(
     attention: str = "auto",
     *,
     pipeline: bool = True,
+    practice: Practice = DEFAULT_PRACTICE,
 ) -> StepTime:
     """Project one iteration of `config` (split for the layout's tp / cp) trained with `layout` on `hw`.
     `attention`: the attention kernel ("auto": the one our trainer picks, kernels.py). `pipeline`
     False takes for the pipeline's idle time only what no schedule avoids (`least_idle`, no
-    simulation): every other part is the same, so its total is a lower bound."""
+    simulation): every other part is the same, so its total is a lower bound. `practice`: what a
+    published run of another framework did differently (`Practice`)."""
     if uncovered(config):
         raise ValueError(uncovered(config))
     par = layout.parallel
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
-    work = slowest_rank_work(config, layout, hw, cal, attention)
+    work = slowest_rank_work(config, layout, hw, cal, attention, practice.cp_all_gather)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
     idle = bubble = least_idle(pp, f_chunk, b_chunk) if pp > 1 else 0.0
     if pipeline and pp > 1:
@@ -362,11 +394,11 @@ def step_time(
         bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk)
         bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
-    grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal)
+    grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal, practice.regather_params)
     # --overlap-grad-reduce: buckets reduce while the last microbatch's backward goes on;
     # --overlap-param-gather: the next iteration's first forward waits for each bucket's gather
     # sharded gradients and parameters: each microbatch's reductions and gathers hide behind its passes
-    reductions, gathers = dp_collectives(layout)
+    reductions, gathers = dp_collectives(layout, practice.regather_params)
     exposed_grad = (
         reductions * max(0.0, grad_s / reductions - work.backward_s)
         if overlap.grad_reduce or par.ddp.shards_grads
@@ -419,19 +451,23 @@ def step_time(
 @dataclass(frozen=True)
 class Projection:
     """Everything `step_time` needs besides the model and the layout: the cluster, the model's
-    constants, the data-parallel overlap and the attention kernel ("auto": the trainer's)."""
+    constants, the data-parallel overlap, the attention kernel ("auto": the trainer's) and, for a
+    published run of another framework, what it did differently (`Practice`)."""
 
     hw: Hardware = DEFAULT_HARDWARE
     cal: Calibration = DEFAULT_CALIBRATION
     overlap: Overlap = DEFAULT_OVERLAP
     attention: str = "auto"
+    practice: Practice = DEFAULT_PRACTICE
 
     def __call__(self, config, layout) -> StepTime:
-        return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention)
+        return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention, practice=self.practice)
 
     def lower_bound(self, config, layout) -> float:
         """Seconds the step takes at least: the projection with the least pipeline idle time."""
-        return step_time(config, layout, self.hw, self.cal, self.overlap, self.attention, pipeline=False).total_s
+        return step_time(
+            config, layout, self.hw, self.cal, self.overlap, self.attention, pipeline=False, practice=self.practice
+        ).total_s
 
 
 DEFAULT_PROJECTION = Projection()

@@ -31,6 +31,7 @@ from megatron.planning.pipeline_simulator import simulate
 from megatron.planning.planner import Search, enumerate_layouts, stage_splits
 from megatron.planning.step_time import (
     Overlap,
+    Practice,
     Projection,
     data_parallel_seconds,
     host_traffic_bytes,
@@ -248,12 +249,38 @@ def test_data_parallel_group_spans_nodes():
     assert grad == pytest.approx(2 * gather)  # fp32 gradients, fp16 parameters, one adapter each
 
 
+def test_practice_of_other_frameworks():
+    """Context parallelism by all-gather: the K/V bytes of the ring, none hidden behind attention;
+    parameters gathered again before every microbatch's forward: m gathers of the same bytes, each
+    hidden behind the microbatch forward it feeds, gradients still reduce-scattered once."""
+    config = dataclasses.replace(_split(GPT_1_7B, tp=2), params_dtype=torch.bfloat16)
+    layout = MemoryLayout(
+        ParallelConfig(tp=2, cp=2, dp=8, ddp=DDPConfig(use_distributed_optimizer=True)),
+        micro_batch_size=1,
+        num_microbatches=4,
+    )
+    overlap = Overlap(grad_reduce=True, param_gather=True)
+    ring = step_time(config, layout, A100, CAL, overlap)
+    gathered = step_time(config, layout, A100, CAL, overlap, practice=Practice(cp_all_gather=True))
+    per_layer = cp_bytes_per_layer(1024, 2304 // 2, 2, 2) / (group_bandwidth(A100, 2, 2) * CAL.comm_efficiency)
+    assert ring.cp_comm_s == 0 and gathered.cp_comm_s == pytest.approx(4 * 24 * 3 * per_layer)
+    again = step_time(config, layout, A100, CAL, overlap, practice=Practice(regather_params=True))
+    grad, gather = data_parallel_seconds(config, layout, A100, CAL)
+    assert data_parallel_seconds(config, layout, A100, CAL, regather_params=True) == pytest.approx((grad, 4 * gather))
+    work = slowest_rank_work(config, layout, A100, CAL)
+    exposed = max(0.0, grad - work.backward_s) + 4 * max(0.0, gather - work.forward_s)
+    assert again.dp_comm_s == pytest.approx(exposed)
+    assert again.dp_comm_total_s == pytest.approx(grad + 4 * gather)
+
+
 def test_calibration_against_published_runs():
     """With the constants fitted on all 50 published runs (5 sources, docs/planner.md): every row of the
-    calibration set (SC21, Megatron-Core: measured max 10.5%, mean 4.9%) within 15% and their mean
-    below 8%; over all 50 rows the mean below 6% and the worst below 16% (measured 4.7% and 15.5%:
-    Llama 3 405B at 8K on 8,192 GPUs); no calibration-set layout dropped by the memory estimate on
-    its device (two of NVIDIA's DGX Cloud layouts are: docs/planner.md)."""
+    calibration set (SC21, Megatron-Core: measured max 12.2%, mean 5.9%) within 15% and their mean
+    below 8%; over all 50 rows the mean below 5% and the worst below 13% (measured 3.9% and 12.2%:
+    Megatron-Core's 177B; 4.7% and 15.5%, Llama 3 405B at 8K on 8,192 GPUs, before its parameter
+    gathers per microbatch and exposed context-parallel all-gather); no
+    calibration-set layout dropped by the memory estimate on its device (two of NVIDIA's DGX Cloud
+    layouts are: docs/planner.md)."""
     outcomes = evaluate_all(runs=ALL_RUNS)
     print_table(outcomes)
     calibration = [o for o in outcomes if o.run in RUNS]
@@ -262,7 +289,7 @@ def test_calibration_against_published_runs():
     assert len(calibration) == len(RUNS)
     assert all(abs(o.error) < 0.15 for o in calibration), [(o.run.name, round(o.error, 3)) for o in calibration]
     assert summary(calibration)[0] < 0.08
-    assert mean < 0.06 and worst < 0.16, [(o.run.name, round(o.error, 3)) for o in outcomes if abs(o.error) > 0.1]
+    assert mean < 0.05 and worst < 0.13, [(o.run.name, round(o.error, 3)) for o in outcomes if abs(o.error) > 0.1]
     assert all(o.fits and o.certain_fits for o in calibration), [o.run.name for o in calibration if not o.fits]
 
 

@@ -27,7 +27,7 @@ from megatron.planning.compute_cost import Calibration  # noqa: E402
 from megatron.planning.estimator import estimate_memory  # noqa: E402
 from megatron.planning.hardware import DEVICES  # noqa: E402
 from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E402
-from megatron.planning.step_time import DEFAULT_CALIBRATION, Overlap, Projection  # noqa: E402
+from megatron.planning.step_time import DEFAULT_CALIBRATION, Overlap, Practice, Projection  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
 from tools.bench.published_runs import ALL_RUNS, RUNS, SOURCES  # noqa: E402
@@ -68,6 +68,7 @@ def projection_for(run, cal: Calibration) -> Projection:
         cal=cal,
         overlap=Overlap(grad_reduce=run.overlap_grad_reduce, param_gather=run.overlap_param_gather),
         attention=run.attention,
+        practice=Practice(cp_all_gather=run.cp_all_gather, regather_params=run.regather_params),
     )
 
 

@@ -84,6 +84,9 @@ class PublishedRun:
     # by them: Llama 3's 7-layer first and last stages in 8 chunks, one of them the embedding or the
     # output layer alone): the projection runs the schedule with them, the memory estimate is skipped
     interleave: int | None = None
+    # what the run's framework did differently from our trainer (megatron/planning/step_time.py Practice)
+    cp_all_gather: bool = False  # K and V all-gathered before attention, on the critical path (no ring)
+    regather_params: bool = False  # the parameter all-gather before every microbatch's forward
 
 
 def _sc21(name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, tflops, layers_per_virtual=None):
@@ -308,16 +311,28 @@ def _llama3(name, gpus, cp, dp, seq, batch_per_dp, tflops):
     """Table 4: Llama 3 405B on H100 80 GB (Grand Teton, 400 Gb/s RoCE per GPU: the h100-80gb preset's
     network), BF16 model TFLOP/s per GPU (MFU as Chowdhery et al. count it: full attention, as ours).
     Published: tp, cp, pp, dp, sequence length, sequences per dp rank. From Section 3.3.2: FSDP sharding
-    the optimizer and gradients with parameters kept after the forward (the distributed optimizer's
-    collectives, one gather and one reduce-scatter a step, overlapped: "asynchronously prefetching
-    sharded model weights and reducing gradients"), FP32 gradient accumulation and reduce-scatter,
-    no activation checkpointing at 8K, one layer fewer on the first and last stages and an
-    interleaved schedule whose first chunk is the embedding alone and last the output layer alone:
-    126 layers + 2 = 16 ranks x 8 chunks of one layer. Assumed: micro batch 1 (so the sequences per
-    dp rank are the microbatches), 8 virtual stages (the only count giving every chunk the same
-    layers), no recomputation at 128K either (a cp rank holds 8K tokens, as at 8K), flash attention.
-    The 128K row's dp is 8: the table prints 4, but its 16,384 GPUs = 8 x 16 x 16 x dp and its 16M
-    tokens per batch = dp x 16 x 131,072 both give 8."""
+    the optimizer states and gradients, with "model shards" not resharded after the forward "to avoid
+    an extra all-gather communication during backward passes", weights prefetched and gradients
+    reduced asynchronously ("asynchronously prefetching sharded model weights and reducing
+    gradients"), FP32 gradient accumulation over the microbatches and FP32 reduce-scatter:
+    projected as the distributed optimizer, FP32 gradients reduce-scattered once a step, whose
+    parameter all-gather runs before every microbatch's forward (`regather_params`), each hidden
+    behind the forward it feeds. How many gathers a step is not published: one per microbatch is
+    what FSDP2 does with reshard_after_forward=False while gradient sync is off (parameters
+    resharded after each backward: reshard_after_backward stays on); the alternatives bracket the
+    8K rows (parameters kept gathered the whole step, as torch.distributed.pipelining asks of FSDP2:
+    over-predicted by 13-23%; gradients reduce-scattered every microbatch too: under-predicted by
+    26-27%; docs/planner.md), no activation checkpointing at 8K, one layer fewer on the first and
+    last stages and an interleaved schedule whose first chunk is the embedding alone and last the
+    output layer alone: 126 layers + 2 = 16 ranks x 8 chunks of one layer; context parallelism by all-gathering K and V
+    before attention, not a ring: "the all-gather communication latency is exposed in the critical
+    path" (`cp_all_gather`: the ring's bytes, K/V forward and their gradients backward, none hidden;
+    the paper calls it small next to the attention at 128K, which the projection agrees with: 0.6 s
+    of a 13-17 s step). Assumed: micro batch 1 (so the sequences per dp rank are the microbatches),
+    8 virtual stages (the only count giving every chunk the same layers), no recomputation at 128K
+    either (a cp rank holds 8K tokens, as at 8K), flash attention. The 128K row's dp is 8: the table
+    prints 4, but its 16,384 GPUs = 8 x 16 x 16 x dp and its 16M tokens per batch = dp x 16 x
+    131,072 both give 8."""
     flags = [
         "--num-layers", 126, "--hidden-size", 16384, "--ffn-hidden-size", 53248, "--num-attention-heads", 128,
         "--group-query-attention", "--num-query-groups", 8, "--seq-length", seq, "--max-position-embeddings", seq,
@@ -339,6 +354,8 @@ def _llama3(name, gpus, cp, dp, seq, batch_per_dp, tflops):
         overlap_param_gather=True,
         family="llama",
         interleave=8,
+        cp_all_gather=True,
+        regather_params=True,
     )
 
 
