@@ -179,10 +179,13 @@ def write_pieces(
     objects: dict[str, object] | None = None,
     file_system=None,
     transforms=None,
-) -> None:
+    report=None,
+) -> list | None:
     """Write this rank's pieces, and `objects` (name -> a picklable value, DCP's byte items), as a collective over
     `process_group` (or one process without torch.distributed); `file_system`: DCP's `FileSystem` to write
-    through (default: its own), `transforms`: its writer's stream transforms (default: its own)."""
+    through (default: its own), `transforms`: its writer's stream transforms (default: its own). `report()`:
+    what each rank tells rank 0 once it has written its files (sent with DCP's results); rank 0 returns
+    every rank's, by rank (others: None)."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=WRITER_THREADS)
     if file_system is not None:
         writer.fs = file_system
@@ -191,7 +194,7 @@ def write_pieces(
     planner = _PieceSavePlanner(pieces, objects or {})
     if not dist.is_initialized():
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-        return
+        return [report() if report is not None else None]
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     planner.set_up_planner({}, writer.storage_meta(), rank == 0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
@@ -202,21 +205,25 @@ def write_pieces(
         problem = f"{directory}: planning the save failed on rank {dist.get_rank()} ({type(error).__name__}: {error})"
     agree(problem, process_group)
     plan, metadata = _global_plan(planner, writer, local, rank, world, process_group)
-    results = None
+    written = None  # (DCP's write results, the report)
     try:
-        results = writer.write_data(planner.finish_plan(plan), planner).value()
+        written = (
+            writer.write_data(planner.finish_plan(plan), planner).value(),
+            report() if report is not None else None,
+        )
     except Exception as error:  # noqa: BLE001 - shared with every rank below
         problem = f"{directory}: writing failed on rank {dist.get_rank()} ({type(error).__name__}: {error})"
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(
-        results, gathered, dst=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+        written, gathered, dst=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
     )
-    if rank == 0 and problem is None and all(r is not None for r in gathered):
-        try:
-            writer.finish(metadata, gathered)  # `.metadata`: every tensor's chunks and where they are
+    if rank == 0 and problem is None and all(w is not None for w in gathered):
+        try:  # `.metadata`: every tensor's chunks and where they are
+            writer.finish(metadata, [results for results, _ in gathered])
         except Exception as error:  # noqa: BLE001 - shared with every rank below
             problem = f"{directory}: writing {DCP_METADATA} failed ({type(error).__name__}: {error})"
     agree(problem, process_group)  # a rank that failed to write left rank 0 without its results
+    return [reported for _, reported in gathered] if rank == 0 else None
 
 
 # (exchange, this rank's part of a global plan, rank 0's metadata) by (process group's ranks, rank, local

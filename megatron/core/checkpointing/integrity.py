@@ -121,8 +121,9 @@ class _DigestingFileSystem(FileSystem):
 
 
 def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process_group=None) -> dict[str, dict]:
-    """`write_pieces`, returning the record of each file this rank wrote (rank 0 also writes `.metadata`),
-    from the bytes written (no communication: a background thread may call it)."""
+    """`write_pieces`, returning the record of each file, from the bytes written: on rank 0 every rank's
+    files and `.metadata` (the records travel with DCP's write results), elsewhere this rank's own. A
+    collective over `process_group` (a background writer's group of its own)."""
     file_system = _DigestingFileSystem()
     # DCP torch.saves each item: a zip record with a CRC-32 of its own, which torch.load never checks.
     # The file's CRC-32 covers those bytes, so torch's second pass over the data is left out (a global
@@ -131,10 +132,18 @@ def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process
     computed = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        write_pieces(pieces, directory, process_group, file_system=file_system, transforms=_DirectWrites())
+        reports = write_pieces(
+            pieces,
+            directory,
+            process_group,
+            file_system=file_system,
+            transforms=_DirectWrites(),
+            report=lambda: dict(file_system.digests),
+        )
     finally:
         torch.serialization.set_crc32_options(computed)
-    return file_system.digests
+    # rank 0's own records last: they hold `.metadata`, written after the reports were sent
+    return {name: record for share in (reports or []) + [file_system.digests] for name, record in share.items()}
 
 
 def _my_share(names: list[str]) -> list[str]:
