@@ -8,6 +8,12 @@ planners only replace how items are listed and found: pieces instead of a
 state dict of whole tensors, DTensors or ShardedTensors, because a canonical
 piece may be any box (a vocabulary shard cut at the real vocabulary, the two
 halves of a SwiGLU shard) and DTensor placements cannot express those.
+
+DCP's own save and load make four object collectives each (gather, scatter, gather, broadcast of
+pickled plans and results; ~9 ms apiece at 4 gloo ranks on 2 cores, against ~1 ms for a small
+all-reduce). Here a save exchanges the plans only when they changed (`_global_plan`), gathers the
+results to rank 0 once, and agrees on failures with one all-reduce (`agree`); a read needs no
+collective of DCP's at all (`read_pieces`).
 """
 
 from __future__ import annotations
