@@ -123,18 +123,18 @@ def _save_twice(rank: int, root: str) -> None:
 
 def _crash_during_save(rank: int, root: str) -> None:
     trainer = Trainer(_run("llama", ["--tensor-model-parallel-size", "2"]), torch.device("cpu"))
-    original = canonical.gather_digests
+    original = canonical.publish_checkpoint
 
     def crash(*args):
         raise RuntimeError("simulated crash")
 
-    canonical.gather_digests = crash
+    canonical.publish_checkpoint = crash  # every rank's files written, nothing published
     try:
         save_checkpoint(root, 3, trainer)
     except RuntimeError:
         pass
     finally:
-        canonical.gather_digests = original
+        canonical.publish_checkpoint = original
 
 
 def _crash_at_rename(rank: int, root: str) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from megatron.core.checkpointing.dcp_io import CheckpointError, write_pieces
+from megatron.core.checkpointing.dcp_io import CheckpointError, any_rank, write_pieces
 from megatron.core.checkpointing.pieces import TensorPiece
 
 try:  # the same CRC-32 as zlib.crc32 (a setup.py requirement; environments installed before it have zlib's)
@@ -83,10 +83,22 @@ class DigestingStream:
         return self.stream.fileno()
 
     def close(self) -> None:
-        self.stream.close()
+        """Flushes only: the file is closed by the `_DigestingFileSystem.create_stream` that opened it. DCP
+        closes the stream after each item it writes into it (`_DirectWrites`)."""
+        self.stream.flush()
 
     def record(self) -> dict:
         return {"size": self.size, "crc32": f"{self.crc:08x}"}
+
+
+class _DirectWrites:
+    """DCP's stream transforms (none are used) without their wrapper around the file: DCP writes each item
+    through a class it defines anew, whose every write is one more Python call (a torch.save makes ~40
+    per tensor), and whose close, after each item, flushes. A `DigestingStream` is closed by its file
+    system, not by DCP's close."""
+
+    def transform_save_stream(self, write_item, raw_stream):
+        return raw_stream, []
 
 
 class _DigestingFileSystem(FileSystem):
@@ -109,8 +121,9 @@ class _DigestingFileSystem(FileSystem):
 
 
 def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process_group=None) -> dict[str, dict]:
-    """`write_pieces`, returning the record of each file this rank wrote (rank 0 also writes `.metadata`),
-    from the bytes written (no communication: a background thread may call it)."""
+    """`write_pieces`, returning the record of each file, from the bytes written: on rank 0 every rank's
+    files and `.metadata` (the records travel with DCP's write results), elsewhere this rank's own. A
+    collective over `process_group` (a background writer's group of its own)."""
     file_system = _DigestingFileSystem()
     # DCP torch.saves each item: a zip record with a CRC-32 of its own, which torch.load never checks.
     # The file's CRC-32 covers those bytes, so torch's second pass over the data is left out (a global
@@ -119,10 +132,18 @@ def write_pieces_with_digests(pieces: list[TensorPiece], directory: str, process
     computed = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        write_pieces(pieces, directory, process_group, file_system=file_system)
+        reports = write_pieces(
+            pieces,
+            directory,
+            process_group,
+            file_system=file_system,
+            transforms=_DirectWrites(),
+            report=lambda: dict(file_system.digests),
+        )
     finally:
         torch.serialization.set_crc32_options(computed)
-    return file_system.digests
+    # rank 0's own records last: they hold `.metadata`, written after the reports were sent
+    return {name: record for share in (reports or []) + [file_system.digests] for name, record in share.items()}
 
 
 def _my_share(names: list[str]) -> list[str]:
@@ -163,8 +184,10 @@ def verify_files(directory: str, expected: dict[str, dict]) -> None:
         for name in os.listdir(directory)
         if (name.endswith(".distcp") or name == ".metadata") and name not in expected
     )
+    # the problems are gathered only when some rank found one (one small all-reduce otherwise)
+    failed = any_rank(any(p is not None for p in local.values()))
     problems = sorted(
-        [p for p in gather_digests(local).values() if p is not None]
+        ([p for p in gather_digests(local).values() if p is not None] if failed else [])
         + [
             f"{os.path.join(directory, name)}: not in the checkpoint's record of files and digests "
             "(written by a rank whose digests were lost?)"

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 
-from megatron.core.checkpointing import CheckpointError, TensorPiece, gather_digests, write_pieces_with_digests
+from megatron.core.checkpointing import CheckpointError, TensorPiece, write_pieces_with_digests
 from megatron.core.transformer.model_fields import CONTEXT, differences, model_record
 from megatron.training.checkpoint.directory import (
     METADATA,
@@ -62,7 +62,7 @@ def commit_checkpoint(root: str, iteration: int, pieces: list[TensorPiece], meta
     and file digests) and point the tracker at it. A collective when torch.distributed is initialised
     (every rank writes its own pieces); also runs in one process (a converter)."""
     staging = prepare_staging(root, iteration)
-    digests = gather_digests(write_pieces_with_digests(pieces, staging))
+    digests = write_pieces_with_digests(pieces, staging)  # every file's on rank 0, which publishes
     return publish_checkpoint(root, iteration, digests, metadata)
 
 

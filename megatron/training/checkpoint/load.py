@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch.distributed as dist
-
 from megatron.core.checkpointing import (
     CheckpointError,
     TensorPiece,
+    every_rank,
     model_pieces,
     read_pieces,
     saved_tensors,
@@ -115,15 +114,9 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
     """A model tensor of the checkpoint that no rank's model reads (a flag that adds tensors left out,
     e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
     wanted = {piece.name for piece in pieces}
-    if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, wanted)
-        wanted = set().union(*gathered)
-    unused = sorted(
-        name
-        for name in saved_tensors(info.directory)
-        if not name.startswith(("optimizer.", "rng.")) and name not in wanted
-    )
+    saved = sorted(name for name in saved_tensors(info.directory) if not name.startswith(("optimizer.", "rng.")))
+    # unused: by no rank (every rank holds the same list of saved names: one small all-reduce)
+    unused = [name for name, none in zip(saved, every_rank([name not in wanted for name in saved])) if none]
     if unused:
         raise CheckpointError(
             f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
