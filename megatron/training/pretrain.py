@@ -12,7 +12,6 @@ import torch.distributed as dist
 from megatron.core.errors import AgreedError
 from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error
 from megatron.training.arguments.parser import parse_run_config
-from megatron.training.checkpoint import CheckpointSaver, checkpoint_to_load, load_checkpoint
 from megatron.training.evaluation import Validation
 from megatron.training.heartbeat import Heartbeat
 from megatron.training.initialize import (
@@ -113,11 +112,11 @@ def train(trainer: Trainer, emit, start_iteration: int = 0, log_window: dict | N
     training = run.training
     log = IterationLog(trainer, emit, first_iteration=start_iteration + 1, window=log_window)
     profiler = IterationProfiler(run.logging, dist.get_rank(), trainer.device)
-    saver = (
-        CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save, log.window_state)
-        if run.checkpoint.save
-        else None
-    )
+    saver = None
+    if run.checkpoint.save:
+        from megatron.training.checkpoint import CheckpointSaver  # see _checkpoint_to_load
+
+        saver = CheckpointSaver(run.checkpoint.save, trainer, emit, run.checkpoint.async_save, log.window_state)
     control = RunControl(run.checkpoint, saver.save if saver is not None else None, trainer.device)
     validation = Validation(trainer, emit, log)
     iteration = start_iteration
@@ -161,7 +160,18 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     memory_lines = check_memory(
         run, device, run.training.device_memory_gb, run.training.skip_memory_check, run.training.host_memory_gb
     )
-    return run, device, backend, paths, memory_lines, checkpoint_to_load(run)
+    return run, device, backend, paths, memory_lines, _checkpoint_to_load(run)
+
+
+def _checkpoint_to_load(run):
+    """The checkpoint --load names (None without --load). The checkpoint package is imported only by
+    a run that saves or loads: torch.distributed.checkpoint, under it, takes 0.5-0.9 s to import on
+    every rank."""
+    if run.checkpoint.load is None:
+        return None
+    from megatron.training.checkpoint import checkpoint_to_load
+
+    return checkpoint_to_load(run)
 
 
 def _train_from(validated: tuple, rank: int, world_size: int, backend: str) -> int:
@@ -178,6 +188,8 @@ def _train_from(validated: tuple, rank: int, world_size: int, backend: str) -> i
     emit = (lambda line: print(line, flush=True)) if rank == world_size - 1 else (lambda line: None)
     start_iteration, log_window = 0, None
     if checkpoint is not None:
+        from megatron.training.checkpoint import load_checkpoint  # see _checkpoint_to_load
+
         start_iteration, notes = load_checkpoint(checkpoint, trainer, run.checkpoint)
         log_window = checkpoint.metadata.get("log_window") if start_iteration else None
         for line in notes:
