@@ -14,7 +14,9 @@ timeout, ends the process: the reason is written to the shared key (so every ran
 within one period), one `error: heartbeat:` line names the rank and host that went silent, output
 is flushed and the process ends with os._exit(EXIT_CODE) (a blocked main thread never returns to
 Python to raise). From a peer's death to every survivor's exit: at most timeout + 3 periods
-(1.6 x timeout) plus the store's answer time. Cost: three store round trips per rank and period,
+(1.6 x timeout) plus the store's answer time. A rank whose training raised posts its failure
+(report_failure) and ends without tearing the process group down (pretrain._end_failed_rank).
+Cost: three store round trips per rank and period,
 no collective and nothing on the training thread.
 """
 

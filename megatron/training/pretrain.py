@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -207,6 +209,18 @@ def _failure(error: BaseException) -> str:
     return f"failed: {type(error).__name__}: {(str(error) or '-').splitlines()[0][:200]}"
 
 
+def _end_failed_rank(heartbeat: Heartbeat, error: BaseException, exit_code: int) -> NoReturn:
+    """A rank that failed, its error printed, while its peers may be gone: tell them through the
+    heartbeat (they exit at once instead of a heartbeat timeout later), then end without tearing the
+    process group down. With a collective of this rank pending on a peer that went silent (a node
+    without power sends no reset), gloo's destroy_process_group, and the interpreter's exit, wait for
+    that collective: the process group's timeout, 10 minutes by default."""
+    heartbeat.report_failure(_failure(error))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
 def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Exit status 0, or 2 with one error line for an expected error (megatron.training.arguments.errors)."""
     rank, world_size, local_rank = launch_environment()
@@ -224,11 +238,12 @@ def main(defaults: dict, argv: list[str] | None = None, prog: str | None = None)
         return _train_from(validated, rank, world_size, backend)
     except EXPECTED_ERRORS as error:
         if heartbeat is not None and not isinstance(error, AgreedError):  # the peers would wait for this rank
-            heartbeat.report_failure(_failure(error))
+            _end_failed_rank(heartbeat, error, report_error(error, rank))
         return report_error(error, rank)
     except BaseException as error:
-        if heartbeat is not None:  # the peers exit at once instead of a heartbeat timeout later
-            heartbeat.report_failure(_failure(error))
+        if heartbeat is not None:
+            traceback.print_exc()
+            _end_failed_rank(heartbeat, error, 1)
         raise
     finally:
         if heartbeat is not None:
