@@ -179,8 +179,10 @@ def _kill_node_mid_run(tmp_path, hard: bool) -> tuple[str, Path, float, list[int
     return job, log, seconds, survivors, late
 
 
-def _exited_within_the_bound(log: Path, seconds: float, survivors: list[int], late: str) -> None:
-    assert len(survivors) == 2, survivors
+def _exited_within_the_bound(log: Path, seconds: float, survivors: list[int], late: str, hard: bool) -> None:
+    """After a power loss both node1 ranks are alive right after the kill (they learn of it only by
+    the heartbeat); after a soft kill one may already be gone (it saw the reset, raised and exited)."""
+    assert len(survivors) == 2 if hard else len(survivors) <= 2, survivors
     assert seconds <= BOUND, (
         f"survivors exited {seconds:.1f} s after the kill (bound {BOUND} s); their threads at the bound:\n"
         f"{late}\nthe job's log:\n{cluster.log_tail(log)}"
@@ -206,7 +208,7 @@ def test_hard_node_failure_ends_the_survivors_within_the_heartbeat_bound_then_he
     job = None
     try:
         job, log, *exit = _kill_node_mid_run(tmp_path, hard=True)
-        _exited_within_the_bound(log, *exit)
+        _exited_within_the_bound(log, *exit, hard=True)
         assert re.search(r"error: heartbeat: rank \d \(node1\) exits: .*rank [23] \(node2", log.read_text()), (
             cluster.log_tail(log)
         )
@@ -224,7 +226,7 @@ def test_soft_node_failure_ends_the_survivors_within_the_heartbeat_bound(tmp_pat
     job = None
     try:
         job, log, *exit = _kill_node_mid_run(tmp_path, hard=False)
-        _exited_within_the_bound(log, *exit)
+        _exited_within_the_bound(log, *exit, hard=False)
     finally:
         cluster.nodes_tool("start", "2")
         if job:
