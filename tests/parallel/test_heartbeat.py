@@ -44,6 +44,13 @@ def _start(rank: int, port: int, log, code: str | None = None) -> subprocess.Pop
     return subprocess.Popen([sys.executable, *program, *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _stop(ranks: list[subprocess.Popen], logs: list) -> None:
+    for rank, log in zip(ranks, logs):
+        rank.kill()
+        rank.wait()
+        log.close()
+
+
 def test_a_frozen_peer_ends_the_waiting_rank_within_the_bound(tmp_path):
     port = free_port()
     logs = [open(tmp_path / f"rank{r}.log", "w+") for r in range(2)]  # noqa: SIM115 - closed in the finally block
@@ -58,10 +65,7 @@ def test_a_frozen_peer_ends_the_waiting_rank_within_the_bound(tmp_path):
         code = ranks[0].wait(timeout=60)
         waited = time.monotonic() - frozen
     finally:
-        for rank, log in zip(ranks, logs):
-            rank.kill()
-            rank.wait()
-            log.close()
+        _stop(ranks, logs)
     text = (tmp_path / "rank0.log").read_text()
     assert code == 1, text[-2000:]
     assert re.search(
@@ -102,10 +106,7 @@ def test_a_rank_that_fails_with_a_collective_pending_on_a_silent_peer_exits_at_o
     except subprocess.TimeoutExpired:
         code = None
     finally:
-        for rank, log in zip(ranks, logs):
-            rank.kill()
-            rank.wait()
-            log.close()
+        _stop(ranks, logs)
     text = (tmp_path / "rank0.log").read_text()
     assert code == 1, f"exit status {code} (None: still running after 60 s)\n{text[-2000:]}"
     assert "RuntimeError: injected failure" in text and "Traceback" in text, text[-2000:]
