@@ -13,7 +13,9 @@ The layouts, each with its published outcome:
   the run;
 * `MEMORY_RUNS` of published_runs.py: Llama-3.1-8B on 8 x H100 94 GB (ran), and BigScience's
   BLOOM-176B layout search on 384 A100 80 GB (Megatron-DeepSpeed), rows that ran and rows that ran
-  out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran.
+  out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran; and
+  out-of-memory reports of Megatron-LM itself whose flags are given in full (`MEGATRON_LM_RUNS`:
+  GitHub issue NVIDIA/Megatron-LM#525, a 771M GPT on one V100 32 GB).
 
 Before: the estimate as it was (fragmentation 10% of the dynamic memory, runtime 1 GiB, no NCCL
 buffers, no document mask), kept when its total is within 80% of the device (Fujii et al.'s rule).

@@ -54,7 +54,18 @@ rule's check (tools/bench/fit_rule_outcomes.py), with no throughput: Llama-3.1-8
 (both ran), and BigScience's search for the BLOOM-176B layout on 48 nodes of 8 x A100 80 GB
 (Jean Zay), in its chronicle bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md:
 every row of the sections of 02-25 and 02-28 (the two with out-of-memory rows), 38 that ran and 6
-that ran out of memory. See `_bigscience` for what is published and what is assumed.
+that ran out of memory. See `_bigscience` for what is published and what is assumed. And
+out-of-memory reports of Megatron-LM itself (`MEGATRON_LM_RUNS`), used only where the report pins
+every flag that moves the verdict: NVIDIA/Megatron-LM issue #525 (a 771M GPT on one V100 32 GB; its
+script and full argument dump are linked from the issue). Read and left out, a flag that decides the
+verdict unknown: #606 (Llama-2-7B, tp 1, pp 1, A100 40 GB: the precision, optimizer and dp flags are
+past the part of the script that can be read, and with fp16 and the distributed optimizer over dp 8 or
+more the certain part would be under 40 GB, so they decide it), #818 (Llama-3-8B at seq 8192: tp, pp,
+micro batch and the GPU not given), #60 (a 2.6B GPT-2 on V100s, January 2021: hidden size, layers,
+heads and sequence not in the readable part of its dump, and --distribute-checkpointed-activations and
+the local DDP's flattened gradient copy are not ours), #637 (a "GPT-30B" in FP8: tp, pp, shape and the
+GPU not given), #1308 and #783 (no flags), #1000 (ran, no memory reported, layer count disputed in
+#1308); alibaba/Megatron-LLaMA #11 is another framework (its own overlapped distributed optimizer).
 """
 
 from __future__ import annotations
@@ -500,4 +511,47 @@ BIGSCIENCE_RUNS = (
     _bigscience("02-28", 82, 14336, 128, 8, 4, 12, 2, 2048, OOM),
 )  # fmt: skip
 
-MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS)
+MEGATRON_LM_525 = (
+    "NVIDIA/Megatron-LM issue #525, https://github.com/NVIDIA/Megatron-LM/issues/525 (2023-09-29): its launch "
+    "script and terminal log are in the reporter's fork, github.com/jindajia/Megatron-LM branch debug, "
+    "debug/gpt2_755.sh and debug/terminal.txt (the argument dump and the out-of-memory line)"
+)
+
+
+def _megatron_lm_525() -> MemoryRun:
+    """A GPT of 36 layers, hidden 1280, 20 heads, SwiGLU (ffn 3392, Megatron's 2/3 x 4h rounded down to a
+    multiple of 64), seq 1024, micro batch 4, on one V100 ("31.74 GiB total capacity") with Megatron-LM's
+    legacy model (transformer_impl local) of September 2023: every value from the log's argument dump.
+
+    Published (the dump): tp = pp = dp = 1, fp16, --use-distributed-optimizer (nothing to shard with dp 1:
+    fp32 main parameters and Adam's two moments, 12 bytes a parameter), accumulate_allreduce_grads_in_fp32
+    False (an fp16 gradient buffer), no recomputation (recompute_granularity None), use_flash_attn False
+    (the s x s scores materialized, fused scale-mask-softmax: our "unfused" backend), no sequence
+    parallelism, learned absolute positions, LayerNorm, biases, dropout 0.1, tied embeddings, the GPT-2
+    tokenizer's 50,257 tokens padded to 50,304. The log counts 771,201,024 parameters; so does our
+    estimate of these flags. The outcome: out of memory in the first microbatch's forward, in the cross
+    entropy's fp32 logits ("Tried to allocate 786.00 MiB", exactly 4 x 1024 x 50,304 x 4 bytes, with
+    28.82 GiB allocated and 29.97 GiB reserved by PyTorch). Nothing is assumed."""
+    flags = _words(
+        "--num-layers 36 --hidden-size 1280 --ffn-hidden-size 3392 --num-attention-heads 20 --swiglu "
+        "--seq-length 1024 --max-position-embeddings 1024 --vocab-size 50257 --fp16 "
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 4 "
+        "--global-batch-size 16 --use-distributed-optimizer --attention-backend unfused"
+    )
+    return MemoryRun(
+        "Megatron-LM #525 GPT 771M V100 m4",
+        MEGATRON_LM_525,
+        1,
+        31.74,
+        tuple(flags),
+        family="gpt",
+        oom=True,
+        grad_dtype=torch.float16,
+    )
+
+
+# Out-of-memory reports of Megatron-LM itself, given in full (tools/bench/published_runs.py's docstring
+# lists the reports read and why the others could not be used)
+MEGATRON_LM_RUNS = (_megatron_lm_525(),)
+
+MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS, *MEGATRON_LM_RUNS)
