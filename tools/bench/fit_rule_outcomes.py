@@ -13,9 +13,11 @@ The layouts, each with its published outcome:
   the run;
 * `MEMORY_RUNS` of published_runs.py: Llama-3.1-8B on 8 x H100 94 GB (ran), and BigScience's
   BLOOM-176B layout search on 384 A100 80 GB (Megatron-DeepSpeed), rows that ran and rows that ran
-  out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran; and
-  out-of-memory reports of Megatron-LM itself whose flags are given in full (`MEGATRON_LM_RUNS`:
-  GitHub issue NVIDIA/Megatron-LM#525, a 771M GPT on one V100 32 GB).
+  out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran; the
+  rows of 02-28 ran DeepSpeed's BF16_Optimizer, whose bf16 gradients (2 bytes a parameter of the
+  rank, `DEEPSPEED_BF16_OPTIMIZER`) are added to our estimate for both rules; and out-of-memory
+  reports of Megatron-LM itself whose flags are given in full (`MEGATRON_LM_RUNS`: GitHub issue
+  NVIDIA/Megatron-LM#525, a 771M GPT on one V100 32 GB).
 
 Before: the estimate as it was (fragmentation 10% of the dynamic memory, runtime 1 GiB, no NCCL
 buffers, no document mask), kept when its total is within 80% of the device (Fujii et al.'s rule).
@@ -27,6 +29,7 @@ memory, how many each rule keeps (wrongly).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -46,11 +49,22 @@ BEFORE = Allowances(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES)  # no NCCL buffe
 FUJII_SHARE = 0.8
 
 
-def kept(config, layout, device_bytes: int) -> tuple[bool, bool, float, str]:
-    """(kept before, kept after, total GiB after, verdict after) of one layout."""
-    before = estimate_memory(config, layout, allowances=BEFORE).max_total_bytes <= FUJII_SHARE * device_bytes
-    verdict = fit_verdict(estimate_memory(config, layout), device_bytes)
-    return before, verdict.fits, verdict.total_bytes / GIB, verdict.label
+def with_optimizer(estimate, optimizer):
+    """`estimate` with what another framework's optimizer (published_runs.OtherOptimizer) holds beyond
+    ours added to each rank's gradients, in bytes per parameter of the rank; None: unchanged."""
+    if optimizer is None:
+        return estimate
+    extra = optimizer.extra_grad_bytes_per_parameter
+    ranks = tuple(replace(r, grads_bytes=r.grads_bytes + extra * r.parameters) for r in estimate.ranks)
+    return replace(estimate, ranks=ranks)
+
+
+def kept(config, layout, device_bytes: int, optimizer=None) -> tuple[bool, bool, float, str]:
+    """(kept before, kept after, total GiB after, verdict after) of one layout; `optimizer`: the
+    published row's other optimizer, whose extra bytes both rules count."""
+    before = with_optimizer(estimate_memory(config, layout, allowances=BEFORE), optimizer)
+    verdict = fit_verdict(with_optimizer(estimate_memory(config, layout), optimizer), device_bytes)
+    return before.max_total_bytes <= FUJII_SHARE * device_bytes, verdict.fits, verdict.total_bytes / GIB, verdict.label
 
 
 def rows():
@@ -63,7 +77,7 @@ def rows():
     for run in MEMORY_RUNS:
         args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, PROG)
         device_bytes = int(run.device_memory_gib * GIB)
-        outcome = kept(args.model, memory_run_layout(run, args), device_bytes)
+        outcome = kept(args.model, memory_run_layout(run, args), device_bytes, run.optimizer)
         measured = f", measured {run.measured_gb:g} GB" if run.measured_gb is not None else ""
         yield run.name, device_bytes / GIB, [outcome], f"{outcome[3]} ({outcome[2]:.2f} GiB{measured})", run.oom
 

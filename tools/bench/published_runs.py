@@ -408,6 +408,44 @@ LLAMA31_8B_SOURCE = (
 
 
 @dataclass(frozen=True)
+class OtherOptimizer:
+    """The optimizer of another framework that a published row ran, where it holds more per parameter than
+    what our estimate counts for the same flags: `extra_grad_bytes_per_parameter` bytes for every
+    parameter of the rank, alive at the activation peak. tools/bench/fit_rule_outcomes.py adds them to
+    the row's gradients (certain memory); the estimator (megatron/planning/) is not changed."""
+
+    name: str
+    extra_grad_bytes_per_parameter: int
+    source: str  # the code that holds them: repository, file, commit, and what it does
+
+
+DEEPSPEED_BF16_OPTIMIZER = OtherOptimizer(
+    "DeepSpeed BF16_Optimizer (ZeRO-1)",
+    2,
+    "microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py, branch olruwase/bf16-updates at "
+    "15293139f7c25a9a7ddbcefcd8bb1d84f4052b2e (2022-02-28; what it allocates is unchanged since "
+    "819abe2a7d8ba72c950da11890f565dc3a05385e of 02-24), with deepspeed/runtime/pipe/engine.py of the same "
+    "commit. Per parameter group, the constructor packs the bf16 weights into one flat buffer (2 bytes), "
+    "allocates an fp32 gradient buffer as long as the whole flat group, the rank's data-parallel partition "
+    "being only a view into it (4 bytes, not sharded), and an fp32 copy of the rank's 1/dp slice of the "
+    "weights that the wrapped Adam steps, which allocates its two moments on that slice at construction "
+    "(12/dp bytes). Backward lets autograd write each weight's bf16 .grad, then adds it, upcast, into the "
+    "fp32 buffer and leaves the bf16 .grad in place: the pipeline engine drops the bf16 gradients only just "
+    "before the next backward, and the optimizer step does not drop them, so they live through the next "
+    "step's forwards, when the activations peak (2 bytes). Ours, for the same flags: bf16 weights 2, fp32 "
+    "gradient buffer 4, main parameters and moments 12/dp; the bf16 gradients are the difference. "
+    "Megatron-DeepSpeed hands DeepSpeed the bare apex FusedAdam (megatron/optimizer/__init__.py returns it "
+    "before Megatron's own fp16/bf16 wrapper when --deepspeed is on; bigscience-workshop/Megatron-DeepSpeed "
+    "00f5f8896688efe5dc84c907a812705851ffa440), and BigScience ran it with ZERO_STAGE=0, the BF16 "
+    "optimizer doing its own stage-1 sharding (bigscience-workshop/bigscience train/tr11-200B-ml/"
+    "tr11-200B-ml.slurm at fd075b7a5240fb5f3c3af6613ef7735fe6146b34). Not counted, transients outside "
+    "the activation peak or within our allowances: the fp32 upcast of one weight's gradient while it is "
+    "added (at most the embedding's shard), the bf16 copy of each flat fp32 group for its data-parallel "
+    "all-reduce (the engine's default communication type for bf16 at stage 0), after the last backward",
+)
+
+
+@dataclass(frozen=True)
 class MemoryRun:
     """A layout with a published memory outcome: it trained, or it ran out of memory."""
 
@@ -420,6 +458,8 @@ class MemoryRun:
     oom: bool = False  # the published outcome: out of memory (else it trained)
     grad_dtype: torch.dtype = torch.float32  # the gradient buffer's element
     measured_gb: float | None = None  # the memory the source reports for a run that trained, if any
+    # another framework's optimizer that held more per parameter than our estimate counts (None: ours)
+    optimizer: OtherOptimizer | None = None
 
 
 def _llama31_8b(seq: int, mbs: int) -> MemoryRun:
@@ -457,8 +497,13 @@ def _bigscience(date, layers, hidden, heads, dp, tp, pp, mbs, gbs, measured_gb) 
     gradient buffer is fp16) and bf16 from 02-28 (fp32 gradients). Assumed: GPT-3 layers otherwise as
     pretrain_gpt.py (GELU MLP of 4 h, LayerNorm, biases, dropout 0.1), Megatron-DeepSpeed's unfused
     attention with ALiBi (our "unfused" backend: the s x s scores materialized), the
-    default partition ('type:transformer': the layers split evenly) before 02-28. Not modelled:
-    DeepSpeed's pipeline engine and optimizers themselves (their buffers are not ours)."""
+    default partition ('type:transformer': the layers split evenly) before 02-28. Modelled from
+    DeepSpeed's code, on the 02-28 rows only: its BF16_Optimizer keeps every weight's bf16 gradient
+    beside the whole fp32 gradient buffer, 2 bytes a parameter of the rank more than ours
+    (`DEEPSPEED_BF16_OPTIMIZER`). Not modelled: the rest of DeepSpeed's pipeline engine and optimizers
+    (their transient buffers are not ours); the fp16 ZeRO-1 optimizer of 02-25 holds at the activation
+    peak what ours counts (fp16 weights and whole fp16 gradients; its fp32 and partition buffers are
+    made after the backward)."""
     bf16 = date == "02-28"
     flags = [
         "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads, "--seq-length", 2048,
@@ -481,6 +526,7 @@ def _bigscience(date, layers, hidden, heads, dp, tp, pp, mbs, gbs, measured_gb) 
         oom=measured_gb is OOM,
         grad_dtype=torch.float32 if bf16 else torch.float16,
         measured_gb=None if measured_gb in (OOM, "GB") else measured_gb,
+        optimizer=DEEPSPEED_BF16_OPTIMIZER if bf16 else None,
     )
 
 
