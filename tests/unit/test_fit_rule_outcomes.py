@@ -1,5 +1,5 @@
 """The fit rule on published outcomes (tools/bench/fit_rule_outcomes.py): BigScience's BLOOM-176B layout
-search on 384 A100 80 GB (tools/bench/published_runs.py, `BIGSCIENCE_RUNS`), rows that trained and rows
+search on 384 A100 80 GB (tools/bench/published_memory_outcomes.py, `BIGSCIENCE_RUNS`), rows that trained and rows
 that ran out of memory, and out-of-memory reports of Megatron-LM itself (`MEGATRON_LM_RUNS`). Each row's
 verdict is pinned, and the 80% rule's (before issue 36), with why. The rows of 02-28 count what DeepSpeed's
 BF16_Optimizer holds beyond our estimate (`DEEPSPEED_BF16_OPTIMIZER`: 2 bytes a parameter of the rank)."""
@@ -11,7 +11,12 @@ from megatron.planning.estimator import estimate_memory
 from megatron.planning.fit_rule import DOES_NOT_FIT, FITS, MARGIN
 from megatron.training.arguments.tool_command_line import run_config_for_tool
 from tools.bench.fit_rule_outcomes import kept, memory_run_layout, with_optimizer
-from tools.bench.published_runs import BIGSCIENCE_RUNS, DEEPSPEED_BF16_OPTIMIZER, MEGATRON_LM_RUNS, MEMORY_RUNS
+from tools.bench.published_memory_outcomes import (
+    BIGSCIENCE_RUNS,
+    DEEPSPEED_BF16_OPTIMIZER,
+    MEGATRON_LM_RUNS,
+    MEMORY_RUNS,
+)
 
 KINDS = {"F": FITS, "M": MARGIN, "D": DOES_NOT_FIT}
 

@@ -11,7 +11,7 @@ The layouts, each with its published outcome:
   for its rows every candidate the calibration considers (micro batch 1, 2, 4, every
   virtual-stage count) is counted, one of which ran: a row whose candidates are all dropped drops
   the run;
-* `MEMORY_RUNS` of published_runs.py: Llama-3.1-8B on 8 x H100 94 GB (ran), and BigScience's
+* `MEMORY_RUNS` of published_memory_outcomes.py: Llama-3.1-8B on 8 x H100 94 GB (ran), and BigScience's
   BLOOM-176B layout search on 384 A100 80 GB (Megatron-DeepSpeed), rows that ran and rows that ran
   out of memory ("OOM"); "measured" is the memory the chronicle reports for a row that ran; the
   rows of 02-28 ran DeepSpeed's BF16_Optimizer, whose bf16 gradients (2 bytes a parameter of the
@@ -42,7 +42,8 @@ from megatron.planning.transients import CUDA_RUNTIME_BYTES, FRAGMENTATION_FRACT
 from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
 from tools.bench.planner_calibration import run_layouts  # noqa: E402
-from tools.bench.published_runs import MEMORY_RUNS, RUNS  # noqa: E402
+from tools.bench.published_memory_outcomes import MEMORY_RUNS  # noqa: E402
+from tools.bench.published_runs import RUNS  # noqa: E402
 
 PROG = "tools/bench/fit_rule_outcomes.py"
 BEFORE = Allowances(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES)  # no NCCL buffers
@@ -50,7 +51,7 @@ FUJII_SHARE = 0.8
 
 
 def with_optimizer(estimate, optimizer):
-    """`estimate` with what another framework's optimizer (published_runs.OtherOptimizer) holds beyond
+    """`estimate` with what another framework's optimizer (published_memory_outcomes.OtherOptimizer) holds beyond
     ours added to each rank's gradients, in bytes per parameter of the rank; None: unchanged."""
     if optimizer is None:
         return estimate
