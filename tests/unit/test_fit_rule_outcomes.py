@@ -9,8 +9,7 @@ import pytest
 from megatron.planning.budget import GIB
 from megatron.planning.estimator import estimate_memory
 from megatron.planning.fit_rule import DOES_NOT_FIT, FITS, MARGIN
-from megatron.training.arguments.tool_command_line import run_config_for_tool
-from tools.bench.fit_rule_outcomes import kept, memory_run_layout, with_optimizer
+from tools.bench.fit_rule_outcomes import kept, memory_run_model_and_layout, with_optimizer
 from tools.bench.published_memory_outcomes import (
     BIGSCIENCE_RUNS,
     DEEPSPEED_BF16_OPTIMIZER,
@@ -89,8 +88,7 @@ PINNED = {**EXPECTED, **EXPECTED_MEGATRON_LM}
 
 
 def _estimate(run):
-    args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, "test")
-    return args, estimate_memory(args.model, memory_run_layout(run, args))
+    return estimate_memory(*memory_run_model_and_layout(run))
 
 
 def test_every_row_is_pinned():
@@ -102,9 +100,8 @@ def test_every_row_is_pinned():
 
 @pytest.mark.parametrize("run", BIGSCIENCE_RUNS + MEGATRON_LM_RUNS, ids=lambda run: run.name)
 def test_verdict_of_each_row(run):
-    args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, "test")
     device_bytes = int(run.device_memory_gib * GIB)
-    before, after, total_gib, label = kept(args.model, memory_run_layout(run, args), device_bytes, run.optimizer)
+    before, after, total_gib, label = kept(*memory_run_model_and_layout(run), device_bytes, run.optimizer)
     kind, kept_before = PINNED[run.name]
     assert label.startswith(KINDS[kind]) and after == (kind == "F"), (run.name, label, total_gib)
     assert before == kept_before, (run.name, total_gib)
@@ -141,7 +138,7 @@ def test_deepspeed_bf16_optimizer_on_the_02_28_rows_only():
     assert DEEPSPEED_BF16_OPTIMIZER.extra_grad_bytes_per_parameter == 2
     excess = {"02-25": [], "02-28 without": [], "02-28": []}
     for run in BIGSCIENCE_RUNS:
-        _, estimate = _estimate(run)
+        estimate = _estimate(run)
         added = with_optimizer(estimate, run.optimizer)
         for ours, theirs in zip(estimate.ranks, added.ranks):
             extra = 0 if run.optimizer is None else 2 * ours.parameters
@@ -161,7 +158,7 @@ def test_megatron_lm_525_against_its_log():
     had 28.82 GiB allocated. Our counterpart at that moment (weights, fp16 gradient buffer, fp32 main
     parameters, saved activations; Adam's moments come with the first optimizer step) is 28.23 GiB."""
     (run,) = [r for r in MEGATRON_LM_RUNS if r.name.startswith("Megatron-LM #525")]
-    _, estimate = _estimate(run)
+    estimate = _estimate(run)
     (rank,) = estimate.ranks
     assert rank.parameters == 771_201_024
     main_params = 4 * rank.parameters  # the distributed optimizer's fp32 copy (dp 1: the whole model)

@@ -76,16 +76,16 @@ def rows():
         detail = outcomes[0][3] if len(outcomes) == 1 else "candidates (mbs, v); one ran"
         yield run.name, device_bytes / GIB, outcomes, detail, False
     for run in MEMORY_RUNS:
-        args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, PROG)
         device_bytes = int(run.device_memory_gib * GIB)
-        outcome = kept(args.model, memory_run_layout(run, args), device_bytes, run.optimizer)
+        outcome = kept(*memory_run_model_and_layout(run), device_bytes, run.optimizer)
         measured = f", measured {run.measured_gb:g} GB" if run.measured_gb is not None else ""
         yield run.name, device_bytes / GIB, [outcome], f"{outcome[3]} ({outcome[2]:.2f} GiB{measured})", run.oom
 
 
-def memory_run_layout(run, args):
-    """The layout of a `MEMORY_RUNS` row, with its gradient buffer's element."""
-    return layout_from_run(args, "cuda").with_ddp(grad_dtype=run.grad_dtype)
+def memory_run_model_and_layout(run):
+    """(model config, layout) of a `MEMORY_RUNS` row, the layout with its gradient buffer's element."""
+    args = run_config_for_tool(list(run.flags), run.family, run.num_gpus, PROG)
+    return args.model, layout_from_run(args, "cuda").with_ddp(grad_dtype=run.grad_dtype)
 
 
 def _share(part: int, whole: int) -> str:
