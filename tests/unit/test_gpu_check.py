@@ -2,22 +2,28 @@
 
 The report files exist and hold every section and row; the kernels' errors against fp32 are
 finite and within the kernel tests' bf16 tolerance; speed and allocator cells say "n/a (dry run)"
-rather than a number; the offload runs' losses equal their device runs'. Bad input is one
-`error:` line and exit status 2.
+rather than a number; the offload runs' losses equal their device runs'; the offloaded CPU step in
+the device's rounding gives the device's fp32 masters bit for bit; each size member ran in a process
+of its own. The parts registry: order, budgets, every section importable. Bad input is one
+`error:` line and exit status 2; --only and --skip pick sections.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
 from tests.cli import explain, run_cli
+from tools.gpu_check_lib import parts
 
 NA = "n/a (dry run)"
 SECTIONS = {
+    "adam_bits": "AdamW, one shard, two steps",
+    "adam_bits_runs": "Offload vs device, bf16 0.17B model",
     "kernels": "Kernels (bf16) vs fp32 reference and torch",
     "train_step": "One-GPU training step",
     "memory": "Memory estimate vs the CUDA allocator",
@@ -102,6 +108,21 @@ def test_runs_and_dry_run_cells(report):
         assert row["d2h MiB"] > 0 and row["h2d MiB"] > 0 and row["copy ms"] == NA
     for row in sections["size_fits"]["rows"]:
         assert row["ran"] == "yes" and row["parameters"] > 0 and row["tokens/s"] == NA
+    note = next(n for n in sections["size_fits"]["notes"] if n.startswith("each member ran in a fresh process"))
+    pids = re.findall(r"\d+", note)
+    assert len(pids) == len(set(pids)) == 3, note  # two member processes, neither of them the check's
+
+
+def test_offloaded_step_in_device_rounding_is_bit_equal(report):
+    sections = report[0]["sections"]
+    rows = {row["compared"]: row for row in sections["adam_bits"]["rows"]}
+    assert rows["offload CPU step, CPU single-tensor rounding"]["elements differing"] == 0  # the device here is a CPU
+    assert rows["offload CPU step, torch's fused CPU AdamW (default)"]["elements differing"] > 0
+    assert rows["offload CPU step, CUDA rounding emulated"]["elements differing"] > 0
+    runs = sections["adam_bits_runs"]["rows"]
+    assert [(r["CPU step rounding"], r["verdict"]) for r in runs] == [("-", "reference"), ("fused", "differs"),
+                                                                      ("cpu", "bit-equal")]  # fmt: skip
+    assert runs[1]["elements differing"] > 0 and runs[2]["elements"] == runs[0]["elements"] > 0
 
 
 @pytest.mark.parametrize(
@@ -109,6 +130,8 @@ def test_runs_and_dry_run_cells(report):
     [
         ["--part", "everything", "--dry-run"],
         ["--part", "all", "--dry-run", "--only", "memory,speed"],
+        ["--part", "all", "--dry-run", "--skip", "size,nosuch"],
+        ["--part", "kernels-step", "--dry-run", "--only", "size"],
         ["--part", "all", "--dry-run", "--out", "tests/unit/test_gpu_check.py/out"],
         pytest.param(
             ["--part", "offload"],
@@ -128,3 +151,26 @@ def test_only_runs_the_named_sections(tmp_path):
     proc = run_cli("tools/gpu_check.py", flags, timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert set(json.loads((tmp_path / "report.json").read_text())["sections"]) == {"memory"}
+
+
+def test_skip_leaves_sections_out(tmp_path):
+    flags = ["--dry-run", "--part", "kernels-step", "--skip", "kernels,step", "--out", str(tmp_path)]
+    proc = run_cli("tools/gpu_check.py", flags, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data["sections"]) == {"memory"}
+    assert "section kernels wall s" not in data["meta"] and "section memory wall s" in data["meta"]
+
+
+def test_parts_registry():
+    ordered = parts.ordered()
+    assert [p.order for p in ordered] == sorted(p.order for p in ordered)
+    names = parts.section_names()
+    assert len(names) == len(set(names))  # a section name picks one section
+    for part in parts.PARTS:
+        for _, target in part.sections:
+            assert callable(parts.section_runner(target)), target
+    line = parts.budget_line()
+    total = sum(p.budget_s for p in parts.PARTS)
+    assert f"= {total:.0f} s of budgets against {parts.all_deadline_s():.0f} s" in line
+    assert ("fits" in line) == (total <= parts.all_deadline_s())

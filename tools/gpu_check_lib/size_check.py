@@ -83,7 +83,7 @@ def check_size(report, ctx) -> None:
     else:
         smallest = estimate_run(run_config(_member(rule, "plain AdamW", widths[0], seq)), ctx.device, None)
         budget, host = 1.05 * rule.device_bytes(smallest.rank), None
-    sizes = {}
+    sizes, pids = {}, []
     for column, need_s in COLUMNS:
         found = largest(ctx, rule, column, widths, seq, budget, host)
         if found is None:
@@ -100,6 +100,7 @@ def check_size(report, ctx) -> None:
             continue
         measured = run_member(ctx, argv, DRY_RUN_TIMEOUT_S if ctx.dry_run else max(ctx.left(), need_s))
         peak, held = measured.get("max_allocated"), measured.get("held_elsewhere", NA)
+        pids += [measured["pid"]] if "pid" in measured else []
         row["ran"] = "yes" if measured.get("error") is None else measured["error"]
         row["held elsewhere GiB"] = held / GIB if isinstance(held, int) else held
         row["device peak GiB"] = peak / GIB if isinstance(peak, int) else peak
@@ -123,6 +124,9 @@ def check_size(report, ctx) -> None:
         )
     elif not ctx.dry_run:
         section.notes.append("size ratio: n/a (a column has no member that fits)")
+    section.notes.append(
+        f"each member ran in a fresh process: pids {', '.join(map(str, pids)) or '-'} (this one {os.getpid()})"
+    )
     section.notes.append("tokens/s: " + ("n/a (dry run)" if ctx.dry_run else "2 timed iterations after 1 warm-up"))
 
 
@@ -157,7 +161,7 @@ def _member_main(spec: dict) -> None:
         held = total - free
     start_process_group(device)
     measured = train(Context(device, dry_run, math.inf), spec["argv"], iters=2, warmup=1)
-    result = dataclasses.asdict(measured) | {"held_elsewhere": held}
+    result = dataclasses.asdict(measured) | {"held_elsewhere": held, "pid": os.getpid()}
     Path(spec["out"]).write_text(json.dumps(result, default=str))
     torch.distributed.destroy_process_group()
 
