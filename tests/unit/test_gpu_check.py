@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 
 import pytest
 import torch
@@ -174,3 +175,15 @@ def test_parts_registry():
     total = sum(p.budget_s for p in parts.PARTS)
     assert f"= {total:.0f} s of budgets against {parts.all_deadline_s():.0f} s" in line
     assert ("fits" in line) == (total <= parts.all_deadline_s())
+
+
+def test_carried_wheels_list_and_wrapper():
+    """wheels.txt pins one version of each wheel the device image lacks; the wrapper parses as bash."""
+    lines = [line.split("#")[0].strip() for line in open("tools/gpu_check_lib/wheels.txt")]
+    specs = [line for line in lines if line]
+    names = [spec.split("==")[0] for spec in specs]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][0-9a-z.]*", spec) for spec in specs), specs
+    assert len(names) == len(set(names)) and {"torchtitan", "torchao", "datasets"} <= set(names)
+    assert dict(s.split("==") for s in specs)["torchtitan"] == "0.2.2"  # 0.3.0 needs a newer torch than the image's
+    proc = subprocess.run(["bash", "-n", "tools/gpu_check_device.sh"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
