@@ -46,11 +46,13 @@ def test_fma32_rounds_once():
     # double rounding through float64 is wrong here: a * b = 64 * (1 - 2^-46), c = 2^30 + 2^7 (odd in fp32);
     # the exact sum is just below the midpoint c + 2^6, so fp32 rounds down, while float64 rounds to that midpoint
     hard = (_f32(64 * (1 + 2**-23)), _f32(1 - 2**-23), float(2**30 + 2**7))
-    a, b, c = (torch.cat([t, torch.tensor([h])]) for t, h in zip((a, b, c), hard))
+    mirrored = (-hard[0], hard[1], -hard[2])  # the same below zero
+    a, b, c = (torch.cat([t, torch.tensor([h, m])]) for t, h, m in zip((a, b, c), hard, mirrored))
     got = fma32(a, b, c)
     for x, y, z, out in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist()):
         assert out == _round_fp32(Fraction(x) * Fraction(y) + Fraction(z)), (x, y, z)
-    assert got[-1].item() == hard[2] != (a[-1].double() * b[-1].double() + c[-1].double()).float().item()
+    assert got[-2].item() == hard[2] != (a[-2].double() * b[-2].double() + c[-2].double()).float().item()
+    assert got[-1].item() == -hard[2]
 
 
 def _shard(n: int, gen) -> FlatShard:

@@ -30,23 +30,29 @@ import math
 import torch
 
 ROUNDINGS = ("fused", "cpu", "cuda")
+HALF_MASK, HALF = (1 << 29) - 1, 1 << 28  # the 29 float64 mantissa bits below fp32's, and their halfway pattern
 BLOCK = 1 << 20  # elements per pass of the emulated CUDA step (bounds its float64 temporaries)
 
 
 def fma32(a: torch.Tensor | float, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a * b + c rounded once to fp32 (IEEE fused multiply-add) for fp32 operands (`a` may be a
-    float that fp32 holds exactly). The float64 product of two fp32 values is exact; the float64
-    sum is made round-to-odd (TwoSum gives its error exactly), which makes the final rounding to
-    fp32 (24 bits, 53 >= 24 + 2) the one correct rounding of the exact value."""
+    float that fp32 holds exactly). The float64 product of two fp32 values is exact and the float64
+    sum carries 29 bits more than fp32, so rounding it to fp32 is the one correct rounding unless
+    the sum landed exactly halfway between two fp32 values (normal range); there the sum's own
+    rounding error (TwoSum, exact) says which way the exact value lies, and the sum moves one
+    float64 step that way before the final rounding."""
     product = torch.as_tensor(a, dtype=torch.float64) * b.double()
     addend = c.double()
     total = product + addend
-    back = total - addend
-    error = (addend - (total - back)) + (product - back)
-    toward_zero = torch.where(error * total < 0, torch.nextafter(total, torch.zeros_like(total)), total)
-    bits = toward_zero.view(torch.int64)
-    odd = torch.where(error != 0, bits | 1, bits).view(torch.float64)
-    return odd.float()
+    result = total.float()
+    tie = (total.view(torch.int64) & HALF_MASK) == HALF
+    if bool(tie.any()):
+        t, p, q = total[tie], product.expand_as(total)[tie], addend[tie]
+        back = t - q
+        error = (q - (t - back)) + (p - back)
+        toward = torch.where(error > 0, torch.inf, -torch.inf).to(t)
+        result[tie] = torch.where(error != 0, torch.nextafter(t, toward), t).float()
+    return result
 
 
 def fp32(value: float) -> float:
