@@ -163,14 +163,30 @@ def test_skip_leaves_sections_out(tmp_path):
     assert "section kernels wall s" not in data["meta"] and "section memory wall s" in data["meta"]
 
 
+def test_sections_that_do_not_fit_are_skipped(tmp_path):
+    """A GPU run (not a dry run) with 20 s of its part left starts no section that needs more."""
+    from tools.gpu_check_lib.cli import parse, run_part
+    from tools.gpu_check_lib.report import Report
+    from tools.gpu_check_lib.runs import Context
+
+    args = parse(["--part", "offload", "--skip", "offload"])
+    report = Report({})
+    run_part(report, tmp_path, args.parts[0], args, Context(torch.device("cpu"), False, 20.0))
+    assert [s.key for s in report.sections] == ["sections_skipped"]
+    rows = report.sections[0].rows
+    assert [r["section"] for r in rows] == ["adam_bits", "size"]
+    assert all(r["why"].startswith("skipped: 20 s of the part's 20 s budget left") for r in rows), rows
+    assert json.loads((tmp_path / "report.json").read_text())["sections"]["sections_skipped"]["rows"] == rows
+
+
 def test_parts_registry():
     ordered = parts.ordered()
     assert [p.order for p in ordered] == sorted(p.order for p in ordered)
     names = parts.section_names()
     assert len(names) == len(set(names))  # a section name picks one section
     for part in parts.PARTS:
-        for _, target in part.sections:
-            assert callable(parts.section_runner(target)), target
+        for _, target, need_s in part.sections:
+            assert callable(parts.section_runner(target)) and 0 < need_s <= part.budget_s, target
     line = parts.budget_line()
     total = sum(p.budget_s for p in parts.PARTS)
     assert f"= {total:.0f} s of budgets against {parts.all_deadline_s():.0f} s" in line

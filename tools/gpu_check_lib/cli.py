@@ -30,7 +30,7 @@ def parse(argv):
         parser.add_argument(flag, type=_sections(flag), help=f"comma-separated sections {what} ({', '.join(names)})")
     args = parser.parse_args(argv)
     chosen = [p for p in parts.ordered() if args.part in ("all", p.name)]
-    offered = [name for p in chosen for name, _ in p.sections]
+    offered = [name for p in chosen for name, _, _ in p.sections]
     for flag in ("--only", "--skip"):
         stray = [s for s in getattr(args, flag[2:]) or () if s not in offered]
         if stray:
@@ -90,10 +90,32 @@ def _run_section(report, name: str, fn) -> None:
         fn()
     except Exception as error:
         traceback.print_exc()
-        failures = next((s for s in report.sections if s.key == "failures"), None)
-        if failures is None:
-            failures = report.section("failures", "Sections that failed", ["section", "error"])
-        failures.add(section=name, error=error_line(error))
+        _note_section(report, "failures", "Sections that failed", name, error_line(error))
+
+
+def _note_section(report, key: str, title: str, name: str, why: str) -> None:
+    """A row (section, why) in the report's table `key`, made when first needed."""
+    table = next((s for s in report.sections if s.key == key), None)
+    if table is None:
+        table = report.section(key, title, ["section", "why"])
+    table.add(section=name, why=why)
+
+
+def run_part(report, out: Path, part, args, ctx) -> None:
+    """The part's chosen sections in order, each skipped when less of the part's time is left than
+    it needs to start; the report is rewritten after each."""
+    from tools.gpu_check_lib import parts
+
+    for section, target, need_s in (s for s in part.sections if _wanted(args, s[0])):
+        skipped = ctx.skip(need_s)
+        if skipped:
+            _note_section(report, "sections_skipped", "Sections skipped", section, skipped)
+            continue
+        begin = time.perf_counter()
+        _run_section(report, section, lambda t=target, c=ctx: parts.section_runner(t)(report, c))
+        report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)
+        report.write(out)  # what has run so far survives a crash of a later section
+    report.write(out)
 
 
 def main(argv=None) -> int:
@@ -135,14 +157,10 @@ def main(argv=None) -> int:
         }
     )
     for part in args.parts:
-        budget = part.budget_s if deadline is None else min(part.budget_s, deadline - time.perf_counter())
+        budget = part.budget_s if deadline is None else max(0.0, min(part.budget_s, deadline - time.perf_counter()))
         ctx = Context(device, args.dry_run, budget, peak=peak)
         report.meta[f"part {part.name} budget s"] = round(budget, 1)
-        for section, target in (s for s in part.sections if _wanted(args, s[0])):
-            begin = time.perf_counter()
-            _run_section(report, section, lambda t=target, c=ctx: parts.section_runner(t)(report, c))
-            report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)
-            report.write(out)  # what has run so far survives a crash of a later section
+        run_part(report, out, part, args, ctx)
         report.meta[f"part {part.name} wall s"] = round(time.perf_counter() - ctx.started, 1)
     report.meta["total wall s"] = round(time.perf_counter() - started, 1)
     report.write(out)

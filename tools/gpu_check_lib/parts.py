@@ -1,11 +1,14 @@
 """The GPU check's parts: a registry of name -> sections, time budget, order in `--part all`.
 
-A part plugs in with one `Part(...)` entry in PARTS: its sections are (name, "module:function")
-pairs, the function `function(report, ctx)` of tools/gpu_check_lib/<module>.py, imported only
-when the section runs. `--part all` runs every part in `order` (lowest first: the newest
-measurements, those no GPU run has taken yet, come first) under one deadline, RUN_LIMIT_S less
-the wrapper's allowance; each part's own deadline is its budget or what is left of that, the
-smaller (runs.Context), so `--part all` ends within one device call however the budgets sum.
+A part plugs in with one `Part(...)` entry in PARTS: its sections are (name, "module:function",
+seconds a GPU run needs to start it) triples, the function `function(report, ctx)` of
+tools/gpu_check_lib/<module>.py, imported only when the section runs; a section that would start
+with less of its part's time left than it needs is skipped and the report says so (sections
+that run several measurements also skip each one that no longer fits). `--part all` runs every
+part in `order` (lowest first: the newest measurements, those no GPU run has taken yet, come
+first) under one deadline, RUN_LIMIT_S less the wrapper's allowance; each part's own deadline is
+its budget or what is left of that, the smaller (runs.Context), so `--part all` ends within one
+device call however the budgets sum.
 `budget_line()` says how they sum against that limit.
 """
 
@@ -24,19 +27,19 @@ class Part:
     issue: int
     order: int
     budget_s: float
-    sections: tuple[tuple[str, str], ...]  # (section name, "module:function")
+    sections: tuple[tuple[str, str, float], ...]  # (section name, "module:function", seconds it needs to start)
 
 
 PARTS = (
     Part("offload", 35, order=40, budget_s=360.0, sections=(
-        ("adam_bits", "offload_adam_bits:check_adam_bits"),  # issue 42: never measured yet
-        ("size", "size_check:check_size"),  # issue 42: fresh process per member, not measured yet
-        ("offload", "offload_tables:check_offload"),
+        ("adam_bits", "offload_adam_bits:check_adam_bits", 30.0),  # issue 42: never measured yet
+        ("size", "size_check:check_size", 90.0),  # issue 42: a fresh process per member, not measured yet
+        ("offload", "offload_tables:check_offload", 40.0),
     )),
     Part("kernels-step", 34, order=50, budget_s=360.0, sections=(
-        ("kernels", "kernels_check:check_kernels"),
-        ("step", "parts:check_step"),
-        ("memory", "step_check:check_memory"),
+        ("kernels", "kernels_check:check_kernels", 40.0),  # measured 28-30 s with compilation
+        ("step", "parts:check_step", 60.0),  # measured 43 s
+        ("memory", "step_check:check_memory", 45.0),
     )),
 )  # fmt: skip
 
@@ -50,7 +53,7 @@ def ordered() -> list[Part]:
 
 
 def section_names() -> tuple[str, ...]:
-    return tuple(name for part in ordered() for name, _ in part.sections)
+    return tuple(name for part in ordered() for name, _, _ in part.sections)
 
 
 def budget_total() -> float:
