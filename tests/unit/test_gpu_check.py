@@ -203,3 +203,15 @@ def test_carried_wheels_list_and_wrapper():
     assert dict(s.split("==") for s in specs)["torchtitan"] == "0.2.2"  # 0.3.0 needs a newer torch than the image's
     proc = subprocess.run(["bash", "-n", "tools/gpu_check_device.sh"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_gpu_run_is_in_the_runs_table():
+    """docs/gpu-check.md's table of runs links every report in docs/gpu-results/ (a .json beside its .md)."""
+    from pathlib import Path
+
+    results = Path("docs/gpu-results")
+    guide = Path("docs/gpu-check.md").read_text()
+    runs = guide[guide.index("## Runs") : guide.index("### What the runs measured")]
+    for report in sorted(results.iterdir()):
+        assert report.suffix in (".md", ".json") and report.with_suffix(".md").exists(), report
+        assert f"](gpu-results/{report.name})" in runs, f"{report.name} is not in docs/gpu-check.md's table of runs"
