@@ -363,7 +363,7 @@ TINY += "--mock-data --vocab-size 100"
         ),
         (
             "--num-experts 4 --save /x --ckpt-format torch_dist --use-distributed-optimizer "
-            "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+            "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
             "with --expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2 without expert parallelism",
         ),
     ],

@@ -26,6 +26,7 @@ state is in megatron-core's `dp_reshardable` bucket form (torch_dist_buckets.py)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -304,8 +305,10 @@ def _common_optimizer(optimizer: dict, distributed: bool, trainer):
         return optimizer
     biases = trainer.run.model.add_bias_linear
     if "optimizer" in optimizer:  # bf16/fp16: the torch optimizer's state nested beside the loss scaler
-        return {0: optimizer, 1: {**optimizer, "optimizer": expert_groups(optimizer["optimizer"], biases)}}
-    return {0: optimizer, 1: expert_groups(optimizer, biases)}
+        experts = {**optimizer, "optimizer": expert_groups(optimizer["optimizer"], biases)}
+    else:
+        experts = expert_groups(optimizer, biases)
+    return {0: optimizer, 1: copy.deepcopy(experts)}  # no shared dicts: megatron-core's load fills each in
 
 
 def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
