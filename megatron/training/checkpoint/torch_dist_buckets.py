@@ -77,7 +77,7 @@ def check_layout(directory: str, layout: SavingLayout, buffers: list[Buffer], dt
             for b in range(len(buffer.buckets))
         ]
         if lengths not in (None, [expected]) or found != expected:
-            name = bucket_tensor_name(buffer.group, 0, dtypes, 0, "param", buffer.chained).split(".gbuf_idx_")[0]
+            name = ("" if buffer.chained is None else f"chained_{buffer.chained}.") + f"dp_group_idx_{buffer.group}"
             raise CheckpointError(
                 f"{os.path.join(directory, '.metadata')}: the distributed optimizer's buckets of {name} hold "
                 f"{lengths[0] if lengths else found} elements, megatron-core's layout of the flags' model at tp "
