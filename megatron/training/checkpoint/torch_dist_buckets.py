@@ -9,6 +9,9 @@ each parameter's tp-local shard at an offset that megatron-core's buffer layout 
 (`optimizer.distributed.dp_group_idx_<g>.optimizer`), beside `per_bucket_numel[_unpadded]` and, for
 bf16/fp16, the loss scaler.
 
+MoE models: with expert parallelism the routed experts have buffers of their own and every name is prefixed by
+its optimizer's index in megatron-core's ChainedOptimizer (torch_dist_bucket_layout.py).
+
 Reading: every rank learns every parameter's InitSpec (one all_gather of names and specs), rebuilds
 the saving run's buckets from its `args` (tp, pp, dp x cp, bucket size), checks them against the
 checkpoint's `per_bucket_numel_unpadded` and tensor lengths, reads the saving tp shards that overlap
