@@ -35,8 +35,9 @@ The ops run in order on every rank:
   a file T/stop ends the run.
 A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
 (local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does; "ep"
-(optional, default 1): the expert-parallel size; "moe_args" (optional): the MoE arguments its checkpoints record
-(Megatron-LM's argparse names).
+(optional, default 1): the expert-parallel size (in parallel_state and the TransformerConfig, which marks the
+experts' parameters expert-parallel: their own buffers and, with ep > 1, a second optimizer, as Megatron-LM
+runs); "moe_args" (optional): the MoE arguments its checkpoints record (Megatron-LM's argparse names).
 """
 
 import argparse
