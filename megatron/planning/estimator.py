@@ -224,7 +224,7 @@ def estimate_rank(
         recompute_working=max(a.recompute_bytes for a in activations),
         moe=moe,
     )
-    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
+    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.splits_backward else 0
     transients = estimate_transients(
         dims,
         layout,
