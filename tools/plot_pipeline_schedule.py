@@ -11,7 +11,7 @@ is one forward (light) or backward (dark) of the microbatch written in it,
 coloured by local model chunk; blank space is idle time.
 
 With --measured (a trace written by `tools/bench/pipeline.py --trace`), it draws
-for 1F1B and the interleaved schedule the planned timeline (simulated with the
+for each schedule benchmarked the planned timeline (simulated with the
 measured median forward and backward times of our executor) above the measured
 step of ours and of torch.distributed.pipelining: compute boxes as above, time
 spent posting transfers in black, waiting for them in grey.
@@ -196,7 +196,7 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
     panels = []
     for schedule in schedules:
         ours = runs[(schedule, "ours")]
-        chunks = 1 if schedule == "1F1B" else v
+        chunks = 1 if schedule in ("1f1b", "zb-h1") else v
         forward, backward, weight = (
             _median_duration(ours["ranks"], kind) for kind in ("forward", "backward", "weight")
         )
@@ -204,6 +204,7 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
             p,
             chunks,
             m,
+            kind=schedule,
             group_size=None if chunks == 1 else group_size,
             forward_time=forward,
             backward_time=backward + (weight or 0.0),

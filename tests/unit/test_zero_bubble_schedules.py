@@ -1,12 +1,19 @@
 """Zero-bubble schedules as data: ZB-H1's bubble from the paper, deferred weight steps in microbatch
 order, the same forwards, backwards and transfers as the schedule they defer, and one-line refusals."""
 
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
 from megatron.planning.pipeline_simulator import peak_in_flight, simulate_steps
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 
+REPO = Path(__file__).resolve().parents[2]
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 # (forward, input-gradient, weight-gradient) times: equal ones as the paper draws them, and unequal ones
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.5, 1.0, 1.0), (1.0, 1.0, 0.25)]
@@ -101,3 +108,26 @@ def test_bad_schedule_flags_are_one_line(flags, message):
 def test_too_few_microbatches_for_interleaved_zb_name_the_flags():
     with pytest.raises(ValueError, match="at least as many microbatches as pipeline stages.*--global-batch-size"):
         build_schedule(4, 2, 3, 0, kind="interleaved-zb")
+
+
+def test_benchmark_runs_every_schedule_against_torch_with_equal_work(tmp_path):
+    """tools/bench/pipeline.py: each schedule through our executor and torch.distributed.pipelining's
+    counterpart (zb-h1: torch's runtime fed our compute order) computes the same losses and gradients
+    before anything is timed, and --json has the documented record; zbv is refused by name."""
+    out = tmp_path / "pipeline.json"
+    flags = ["--pp", "2", "--microbatches", "4", "--hidden", "32", "--tokens", "8", "--quick"]
+    flags += ["--schedules", "1f1b,zb-h1,interleaved-zb", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench/pipeline.py"), *flags], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("1f1b", "zb-h1", "interleaved-zb"):
+        assert re.search(rf"equal work, {name}: .* -> match", result.stdout), result.stdout
+    record = json.loads(out.read_text())
+    assert set(record) == {"1f1b", "zb-h1", "interleaved-zb"}
+    assert all(set(r) == {"ours_over_torch", "ours_ms", "torch_ms", "simulated_bubble"} for r in record.values())
+    assert record["zb-h1"]["simulated_bubble"] < record["1f1b"]["simulated_bubble"]
+    refused = subprocess.run(
+        [sys.executable, str(REPO / "tools/bench/pipeline.py"), "--schedules", "zbv"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "zbv: our ZB-V schedule is not built yet" in refused.stderr
