@@ -158,9 +158,18 @@ def _stages(lay) -> str:
     return f"{lay.parallel.first_stage_layers or '='}/{lay.parallel.last_stage_layers or '='}"
 
 
+def _schedule(par) -> str:
+    """The pipeline schedule's name (--pipeline-schedule), '-' without pipelining."""
+    if par.pp == 1:
+        return "-"
+    if par.pipeline_schedule != "auto":
+        return par.pipeline_schedule
+    return "interleaved" if par.virtual_stages > 1 else "1f1b"
+
+
 def _header(candidates, offload: bool) -> str:
     experts = any(c.config.num_moe_experts is not None for c in candidates)
-    return (OFFLOAD_HEADER if offload else HEADER) + ("   ep  etp" if experts else "")
+    return (OFFLOAD_HEADER if offload else HEADER) + ("   ep  etp" if experts else "") + "  schedule"
 
 
 def _row(rank: int, c, device_bytes: int) -> str:
@@ -181,7 +190,7 @@ def _row(rank: int, c, device_bytes: int) -> str:
         row += f" {lay.offload_fractions.optimizer:8.2f} {_max_host_bytes(c) / GIB:9.2f}"
     if c.config.num_moe_experts is not None:
         row += f" {par.ep:4d} {par.dims.etp:4d}"
-    return row
+    return row + f"  {_schedule(par)}"
 
 
 def _max_host_bytes(c) -> int:
@@ -195,6 +204,7 @@ def _json(c, device_bytes: int, why: str | None = None) -> dict:
         "cp": lay.parallel.cp,
         "pp": lay.parallel.pp,
         "virtual_stages": lay.parallel.virtual_stages,
+        "pipeline_schedule": _schedule(lay.parallel),
         "dp": lay.parallel.dp,
         "ep": lay.parallel.ep,
         "etp": lay.parallel.dims.etp,

@@ -2,6 +2,7 @@
 """Simulate a pipeline schedule, print its bubble fraction and draw its per-rank timeline.
 
     python tools/plot_pipeline_schedule.py --pp 4 --vpp 2 --microbatches 8 -o schedule.png
+    python tools/plot_pipeline_schedule.py --pp 4 --microbatches 8 --schedule zb-h1 --weight-time 1 -o zb.png
     python tools/plot_pipeline_schedule.py --pp 2 --vpp 2 --microbatches 8 --measured trace.json -o measured.png
 
 The timeline comes from the same action lists the executor runs
@@ -10,7 +11,7 @@ is one forward (light) or backward (dark) of the microbatch written in it,
 coloured by local model chunk; blank space is idle time.
 
 With --measured (a trace written by `tools/bench/pipeline.py --trace`), it draws
-for 1F1B and the interleaved schedule the planned timeline (simulated with the
+for each schedule benchmarked the planned timeline (simulated with the
 measured median forward and backward times of our executor) above the measured
 step of ours and of torch.distributed.pipelining: compute boxes as above, time
 spent posting transfers in black, waiting for them in grey.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron.core.pipeline_parallel.schedules import ActionKind  # noqa: E402
+from megatron.core.pipeline_parallel.schedules import KINDS, ZERO_BUBBLE, ActionKind  # noqa: E402
 from megatron.planning.pipeline_simulator import (  # noqa: E402
     Timeline,
     analytic_bubble_fraction,
@@ -64,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--forward-time", type=_positive(float), default=1.0, help="duration of one chunk forward")
     parser.add_argument("--backward-time", type=_positive(float), default=2.0, help="duration of one chunk backward")
+    parser.add_argument(
+        "--schedule",
+        choices=[kind for kind in KINDS if kind != "none"],
+        default="auto",
+        help="the schedule (auto: 1f1b, or interleaved with --vpp > 1); the zero-bubble kinds split "
+        "each backward into input gradients and a --weight-time weight-gradient step",
+    )
+    parser.add_argument(
+        "--weight-time",
+        type=_positive(float),
+        help="zero-bubble schedules: the part of --backward-time the weight gradients take (default half)",
+    )
     parser.add_argument(
         "--measured",
         help="a trace from tools/bench/pipeline.py --trace: draw the planned "
@@ -183,7 +196,7 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
     panels = []
     for schedule in schedules:
         ours = runs[(schedule, "ours")]
-        chunks = 1 if schedule == "1F1B" else v
+        chunks = 1 if schedule in ("1f1b", "zb-h1") else v
         forward, backward, weight = (
             _median_duration(ours["ranks"], kind) for kind in ("forward", "backward", "weight")
         )
@@ -191,6 +204,7 @@ def draw_measured(config: dict, path: str, group_size: int | None) -> None:
             p,
             chunks,
             m,
+            kind=schedule,
             group_size=None if chunks == 1 else group_size,
             forward_time=forward,
             backward_time=backward + (weight or 0.0),
@@ -263,17 +277,21 @@ def main(argv: list[str] | None = None) -> None:
             args.vpp,
             args.microbatches,
             group_size=args.group_size,
+            kind=args.schedule,
             forward_time=args.forward_time,
             backward_time=args.backward_time,
+            weight_time=args.weight_time,
         )
     except ValueError as error:
         parser.error(str(error))
+    if args.weight_time is not None and args.schedule not in ZERO_BUBBLE:
+        parser.error("--weight-time applies to the zero-bubble schedules (--schedule zb-h1 or interleaved-zb)")
     simulated = max(bubble_fraction(timeline))
     analytic = analytic_bubble_fraction(args.pp, args.vpp, args.microbatches)
     group = f" group-size={args.group_size or args.pp}" if args.vpp > 1 else ""
     setup = (
         f"pp={args.pp} vpp={args.vpp} microbatches={args.microbatches}{group} "
-        f"forward={args.forward_time:g} backward={args.backward_time:g}"
+        f"forward={args.forward_time:g} backward={args.backward_time:g} schedule={args.schedule}"
     )
     print(
         f"{setup}: iteration time {timeline.makespan:g}, bubble fraction (idle / busy) simulated {simulated:.4f}, "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
+from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ParallelConfig:
     last_stage_layers: int | None = None
     rank_order: tuple[str, ...] = DEFAULT_ORDER  # fastest first (ParallelDims.order)
     split_backward: bool = False  # pipeline weight gradients after the input gradient is sent
+    pipeline_schedule: str = "auto"  # schedules.KINDS: 'auto' picks 1f1b or interleaved by virtual_stages
     heartbeat_timeout: float = 30.0  # seconds of a peer's silence before this rank exits (0: never)
     ep: int = 1  # expert model parallel size
     etp: int | None = None  # expert tensor parallel size (None: tp)
@@ -38,6 +40,11 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ValueError("virtual pipeline stages need a pipeline-parallel size > 1")
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards split into input and weight gradients (--split-backward or a zero-bubble schedule)."""
+        return self.split_backward or self.pipeline_schedule in ZERO_BUBBLE
 
     @property
     def world_size(self) -> int:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from megatron.planning.communicators import communicators
 from megatron.planning.fit_rule import fit_verdict
-from megatron.planning.inflight import rank_in_flight
+from megatron.planning.inflight import peak_pending_weight_steps, rank_in_flight
 from megatron.planning.kernels import KernelChoice, resolve_kernels
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.model_states import chunk_buffers, model_states, optimizer_step_temporary
@@ -45,6 +45,7 @@ from megatron.planning.transients import (
     estimate_transients,
     largest_temporary,
     moe_dispatch_bytes,
+    pending_weight_step_bytes,
     split_backward_bytes,
 )
 
@@ -224,7 +225,11 @@ def estimate_rank(
         recompute_working=max(a.recompute_bytes for a in activations),
         moe=moe,
     )
-    split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
+    pending = peak_pending_weight_steps(layout, pp_rank)
+    if pending:  # zero-bubble: WEIGHT steps wait with their inputs and output gradients
+        split = pending * max(pending_weight_step_bytes(dims, config, len(c.layer_ids)) for c in chunks)
+    else:
+        split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.splits_backward else 0
     transients = estimate_transients(
         dims,
         layout,

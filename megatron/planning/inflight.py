@@ -21,9 +21,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
+from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE, ActionKind, build_schedule
 
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 SF, RF, SB, RB = ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD, ActionKind.SEND_BACKWARD, ActionKind.RECV_BACKWARD
 
 
@@ -107,6 +107,23 @@ def rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) -> 
 def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) -> frozenset:
     steps = build_schedule(p, v, m, rank, group_size=group_size)
     return profiles(steps, v, 0 if rank == 0 else None, v - 1 if rank == p - 1 else None)
+
+
+def peak_pending_weight_steps(layout, pp_rank: int) -> int:
+    """Most WEIGHT steps a zero-bubble schedule leaves pending after their backward at once on
+    `pp_rank` (none for the others: a split backward's WEIGHT step follows its backward)."""
+    par = layout.parallel
+    if par.pipeline_schedule not in ZERO_BUBBLE:
+        return 0
+    m = equivalent_microbatches(par.pp, layout.num_microbatches, par.microbatch_group_size)
+    steps = build_schedule(
+        par.pp, par.virtual_stages, m, pp_rank, kind=par.pipeline_schedule, group_size=par.microbatch_group_size
+    )
+    pending = peak = 0
+    for step in steps:
+        pending += {B: 1, W: -1}.get(step[0].kind, 0)
+        peak = max(peak, pending)
+    return peak
 
 
 def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int, shared_bytes: list[int]) -> InFlight:

@@ -136,6 +136,7 @@ class MemoryLayout:
             "grad_dtype_bytes": ddp.grad_dtype.itemsize,
             "device_type": self.device_type,
             "split_backward": par.split_backward,
+            "pipeline_schedule": par.pipeline_schedule,
             "sharding_strategy": ddp.sharding_strategy,
             "reshard_after_forward": ddp.reshard_after_forward,
             "unsharded_grad_accumulation": ddp.unsharded_grad_accumulation,

@@ -66,6 +66,7 @@ class Search:
     virtual_stages: tuple[int, ...] | None = None
     max_virtual_stages: int = 8
     distributed_optimizer: tuple[bool, ...] = (False, True)
+    zero_bubble: tuple[bool, ...] = (False, True)  # pipelines: also the schedule with deferred weight gradients
     device_type: str = "cuda"
     stage_splits: tuple[tuple[int | None, int | None], ...] | None = None  # (first, last) stage layers
     grad_dtype: torch.dtype = torch.float32  # our trainer's gradient buffers; bf16 describes a run with bf16 ones
@@ -175,7 +176,9 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 cfg = configs[tp, cp, name, ep, etp]
                 if cfg is None:
                     continue
-                for sharded in search.distributed_optimizer:
+                for sharded, zero_bubble in itertools.product(search.distributed_optimizer, search.zero_bubble):
+                    if zero_bubble and pp == 1:
+                        continue
                     ddp = DDPConfig(grad_dtype=search.grad_dtype, use_distributed_optimizer=sharded)
                     parallel = ParallelConfig(
                         tp=tp,
@@ -188,8 +191,13 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                         last_stage_layers=last,
                         ep=ep,
                         etp=etp,
+                        pipeline_schedule=_zero_bubble_kind(v) if zero_bubble else "auto",
                     )
                     yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
+
+
+def _zero_bubble_kind(v: int) -> str:
+    return "zb-h1" if v == 1 else "interleaved-zb"
 
 
 def _estimate_unless_bounded(cfg, layout: MemoryLayout, device_bytes: int) -> MemoryEstimate | None:

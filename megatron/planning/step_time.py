@@ -8,7 +8,9 @@ by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
 parallel ring (overlapped with the attention it feeds: only what exceeds it counts).
 The pipeline is our own schedule run by the simulator with F, B and the p2p transfer
 time T: its makespan holds the bubble and the transfers the schedule does not hide
-(1F1B exposes two per microbatch; interleaving sends v times as many, mostly hidden).
+(1F1B exposes two per microbatch; interleaving sends v times as many, mostly hidden);
+the zero-bubble schedules split B into input gradients and weight gradients W, taken as
+half the backward's matrix products.
 Then the data-parallel gradient reduction (and the distributed optimizer's parameter
 all-gather): with --overlap-grad-reduce it runs during the last microbatch's backward,
 so only what exceeds that backward counts; the parameter all-gather likewise behind the
@@ -28,6 +30,7 @@ import functools
 from dataclasses import dataclass, fields
 
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
+from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE
 from megatron.core.transformer.flops import flops_per_iteration
 from megatron.planning.comm_volume import (
     cp_bytes_per_layer,
@@ -162,22 +165,35 @@ def _two_digits(x: float) -> float:
     return float(f"{x:.2g}")
 
 
-def bubble_units(p: int, v: int, m: int, group_size: int | None) -> float:
+def bubble_units(p: int, v: int, m: int, group_size: int | None, kind: str = "auto", weight: float = 0.0) -> float:
     """Idle time per rank of our schedule without transfer time, in units of one chunk's forward +
     backward: the simulated makespan minus the busy time, with forward 1 and backward 2 (the idle
-    time is proportional to forward + backward: checked in tests/unit/test_memory_planner.py)."""
-    return (_unit_makespan(p, v, m, group_size, 2.0, 0.0) - v * m * 3.0) / 3.0
+    time is proportional to forward + backward: checked in tests/unit/test_memory_planner.py).
+    `kind`: the schedule (schedules.KINDS); for the zero-bubble kinds `weight` is the weight
+    gradients' share of the backward."""
+    return (_unit_makespan(p, v, m, group_size, 2.0, 0.0, kind, _two_digits(2.0 * weight)) - v * m * 3.0) / 3.0
 
 
 @functools.lru_cache(maxsize=4096)
-def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: float, transfer: float) -> float:
-    """The schedule's makespan with forward 1. Past 2p microbatches (same m mod p) it grows by the
-    same amount per p more (the steady state repeats; checked against full simulations in
-    tests/unit/test_memory_planner.py), so two simulations give it for any m."""
+def _unit_makespan(
+    p: int, v: int, m: int, group_size: int | None, backward: float, transfer: float, kind: str, weight: float
+) -> float:
+    """The schedule's makespan with forward 1 (`weight`: the WEIGHT steps' time, zero-bubble kinds).
+    Past 2p microbatches (same m mod p) it grows by the same amount per p more (the steady state
+    repeats; checked against full simulations in tests/unit/test_memory_planner.py), so two
+    simulations give it for any m."""
 
     def run(microbatches: int) -> float:
         return simulate(
-            p, v, microbatches, group_size=group_size, forward_time=1.0, backward_time=backward, transfer_time=transfer
+            p,
+            v,
+            microbatches,
+            kind=kind,
+            group_size=group_size,
+            forward_time=1.0,
+            backward_time=backward,
+            transfer_time=transfer,
+            weight_time=weight if kind in ZERO_BUBBLE else None,
         ).makespan
 
     base = 2 * p + m % p
@@ -188,22 +204,36 @@ def _unit_makespan(p: int, v: int, m: int, group_size: int | None, backward: flo
 
 
 def pipeline_idle(
-    p: int, v: int, m: int, group_size: int | None, forward: float, backward: float, transfer: float
+    p: int,
+    v: int,
+    m: int,
+    group_size: int | None,
+    forward: float,
+    backward: float,
+    transfer: float,
+    kind: str = "auto",
+    weight: float = 0.0,
 ) -> float:
     """Idle time per rank of the pipeline schedule with these per-chunk durations: the simulated
-    makespan minus the computation. The simulation runs with backward / forward and transfer /
-    forward rounded to two significant digits, so that planning reuses simulations."""
+    makespan minus the computation. The simulation runs with backward / forward, transfer / forward
+    and weight / forward (the weight-gradient part of the backward, zero-bubble kinds) rounded to
+    two significant digits, so that planning reuses simulations."""
     if p == 1:
         return 0.0
     ratio_b = _two_digits(backward / forward)
     ratio_t = _two_digits(transfer / forward) if transfer else 0.0
-    return forward * (_unit_makespan(p, v, m, group_size, ratio_b, ratio_t) - v * m * (1.0 + ratio_b))
+    ratio_w = _two_digits(weight / forward) if kind in ZERO_BUBBLE else 0.0
+    makespan = _unit_makespan(p, v, m, group_size, ratio_b, ratio_t, kind, ratio_w)
+    return forward * (makespan - v * m * (1.0 + ratio_b))
 
 
-def least_idle(p: int, forward: float, backward: float) -> float:
-    """Idle time every pipeline schedule of p stages has, at least, with these per-chunk durations
-    (as `pipeline_idle` rounds them): the first chunk forward reaches the last stage after p - 1
-    others, and the last backward returns to the first stage after p - 1 others."""
+def least_idle(p: int, forward: float, backward: float, kind: str = "auto") -> float:
+    """Idle time the pipeline schedule `kind` of p stages has, at least, with these per-chunk
+    durations (as `pipeline_idle` rounds them): the first chunk forward reaches the last stage after
+    p - 1 others, and, but in the zero-bubble schedules (whose weight-gradient steps fill that
+    time), the last backward returns to the first stage after p - 1 others."""
+    if kind in ZERO_BUBBLE:
+        return (p - 1) * forward
     return (p - 1) * forward * (1.0 + _two_digits(backward / forward))
 
 
@@ -387,11 +417,14 @@ def step_time(
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention, practice.cp_all_gather)
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
-    idle = bubble = least_idle(pp, f_chunk, b_chunk) if pp > 1 else 0.0
+    kind = par.pipeline_schedule
+    w_chunk = work.backward.gemm / 2 / v  # the weight gradients: half the backward's products
+    idle = bubble = least_idle(pp, f_chunk, b_chunk, kind) if pp > 1 else 0.0
     if pipeline and pp > 1:
         transfer = transfer_seconds(config, layout, hw, cal)
-        idle = pipeline_idle(pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer)
-        bubble = bubble_units(pp, v, m, par.microbatch_group_size) * (f_chunk + b_chunk)
+        idle = pipeline_idle(pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer, kind, w_chunk)
+        units = bubble_units(pp, v, m, par.microbatch_group_size, kind, w_chunk / b_chunk)
+        bubble = units * (f_chunk + b_chunk)
         bubble = min(bubble, idle)  # the rest of the idle time waits for transfers
 
     grad_s, gather_s = data_parallel_seconds(config, layout, hw, cal, practice.regather_params)

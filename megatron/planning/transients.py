@@ -176,6 +176,16 @@ def split_backward_bytes(dims: Dims, config, layers: int) -> int:
     return layers * dims.s * dims.b * width * dims.p
 
 
+def pending_weight_step_bytes(dims: Dims, config, layers: int) -> int:
+    """What one chunk's deferred WEIGHT step holds after its backward under a zero-bubble schedule:
+    the output gradients `split_backward_bytes` counts, and each linear layer's input, which the
+    backward would otherwise have freed (QKV and fc1: the residual stream's rows, a sequence shard
+    under sequence parallelism; projection [s, b, heads d] and fc2 [s, b, ffn], local sizes).
+    An analytic count (MoE layers' experts taken as a dense MLP of the same width), not traced."""
+    inputs = layers * dims.b * (2 * dims.s_res * dims.h + dims.s * (dims.heads * dims.d + dims.ffn)) * dims.p
+    return split_backward_bytes(dims, config, layers) + inputs
+
+
 def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
     """Blocks alive at the peak of the context-parallel attention's backward (ring_attention.py),
     one block being [k; v] of this rank, 2 s b g d elements. Both variants keep dq in fp32.

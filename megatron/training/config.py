@@ -41,6 +41,7 @@ def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
         raise ValueError("--distributed-timeout-minutes must be >= 1")
     if not args.heartbeat_timeout_seconds >= 0:
         raise ValueError(f"--heartbeat-timeout-seconds must be >= 0 (0 disables), got {args.heartbeat_timeout_seconds}")
+    schedule = _pipeline_schedule(args.pipeline_schedule, dims.pp, virtual)
     if args.split_backward and dims.pp == 1:
         raise ValueError(
             "--split-backward only changes pipeline schedules: it needs --pipeline-model-parallel-size > 1"
@@ -67,10 +68,37 @@ def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
         last_stage_layers=args.decoder_last_pipeline_num_layers,
         rank_order=dims.order,
         split_backward=args.split_backward,
+        pipeline_schedule=schedule,
         heartbeat_timeout=args.heartbeat_timeout_seconds,
         ep=dims.ep,
         etp=dims.etp,
     )
+
+
+def _pipeline_schedule(name: str | None, pp: int, virtual: int) -> str:
+    """--pipeline-schedule checked against the layout (None: 'auto', the schedule the layout implies)."""
+    if name is None:
+        return "auto"
+    if name == "zbv":
+        raise ValueError(
+            "--pipeline-schedule zbv (two model chunks per rank in V placement) is not built yet; "
+            "use zb-h1 or interleaved-zb"
+        )
+    if pp == 1:
+        raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size > 1")
+    interleaved = name.startswith("interleaved")
+    if interleaved and virtual == 1:
+        raise ValueError(
+            f"--pipeline-schedule {name} runs several model chunks per rank: give "
+            "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
+        )
+    if not interleaved and virtual > 1:
+        other = "interleaved-zb" if name == "zb-h1" else "interleaved"
+        raise ValueError(
+            f"--pipeline-schedule {name} runs one model chunk per rank, but virtual pipeline stages "
+            f"are given ({virtual} per rank); use --pipeline-schedule {other}"
+        )
+    return name
 
 
 def _virtual_stages(args, pp: int) -> int:

@@ -94,6 +94,7 @@ class Trainer:
             group_size=parallel.microbatch_group_size,
             every_stage_reads=bool(model_inputs),
             split_backward=parallel.split_backward,
+            schedule=parallel.pipeline_schedule,
         )
         self.executor = PipelineExecutor(self.chunks, self.mesh, self._spec)
         self._executors = {training.num_microbatches: self.executor}  # one per batch size of the schedule

@@ -628,11 +628,11 @@ def test_planner_searches_ep_of_moe_jobs_without_a_step_time(capsys):
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert out.splitlines()[1].endswith("ep  etp") and {row[-2] for row in rows} >= {"1", "2"}
+    assert out.splitlines()[1].endswith("ep  etp  schedule") and {row[-3] for row in rows} >= {"1", "2"}
     assert all(row[12:15] == ["-", "-", "-"] for row in rows)
     assert "> step times: not projected: the step-time model does not cover MoE layers (--num-experts)" in out
     code, out, err = run_tool(plan_tool, argv + ["--expert-model-parallel-size", "2"], capsys)
-    assert code == 0 and {line.split()[-2] for line in out.splitlines() if line.split()[0].isdigit()} == {"2"}
+    assert code == 0 and {line.split()[-3] for line in out.splitlines() if line.split()[0].isdigit()} == {"2"}
     code, out, err = run_tool(
         plan_tool, base[:-2] + ["--global-batch-size", "8", "--expert-model-parallel-size", "2"], capsys
     )

@@ -1,32 +1,39 @@
 #!/usr/bin/env python
-"""Pipeline schedules on CPU: our 1F1B vs interleaved, and ours vs torch.distributed.pipelining.
+"""Pipeline schedules on CPU: ours vs torch.distributed.pipelining's, schedule by schedule.
 
-    python tools/bench/pipeline.py [--pp 2 4] [--microbatches 8 16] [--vpp 2] [--quick] [--trace FILE]
+    python tools/bench/pipeline.py [--schedules 1f1b,interleaved,zb-h1,interleaved-zb] [--pp 2 4]
+        [--microbatches 8 16] [--vpp 2] [--quick] [--trace FILE] [--json FILE]
+
+Schedules and torch's counterpart of each: 1f1b (Schedule1F1B), interleaved (ScheduleInterleaved1F1B),
+interleaved-zb (ScheduleInterleavedZeroBubble), zb-h1 (torch has no class: its
+`_PipelineScheduleRuntime` runs our action list, compute only, torch adding the transfers); zbv is
+refused (ours is not built; torch's ScheduleZBVZeroBubble needs the V placement).
 
 For every (pp, microbatches) pair, launches pp forked gloo ranks (one intra-op thread each) that hold a stack of
 identical residual MLP blocks split into equal-cost stages: p stages for 1F1B,
 p*v for the interleaved schedule (same blocks, same weights, same microbatches).
 Each schedule runs through our PipelineExecutor and through torch's PipelineStage +
-Schedule1F1B / ScheduleInterleaved1F1B. Each side builds the blocks as its users
+its schedule class. Each side builds the blocks as its users
 would: ours from our linear layers (tp=1) in chunks wrapped in ModelChunkBuffers,
 as the trainer does, with gradient accumulation fusion (weight gradients added into
 the fp32 main_grad buffer by one addmm; --no-gradient-accumulation-fusion makes the
 product and adds it, as autograd does, leaving the schedule as the only difference); torch's from torch.nn.Linear,
 gradients accumulated by autograd into .grad. --split-backward runs ours with the
-trainer's --split-backward (weight gradients after the input gradient is sent;
-torch's 1F1B and interleaved schedules have no such option). Before timing, one step
+trainer's --split-backward for 1f1b and interleaved (weight gradients after the input
+gradient is sent; torch's 1F1B and interleaved schedules have no such option; the
+zero-bubble schedules always split, on both sides). Before timing, one step
 of each checks that both produce the same losses and gradients: equal work is
-the precondition for comparing time. Then the four runs alternate (warm-up
+the precondition for comparing time. Then the runs alternate (warm-up
 first, the order rotated each round); a step's time is the slowest rank's, and
-the table shows medians next to the analytic bubble (p-1)/(v*m) and the
-analytic time ratio interleaved/1F1B = (1 + (p-1)/(v*m)) / (1 + (p-1)/m),
-which assumes free transfers. A second table says where each rank's step time
+the table shows medians next to the simulated bubble of our schedule (idle / busy, F = 1,
+B = 2 of which W = 1 in the zero-bubble ones, free transfers). A second table says where each rank's step time
 goes on both sides: compute (forward, backward), posting transfers, waiting for
 them, and the rest (Python, loss, idle between). Ours comes from the executor's
 spans, torch's from wrapping its stages' forward/backward and its schedule
 module's `_batch_p2p` (post) and `_wait_batch_p2p` (wait). --trace writes the
 median step of every run as a timeline that `tools/plot_pipeline_schedule.py
---measured` draws next to the planned one.
+--measured` draws next to the planned one. --json FILE (one --pp and one --microbatches)
+writes {schedule: {ours_over_torch, ours_ms, torch_ms, simulated_bubble}}.
 """
 
 from __future__ import annotations
@@ -50,15 +57,34 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers  # noqa: E402
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
 from megatron.core.pipeline_parallel.executor import COMPUTE_SPANS, PipelineExecutor, PipelineSpec  # noqa: E402
-from megatron.core.pipeline_parallel.schedules import build_schedule  # noqa: E402
+from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.planning.pipeline_simulator import analytic_bubble_fraction  # noqa: E402
+from megatron.planning.pipeline_simulator import bubble_fraction, simulate  # noqa: E402
 from megatron.testing.forked_ranks import run_distributed  # noqa: E402
 
 LOSS_RTOL = 1e-5
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # process_time: every thread, gloo's included
 MEASURES = {"wall": "the slowest rank's step time", "cpu": "the CPU time of all ranks per step (ms below)"}
 GRAD_RTOL = 1e-4
+# schedule -> torch.distributed.pipelining's counterpart (None: our action list through its runtime)
+TORCH_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": None,
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+}
+ONE_CHUNK = ("1f1b", "zb-h1")
+ZERO_BUBBLE = ("zb-h1", "interleaved-zb")
+
+
+def chunks_per_rank(schedule: str, v: int) -> int:
+    return 1 if schedule in ONE_CHUNK else v
+
+
+def simulated_bubble(schedule: str, p: int, v: int, m: int) -> float:
+    """Our schedule's bubble (idle / busy) with F = 1, B = 2 (W = 1 of it where split), free transfers."""
+    timeline = simulate(p, chunks_per_rank(schedule, v), m, kind=schedule, forward_time=1.0, backward_time=2.0)
+    return max(bubble_fraction(timeline))
 
 
 # ----------------------------------------------------------------------------- model
@@ -111,13 +137,14 @@ def torch_loss(output, target):
 
 
 class Ours:
-    def __init__(self, stages: list, mesh, args):
+    def __init__(self, stages: list, mesh, args, schedule: str):
         self.chunks = [ModelChunkBuffers(s, DDPConfig(), mesh.dp_cp_group) for s in stages]
         spec = PipelineSpec(
             p2p_shape=(args.tokens, 1, args.hidden),
             p2p_dtype=torch.float32,
             num_microbatches=args.microbatches,
             split_backward=args.split_backward,
+            schedule=schedule,
         )
         self.executor = PipelineExecutor(self.chunks, mesh, spec)
         self.last = mesh.is_last_stage
@@ -159,7 +186,8 @@ class _TorchSpans:
     @classmethod
     def wrap_stage(cls, stage, p: int) -> None:
         chunk = stage.stage_index // p
-        for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+        compute = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
+        for name, kind in compute + (("backward_weight_one_chunk", "weight"),):
             setattr(stage, name, cls._wrap(getattr(stage, name), kind, chunk))
 
     @classmethod
@@ -169,7 +197,7 @@ class _TorchSpans:
                 return fn(*args, **kwargs)
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            microbatch = args[0] if kind in ("forward", "backward") else None
+            microbatch = args[0] if kind in COMPUTE_SPANS else None
             cls.current.append(
                 (kind, microbatch, chunk if microbatch is not None else None, start, time.perf_counter())
             )
@@ -179,8 +207,8 @@ class _TorchSpans:
 
 
 class Theirs:
-    def __init__(self, stages: list, stage_indices: list, mesh, args):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    def __init__(self, stages: list, stage_indices: list, mesh, args, schedule: str):
+        from torch.distributed.pipelining import PipelineStage, schedules
 
         self.modules = stages
         num_stages = args.pp * len(stages)
@@ -192,10 +220,14 @@ class Theirs:
             _TorchSpans.wrap_stage(stage, args.pp)
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
-        if len(stages) == 1:
-            self.schedule = Schedule1F1B(self.stages[0], args.microbatches, loss_fn=torch_loss)
-        else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, args.microbatches, loss_fn=torch_loss)
+        name = TORCH_SCHEDULES[schedule]
+        if name == "Schedule1F1B":
+            self.schedule = schedules.Schedule1F1B(self.stages[0], args.microbatches, loss_fn=torch_loss)
+        elif name is not None:
+            self.schedule = getattr(schedules, name)(self.stages, args.microbatches, loss_fn=torch_loss)
+        else:  # no class of torch's: its runtime runs our compute order, adding its own transfers
+            self.schedule = schedules._PipelineScheduleRuntime(self.stages, args.microbatches, loss_fn=torch_loss)
+            self.schedule._prepare_schedule_with_comms(torch_actions(schedule, args.pp, len(stages), args.microbatches))
         self.spans = []
 
     def step(self, data) -> float | None:
@@ -215,6 +247,25 @@ class Theirs:
 
     def grads(self) -> list:
         return [p.grad.detach().clone() for m in self.modules for p in m.parameters()]
+
+
+def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
+    """Every rank's compute order of our `schedule` as torch's compute-only actions (stage c*p + r)."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = {
+        ActionKind.FORWARD: schedules.FORWARD,
+        ActionKind.BACKWARD: schedules.BACKWARD_INPUT,
+        ActionKind.WEIGHT: schedules.BACKWARD_WEIGHT,
+    }
+    return {
+        rank: [
+            schedules._Action(step[0].chunk * p + rank, kinds[step[0].kind], step[0].microbatch)
+            for step in build_schedule(p, v, m, rank, kind=schedule)
+            if step[0].kind in kinds
+        ]
+        for rank in range(p)
+    }
 
 
 def _stages_for(blocks: list, p: int, v: int, rank: int, build=copy.deepcopy) -> tuple[list, list]:
@@ -245,13 +296,14 @@ def worker(rank: int, args) -> dict:
     data = (x, labels, torch.ones(args.tokens, 1))
 
     runs = {}
-    for name, chunks in (("1F1B", 1), (f"interleaved v={v}", v)):
-        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank, ours)[0], mesh, args)
-        runs[(name, "torch")] = Theirs(*_stages_for(blocks, p, chunks, rank), mesh, args)
+    for name in args.schedules:
+        chunks = chunks_per_rank(name, v)
+        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank, ours)[0], mesh, args, name)
+        runs[(name, "torch")] = Theirs(*_stages_for(blocks, p, chunks, rank), mesh, args, name)
 
     # correctness: the same losses (last rank) and gradients (every rank) on both sides
     check = {}
-    for name in ("1F1B", f"interleaved v={v}"):
+    for name in args.schedules:
         ours, theirs = runs[(name, "ours")], runs[(name, "torch")]
         ours_loss, theirs_loss = ours.step(data), theirs.step(data)
         check[name] = {
@@ -261,7 +313,7 @@ def worker(rank: int, args) -> dict:
             "grad_diff": _max_rel_diff(ours.grads(), theirs.grads()),
         }
 
-    # timing: warm-up, then rounds of the four runs in rotating order
+    # timing: warm-up, then rounds of all runs in rotating order
     order = list(runs)
     for _ in range(args.warmup):
         for key in order:
@@ -300,8 +352,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _schedules(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if "zbv" in names:
+        raise argparse.ArgumentTypeError("zbv: our ZB-V schedule is not built yet (docs/pipeline.md)")
+    unknown = [name for name in names if name not in TORCH_SCHEDULES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown schedule {unknown[0] if unknown else text!r} (valid: {', '.join(TORCH_SCHEDULES)})"
+        )
+    return list(dict.fromkeys(names))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--schedules",
+        type=_schedules,
+        default=["1f1b", "interleaved"],
+        help=f"comma-separated schedules, each against torch's counterpart ({', '.join(TORCH_SCHEDULES)}; "
+        "default 1f1b,interleaved)",
+    )
     parser.add_argument(
         "--pp",
         type=_positive,
@@ -317,7 +388,7 @@ def _parser() -> argparse.ArgumentParser:
         help="microbatches per step; one run per value and --pp (default 8 16)",
     )
     parser.add_argument(
-        "--vpp", type=_positive, default=2, help="model chunks per rank of the interleaved run (default 2)"
+        "--vpp", type=_positive, default=2, help="model chunks per rank of the interleaved runs (default 2)"
     )
     parser.add_argument("--hidden", type=_positive, default=512, help="hidden size (default 512)")
     parser.add_argument("--ffn", type=_positive, default=None, help="MLP inner size (default 2 * hidden)")
@@ -339,7 +410,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--split-backward",
         action="store_true",
-        help="ours: weight gradients after the input gradient is sent (the trainer's --split-backward)",
+        help="ours, 1f1b and interleaved: weight gradients after the input gradient is sent (the trainer's "
+        "--split-backward)",
     )
     parser.add_argument(
         "--clock",
@@ -353,13 +425,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=_positive, default=10, help="timed steps of each run (default 10)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps of each run")
     parser.add_argument("--trace", help="write the median step of every run as a measured timeline (JSON) here")
+    parser.add_argument(
+        "--json", help="write {schedule: {ours_over_torch, ours_ms, torch_ms, simulated_bubble}} here (one --pp, m)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
 
 def _validate(parser: argparse.ArgumentParser, args) -> None:
     if args.vpp < 2:
-        parser.error(f"--vpp must be >= 2 to compare the interleaved schedule with 1F1B, got {args.vpp}")
+        parser.error(f"--vpp must be >= 2 for the interleaved schedules, got {args.vpp}")
+    if args.json and (len(args.pp) > 1 or len(args.microbatches) > 1):
+        parser.error("--json needs one --pp and one --microbatches value")
     for p in args.pp:
         if p < 2:
             parser.error(f"--pp must be >= 2 to have a pipeline, got {p}")
@@ -374,8 +451,9 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
                     f"interleaved schedules run microbatches in groups of p"
                 )
             try:
-                for rank in range(p):
-                    build_schedule(p, args.vpp, m, rank)
+                for name in args.schedules:
+                    for rank in range(p):
+                        build_schedule(p, chunks_per_rank(name, args.vpp), m, rank, kind=name)
             except ValueError as error:
                 parser.error(str(error))
 
@@ -419,8 +497,7 @@ def check_lines(result: dict, names: tuple) -> tuple[list, bool]:
 
 def report(args, results: list) -> bool:
     """Print the checks and the tables; False when the two sides did not compute the same thing."""
-    v = args.vpp
-    one, inter = "1F1B", f"interleaved v={v}"
+    v, names = args.vpp, args.schedules
     print(
         f"pipeline benchmark: v={v}; residual MLP blocks (hidden {args.hidden}, ffn {args.ffn}), "
         f"{args.blocks_per_stage} per interleaved stage, {args.tokens} tokens/microbatch, fp32, CPU, gloo, "
@@ -431,7 +508,7 @@ def report(args, results: list) -> bool:
     )
     ok = True
     for result in results:
-        lines, good = check_lines(result, (one, inter))
+        lines, good = check_lines(result, names)
         ok &= good
         print(
             f"p={result['p']} m={result['m']} ({result['p']} ranks on {os.cpu_count()} CPU cores), "
@@ -444,47 +521,53 @@ def report(args, results: list) -> bool:
 
     header = (
         f"{'p':>2} {'m':>3} {'schedule':<16} {'ours ms':>8} {'(min-max)':>10} {'torch ms':>8} {'(min-max)':>10} "
-        f"{'ours/torch':>10} {'per-round':>9} {'bubble':>7} {'inter/1F1B ours':>15} {'torch':>6} {'analytic':>8}"
+        f"{'ours/torch':>10} {'per-round':>9} {'bubble':>7}"
     )
     print(header)
     print("-" * len(header))
-    pooled = {one: [], inter: []}
+    pooled = {name: [] for name in names}
     for result in results:
         p, m = result["p"], result["m"]
         times = dict(zip(result["order"], result["times"]))
         med = {key: statistics.median(samples) for key, samples in times.items()}
-        bubble = {one: analytic_bubble_fraction(p, 1, m), inter: analytic_bubble_fraction(p, v, m)}
-        for name in (one, inter):
+        for name in names:
             ours, theirs = times[(name, "ours")], times[(name, "torch")]
             pooled[name] += _paired(times, name)
-            ratio = (
-                f"{med[(inter, 'ours')] / med[(one, 'ours')]:>15.3f} "
-                f"{med[(inter, 'torch')] / med[(one, 'torch')]:>6.3f} "
-                f"{(1 + bubble[inter]) / (1 + bubble[one]):>8.3f}"
-                if name == inter
-                else ""
-            )
             print(
                 f"{p:>2} {m:>3} {name:<16} {med[(name, 'ours')] * 1e3:>8.1f} {_spread(ours):>10} "
                 f"{med[(name, 'torch')] * 1e3:>8.1f} {_spread(theirs):>10} "
                 f"{med[(name, 'ours')] / med[(name, 'torch')]:>10.3f} "
-                f"{statistics.median(_paired(times, name)):>9.3f} {bubble[name]:>7.4f} {ratio}"
+                f"{statistics.median(_paired(times, name)):>9.3f} {simulated_bubble(name, p, v, m):>7.4f}"
             )
     print(
-        "(per-round: median of ours/torch over rounds that run both back to back; bubble (p-1)/(v*m); "
-        "interleaved/1F1B step time measured and analytic (1 + (p-1)/(v*m)) / (1 + (p-1)/m), free transfers)"
+        "(per-round: median of ours/torch over rounds that run both back to back; bubble: our schedule's "
+        "simulated idle / busy with F = 1, B = 2 (W = 1 of it in the zero-bubble ones), free transfers)"
     )
     print()
     if args.clock == "wall":
-        _print_breakdown(results, (one, inter))
+        _print_breakdown(results, names)
+    ratios = ", ".join(f"{name} {statistics.median(pooled[name]):.3f}" for name in names)
     print(
         f"ours/torch {'step' if args.clock == 'wall' else 'CPU'} time (target <= 1.0), "
         f"over p={','.join(map(str, args.pp))} "
         f"m={','.join(map(str, args.microbatches))}: median of the per-round ratios "
-        f"(each round runs both back to back): 1F1B {statistics.median(pooled[one]):.3f}, "
-        f"{inter} {statistics.median(pooled[inter]):.3f}"
+        f"(each round runs both back to back): {ratios}"
     )
     return ok
+
+
+def summary(args, result: dict) -> dict:
+    """The --json record of one (p, m) run: per schedule, the medians and their per-round ratio."""
+    times = dict(zip(result["order"], result["times"]))
+    return {
+        name: {
+            "ours_over_torch": statistics.median(_paired(times, name)),
+            "ours_ms": statistics.median(times[(name, "ours")]) * 1e3,
+            "torch_ms": statistics.median(times[(name, "torch")]) * 1e3,
+            "simulated_bubble": simulated_bubble(name, result["p"], args.vpp, result["m"]),
+        }
+        for name in args.schedules
+    }
 
 
 def _print_breakdown(results: list, names: tuple) -> None:
@@ -551,6 +634,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace:
         Path(args.trace).write_text(json.dumps(trace(args, results)))
         print(f"wrote {args.trace}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary(args, results[0]), indent=1))
+        print(f"wrote {args.json}")
     if not ok:
         sys.exit(1)
 

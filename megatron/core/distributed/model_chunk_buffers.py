@@ -15,8 +15,10 @@ optim_grads_params, gather and release its parameters around each use.
 
 Usage per iteration: `zero_grad_buffer()`; before each microbatch's backward
 `set_is_last_microbatch(...)`; after the last backward `finish_grad_sync()` (called by
-`finalize_model_grads`). A split backward runs inside `deferring_weight_grads()` and is
-completed by `compute_weight_grads()` before the chunk's next backward.
+`finalize_model_grads`). A split backward of microbatch i runs inside
+`deferring_weight_grads(i)` and is completed by `compute_weight_grads(i)`, after it but not
+necessarily before later microbatches' backwards (zero-bubble schedules), in microbatch order,
+with `set_is_last_microbatch(...)` set for that step too.
 """
 
 from __future__ import annotations
@@ -198,7 +200,10 @@ class ModelChunkBuffers(torch.nn.Module):
             buffer.prepare_grad(buffer.bucket_of[param])
             param.main_grad.add_(param.grad)
         param.grad = None
-        if param not in self.weight_grads:
+        if self.weight_grads.active:  # a split backward: final at the microbatch's WEIGHT step
+            if not self.weight_grads.queued(param):
+                self.weight_grads.note_final(param)
+        else:
             self._gradient_final(param)
 
     def _gradient_final(self, param: torch.Tensor) -> None:
@@ -210,13 +215,21 @@ class ModelChunkBuffers(torch.nn.Module):
         elif self.sync_now and self.config.overlap_grad_reduce:
             self._buffer_of[param].mark_ready(param)
 
-    def deferring_weight_grads(self):
-        """A backward inside leaves the linear layers' weight gradients for `compute_weight_grads`."""
-        return self.weight_grads.deferring()
+    def deferring_weight_grads(self, microbatch: int = 0):
+        """A backward of `microbatch` inside leaves the linear layers' weight gradients for
+        `compute_weight_grads(microbatch)`, and every gradient it completes counts as final only then."""
+        return self.weight_grads.deferring(microbatch)
 
-    def compute_weight_grads(self) -> None:
-        for param in self.weight_grads.compute():
+    def compute_weight_grads(self, microbatch: int = 0) -> None:
+        """The WEIGHT step of `microbatch`: its queued weight gradients, then its gradients final
+        (WEIGHT steps of one chunk run in microbatch order, so each bucket's reductions see whole
+        microbatches; `set_is_last_microbatch` applies to this step)."""
+        for param in self.weight_grads.compute(microbatch, self._prepare_grad):
             self._gradient_final(param)
+
+    def _prepare_grad(self, param) -> None:
+        buffer = self._buffer_of[param]
+        buffer.prepare_grad(buffer.bucket_of[param])
 
     def _wait_for_params(self, module: torch.nn.Module):
         buckets = {self._buffer_of[p].bucket_of[p] for p in module.parameters(recurse=False) if p in self._buffer_of}

@@ -35,7 +35,8 @@ class PipelineSpec:
     s divided by tp under sequence parallelism); `group_size` is Megatron's
     microbatch group size per virtual stage (None: p); `every_stage_reads`: the batch
     carries per-sample positions or documents, which every model chunk needs;
-    `split_backward`: weight gradients after the input gradient is sent (schedules.py).
+    `split_backward`: weight gradients after the input gradient is sent (schedules.py);
+    `schedule`: the schedule's kind (schedules.KINDS; the zero-bubble kinds always split).
     """
 
     p2p_shape: tuple
@@ -44,6 +45,7 @@ class PipelineSpec:
     group_size: int | None = None
     every_stage_reads: bool = False
     split_backward: bool = False
+    schedule: str = "auto"
 
 
 COMPUTE_SPANS = ("forward", "backward", "weight")  # the Span kinds that are computation
@@ -217,14 +219,16 @@ class PipelineExecutor:
             self.v,
             spec.num_microbatches,
             self.rank,
+            kind=spec.schedule,
             group_size=spec.group_size,
             split_backward=spec.split_backward,
         )
+        self.split = any(a.kind is ActionKind.WEIGHT for step in self.steps for a in step)
         self.last_backward = self._last_backward_index()
 
     def _last_backward_index(self) -> dict:
         """Microbatch of each chunk's final backward: the data-parallel reduction of that
-        chunk's gradients starts during it."""
+        chunk's gradients starts during it (or during its WEIGHT step, with a split backward)."""
         last = {}
         for step in self.steps:
             for action in step:
@@ -270,7 +274,9 @@ class PipelineExecutor:
                 timer.stop("backward", started, action)
             elif action.kind is ActionKind.WEIGHT:
                 started = timer.start()
-                self.chunks[action.chunk].compute_weight_grads()
+                chunk = self.chunks[action.chunk]
+                chunk.set_is_last_microbatch(self.last_backward[action.chunk] == action.microbatch)
+                chunk.compute_weight_grads(action.microbatch)
                 timer.stop("weight", started, action)
             else:
                 started = timer.start()
@@ -307,7 +313,7 @@ class PipelineExecutor:
         chunk.set_is_last_microbatch(self.last_backward[action.chunk] == action.microbatch)
         output = outputs[key]
         grad = None if self._is_last(action.chunk) else received_grads.pop(key)
-        with chunk.deferring_weight_grads() if self.spec.split_backward else contextlib.nullcontext():
+        with chunk.deferring_weight_grads(action.microbatch) if self.split else contextlib.nullcontext():
             _run_backward(output, grad)
         if not self._is_first(action.chunk):
             input_grads[key] = inputs[key].grad

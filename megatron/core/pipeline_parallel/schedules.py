@@ -52,7 +52,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-KINDS = ("auto", "none", "1f1b", "interleaved")
+KINDS = ("auto", "none", "1f1b", "interleaved", "zb-h1", "interleaved-zb")
+# The zero-bubble kinds: the schedule they defer weight-gradient steps of, and how many WEIGHT
+# steps rank r may keep pending (see `_defer_weights`).
+ZERO_BUBBLE = {"zb-h1": ("1f1b", lambda rank: rank), "interleaved-zb": ("interleaved", lambda rank: 2 * rank)}
 
 
 class ActionKind(enum.Enum):
@@ -103,6 +106,12 @@ def _validate(p: int, v: int, m: int, rank: int, kind: str, group_size: int | No
         raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "auto":
         kind = "none" if p == 1 and v == 1 else "1f1b" if v == 1 else "interleaved"
+    if kind in ZERO_BUBBLE and p < 2:
+        raise ValueError(f"schedule {kind!r} needs --pipeline-model-parallel-size > 1, got {p}")
+    if kind == "zb-h1" and v != 1:
+        raise ValueError(f"schedule 'zb-h1' runs one model chunk per rank, got v={v}; use 'interleaved-zb'")
+    if kind == "interleaved-zb":
+        return kind, _interleaved_group_size(p, v, m, group_size)
     if kind == "none" and (p != 1 or v != 1):
         raise ValueError(f"schedule 'none' (no pipelining) needs p == 1 and v == 1, got p={p}, v={v}")
     if kind == "1f1b" and v != 1:
@@ -162,6 +171,7 @@ def num_warmup_microbatches(
     The peak number of forwards awaiting their backward is min(warm-up + 1, v * m).
     """
     kind, g = _validate(p, v, m, rank, kind, group_size)
+    kind = ZERO_BUBBLE.get(kind, (kind,))[0]
     if kind == "none":
         return 0
     if kind == "1f1b":
@@ -342,14 +352,49 @@ def build_schedule(
     """The steps pipeline rank `rank` runs for one iteration of m microbatches.
 
     kind: 'none' (p == 1), '1f1b' (v == 1), 'interleaved' (v > 1, needs
-    p <= group_size <= m; group_size defaults to p), or 'auto' to pick by p, v.
+    p <= group_size <= m; group_size defaults to p), 'auto' to pick by p, v, or a zero-bubble
+    kind: 'zb-h1' (1F1B with deferred WEIGHT steps) or 'interleaved-zb' (the interleaved
+    schedule with deferred WEIGHT steps); those split every backward whatever `split_backward`.
     `split_backward`: each BACKWARD is followed by its WEIGHT step (see the module docstring).
     Raises ValueError with a one-line message on bad arguments.
     """
     kind, g = _validate(p, v, m, rank, kind, group_size)
+    if kind in ZERO_BUBBLE:
+        base, pending = ZERO_BUBBLE[kind]
+        steps = build_schedule(p, v, m, rank, kind=base, group_size=group_size, split_backward=True)
+        return _defer_weights(steps, pending(rank))
     if kind == "none":
         return _no_pipelining(m, split_backward)
     warmup = num_warmup_microbatches(p, v, m, rank, kind=kind, group_size=group_size)
     if kind == "1f1b":
         return _one_f_one_b(p, m, rank, warmup, split_backward)
     return _interleaved(p, v, m, rank, g, warmup, split_backward)
+
+
+def _defer_weights(steps: list[Step], pending: int) -> list[Step]:
+    """Zero-bubble pipelining's deferred weight gradients (Qi et al., 2024) on a split-backward list.
+
+    Each WEIGHT step is postponed while fewer than `pending` others wait: at each WEIGHT slot of
+    the split list the oldest waiting one runs instead, and the last `pending` run at the end of
+    the iteration, where the rank would otherwise wait for the other ranks. Transfers and the
+    order of forwards and backwards are the split list's, so the lists still match up; WEIGHT
+    steps of one chunk keep microbatch order, so gradients add up as in 1F1B.
+
+    How many: rank r keeps r pending under 1F1B (ZB-H1) and 2r under the interleaved schedule.
+    With them, the simulator gives every rank the idle time (p - 1)(F + B - W) of the zero-bubble
+    paper's ZB-H1 (against 1F1B's (p - 1)(F + B + W)); found by searching every count per rank on
+    the simulator (p <= 4, v <= 3) and checked for unequal F, B, W (tests/unit/test_schedules.py).
+    The later ranks hold more: their backwards arrive first, and their W steps fill the time the
+    earlier ranks' cool-down leaves them idle. A pending W step holds its linear layers' inputs and
+    output gradients (counted by the memory estimate), not the whole microbatch's activations.
+    """
+    out: list[Step] = []
+    waiting: list[Action] = []
+    for step in steps:
+        if step[0].kind is not ActionKind.WEIGHT:
+            out.append(step)
+            continue
+        waiting.append(step[0])
+        if len(waiting) > pending:
+            out.append([waiting.pop(0)])
+    return out + [[action] for action in waiting]

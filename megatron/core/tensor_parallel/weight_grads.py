@@ -45,34 +45,52 @@ class WeightGrad:
 
 
 class WeightGradQueue:
-    """The weight gradients a split backward left for later, and their parameters."""
+    """The weight gradients split backwards left for later, per microbatch, and their parameters.
+
+    Zero-bubble schedules run a microbatch's WEIGHT step after later microbatches' backwards, so
+    the queue keeps each microbatch's work apart. While deferring it also notes the parameters
+    whose gradients that backward completed (`note_final`): their gradients count as final only
+    at the microbatch's WEIGHT step, so a bucket's reduction sees whole microbatches."""
 
     def __init__(self):
-        self.pending: list[WeightGrad] = []
-        self.params: set = set()
-        self.active = False  # inside deferring()
+        self.pending: dict[int, list[WeightGrad]] = {}
+        self.finished: dict[int, list] = {}  # microbatch -> parameters its backward completed
+        self.params: dict[int, set] = {}  # microbatch -> parameters with a weight gradient queued
+        self.microbatch: int | None = None  # inside deferring(): the microbatch being backpropagated
+
+    @property
+    def active(self) -> bool:
+        return self.microbatch is not None
 
     @contextlib.contextmanager
-    def deferring(self):
-        """A backward inside queues the weight gradients of this queue's parameters."""
-        self.active = True
+    def deferring(self, microbatch: int = 0):
+        """A backward of `microbatch` inside queues the weight gradients of this queue's parameters."""
+        self.microbatch = microbatch
         try:
             yield
         finally:
-            self.active = False
+            self.microbatch = None
 
-    def __contains__(self, param) -> bool:
-        return param in self.params
+    def queued(self, param) -> bool:
+        """Whether the deferring microbatch queued a weight gradient of `param`."""
+        return param in self.params.get(self.microbatch, ())
 
     def add(self, weight_grad: WeightGrad) -> None:
-        self.pending.append(weight_grad)
-        self.params.add(weight_grad.param)
+        self.pending.setdefault(self.microbatch, []).append(weight_grad)
+        self.params.setdefault(self.microbatch, set()).add(weight_grad.param)
 
-    def compute(self) -> list[torch.Tensor]:
-        """Add every queued gradient into its main_grad; return the parameters, now final."""
-        done = [weight_grad.param for weight_grad in self.pending]
+    def note_final(self, param) -> None:
+        """`param`'s gradient of the deferring microbatch is complete; final at its WEIGHT step."""
+        self.finished.setdefault(self.microbatch, []).append(param)
+
+    def compute(self, microbatch: int = 0, prepare=None) -> list[torch.Tensor]:
+        """Add `microbatch`'s queued gradients into their main_grad (`prepare(param)` first, if
+        given); return the parameters whose gradient of that microbatch is now complete."""
+        work = self.pending.pop(microbatch, [])
+        self.params.pop(microbatch, None)
         with torch.no_grad():
-            for weight_grad in self.pending:
+            for weight_grad in work:
+                if prepare is not None:
+                    prepare(weight_grad.param)
                 weight_grad.accumulate()
-        self.pending, self.params = [], set()
-        return done
+        return list(dict.fromkeys(self.finished.pop(microbatch, []) + [w.param for w in work]))

@@ -7,6 +7,8 @@ import argparse
 from megatron.core.distributed.bucket_layout import STRATEGIES
 from megatron.core.parallel_state import DEFAULT_ORDER, TP_PP_DP_ORDER
 
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "interleaved-zb")
+
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("parallelism")
@@ -31,6 +33,14 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         action="store_true",
         help="number ranks tp fastest, then cp, pp, dp (Megatron's tp-cp-ep-pp-dp order): the "
         "stages of one pipeline are neighbours, data-parallel replicas furthest apart",
+    )
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=PIPELINE_SCHEDULES,
+        help="1f1b (default with one model chunk per rank), interleaved (default with virtual stages), "
+        "zb-h1 (1F1B whose weight-gradient steps fill the cool-down: zero-bubble's ZB-H1), "
+        "interleaved-zb (the interleaved schedule with deferred weight-gradient steps); zbv is "
+        "refused: not built yet (docs/pipeline.md)",
     )
     g.add_argument(
         "--split-backward",
