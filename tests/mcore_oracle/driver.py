@@ -36,7 +36,8 @@ The ops run in order on every rank:
 A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
 (local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does; "ep"
 (optional, default 1): the expert-parallel size; "moe_args" (optional): the MoE arguments its checkpoints record
-(Megatron-LM's argparse names).
+(Megatron-LM's argparse names). "lm_args" (optional): other arguments its checkpoints record as Megatron-LM's
+would (e.g. {"tokenizer_type": "NullTokenizer", "vocab_size": the --vocab-size given, one less than the model's}).
 """
 
 import argparse
@@ -181,7 +182,7 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         ckpt_format="torch_dist",
         expert_model_parallel_size=spec.get("ep", 1),
     )
-    return argparse.Namespace(**values | spec.get("moe_args", {}))
+    return argparse.Namespace(**values | spec.get("moe_args", {}) | spec.get("lm_args", {}))
 
 
 def content_metadata(sharding: str) -> dict:
