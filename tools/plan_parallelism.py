@@ -32,8 +32,10 @@ not, and when it does not, why (exit 1 when neither fits).
 Flags of pretrain_*.py that fix part of the layout restrict the search and may
 list several values: --tensor-model-parallel-size 2 4, --context-parallel-size,
 --pipeline-model-parallel-size, --num-virtual-stages-per-pipeline-rank,
---micro-batch-size, --recompute-granularity {none,selective,full},
---decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (one value);
+--micro-batch-size, --recompute-granularity {none,selective,full} (--recompute-activations: selective);
+one value: --num-layers-per-virtual-pipeline-stage (virtual stages from each pp, as training derives them),
+--recompute-method and --recompute-num-layers (of full recomputation; default uniform, 1),
+--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers;
 --use-distributed-optimizer plans only the distributed optimizer (default: both).
 Sequence parallelism is always on with tp > 1; cp is planned where the sequence splits
 into 2 x cp chunks (x tp under SP) and there is no attention dropout.
@@ -105,14 +107,21 @@ def _parser():
     )
     parser.add_argument("--pipeline-model-parallel-size", type=int, nargs="+", dest="pps")
     parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, nargs="+", dest="vpps")
-    parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
     parser.add_argument(
-        "--recompute-granularity",
-        nargs="+",
-        choices=sorted(RECOMPUTE),
-        dest="recompute",
-        default=["none", "selective", "full"],
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        dest="layers_per_virtual_stage",
+        help="as in training: virtual stages = layers per pipeline rank / this (pp > 1, equal stages)",
     )
+    parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
+    parser.add_argument("--recompute-granularity", nargs="+", choices=sorted(RECOMPUTE), dest="recompute")
+    parser.add_argument(
+        "--recompute-activations", action="store_true", help="Megatron's alias of --recompute-granularity selective"
+    )
+    parser.add_argument(
+        "--recompute-method", choices=["uniform", "block"], help="of full recomputation (default uniform)"
+    )
+    parser.add_argument("--recompute-num-layers", type=int, help="of full recomputation (default 1)")
     parser.add_argument("--sequence-parallel", action="store_true", help="accepted; always on with tp > 1")
     parser.add_argument(
         "--expert-model-parallel-size", type=int, nargs="+", dest="eps", help="MoE: ep (default: every valid one)"
@@ -213,6 +222,8 @@ def _json(c, device_bytes: int, why: str | None = None) -> dict:
         "decoder_first_pipeline_num_layers": lay.parallel.first_stage_layers,
         "decoder_last_pipeline_num_layers": lay.parallel.last_stage_layers,
         "recompute": c.recompute,
+        "recompute_method": c.config.recompute_method,
+        "recompute_num_layers": c.config.recompute_num_layers,
         "distributed_optimizer": lay.parallel.ddp.use_distributed_optimizer,
         "sharding_strategy": lay.parallel.ddp.sharding_strategy,
         "offload_fraction": lay.offload_fractions.optimizer,
@@ -308,6 +319,8 @@ def main(argv: list[str]) -> int:
             raise ArgumentError("--decoder-first/last-pipeline-num-layers must be >= 1")
         if min(args.eps or [1]) < 1 or min(args.etps or [1]) < 1:
             raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
+        recompute, full_recompute = _recompute(args)
+        _check_virtual_stages(args)
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)
         if (args.eps or args.etps) and run.model.num_moe_experts is None:
             raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
@@ -322,10 +335,12 @@ def main(argv: list[str]) -> int:
             cps=tuple(args.cps) if args.cps else None,
             pps=tuple(args.pps) if args.pps else None,
             micro_batch_sizes=tuple(args.mbs),
-            recompute=tuple(args.recompute),
+            recompute=recompute,
+            full_recompute=full_recompute,
             distributed_optimizer=(True,) if args.use_distributed_optimizer else (False, True),
             device_type=args.device_type,
             virtual_stages=tuple(args.vpps) if args.vpps else None,
+            layers_per_virtual_stage=args.layers_per_virtual_stage,
             stage_splits=((args.first_layers, args.last_layers),) if uneven else None,
             eps=tuple(args.eps) if args.eps else None,
             etps=tuple(args.etps) if args.etps else None,
@@ -409,6 +424,41 @@ def main(argv: list[str]) -> int:
         print("\n".join(explain(shown[0], hw)))
     print(_step_time_note(run.model, offloaded or resident))
     return 0
+
+
+def _recompute(args) -> tuple[tuple[str, ...], tuple[str, int]]:
+    """(the recomputations to plan, full recomputation's method and layers), checked as training checks
+    the flags (megatron/training/arguments/model.py, TransformerConfig); no granularity given: all three."""
+    granularities = args.recompute
+    if args.recompute_activations:
+        if granularities not in (None, ["selective"]):
+            raise ArgumentError(
+                f"--recompute-activations (selective) contradicts --recompute-granularity {' '.join(granularities)}"
+            )
+        granularities = ["selective"]
+    granularities = tuple(granularities or ("none", "selective", "full"))
+    if "full" not in granularities:
+        if args.recompute_method is not None:
+            raise ArgumentError("--recompute-method only applies with --recompute-granularity full")
+        if args.recompute_num_layers is not None:
+            raise ArgumentError("--recompute-num-layers only applies with --recompute-granularity full")
+    if args.recompute_num_layers is not None and args.recompute_num_layers < 1:
+        raise ArgumentError("--recompute-granularity full needs --recompute-num-layers >= 1")
+    return granularities, (args.recompute_method or "uniform", args.recompute_num_layers or 1)
+
+
+def _check_virtual_stages(args) -> None:
+    """The virtual-stage flags' checks of training (training/config.py), where the search cannot make them."""
+    if args.layers_per_virtual_stage is None:
+        return
+    if args.vpps:
+        raise ArgumentError(
+            "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
+        )
+    if args.layers_per_virtual_stage < 1:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+    if args.pps and max(args.pps) == 1:
+        raise ArgumentError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
 
 
 def _step_time_note(config, offloaded: bool) -> str:

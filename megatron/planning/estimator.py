@@ -18,8 +18,9 @@ Only part of that is certain: weights, gradients, optimizer state and saved
 activations (`certain_bytes`) equal measured bytes on CPU; the transients and the
 after-backward temporaries are derived from our code's shapes but unmeasured, and the
 allowances (fragmentation, runtime, NCCL buffers per communicator, document masks, MoE
-routing imbalance: `RankEstimate.uncertain`) are assumptions. Whether a layout fits is decided once, by
-fit_rule.fit_verdict, for the planner, the start-up check and the tools alike.
+routing imbalance, context parallelism's terms: `RankEstimate.uncertain`) are assumptions. Whether
+a layout fits is decided once, by fit_rule.fit_verdict, for the planner, the start-up check and the
+tools alike.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ it by this verdict. A rank's estimate comes in three layers (docs/memory.md, "Th
   bytes on every CPU layout;
 - allocator-visible peak: the certain part and the transients our code allocates beside it
   (derived from its shapes), at the phase that peaks: what torch's caching allocator is asked for;
-- allowances: what the trace cannot see, by name (fragmentation, the CUDA context, NCCL's
-  buffers per communicator, the document mask): the uncertain part, and the only margin.
+- allowances: what the trace cannot see or no GPU has measured, by name (fragmentation, the CUDA
+  context, NCCL's buffers per communicator, the document mask, context parallelism's terms): the
+  uncertain part, and the only margin.
   The full estimate (`total_bytes`) is the allocator-visible peak plus the allowances.
 
 Verdicts, on the worst rank:

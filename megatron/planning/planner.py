@@ -64,7 +64,9 @@ class Search:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     virtual_stages: tuple[int, ...] | None = None
-    max_virtual_stages: int = 8
+    layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage: v from each pp
+    max_virtual_stages: int = 8  # the search's bound where no flag fixes the virtual stages
+    full_recompute: tuple[str, int] = ("uniform", 1)  # --recompute-method and --recompute-num-layers of "full"
     distributed_optimizer: tuple[bool, ...] = (False, True)
     zero_bubble: tuple[bool, ...] = (False, True)  # pipelines: also the schedule with deferred weight gradients
     device_type: str = "cuda"
@@ -121,12 +123,23 @@ def _mesh_shapes(config, num_gpus: int, search: Search, hw: Hardware):
                         counts = layer_counts(config.num_layers, pp, first, last)
                     except ValueError:
                         continue
-                    virtuals = [1] if pp == 1 else _divisors(math.gcd(*counts))
-                    for v in virtuals:
-                        if v <= search.max_virtual_stages and (
-                            search.virtual_stages is None or v in search.virtual_stages
-                        ):
-                            yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
+                    for v in _virtual_stages(counts, search):
+                        yield tp, cp, pp, v, num_gpus // (tp * cp * pp), (first, last)
+
+
+def _virtual_stages(counts: list[int], search: Search) -> list[int]:
+    """The virtual stages per pipeline rank to try for these layers per rank, as training derives
+    them (training/config.py): --num-layers-per-virtual-pipeline-stage n needs pp > 1 and equal
+    ranks of a multiple of n layers, and gives their layers / n; --num-virtual-stages-per-pipeline-rank
+    the values listed that divide every rank's layers; else each such value up to max_virtual_stages."""
+    valid = [1] if len(counts) == 1 else _divisors(math.gcd(*counts))
+    if search.layers_per_virtual_stage is not None:
+        n = search.layers_per_virtual_stage
+        equal = len(counts) > 1 and len(set(counts)) == 1 and counts[0] % n == 0
+        return [counts[0] // n] if equal else []
+    if search.virtual_stages is not None:
+        return [v for v in valid if v in search.virtual_stages]
+    return [v for v in valid if v <= search.max_virtual_stages]
 
 
 def _expert_sizes(config, stage_ranks: int, tp: int, search: Search):
@@ -143,7 +156,15 @@ def _expert_sizes(config, stage_ranks: int, tp: int, search: Search):
                 yield ep, etp
 
 
-def _split_config(config, tp: int, cp: int, recompute: str, ep: int, etp: int | None):
+def recompute_fields(name: str, search: Search) -> dict:
+    """The TransformerConfig recomputation fields of `name` (RECOMPUTE), "full" with the search's method."""
+    if name != "full":
+        return RECOMPUTE[name]
+    method, layers = search.full_recompute
+    return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
+
+
+def _split_config(config, tp: int, cp: int, recompute: dict, ep: int, etp: int | None):
     """The model config split for (tp, cp, and for MoE ep, etp) with a recomputation, or None when our
     code refuses it (tp does not divide the heads, groups or ffn; the sequence does not split)."""
     experts = {} if etp is None else dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
@@ -153,7 +174,7 @@ def _split_config(config, tp: int, cp: int, recompute: str, ep: int, etp: int | 
             tensor_model_parallel_size=tp,
             sequence_parallel=tp > 1,
             context_parallel_size=cp,
-            **RECOMPUTE[recompute],
+            **recompute,
             **experts,
         )
     except ValueError:
@@ -172,7 +193,8 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 continue
             for name in search.recompute:
                 if (tp, cp, name, ep, etp) not in configs:
-                    configs[tp, cp, name, ep, etp] = _split_config(config, tp, cp, name, ep, etp)
+                    recompute = recompute_fields(name, search)
+                    configs[tp, cp, name, ep, etp] = _split_config(config, tp, cp, recompute, ep, etp)
                 cfg = configs[tp, cp, name, ep, etp]
                 if cfg is None:
                     continue

@@ -11,8 +11,6 @@ code allocates and are NOT validated by measurement yet:
   microbatch's activations (which backward frees meanwhile: an upper bound);
 - tp: one [s, b, h] buffer of a tensor-parallel collective (the copy the
   all-reduce makes, or the gathered gradient in backward);
-- cp: the K/V blocks and fp32 accumulators of the context-parallel attention's
-  backward (`cp_attention_bytes`), which holds more than its forward;
 - MoE dispatch: two [rows, h] tensors of the token dispatcher that are not saved (the permuted
   rows sent and those received by alltoall, the group's gathered tokens and the summed output
   with allgather, and their gradients in backward), at the balanced load (`moe_dispatch_bytes`);
@@ -42,6 +40,14 @@ the fit rule keeps (fit_rule.py). Assumptions, not measurements (none on GPU yet
   the layers' attention keeps it for backward; the trace runs without document ids;
 - MoE routing imbalance: the saved activations that uneven routing adds to the balanced load
   the trace assumes (moe_routing.py), named with its assumption; the estimator traces it.
+- context parallelism (cp > 1), each by name, none measured on a GPU (issue 41: Megatron-LM ran out of
+  memory on layouts whose estimate put these in the allocator-visible peak at 87-99% of the device):
+  the K/V blocks and fp32 accumulators of the ring or all-gather attention's backward
+  (`cp_attention_bytes`, derived from ring_attention.py, on every device); on CUDA also the
+  attention kernels' per-step outputs kept across the ring (`cp_workspace_bytes`), the ring's p2p
+  NCCL connections to its two neighbours (`communicator_bytes` each, beside the cp communicator's
+  collective buffers) and a fixed `CP_UNMEASURED_BYTES` for what else the attention library and the
+  ring allocate (docs/memory.md, "Context parallelism's allowances": how it was sized).
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ CUDA_RUNTIME_BYTES = 1 << 30
 # NCCL's buffers per communicator: "about 0.5 GB", the figure Fujii et al.'s later estimator adds
 # per communicator on GPUs (as issue 36 quotes it; not measured here), taken as 0.5 GiB
 NCCL_COMMUNICATOR_BYTES = 1 << 29
+# Context parallelism's unmeasured rest (the attention library's workspaces, the ring's and the
+# all-gather's buffers beyond ours, their fragmentation): not measured on a GPU; sized from issue 41's
+# boundary (docs/memory.md, "Context parallelism's allowances"): 4 GiB
+CP_UNMEASURED_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,9 @@ class Transients:
     moe_dispatch_bytes: int = 0
     moe_imbalance_bytes: int = 0  # saved activations uneven routing adds (moe_routing.py)
     moe_imbalance: str = ""  # the allowance's name, with its assumption
+    cp_workspace_bytes: int = 0  # context parallelism's allowances (module docstring)
+    cp_p2p_bytes: int = 0
+    cp_unmeasured_bytes: int = 0
 
     def derived(self) -> dict[str, int]:
         """The parts derived from the shapes our code allocates (allocator-visible), by name."""
@@ -125,7 +138,6 @@ class Transients:
             "p2p buffers": self.p2p_bytes,
             "split-backward output gradients": self.split_backward_bytes,
             "tp buffer": self.tp_bytes,
-            "cp attention buffers": self.cp_bytes,
             "MoE dispatch buffers": self.moe_dispatch_bytes,
             "dp buckets": self.dp_bucket_bytes,
             f"largest temporary ({self.largest_temporary})": self.largest_temporary_bytes,
@@ -143,6 +155,10 @@ class Transients:
             **fixed,
             "document mask (--reset-attention-mask)": self.mask_bytes,
             self.moe_imbalance: self.moe_imbalance_bytes,
+            "cp K/V blocks (ring_attention.py)": self.cp_bytes,
+            "cp attention workspaces (per-step outputs)": self.cp_workspace_bytes,
+            "NCCL p2p buffers (cp ring, 2 neighbours)": self.cp_p2p_bytes,
+            "cp unmeasured (library workspaces, ring buffers)": self.cp_unmeasured_bytes,
         }
 
     @property
@@ -203,6 +219,13 @@ def cp_attention_bytes(dims: Dims, cp: int, comm_type: str) -> int:
     return (1 + cp) * block * dims.p + cp * block * FP32 + dq
 
 
+def cp_workspace_bytes(dims: Dims, cp: int) -> int:
+    """The attention kernels' per-step outputs kept across one attention call's ring: cp blocks of
+    [s/cp, b, heads, d] in fp32 (TransformerEngine's p2p attention keeps every step's output, upcast,
+    until its last correction; ours merges each into fp32 accumulators), the full sequence's worth."""
+    return 0 if cp == 1 else cp * dims.s * dims.b * dims.heads * dims.d * FP32
+
+
 def expert_rows(dims: Dims, config) -> int:
     """Rows an MoE layer's local experts run on one rank at the balanced load: routes per expert from
     each of the ep x etp ranks whose tokens reach them (alltoall sends, allgather gathers them)."""
@@ -257,11 +280,12 @@ class Allowances:
     fragmentation_fraction: float
     runtime_bytes: int
     communicator_bytes: int = 0
+    cp_unmeasured_bytes: int = 0  # context parallelism's (cp > 1): its workspaces and p2p buffers come with it
 
     @classmethod
     def default(cls, device_type: str) -> Allowances:
         if device_type == "cuda":
-            return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES, NCCL_COMMUNICATOR_BYTES)
+            return cls(FRAGMENTATION_FRACTION, CUDA_RUNTIME_BYTES, NCCL_COMMUNICATOR_BYTES, CP_UNMEASURED_BYTES)
         return cls(0.0, 0)
 
 
@@ -283,6 +307,7 @@ def estimate_transients(
     tp_bytes = dims.s * dims.b * dims.h * dims.p if layout.parallel.tp > 1 else 0
     mask_bytes = dims.b * dims.s * dims.s * microbatches_in_flight if layout.document_mask else 0
     dynamic = activations + p2p_extra + split_bytes + tp_bytes + cp_bytes + moe_dispatch + largest[0] + mask_bytes
+    cp = layout.parallel.cp > 1 and allowances.cp_unmeasured_bytes > 0
     return Transients(
         p2p_bytes=p2p_extra,
         split_backward_bytes=split_bytes,
@@ -299,4 +324,7 @@ def estimate_transients(
         moe_dispatch_bytes=moe_dispatch,
         moe_imbalance_bytes=moe_imbalance[0],
         moe_imbalance=moe_imbalance[1],
+        cp_workspace_bytes=cp_workspace_bytes(dims, layout.parallel.cp) if cp else 0,
+        cp_p2p_bytes=2 * allowances.communicator_bytes if cp else 0,
+        cp_unmeasured_bytes=allowances.cp_unmeasured_bytes if cp else 0,
     )

@@ -23,7 +23,10 @@ The ops run in order on every rank:
   D/iter_NNNNNNN; with the distributed optimizer its state is in `form` ("dp_reshardable", Megatron-LM's
   default, or "fully_reshardable": `--dist-ckpt-optim-fully-reshardable`), as Megatron-LM saves it;
 - {"op": "load", "root": D, "optimizer": bool}: load D's latest checkpoint (model, optionally the
-  optimizer and scheduler) as Megatron-LM's --load does;
+  optimizer and scheduler) as Megatron-LM's --load does; with the distributed optimizer every parameter
+  gets its own step tensor, the checkpoint's, unless the job's "shared_step" is true: then the load is
+  megatron-core's as it is without apex or Transformer Engine (one step tensor shared by all parameters,
+  which torch's AdamW advances once per parameter: tests/mcore_oracle/test_bf16.py);
 - {"op": "buffers", "out": F}: rank 0 writes its gradient buffers' layout: per buffer, each parameter's
   [name, start, stop, bucket] in the buffer and each bucket's [offset, numel, numel_unpadded];
 - {"op": "load_state", "file": F}: the model's state dict from a torch.save file under megatron-core's names
@@ -38,6 +41,8 @@ A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments;
 (optional, default 1): the expert-parallel size (in parallel_state and the TransformerConfig, which marks the
 experts' parameters expert-parallel: their own buffers and, with ep > 1, a second optimizer, as Megatron-LM
 runs); "moe_args" (optional): the MoE arguments its checkpoints record (Megatron-LM's argparse names).
+"lm_args" (optional): other arguments its checkpoints record as Megatron-LM's would (e.g.
+{"tokenizer_type": "NullTokenizer", "vocab_size": the --vocab-size given, one less than the model's}).
 """
 
 import argparse
@@ -183,7 +188,7 @@ def megatron_lm_args(spec: dict, iteration: int, consumed: int) -> argparse.Name
         ckpt_format="torch_dist",
         expert_model_parallel_size=spec.get("ep", 1),
     )
-    return argparse.Namespace(**values | spec.get("moe_args", {}))
+    return argparse.Namespace(**values | spec.get("moe_args", {}) | spec.get("lm_args", {}))
 
 
 def content_metadata(sharding: str) -> dict:
@@ -361,7 +366,7 @@ class Oracle:
         if optimizer:
             with torch.no_grad():  # fp32 weights: the dp_reshardable load copies into views of the parameters
                 self.optimizer.load_state_dict(state["optimizer"])
-            if self.spec.get("distributed_optimizer", False):
+            if self.spec.get("distributed_optimizer", False) and not self.spec.get("shared_step", False):
                 # torch's AdamW counts steps per parameter: DistributedOptimizer.load_state_dict gives every
                 # parameter one shared step tensor (AdamW would advance it once per parameter), and the
                 # dp_reshardable load then copies the step of the optimizer being loaded into it (the dummy

@@ -354,7 +354,6 @@ def test_cli_saves_exits_resumes_and_refuses(tmp_path):
     [
         (["--ckpt-format", "torch"], "--ckpt-format torch"),
         (["--async-save"], "--async-save needs --save"),
-        (["--save-interval", "5"], "--save-interval needs --save"),
         (["--exit-interval", "0"], "--exit-interval must be > 0"),
     ],
 )
@@ -362,3 +361,11 @@ def test_checkpoint_flags_are_validated(flags, message):
     defaults, argv = model_flags("llama", flags)
     with pytest.raises(ValueError, match=message):
         parse_run_config(argv, defaults, 1)
+
+
+def test_save_interval_without_save_is_accepted_with_a_note():
+    """As Megatron-LM does (a smoke test of a launch script): nothing is saved, and start-up says so."""
+    defaults, argv = model_flags("llama", ["--save-interval", "5"])
+    run = parse_run_config(argv, defaults, 1)
+    assert run.checkpoint.save is None
+    assert "> note: --save-interval 5 without --save: no checkpoint will be saved" in run.notes

@@ -249,7 +249,10 @@ def test_without_device_memory_it_only_reports(capsys):
     "argv,message",
     [
         (TINY, "the following arguments are required: --num-gpus"),
-        (["--num-gpus", "2"] + [t for t in TINY if t not in ("--vocab-size", "100")], "--vocab-size is required"),
+        (
+            ["--num-gpus", "2"] + [t for t in TINY if t not in ("--vocab-size", "100")],
+            "--vocab-size (or --tokenizer-type with its files) is required",
+        ),
         (["--num-gpus", "3", "--tensor-model-parallel-size", "2"] + TINY, "world size 3 is not divisible"),
         (
             [

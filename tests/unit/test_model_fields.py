@@ -136,3 +136,17 @@ def test_megatron_args_round_trip_and_every_checked_field_is_compared():
     assert args_mismatch(args, config) == "saved with --rope-scaling-factor 8, the flags give 4"
     args.rope_scaling_factor, args.add_bias_linear = 4.0, False
     assert args_mismatch(args, config) == "saved with --disable-bias-linear, the flags leave it out"
+
+
+def test_a_megatron_lm_null_tokenizer_checkpoint_is_compared_by_its_tokenizers_ids():
+    """Megatron-LM records the --vocab-size given to its NullTokenizer, which has one id more (EOD)."""
+    flags = BASE[: BASE.index("--vocab-size")] + BASE[BASE.index("--vocab-size") + 2 :]
+    config = parse_run_config(flags + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1858"], GPT_DEFAULTS, 1)
+    args = megatron_args(config.model, iteration=1, consumed_samples=0, tp=1, pp=1, extra={})
+    args.tokenizer_type, args.vocab_size = "NullTokenizer", 1858
+    assert args_mismatch(args, config.model) is None
+    assert TransformerConfig(**config_fields(args)).vocab_size == 1859
+    args.vocab_size = 1857
+    assert args_mismatch(args, config.model) == (
+        "saved with --tokenizer-type NullTokenizer --vocab-size 1857 (1858 ids with EOD), the flags give 1859 ids"
+    )

@@ -59,6 +59,13 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
+def checkpoint_notes(config: CheckpointConfig) -> list[str]:
+    """Start-up notes on checkpoint flags that are accepted but do nothing in this run."""
+    if config.save_interval is not None and not config.save:  # accepted, as Megatron-LM does (smoke tests)
+        return [f"> note: --save-interval {config.save_interval} without --save: no checkpoint will be saved"]
+    return []
+
+
 def checkpoint_config_from_args(args) -> CheckpointConfig:
     """Validate the checkpoint flags; every problem is one ValueError line naming the flag."""
     if args.ckpt_format == "torch":
@@ -73,8 +80,6 @@ def checkpoint_config_from_args(args) -> CheckpointConfig:
     ):
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
-    if args.save_interval is not None and not args.save:
-        raise ValueError("--save-interval needs --save (the directory to save into)")
     if args.async_save and not args.save:
         raise ValueError("--async-save needs --save (the directory to save into)")
     if args.async_save and args.ckpt_format == "torch_dist":

@@ -13,7 +13,11 @@ import torch
 
 from megatron.data.config import DataConfig
 from megatron.data.tokenizers import build_tokenizer
-from megatron.training.arguments.checkpoint import add_checkpoint_arguments, checkpoint_config_from_args
+from megatron.training.arguments.checkpoint import (
+    add_checkpoint_arguments,
+    checkpoint_config_from_args,
+    checkpoint_notes,
+)
 from megatron.training.arguments.data import add_data_arguments, data_config_from_args
 from megatron.training.arguments.evaluation import add_eval_arguments, eval_config_from_args
 from megatron.training.arguments.logging import add_logging_arguments, logging_config_from_args
@@ -160,6 +164,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
         )
     notes += moe_notes(model)
     checkpoint = checkpoint_config_from_args(args)
+    notes += checkpoint_notes(checkpoint)
     refuse_moe_checkpoints(model, checkpoint, parallel)
     optimizer = dataclasses.replace(optimizer_config_from_args(args), offload=offload_config_from_args(args))
     return RunConfig(

@@ -61,17 +61,22 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def _given(argv: list[str], flag: str) -> bool:
+    return any(t == flag or t.startswith(flag + "=") for t in argv)
+
+
 def run_config_for_tool(rest: list[str], family: str, world_size: int, prog: str):
-    """The RunConfig of pretrain_*.py flags `rest`, without data: --vocab-size is required,
-    --mock-data and --train-iters are filled in, --data-path is ignored."""
+    """The RunConfig of pretrain_*.py flags `rest`, without data: the vocabulary is --vocab-size's or, as in
+    training, --tokenizer-type's (its files read); --mock-data and --train-iters are filled in, --data-path
+    is ignored."""
     if world_size < 1:
         raise ArgumentError(f"--num-gpus must be >= 1, got {world_size}")
-    if not any(t == "--vocab-size" or t.startswith("--vocab-size=") for t in rest):
-        raise ArgumentError("--vocab-size is required (the estimator does not read tokenizer files)")
+    if not _given(rest, "--vocab-size") and not _given(rest, "--tokenizer-type"):
+        raise ArgumentError("--vocab-size (or --tokenizer-type with its files) is required: it sets the vocabulary")
     argv = _without(rest, "--data-path")
     if "--mock-data" not in argv:
         argv.append("--mock-data")
-    if not any(t == "--train-iters" or t.startswith("--train-iters=") for t in argv):
+    if not _given(argv, "--train-iters"):
         argv += ["--train-iters", "1"]
     return parse_run_config(argv, FAMILIES[family], world_size, prog)
 

@@ -24,8 +24,16 @@ UNSUPPORTED = {
 }
 
 
+def _null_tokenizer(args) -> bool:
+    return getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None) is not None
+
+
 def megatron_value(args, field: ModelField):
-    """The checkpoint's effective value of `field` (None when the checkpoint does not record it)."""
+    """The checkpoint's effective value of `field` (None when the checkpoint does not record it). The
+    vocabulary is the tokenizer's: Megatron-LM records the --vocab-size it was given, and its
+    NullTokenizer has one id more (EOD), as ours has (tests/mcore_oracle/test_null_tokenizer.py)."""
+    if field.name == "vocab_size" and _null_tokenizer(args):
+        return args.vocab_size + 1
     if field.name == "num_query_groups":  # Megatron-LM uses it only with --group-query-attention
         if not hasattr(args, "group_query_attention"):
             return getattr(args, "num_query_groups", None)
@@ -52,7 +60,15 @@ def args_mismatch(args, config) -> str | None:
     ours = model_record(config)
     ours["add_qkv_bias"] = config.add_qkv_bias or config.add_bias_linear  # as megatron_value reads it
     differing, _ = differences(_saved_record(args), ours)  # a field older Megatron-LM lacks is not compared
-    return differing[0].sentence() if differing else None
+    if not differing:
+        return None
+    first = differing[0]
+    if first.field.name == "vocab_size" and _null_tokenizer(args):
+        return (
+            f"saved with --tokenizer-type NullTokenizer --vocab-size {args.vocab_size} ({first.saved} ids with EOD), "
+            f"the flags give {first.wanted} ids"
+        )
+    return first.sentence()
 
 
 def megatron_args(
@@ -90,7 +106,7 @@ def megatron_args(
 def config_fields(args) -> dict:
     """TransformerConfig keyword arguments of the model a Megatron-LM checkpoint's `args` describe
     (refused, one ValueError line, when it uses a feature this framework does not build). Without
-    `args.vocab_size` (a tokenizer's vocabulary) the padded size stands for it."""
+    `args.vocab_size` (a tokenizer's vocabulary, see megatron_value) the padded size stands for it."""
     for name, off in UNSUPPORTED.items():
         value = getattr(args, name, off)
         if value not in (off, False, None, 0):
@@ -98,7 +114,7 @@ def config_fields(args) -> dict:
     fields = _saved_record(args)
     if fields.get("add_qkv_bias") and fields.get("add_bias_linear"):
         fields["add_qkv_bias"] = False  # implied by the biases of every linear layer
-    vocab = getattr(args, "vocab_size", None) or args.padded_vocab_size
+    vocab = fields.get("vocab_size") or args.padded_vocab_size
     seq = getattr(args, "seq_length", None) or args.max_position_embeddings
     fields.update(
         vocab_size=vocab,
