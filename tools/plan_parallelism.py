@@ -86,6 +86,7 @@ from megatron.planning.planner import (  # noqa: E402
 )
 from megatron.planning.startup_check import refusal  # noqa: E402
 from megatron.planning.step_time import Overlap, Projection, uncovered  # noqa: E402
+from megatron.training.arguments.parallel import PIPELINE_SCHEDULES  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool, tool_parser  # noqa: E402
 
@@ -112,6 +113,14 @@ def _parser():
         type=int,
         dest="layers_per_virtual_stage",
         help="as in training: virtual stages = layers per pipeline rank / this (pp > 1, equal stages)",
+    )
+    parser.add_argument(
+        "--pipeline-schedule",
+        nargs="+",
+        choices=[kind for kind in PIPELINE_SCHEDULES if kind != "zbv"],
+        dest="schedules",
+        help="plan only these pipeline schedules (and pp > 1); default: each pipeline layout with the "
+        "schedule its virtual stages imply and with its zero-bubble variant (zbv is not built)",
     )
     parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
     parser.add_argument("--recompute-granularity", nargs="+", choices=sorted(RECOMPUTE), dest="recompute")
@@ -321,6 +330,8 @@ def main(argv: list[str]) -> int:
             raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
         recompute, full_recompute = _recompute(args)
         _check_virtual_stages(args)
+        if args.schedules and args.pps and max(args.pps) == 1:
+            raise ArgumentError(f"--pipeline-schedule {args.schedules[0]} needs --pipeline-model-parallel-size > 1")
         run = run_config_for_tool(rest + ["--micro-batch-size", "1"], args.model_family, 1, PROG)
         if (args.eps or args.etps) and run.model.num_moe_experts is None:
             raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
@@ -344,6 +355,7 @@ def main(argv: list[str]) -> int:
             stage_splits=((args.first_layers, args.last_layers),) if uneven else None,
             eps=tuple(args.eps) if args.eps else None,
             etps=tuple(args.etps) if args.etps else None,
+            schedules=tuple(args.schedules) if args.schedules else None,
         )
         ddp = run.parallel.ddp
         projection = Projection(

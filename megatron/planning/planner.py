@@ -68,7 +68,7 @@ class Search:
     max_virtual_stages: int = 8  # the search's bound where no flag fixes the virtual stages
     full_recompute: tuple[str, int] = ("uniform", 1)  # --recompute-method and --recompute-num-layers of "full"
     distributed_optimizer: tuple[bool, ...] = (False, True)
-    zero_bubble: tuple[bool, ...] = (False, True)  # pipelines: also the schedule with deferred weight gradients
+    schedules: tuple[str, ...] | None = None  # pipelines (--pipeline-schedule); None: each with and without deferred W
     device_type: str = "cuda"
     stage_splits: tuple[tuple[int | None, int | None], ...] | None = None  # (first, last) stage layers
     grad_dtype: torch.dtype = torch.float32  # our trainer's gradient buffers; bf16 describes a run with bf16 ones
@@ -198,9 +198,7 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                 cfg = configs[tp, cp, name, ep, etp]
                 if cfg is None:
                     continue
-                for sharded, zero_bubble in itertools.product(search.distributed_optimizer, search.zero_bubble):
-                    if zero_bubble and pp == 1:
-                        continue
+                for sharded, schedule in itertools.product(search.distributed_optimizer, _schedules(pp, v, search)):
                     ddp = DDPConfig(grad_dtype=search.grad_dtype, use_distributed_optimizer=sharded)
                     parallel = ParallelConfig(
                         tp=tp,
@@ -213,13 +211,20 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                         last_stage_layers=last,
                         ep=ep,
                         etp=etp,
-                        pipeline_schedule=_zero_bubble_kind(v) if zero_bubble else "auto",
+                        pipeline_schedule=schedule,
                     )
                     yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
 
 
-def _zero_bubble_kind(v: int) -> str:
-    return "zb-h1" if v == 1 else "interleaved-zb"
+def _schedules(pp: int, v: int, search: Search) -> list[str]:
+    """The pipeline schedules (ParallelConfig.pipeline_schedule) to try for (pp, v): the one the layout
+    implies ('auto') and its zero-bubble variant, or those of `search.schedules` that run (pp, v)."""
+    if pp == 1:
+        return ["auto"] if search.schedules is None else []
+    plain, zero_bubble = ("1f1b", "zb-h1") if v == 1 else ("interleaved", "interleaved-zb")
+    if search.schedules is None:
+        return ["auto", zero_bubble]
+    return [kind for kind in (plain, zero_bubble) if kind in search.schedules]
 
 
 def _estimate_unless_bounded(cfg, layout: MemoryLayout, device_bytes: int) -> MemoryEstimate | None:

@@ -313,6 +313,23 @@ def test_planner_prints_ranked_layouts(capsys):
     assert 1 <= len(rows) <= 10
 
 
+def test_planner_plans_zero_bubble_schedules_as_asked(capsys):
+    """By default each pipeline layout is planned with and without deferred weight gradients;
+    --pipeline-schedule restricts the search, and names the flag when no pipeline can run it."""
+    argv = ["--num-gpus", "4", "--device", "h100-80gb", "--micro-batch-size", "1", "--top", "40"]
+    argv += TINY[:-4] + ["--global-batch-size", "16", "--pipeline-model-parallel-size", "2"]
+    code, out, err = run_tool(plan_tool, argv, capsys)
+    assert code == 0, err
+    schedules = {line.split()[-1] for line in out.splitlines() if line.strip() and line.split()[0].isdigit()}
+    assert {"1f1b", "zb-h1"} <= schedules, out
+    code, out, err = run_tool(plan_tool, argv + ["--pipeline-schedule", "zb-h1"], capsys)
+    assert code == 0, err
+    assert {line.split()[-1] for line in out.splitlines() if line.strip() and line.split()[0].isdigit()} == {"zb-h1"}
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = "1"
+    code, _, err = run_tool(plan_tool, argv + ["--pipeline-schedule", "zb-h1"], capsys)
+    assert code == 2 and "--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size > 1" in err
+
+
 def test_planner_exit_codes(capsys):
     """Llama-2-7B on one 2 GiB device: not even with every shard on host (a layer's gathered
     weights and the activations of seq 4096 stay on the device)."""
