@@ -223,6 +223,7 @@ def estimate_rank(
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),
         moe=moe,
+        cross_entropy=kernels.cross_entropy,
     )
     split = max(split_backward_bytes(dims, config, len(c.layer_ids)) for c in chunks) if par.split_backward else 0
     transients = estimate_transients(
