@@ -105,35 +105,28 @@ def _check(logits, target):
         )
 
 
-def logit_statistics(logits, target, vocab_start, impl="auto"):
-    """(max, sum of exp(logit - max), target logit or 0) of each row of this rank's logits [tokens, vocab]."""
-    _check(logits, target)
-    if not triton_support.use_triton(impl, logits, unsupported_reason(logits.dtype)):
-        return logit_statistics_torch(logits, target, vocab_start)
+def _block(n_cols):
+    return min(BLOCK_V, max(16, 1 << (n_cols - 1).bit_length()))
+
+
+def _statistics(logits, target, vocab_start):
+    """The Triton path of `logit_statistics` (rows of unit stride)."""
     tokens, n_cols = logits.shape
     out = [triton_support.empty((tokens,), torch.float32, logits.device) for _ in range(3)]
     if not triton_support.shape_only(logits) and tokens:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        block = min(BLOCK_V, max(16, 1 << (n_cols - 1).bit_length()))
         _statistics_kernel[(tokens,)](
-            logits, target.contiguous(), *out, n_cols, logits.stride(0), vocab_start, BLOCK=block
+            logits, target.contiguous(), *out, n_cols, logits.stride(0), vocab_start, BLOCK=_block(n_cols)
         )
     return tuple(out)
 
 
-def logit_gradient(logits, target, vocab_start, lse, grad_loss, impl="auto"):
-    """(softmax - one-hot(target)) * grad_loss [tokens, vocab] in the logits' dtype, written over `logits`
-    (contiguous); `lse` [tokens] fp32 is the log-sum-exp of each token's whole row, over every rank."""
-    _check(logits, target)
-    if not triton_support.use_triton(impl, logits, unsupported_reason(logits.dtype)):
-        return logit_gradient_torch(logits, target, vocab_start, lse, grad_loss)
-    if not logits.is_contiguous():
-        raise ValueError("logit_gradient writes over its logits: they must be contiguous")
+def _gradient(logits, target, vocab_start, lse, grad_loss):
+    """The Triton path of `logit_gradient`: writes over `logits` (contiguous)."""
     tokens, n_cols = logits.shape
     if not triton_support.shape_only(logits) and tokens:
-        block = min(BLOCK_V, max(16, 1 << (n_cols - 1).bit_length()))
-        grid = (tokens, triton_support.triton.cdiv(n_cols, block))
-        _gradient_kernel[grid](
+        block = _block(n_cols)
+        _gradient_kernel[(tokens, triton_support.triton.cdiv(n_cols, block))](
             logits,
             target.contiguous(),
             lse.contiguous(),
@@ -144,3 +137,22 @@ def logit_gradient(logits, target, vocab_start, lse, grad_loss, impl="auto"):
             BLOCK=block,
         )
     return logits
+
+
+def logit_statistics(logits, target, vocab_start, impl="auto"):
+    """(max, sum of exp(logit - max), target logit or 0) of each row of this rank's logits [tokens, vocab]."""
+    _check(logits, target)
+    if triton_support.use_triton(impl, logits, unsupported_reason(logits.dtype)):
+        return _statistics(logits, target, vocab_start)
+    return logit_statistics_torch(logits, target, vocab_start)
+
+
+def logit_gradient(logits, target, vocab_start, lse, grad_loss, impl="auto"):
+    """(softmax - one-hot(target)) * grad_loss [tokens, vocab] in the logits' dtype, written over `logits`
+    (contiguous); `lse` [tokens] fp32 is the log-sum-exp of each token's whole row, over every rank."""
+    _check(logits, target)
+    if not logits.is_contiguous():
+        raise ValueError("logit_gradient writes over its logits: they must be contiguous")
+    if triton_support.use_triton(impl, logits, unsupported_reason(logits.dtype)):
+        return _gradient(logits, target, vocab_start, lse, grad_loss)
+    return logit_gradient_torch(logits, target, vocab_start, lse, grad_loss)
