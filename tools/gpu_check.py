@@ -9,8 +9,9 @@ guide: docs/gpu-check.md. Parts (tools/gpu_check_lib/):
 kernels-step (issue 34)
   1. kernels_check: flash attention (causal; head dim 64, 128; MHA and GQA with 8 groups; seq 2k
      and 8k, 64k tokens per case) and RMSNorm/LayerNorm (hidden 4096, 8192; 16k rows), forward and
-     backward in bf16: error vs fp32, TFLOP/s or GB/s, ratio to torch (SDPA flash, F.rms_norm /
-     F.layer_norm, apex when importable); a failing case is one row with its error line.
+     backward in bf16, and the LM head + cross-entropy fused vs unfused (8192 tokens, vocab 128256):
+     error vs fp32, TFLOP/s or GB/s, ratio to torch (SDPA flash, F.rms_norm / F.layer_norm, apex when
+     importable, the unfused head); a failing case is one row with its error line.
   2. step_check.check_step: a 1.1B Llama (seq 4096, 8 microbatches of 1) through our Trainer,
      3 warm-up + 20 timed iterations: tokens/s, TFLOP/s (the log line's FLOP count), MFU against
      the device preset's dense bf16 peak, host syncs per iteration; the same model as a bare
