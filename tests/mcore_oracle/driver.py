@@ -35,8 +35,9 @@ The ops run in order on every rank:
   a file T/stop ends the run.
 A job's "moe" (optional): megatron-core TransformerConfig MoE keyword arguments; the model then has MoE layers
 (local spec, SequentialMLP experts) and `train` updates the expert bias as its finalize_model_grads does; "ep"
-(optional, default 1): the expert-parallel size; "moe_args" (optional): the MoE arguments its checkpoints record
-(Megatron-LM's argparse names).
+(optional, default 1): the expert-parallel size (in parallel_state and the TransformerConfig, which marks the
+experts' parameters expert-parallel: their own buffers and, with ep > 1, a second optimizer, as Megatron-LM
+runs); "moe_args" (optional): the MoE arguments its checkpoints record (Megatron-LM's argparse names).
 """
 
 import argparse
@@ -106,6 +107,7 @@ def build_model(spec: dict) -> GPTModel:
         attention_dropout=0.0,
         init_method_std=m["init_method_std"],
         tensor_model_parallel_size=spec["tp"],
+        expert_model_parallel_size=spec.get("ep", 1),  # marks the experts' parameters expert-parallel
         use_cpu_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -344,13 +346,14 @@ class Oracle:
     def load(self, root: str, optimizer: bool) -> None:
         iteration = int(open(os.path.join(root, TRACKER)).read().strip())
         directory = os.path.join(root, f"iter_{iteration:07d}")
-        inner = self.optimizer.chained_optimizers[0]
-        dummy = self.spec.get("distributed_optimizer", False) and not inner.optimizer.state
+        inners = self.optimizer.chained_optimizers  # one; with experts, the expert parameters' second
+        dummy = self.spec.get("distributed_optimizer", False) and not inners[0].optimizer.state
         if dummy:
             # torch's AdamW (no apex or Transformer Engine here) has no state before its first step, and
             # DistributedOptimizer.state_dict() needs its step count: megatron-core's own helper steps once
             # on zero gradients; the load below overwrites the values it set (the step: below)
-            inner._init_optimizer_states_with_dummy_values()
+            for inner in inners:
+                inner._init_optimizer_states_with_dummy_values()
         saved = dist_checkpointing.load_content_metadata(directory) or {}  # Megatron-LM's load reads it first
         sharding = saved.get("distrib_optim_sharding_type", "fully_sharded_model_space")
         state = dist_checkpointing.load(self.sharded_state(optimizer, loading=True, sharding=sharding), directory)
@@ -363,9 +366,10 @@ class Oracle:
                 # parameter one shared step tensor (AdamW would advance it once per parameter), and the
                 # dp_reshardable load then copies the step of the optimizer being loaded into it (the dummy
                 # step). Each parameter gets its own, the checkpoint's (its param groups', as fused Adam's).
-                step = inner.optimizer.param_groups[0]["step"]
-                for param_state in inner.optimizer.state.values():
-                    param_state["step"] = torch.tensor(float(step))
+                for inner in inners:
+                    step = inner.optimizer.param_groups[0]["step"]
+                    for param_state in inner.optimizer.state.values():
+                        param_state["step"] = torch.tensor(float(step))
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             self.iteration = state["iteration"]
             self.consumed = state["args"].consumed_train_samples
@@ -377,7 +381,7 @@ class Oracle:
                 "params": [[names[p], *where] for p, where in buffer.param_index_map.items()],
                 "buckets": [[b.offset, b.grad_data.numel(), b.numel_unpadded] for b in buffer.buckets],
             }
-            for buffer in self.model.buffers
+            for buffer in self.model.buffers + self.model.expert_parallel_buffers
         ]
         if dist.get_rank() == 0:
             os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -358,8 +358,13 @@ TINY += "--mock-data --vocab-size 100"
         ("--num-experts 8 --expert-model-parallel-size 8", "--expert-model-parallel-size (8) = 8 must divide tp x cp"),
         ("--expert-model-parallel-size 2", "--expert-model-parallel-size need --num-experts"),
         (
-            "--num-experts 4 --save /nonexistent --ckpt-format torch_dist --use-distributed-optimizer",
-            "--ckpt-format torch_dist --use-distributed-optimizer with --num-experts",
+            "--num-experts 4 --save /x --ckpt-format torch_dist --use-distributed-optimizer --moe-grouped-gemm",
+            "--ckpt-format torch_dist --use-distributed-optimizer with --moe-grouped-gemm",
+        ),
+        (
+            "--num-experts 4 --save /x --ckpt-format torch_dist --use-distributed-optimizer "
+            "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
+            "with --expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2 without expert parallelism",
         ),
     ],
 )

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpointing.megatron_lm import EXPERT  # our routed experts' names, by global index
+
 BUCKET_FORM = "dp_reshardable"  # common.pt['optimizer']['param_state_sharding_type'] of this form
 PARAM_ALIGNMENT = 64  # elements: parameters start at 128-byte (16-bit) aligned addresses
 BUCKET_ALIGNMENT = 128
@@ -94,7 +96,9 @@ def bucket_layout(
 
 # megatron-core's local layer spec (get_gpt_layer_local_spec): a layer's parameters in registration
 # order (TransformerLayer: input_layernorm, self_attention (its linear_proj is built before linear_qkv),
-# pre_mlp_layernorm, mlp; weights before biases)
+# pre_mlp_layernorm, mlp; weights before biases). An MoE layer's mlp (MoELayer with SequentialMLP
+# experts, get_gpt_decoder_block_spec) registers its router, then its experts by index, then the shared
+# experts; `mlp.experts` stands for all its experts (EXPERT_ORDER within one).
 LOCAL_LAYER_ORDER = (
     "input_layernorm.weight",
     "input_layernorm.bias",
@@ -112,7 +116,14 @@ LOCAL_LAYER_ORDER = (
     "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
+    "mlp.router.weight",
+    "mlp.experts",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc2.bias",
 )
+EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 MODEL_ORDER = (
     "embedding.word_embeddings.weight",
     "embedding.position_embeddings.weight",
@@ -126,6 +137,10 @@ MODEL_ORDER = (
 def _order_key(name: str) -> tuple:
     if name.startswith("decoder.layers."):
         layer, rest = name[len("decoder.layers.") :].split(".", 1)
+        expert = EXPERT.fullmatch(rest)
+        if expert:  # megatron-core names an expert by its local index: the same order as the global one
+            inner = int(expert.group(1)), EXPERT_ORDER.index(expert.group(2))
+            return MODEL_ORDER.index("decoder.layers."), int(layer), LOCAL_LAYER_ORDER.index("mlp.experts"), *inner
         return MODEL_ORDER.index("decoder.layers."), int(layer), LOCAL_LAYER_ORDER.index(rest)
     return (MODEL_ORDER.index(name),)
 
@@ -149,12 +164,23 @@ def _known(name: str) -> bool:
     return True
 
 
-def bucket_tensor_name(dp_group: int, gbuf: int, dtypes: tuple[torch.dtype, torch.dtype], bucket: int, key: str) -> str:
+def _prefix(chained: int | None) -> str:
+    """megatron-core's ChainedOptimizer prefixes each of its optimizers' names (`chained_<i>.`) when it holds
+    several: with expert parallelism, 0 for the dense parameters and 1 for the expert-parallel ones."""
+    return "" if chained is None else f"chained_{chained}."
+
+
+def bucket_tensor_name(
+    dp_group: int, gbuf: int, dtypes: tuple[torch.dtype, torch.dtype], bucket: int, key: str, chained: int | None = None
+) -> str:
     """The checkpoint name of state `key` of a bucket (`dtypes`: the buffer's param and grad dtypes)."""
-    return f"optimizer.distributed.dp_group_idx_{dp_group}.gbuf_idx_{gbuf}.dtype_{dtypes}.bucket_idx_{bucket}.{key}"
+    return (
+        f"{_prefix(chained)}optimizer.distributed.dp_group_idx_{dp_group}.gbuf_idx_{gbuf}.dtype_{dtypes}."
+        f"bucket_idx_{bucket}.{key}"
+    )
 
 
-def dp_group_object_name(dp_group: int, key: str) -> str:
+def dp_group_object_name(dp_group: int, key: str, chained: int | None = None) -> str:
     """The DCP name of one of the ShardedObjects a model-parallel rank's distributed optimizer writes
     (`optimizer`, `grad_scaler`, `per_bucket_numel`, `per_bucket_numel_unpadded`)."""
-    return f"optimizer.distributed.dp_group_idx_{dp_group}.{key}/shard_0_1"
+    return f"{_prefix(chained)}optimizer.distributed.dp_group_idx_{dp_group}.{key}/shard_0_1"

@@ -47,14 +47,17 @@ class MegatronLayout:
     num_layers: int
     num_experts: int | None = None
     stacked: bool = True
+    chained: bool = False  # expert parallelism: optimizer state of dense tensors `chained_0.`, experts' `chained_1.`
 
 
-def megatron_layout(config) -> MegatronLayout:
+def megatron_layout(config, chained: bool = False) -> MegatronLayout:
     """The layout of a model with TransformerConfig `config`, as megatron-core's TransformerBlock
-    decides it (an int --moe-layer-freq above 1 or a list: one tensor per layer)."""
+    decides it (an int --moe-layer-freq above 1 or a list: one tensor per layer); `chained`: saved with
+    expert parallelism, where megatron-core's ChainedOptimizer (one optimizer for the dense parameters, one
+    for the expert-parallel ones) prefixes each one's state with its index."""
     freq = config.moe_layer_freq
     mixed = isinstance(freq, list) or freq > 1
-    return MegatronLayout(config.num_layers, config.num_moe_experts, not mixed)
+    return MegatronLayout(config.num_layers, config.num_moe_experts, not mixed, chained)
 
 
 def _split_state(name: str) -> tuple[str, str]:
@@ -76,6 +79,8 @@ def megatron_place(name: str, layout: MegatronLayout) -> tuple[str, tuple[int, .
     """Megatron-LM's name of our canonical tensor `name`, and the leading (indices, sizes) our tensor
     has in it: (layer, expert) of (num_layers, num_experts) where stacked and an expert's."""
     prefix, model_name = _split_state(name)
+    if prefix and layout.chained:
+        prefix = f"chained_{1 if EXPERT.search(model_name) else 0}.{prefix}"
     match = LAYER.fullmatch(model_name)
     if match is None:
         return prefix + model_name, (), ()

@@ -123,13 +123,22 @@ def moe_notes(config) -> list[str]:
 
 
 def refuse_moe_checkpoints(config, checkpoint, parallel) -> None:
-    """What checkpoints of MoE models cannot hold yet: the distributed optimizer's bucket form (Megatron-LM's
-    dp_reshardable torch_dist) of the expert buffers."""
-    if config.num_moe_experts is None:
+    """MoE layouts whose distributed-optimizer state (Megatron-LM's dp_reshardable torch_dist buckets) is not
+    written here: --moe-grouped-gemm (Megatron-LM's local GroupedMLP keeps each layer's experts in two
+    weights, another bucket layout), and expert tensor parallelism without expert parallelism."""
+    if config.num_moe_experts is None or not (
+        checkpoint.ckpt_format == "torch_dist" and checkpoint.save and parallel.ddp.use_distributed_optimizer
+    ):
         return
-    if checkpoint.ckpt_format == "torch_dist" and checkpoint.save and parallel.ddp.use_distributed_optimizer:
+    etp = parallel.etp or parallel.tp
+    refused = {
+        "--moe-grouped-gemm (Megatron-LM's GroupedMLP buffers)": config.moe_grouped_gemm,
+        f"--expert-tensor-parallel-size {etp} != --tensor-model-parallel-size {parallel.tp} without expert "
+        "parallelism": parallel.ep == 1 and etp != parallel.tp,
+    }
+    for what in (what for what, present in refused.items() if present):
         raise ValueError(
-            "--ckpt-format torch_dist --use-distributed-optimizer with --num-experts: the expert gradient buffers' "
-            "dp_reshardable bucket state is not written here; save with --ckpt-format canonical, or without "
+            f"--ckpt-format torch_dist --use-distributed-optimizer with {what}: the distributed optimizer's "
+            "dp_reshardable bucket state is not written for it here; save with --ckpt-format canonical, or without "
             "--use-distributed-optimizer"
         )

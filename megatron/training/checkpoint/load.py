@@ -114,7 +114,9 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
     """A model tensor of the checkpoint that no rank's model reads (a flag that adds tensors left out,
     e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
     wanted = {piece.name for piece in pieces}
-    saved = sorted(name for name in saved_tensors(info.directory) if not name.startswith(("optimizer.", "rng.")))
+    saved = sorted(
+        name for name in saved_tensors(info.directory) if not name.startswith(("optimizer.", "chained_", "rng."))
+    )
     # unused: by no rank (every rank holds the same list of saved names: one small all-reduce)
     unused = [name for name, none in zip(saved, every_rank([name not in wanted for name in saved])) if none]
     if unused:
@@ -144,7 +146,7 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
         verify_files(info.directory, info.metadata["files"])
         names = list
     else:  # our pieces -> the same data as pieces of Megatron-LM's tensors
-        names = stored_as_megatron(trainer.run.model)
+        names = stored_as_megatron(trainer.run.model, info.directory)
     rows = saved_vocab_rows(saved_tensors(info.directory))  # another layout's padding: the rows both have
 
     def stored(pieces: list[TensorPiece]) -> list[TensorPiece]:

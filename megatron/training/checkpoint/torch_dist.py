@@ -26,10 +26,12 @@ state is in megatron-core's `dp_reshardable` bucket form (torch_dist_buckets.py)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import pickle
+import re
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -52,7 +54,7 @@ from megatron.training.checkpoint.directory import (
 )
 from megatron.training.checkpoint.state import checkpoint_contents
 from megatron.training.checkpoint.torch_dist_args import args_mismatch, megatron_args
-from megatron.training.checkpoint.torch_dist_buckets import bucket_state_pieces, buffer_dtype_pair
+from megatron.training.checkpoint.torch_dist_buckets import bucket_state_pieces, buffer_dtype_pair, expert_groups
 from megatron.training.checkpoint.torch_dist_common import COMMON, read_common, read_object
 from megatron.training.checkpoint.torch_dist_rng import has_megatron_rng, megatron_rng_objects
 
@@ -63,6 +65,8 @@ MEGATRON_METADATA = {
     "common_backend_version": 1,
 }
 CHECKPOINT_VERSION = 3.0
+CHAINED_STATE = "chained_0.optimizer.state."  # the model-space optimizer state of a ChainedOptimizer
+OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.(state\.exp_avg\.|distributed\.)")  # moments saved
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -85,6 +89,15 @@ def check_file_lengths(directory: str) -> None:
             raise CheckpointError(
                 f"{path}: {os.path.getsize(path)} bytes, the checkpoint's .metadata needs {size} (truncated)"
             )
+
+
+def first_of_chain(optimizer_state) -> tuple[dict, int | None]:
+    """megatron-core's ChainedOptimizer of several optimizers (with expert parallelism: the dense and the
+    expert-parallel parameters', whose steps it keeps equal) records each one's common state under its
+    index: (the first one's, 0); one optimizer: (its state, None)."""
+    if isinstance(optimizer_state, dict) and optimizer_state and all(isinstance(k, int) for k in optimizer_state):
+        return optimizer_state[0], 0
+    return optimizer_state, None
 
 
 def _torch_optimizer(optimizer_state) -> dict:
@@ -129,12 +142,14 @@ def megatron_metadata(directory: str) -> dict:
         raise CheckpointError(f"{os.path.join(directory, COMMON)}: no args (not a Megatron-LM training checkpoint)")
     tensors = saved_tensors(directory)
     objects = FileSystemReader(directory).read_metadata().state_dict_metadata  # tensors and byte objects
-    optimizer = common.get("optimizer") or {}
+    optimizer, chained = first_of_chain(common.get("optimizer") or {})
     form = optimizer.get("param_state_sharding_type")
     if form == BUCKET_FORM:  # the param groups (with Adam's step) and loss scaler are ShardedObjects
-        optimizer = {key: read_object(directory, dp_group_object_name(0, key)) for key in ("optimizer", "grad_scaler")}
+        optimizer = {
+            key: read_object(directory, dp_group_object_name(0, key, chained)) for key in ("optimizer", "grad_scaler")
+        }
     step = _step(optimizer)
-    moments = any(name.startswith(("optimizer.state.exp_avg.", "optimizer.distributed.")) for name in tensors)
+    moments = any(OPTIMIZER_STATE.match(name) for name in tensors)
     consumed = getattr(args, "consumed_train_samples", 0) or 0
     scheduler = common.get("opt_param_scheduler") or {}
     return {
@@ -220,10 +235,10 @@ def megatron_checkpoint_to_load(root: str, run) -> CheckpointInfo:
     return dataclasses.replace(info, notes=info.notes + (note,)) if note else info
 
 
-def stored_as_megatron(config):
+def stored_as_megatron(config, directory: str):
     """Our pieces of a model with TransformerConfig `config` -> the same data as pieces of Megatron-LM's
-    tensors."""
-    layout = megatron_layout(config)
+    tensors in the checkpoint `directory` (its optimizer state under a ChainedOptimizer's prefixes or not)."""
+    layout = megatron_layout(config, chained=any(name.startswith(CHAINED_STATE) for name in saved_tensors(directory)))
     return lambda pieces: [to_megatron(p, layout) for p in pieces]
 
 
@@ -279,6 +294,23 @@ def _scheduler_state(trainer, update_samples: int) -> dict | None:
     }
 
 
+def _common_optimizer(optimizer: dict, distributed: bool, trainer):
+    """common.pt's `optimizer`: the distributed optimizer's form (its state is in ShardedObjects) or the
+    optimizer's common state; with expert parallelism megatron-core's ChainedOptimizer records one per
+    optimizer (dense, expert-parallel)."""
+    if distributed:
+        form = {"param_state_sharding_type": BUCKET_FORM}  # a dict each (megatron-core's load fills them in)
+        return {0: form, 1: dict(form)} if trainer.mesh.dims.ep > 1 else form
+    if trainer.mesh.dims.ep == 1:
+        return optimizer
+    biases = trainer.run.model.add_bias_linear
+    if "optimizer" in optimizer:  # bf16/fp16: the torch optimizer's state nested beside the loss scaler
+        experts = {**optimizer, "optimizer": expert_groups(optimizer["optimizer"], biases)}
+    else:
+        experts = expert_groups(optimizer, biases)
+    return {0: optimizer, 1: copy.deepcopy(experts)}  # no shared dicts: megatron-core's load fills each in
+
+
 def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
     """common.pt of a Megatron-format save after `iteration` (`metadata`: our checkpoint metadata), and
     the optimizer's common state (param groups with Adam's step; bf16/fp16: nested beside the loss
@@ -325,25 +357,26 @@ def megatron_common(trainer, iteration: int, metadata: dict) -> dict:
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
-        "optimizer": {"param_state_sharding_type": BUCKET_FORM} if distributed else optimizer,
+        "optimizer": _common_optimizer(optimizer, distributed, trainer),
         "opt_param_scheduler": _scheduler_state(trainer, metadata["update_samples"]),
         "num_floating_point_operations_so_far": 0,
     }
-    if distributed:
+    if distributed or dims.ep > 1:  # as Megatron-LM records it (its optimizer state names follow from it)
         common["content_metadata"] = {"distrib_optim_sharding_type": BUCKET_FORM, "chained_optim_avoid_prefix": True}
     return common, optimizer
 
 
 def publish_megatron_checkpoint(
-    root: str, iteration: int, pieces: list, config, common: dict, extra: tuple[list, dict] = ((), {})
+    root: str, iteration: int, pieces: list, config, common: dict, extra: tuple[list, dict] = ((), {}), chained=False
 ) -> str:
     """Write our canonical `pieces` of a model with TransformerConfig `config` as Megatron-LM's torch_dist
     checkpoint `<root>/iter_NNNNNNN` (a collective, or one process): vocabulary tensors as the pieces
     have them (Megatron's padded rows at the saving tp), the layers' `_extra_state` objects, `common`
     as common.pt, and `extra` (pieces and objects already in Megatron's names: the distributed
-    optimizer's buckets, RNG states). Written into a temporary directory that is renamed and only then
-    named by the tracker, as ours."""
-    layout = megatron_layout(config)
+    optimizer's buckets, RNG states); `chained`: optimizer state under a ChainedOptimizer's prefixes (expert
+    parallelism). Written into a temporary directory that is renamed and only then named by the tracker, as
+    ours."""
+    layout = megatron_layout(config, chained)
     megatron = [to_megatron(p, layout) for p in pieces]
     extra_pieces, extra_objects = extra
     staging = prepare_staging(root, iteration)
@@ -369,4 +402,7 @@ def save_megatron_checkpoint(root: str, iteration: int, trainer) -> str:
         pieces = [p for p in pieces if not p.name.startswith("optimizer.")]
         extra_pieces, buckets = bucket_state_pieces(trainer, iteration_dir(root, iteration), optimizer)
         objects.update(buckets)
-    return publish_megatron_checkpoint(root, iteration, pieces, trainer.run.model, common, (extra_pieces, objects))
+    chained = trainer.mesh.dims.ep > 1
+    return publish_megatron_checkpoint(
+        root, iteration, pieces, trainer.run.model, common, (extra_pieces, objects), chained
+    )
