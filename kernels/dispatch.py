@@ -7,6 +7,7 @@ kernels/triton_support.py `op_path` against the kernel's own rule of what it sup
 
 from dataclasses import dataclass
 
+from kernels.cross_entropy import unsupported_reason as cross_entropy_unsupported
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
 from kernels.triton_support import OpPath, op_path
@@ -22,12 +23,14 @@ class KernelPaths:
     `attention_kernel`), 'sdpa' (torch's scaled_dot_product_attention: attention dropout or a
     document mask, which the kernel does not have), or 'unfused' (megatron-core's local-spec
     attention, rounding as it does: --attention-backend unfused|local). `norm`: the normalization
-    kernels' path."""
+    kernels' path. `cross_entropy`: the fused LM head + cross-entropy's reductions
+    (--cross-entropy-loss-fusion; None: the output layer and the cross-entropy run unfused)."""
 
     attention: str
     attention_kernel: OpPath
     norm: OpPath
     sdpa_reason: str = ""
+    cross_entropy: OpPath | None = None
 
     @property
     def attention_line(self) -> str:
@@ -37,6 +40,11 @@ class KernelPaths:
         if self.attention == UNFUSED:
             return "torch, unfused as megatron-core's DotProductAttention (scores and probabilities stored)"
         return self.attention_kernel.line
+
+    @property
+    def cross_entropy_line(self) -> str:
+        """The start-up log's LM head + cross-entropy path."""
+        return "unfused" if self.cross_entropy is None else f"fused, {self.cross_entropy.line}"
 
 
 def kernel_paths(
@@ -51,13 +59,15 @@ def kernel_paths(
     context_parallel=False,
     document_mask=False,
     assume_triton=False,
+    cross_entropy_impl=None,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
     log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend ('unfused', or
     a kernel impl) and --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
     probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
     `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
-    CPU: the interpreter on), for an estimate of a run elsewhere."""
+    CPU: the interpreter on), for an estimate of a run elsewhere; `cross_entropy_impl`: the fused LM
+    head + cross-entropy's impl (None: unfused)."""
     unfused = attention_impl == UNFUSED
     attention_kernel = op_path(
         "torch" if unfused else attention_impl,
@@ -66,12 +76,15 @@ def kernel_paths(
         assume_triton,
     )
     norm = op_path(norm_impl, device_type, norm_unsupported(hidden_size, dtype), assume_triton)
+    ce = None
+    if cross_entropy_impl is not None:
+        ce = op_path(cross_entropy_impl, device_type, cross_entropy_unsupported(dtype), assume_triton)
     if context_parallel:
-        return KernelPaths("ring", attention_kernel, norm)
+        return KernelPaths("ring", attention_kernel, norm, cross_entropy=ce)
     if unfused:
-        return KernelPaths(UNFUSED, attention_kernel, norm)
+        return KernelPaths(UNFUSED, attention_kernel, norm, cross_entropy=ce)
     if document_mask:
-        return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)")
+        return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)", ce)
     if attention_dropout > 0.0:
-        return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)")
-    return KernelPaths("flash_attention", attention_kernel, norm)
+        return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)", ce)
+    return KernelPaths("flash_attention", attention_kernel, norm, cross_entropy=ce)

@@ -19,8 +19,8 @@ offload (issue 35; adam_bits and fresh-process sizes: issue 42)
      chunks 1/1/1 and auto, their device-only runs, an fp32 pair): losses, bytes vs the estimate,
      waits, CPU step, copy bandwidth vs a plain pinned copy_.
 kernels-step (issue 34)
-  kernels: flash attention and RMSNorm/LayerNorm forward and backward in bf16 at real sizes: error
-     vs fp32, TFLOP/s or GB/s, ratio to torch.
+  kernels: flash attention, RMSNorm/LayerNorm and the LM head + cross-entropy (fused vs unfused, vocab
+     128256) forward and backward in bf16 at real sizes: error vs fp32, TFLOP/s or GB/s, ratio to torch.
   step: a 1.1B Llama through our Trainer, 3 warm-up + 20 timed iterations: tokens/s, TFLOP/s, MFU,
      host syncs per iteration; the same model as a bare PyTorch loop for the ratio.
   memory: five configurations of that model: the estimate beside the allocator's peaks.

@@ -176,7 +176,15 @@ def output_layer_time(
 ) -> tuple[PassTime, PassTime]:
     """(forward, backward) of the logits GEMM and the vocab-parallel cross entropy on fp32 logits:
     forward 20 bytes per logit (the cast writes 4, the max reads 4, exp reads and writes 8, the sum
-    reads 4), backward 12 (the softmax gradient reads and writes 8, the cast back writes 2, rounded up)."""
-    gemm = gemm_seconds(tokens, vocab // tp, config.hidden_size, dtype_bytes(config.params_dtype), hw, cal)
+    reads 4), backward 12 (the softmax gradient reads and writes 8, the cast back writes 2, rounded up).
+    Fused (--cross-entropy-loss-fusion, its Triton reductions): forward reads each logit once in the
+    weights' dtype; backward computes the logits GEMM again and its gradient kernel reads and writes
+    each logit once."""
+    element = dtype_bytes(config.params_dtype)
+    gemm = gemm_seconds(tokens, vocab // tp, config.hidden_size, element, hw, cal)
     logits = tokens * vocab // tp / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    if config.cross_entropy_loss_fusion:
+        return PassTime(gemm=gemm, elementwise=element * logits), PassTime(
+            gemm=3 * gemm, elementwise=2 * element * logits
+        )
     return PassTime(gemm=gemm, elementwise=20 * logits), PassTime(gemm=2 * gemm, elementwise=12 * logits)

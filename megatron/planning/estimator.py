@@ -225,6 +225,7 @@ def estimate_rank(
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),
         moe=moe,
+        cross_entropy=kernels.cross_entropy,
     )
     pending = peak_pending_weight_steps(layout, pp_rank)
     if pending:  # zero-bubble: WEIGHT steps wait with their inputs and output gradients

@@ -15,6 +15,8 @@ attention (megatron/core/transformer/attention.py `core_attention`)
   * "unfused": megatron-core's unfused attention (--attention-backend unfused|local), plain torch ops.
 normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, or F.rms_norm,
   composite on CPU and `_fused_rms_norm` on CUDA).
+cross entropy: "unfused" (the output layer's logits, then the vocab-parallel cross-entropy), or the
+  fused LM head + cross-entropy (--cross-entropy-loss-fusion) with its reductions in "triton" or "torch".
 dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
 """
 
@@ -31,9 +33,11 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 class KernelChoice:
     attention: str  # "ring" | "triton" | "flash" | "efficient" | "math" | "unfused"
     norm: str  # "triton" | "torch"
+    cross_entropy: str = "unfused"  # "unfused" | "triton" | "torch" (the fused pass's reductions)
 
     def describe(self) -> str:
-        return f"attention {self.attention}, norms {self.norm}"
+        fused = "" if self.cross_entropy == "unfused" else f", fused cross entropy {self.cross_entropy}"
+        return f"attention {self.attention}, norms {self.norm}{fused}"
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -64,4 +68,9 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
         chosen = "triton"
     else:
         chosen = _sdpa_kernel(config, device_type, paths.attention == "sdpa")
-    return KernelChoice(attention=chosen, norm="triton" if paths.norm.runs_triton else "torch")
+    ce = paths.cross_entropy
+    return KernelChoice(
+        attention=chosen,
+        norm="triton" if paths.norm.runs_triton else "torch",
+        cross_entropy="unfused" if ce is None else "triton" if ce.runs_triton else "torch",
+    )

@@ -286,11 +286,14 @@ def _residual_bytes(config: TransformerConfig, setting: Setting) -> int:
 
 
 def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfig:
-    """`config` with the attention and normalization paths a run on `device_type` takes (with Triton
-    installed), so that the trace's fake CPU tensors run them."""
+    """`config` with the attention, normalization and fused cross-entropy paths a run on `device_type`
+    takes (with Triton installed), so that the trace's fake CPU tensors run them."""
     paths = config.kernel_paths(device_type, assume_triton=True)
     attention = config.attention_backend if paths.attention == UNFUSED else paths.attention_kernel.impl
-    return dataclasses.replace(config, attention_backend=attention, normalization_impl=paths.norm.impl)
+    cross_entropy = config.cross_entropy_impl if paths.cross_entropy is None else paths.cross_entropy.impl
+    return dataclasses.replace(
+        config, attention_backend=attention, normalization_impl=paths.norm.impl, cross_entropy_impl=cross_entropy
+    )
 
 
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, layer_ids) -> Saved:

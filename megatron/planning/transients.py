@@ -17,7 +17,8 @@ code allocates and are NOT validated by measurement yet:
 - dp buckets: 0 extra bytes -- our GradBuffer reduces bucket views of `main_grad`
   in place (NCCL's own buffers are an allowance, below);
 - the largest temporary during forward/backward, the max of: the last stage's
-  logits (and their fp32 copy in the cross entropy when they are bf16/fp16), a
+  logits (and their fp32 copy in the cross entropy when they are bf16/fp16; with
+  --cross-entropy-loss-fusion one chunk's, beside the input gradient the chunks fill), a
   weight gradient before it is added to `main_grad` (with gradient accumulation
   fusion the layer's placeholder of the same size; two of them for an
   embedding tied within one stage: the output layer's gradient waits for the
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.tensor_parallel.fused_cross_entropy import chunk_tokens
 from megatron.planning.kernels import dtype_bytes
 from megatron.planning.moe_routing import routes_per_expert
 from megatron.planning.parameters import padded_vocab
@@ -182,6 +184,15 @@ def logits_temporary(dims: Dims) -> int:
     return dims.s * dims.b * dims.vocab * (dims.p + extra)
 
 
+def fused_logits_temporary(dims: Dims, path: str) -> int:
+    """The fused LM head + cross-entropy (tensor_parallel/fused_cross_entropy.py): one chunk's logits
+    [chunk, V/t] in the weight dtype (the torch reductions add an fp32 working copy, the Triton
+    kernels none: `path`), and in backward the input gradient [s, b, h] filled chunk by chunk."""
+    tokens = dims.s * dims.b
+    per_logit = dims.p + (FP32 if path == "torch" else 0)
+    return chunk_tokens(tokens, dims.h, dims.vocab) * dims.vocab * per_logit + tokens * dims.h * dims.p
+
+
 def split_backward_bytes(dims: Dims, config, layers: int) -> int:
     """What one chunk's split backward queues until its weight step: each linear layer's output
     gradient (tensor_parallel/weight_grads.py; the output layer computes its weight
@@ -247,9 +258,17 @@ def moe_dispatch_bytes(dims: Dims, config) -> int:
 
 
 def largest_temporary(
-    dims: Dims, config, largest_param: int, has_last: bool, tied_in_one_stage: bool, recompute_working: int, moe: bool
+    dims: Dims,
+    config,
+    largest_param: int,
+    has_last: bool,
+    tied_in_one_stage: bool,
+    recompute_working: int,
+    moe: bool,
+    cross_entropy: str = "unfused",
 ) -> tuple[int, str]:
-    """`largest_param`: elements of the rank's largest parameter; `moe`: whether the rank has MoE layers."""
+    """`largest_param`: elements of the rank's largest parameter; `moe`: whether the rank has MoE layers;
+    `cross_entropy`: KernelChoice.cross_entropy ("unfused", or the fused pass's reductions)."""
     activation_gradients = 3 if config.swiglu else 2
     candidates = {
         "weight gradient": largest_param * dims.p * (2 if tied_in_one_stage else 1),
@@ -259,8 +278,10 @@ def largest_temporary(
     if moe:
         width = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
         candidates["expert activation gradients"] = expert_rows(dims, config) * width * dims.p * activation_gradients
-    if has_last:
+    if has_last and cross_entropy == "unfused":
         candidates["logits"] = logits_temporary(dims)
+    elif has_last:
+        candidates["fused cross entropy chunk"] = fused_logits_temporary(dims, cross_entropy)
     name = max(candidates, key=candidates.get)
     return candidates[name], name
 

@@ -6,8 +6,8 @@ import torch
 
 
 def startup_kernel_paths(model, device: torch.device, document_mask: bool = False) -> dict:
-    """{'attention': path, 'normalization': path}; raises ValueError naming the flag when a
-    forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
+    """{'attention': path, 'normalization': path, 'lm head + cross entropy': path}; raises ValueError
+    naming the flag when a forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
     torch's SDPA with an explicit mask (forcing the kernel is refused with the flags)."""
     if model.attention_dropout > 0.0 and model.attention_backend == "triton":
         raise ValueError(
@@ -19,4 +19,6 @@ def startup_kernel_paths(model, device: torch.device, document_mask: bool = Fals
     for flag, path in (("--attention-backend", attention), ("--normalization-impl", normalization)):
         if path.startswith("error"):
             raise ValueError(f"{flag} triton cannot run: {path[len('error (') : -1]}")
-    return {"attention": attention, "normalization": normalization}
+    if paths.cross_entropy is not None and paths.cross_entropy.error:
+        raise ValueError(f"--cross-entropy-loss-fusion: its Triton kernels cannot run: {paths.cross_entropy.error}")
+    return {"attention": attention, "normalization": normalization, "lm head + cross entropy": paths.cross_entropy_line}

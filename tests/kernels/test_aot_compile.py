@@ -8,7 +8,8 @@ How: a worker subprocess (TRITON_INTERPRET=0, because under the interpreter `@tr
 yields InterpretedFunction objects that `triton.compile` cannot take) replaces each kernel's
 launch with a recorder and calls the real host functions on meta tensors (see _launch_cases:
 attention for every GPU dtype x head dim x causal x lse-gradient; norms for every dtype x flag
-combination at two tile sizes and every tile size for the heaviest variant). Each recorded
+combination at two tile sizes and every tile size for the heaviest variant; the cross-entropy
+reductions for every dtype at two vocabulary sizes). Each recorded
 launch becomes a signature with the JIT's default specialisation (pointers and multiples of 16
 marked 16-divisible, ints equal to 1 made constant) and is compiled with
 `triton.compile(ASTSource(...), target=...)`. The test also fails if a kernel in the modules
@@ -39,6 +40,7 @@ def _launch_cases():
     """Call the host launch functions with the configurations they can pick (on meta tensors)."""
     import torch
 
+    from kernels import cross_entropy as ce
     from kernels import flash_attention as fa
     from kernels import normalization as nm
 
@@ -76,6 +78,14 @@ def _launch_cases():
     for hidden in (2**i for i in range(4, nm.MAX_HIDDEN.bit_length())):
         norm_calls(torch.bfloat16, hidden, torch.float32)
 
+    # The fused cross-entropy's reductions, on a chunk of Llama-3's vocabulary over tp 2 and a small one.
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for vocab in (64128, 100):
+            logits = torch.empty(256, vocab, dtype=dtype, **meta)
+            target, per_token = torch.empty(256, dtype=torch.int64, **meta), torch.empty(256, **meta)
+            ce._statistics(logits, target, vocab)
+            ce._gradient(logits, target, vocab, per_token, per_token)
+
 
 def _signature(kernel, args, kwargs):
     """Signature, constexprs and attrs as the JIT would specialise this launch."""
@@ -83,7 +93,7 @@ def _signature(kernel, args, kwargs):
 
     names = kernel.arg_names
     bound = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
-    pointer_types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+    pointer_types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(names, kernel.params)):
         value = bound[name]
@@ -127,6 +137,7 @@ def _compile_all():
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
+    from kernels import cross_entropy as ce
     from kernels import flash_attention as fa
     from kernels import normalization as nm
     from kernels import triton_support
@@ -134,7 +145,7 @@ def _compile_all():
     assert not triton_support.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
     kernels = {
         name: obj
-        for module in (fa, nm)
+        for module in (fa, nm, ce)
         for name, obj in vars(module).items()
         if isinstance(obj, JITFunction) and name.endswith("_kernel")
     }

@@ -30,6 +30,7 @@ LAYOUTS = {
         "dp2": [],
         "tp2": TP2,
         "tp2-sp": TP2 + SP,
+        "tp2-sp-ce-fusion": TP2 + SP + ["--cross-entropy-loss-fusion"],  # fused LM head + loss, chunked (gpt)
         "pp2": PP2,
         "pp2-vpp2": PP2 + VPP,
         "pp2-vpp2-g4": PP2 + VPP_GROUP4,

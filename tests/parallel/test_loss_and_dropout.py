@@ -20,7 +20,8 @@ TP2_PP2 = [
     "--num-layers-per-virtual-pipeline-stage",
     "1",
 ]
-MASKED_LAYOUTS = {1: [[]], 2: [[]], 4: [TP2_PP2, ["--pipeline-model-parallel-size", "2"]]}
+FUSED_TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--cross-entropy-loss-fusion"]
+MASKED_LAYOUTS = {1: [[]], 2: [[], FUSED_TP2_SP], 4: [TP2_PP2, ["--pipeline-model-parallel-size", "2"]]}
 
 
 class MaskedDataset:

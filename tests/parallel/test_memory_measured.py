@@ -8,7 +8,8 @@ optimizer (full, and f = 0.5 whose whole chunks the static policy picks, also un
 and Megatron-FSDP's sharding strategies (optim_grads; optim_grads_params at DP2, TP2+SP x DP2,
 CP2 x DP2, PP2 x VPP2 x DP2 and with half the optimizer offloaded: weights are the kept shards),
 and host-resident chunks (gradient and parameter shards on host at DP2 and TP2+SP x DP2, host
-gradients under optim_grads: the host column is the host slab).
+gradients under optim_grads: the host column is the host slab), and the fused LM head + cross-entropy
+(TP2+SP; sharded parameters, bf16).
 Per rank, after one training iteration: parameters, weights, gradient buffers, optimizer
 state on the device and on host (offloaded masters, moments and gradient copies) summed from
 the tensors, and the peak of saved activations over the pipeline schedule

@@ -19,9 +19,10 @@ gathered from a microbatch's forward to its backward; two per microbatch with
 --reshard-params-after-forward, also checked for equivalence, with --split-backward);
 optim_grads gathers the parameters once, after the step; with --unsharded-grad-accumulation the
 gradients are reduce-scattered once per step (and optim_grads_params with it matches one
-process). A run saved under optim_grads or optim_grads_params resumes bit for bit under it, and
-one saved under optim_grads_params continues under optim_grads at TP2 as the uninterrupted run
-does. torchrun with 2 ranks prints the one-rank losses and what the strategy keeps.
+process); so does optim_grads_params with --cross-entropy-loss-fusion, resharding after forward.
+A run saved under optim_grads or optim_grads_params resumes bit for bit under it, and one saved
+under optim_grads_params continues under optim_grads at TP2 as the uninterrupted run does.
+torchrun with 2 ranks prints the one-rank losses and what the strategy keeps.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ LAYOUTS = {  # world -> name -> (flags, models)
         "dp2-params": (PARAMS, BOTH),
         "dp2-params-offload": (PARAMS + OFFLOAD, GPT),
         "dp2-params-unsharded-accumulation": (PARAMS + UNSHARDED, GPT),
+        # the fused output layer + loss, called as a module so that its (tied or own) weight is gathered
+        "dp2-params-reshard-ce-fusion": (PARAMS + RESHARD + ["--cross-entropy-loss-fusion"], BOTH),
     },
     4: {
         "dp4-grads": (GRADS, GPT),

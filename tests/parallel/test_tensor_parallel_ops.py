@@ -1,5 +1,6 @@
-"""Tensor-parallel collectives, vocab-parallel cross-entropy and the RNG tracker on 2 gloo ranks,
-each against the same computation done in one process."""
+"""Tensor-parallel collectives, vocab-parallel cross-entropy (unfused, and fused with the output layer
+under TP and TP+SP) and the RNG tracker on 2 gloo ranks, each against the same computation done in one
+process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkB
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.fused_cross_entropy import fused_output_cross_entropy
 from megatron.core.tensor_parallel.initialization import initialize_parameters
 from megatron.core.tensor_parallel.random import RNGTracker, recompute
 from megatron.core.transformer.config import TransformerConfig
@@ -102,6 +104,33 @@ def check_cross_entropy(rank):
     torch.testing.assert_close(loss, expected.detach().float(), rtol=1e-6, atol=1e-6)
     expected_grad = reference_logits.grad.chunk(WORLD, -1)[rank]
     torch.testing.assert_close(local.grad, expected_grad.to(local.grad.dtype), rtol=1e-6, atol=1e-6)
+
+
+def check_fused_cross_entropy(rank):
+    """The fused output layer + cross-entropy on this rank's vocabulary rows (140 padded rows, 70 each) and
+    tokens (a sequence shard under SP; chunks of 4 of 15 tokens) gives the one-process losses and gradients."""
+    s, b, h, padded = 5, 3, 8, 140
+    g = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(s * WORLD, b, h, generator=g), torch.randn(padded, h, generator=g)
+    target = torch.randint(0, padded - 10, (s * WORLD, b), generator=g)
+    full_x, full_w = x.double().requires_grad_(), weight.double().requires_grad_()
+    expected = F.cross_entropy((full_x @ full_w.t()).flatten(0, 1), target.flatten(), reduction="none").view(
+        s * WORLD, b
+    )
+    expected.sum().backward()
+    rows = slice(rank * padded // WORLD, (rank + 1) * padded // WORLD)
+    for impl in ("triton", "torch"):
+        for sp in (False, True):
+            tokens = slice(rank * s, (rank + 1) * s) if sp else slice(None)
+            local_x = x[tokens].clone().requires_grad_()
+            local_w = weight[rows].clone().requires_grad_()
+            loss = fused_output_cross_entropy(
+                local_x, local_w, target, tp_group=dist.group.WORLD, sequence_parallel=sp, impl=impl, chunk=4
+            )
+            loss.sum().backward()
+            torch.testing.assert_close(loss, expected.detach().float(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(local_x.grad, full_x.grad[tokens].float(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(local_w.grad, full_w.grad[rows].float(), rtol=1e-5, atol=1e-6)
 
 
 def check_rng_tracker(rank):
@@ -288,6 +317,7 @@ def all_checks(rank):
     check_gradient_accumulation_fusion(rank)
     check_split_backward_queue_bytes(rank)
     check_cross_entropy(rank)
+    check_fused_cross_entropy(rank)
     check_rng_tracker(rank)
     return True
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import sentencepiece
+import torch
 
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
+from megatron.training.kernel_paths import startup_kernel_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -241,6 +243,24 @@ def test_gradient_accumulation_fusion_is_a_real_switch_noted_for_bf16():
         ],
     )
     assert fusion_notes(["--bf16", "--no-gradient-accumulation-fusion"]) == (False, [])
+
+
+def test_cross_entropy_fusion_is_a_real_switch_and_te_runs_ours_noted():
+    def fusion(extra):
+        run = parse(extra + ["--lr", "1e-4"])
+        paths = startup_kernel_paths(run.model, torch.device("cpu"))
+        return run.model.cross_entropy_loss_fusion, paths["lm head + cross entropy"], run.notes
+
+    assert fusion([]) == (False, "unfused", [])
+    fused = "fused, torch (tensors on CPU)"
+    assert fusion(["--cross-entropy-loss-fusion"]) == (True, fused, [])
+    assert fusion(["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]) == (True, fused, [])
+    on, path, notes = fusion(["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    assert (on, path) == (True, fused) and len(notes) == 1 and "Transformer Engine is not used here" in notes[0]
+    assert fusion(["--cross-entropy-fusion-impl", "te"])[1:] == (
+        "unfused",
+        ["> note: --cross-entropy-fusion-impl te changes nothing without --cross-entropy-loss-fusion"],
+    )
 
 
 def test_sequence_parallel_without_tp_is_noted_not_applied():

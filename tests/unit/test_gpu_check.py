@@ -65,7 +65,8 @@ def test_every_section_and_row(report):
     assert (
         sum(c.startswith("attention") for c in cases) == 8 and sum(c.startswith(("rms", "layer")) for c in cases) == 4
     )
-    assert len(kernels) == 12 * 2 * 2  # ours and torch, forward and backward
+    assert sum(c.startswith("lm head + cross entropy") for c in cases) == 1
+    assert len(kernels) == 13 * 2 * 2  # ours and torch, forward and backward
     assert [r["configuration"] for r in sections["memory"]["rows"]] == [
         "recompute none, mbs 1",
         "recompute selective, mbs 1",

@@ -182,6 +182,21 @@ def test_first_and_last_stage_extras():
     assert _saved(LLAMA, post=True).bytes - middle == final_norm + sb * H * 2 + sb * vocab * 4 + sb * 8 + sb + B * S * 4
 
 
+@pytest.mark.parametrize("device,path", [("cuda", "triton"), ("cpu", "torch")])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_cross_entropy_keeps_no_logits(device, path, tp):
+    """--cross-entropy-loss-fusion: the last stage keeps the output layer's input (a sequence shard
+    under SP), the targets (int64) and an fp32 log-sum-exp per token, in place of the unfused
+    path's fp32 softmax over the local vocabulary, its targets and out-of-range mask; both
+    reduction paths keep the same."""
+    fused = dataclasses.replace(LLAMA, cross_entropy_loss_fusion=True)
+    assert resolve_kernels(fused, device).cross_entropy == path
+    assert resolve_kernels(LLAMA, device).cross_entropy == "unfused"
+    sb, vocab = S * B, 128256 // tp
+    unfused = _saved(LLAMA, post=True, tp=tp, device=device).bytes
+    assert unfused - _saved(fused, post=True, tp=tp, device=device).bytes == sb * vocab * 4 + sb * 8 + sb - sb * 12
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_under_cp(cp):
     """cp > 1, on any device or backend: the ring attention saves rotated q and k, a copy of v (not the

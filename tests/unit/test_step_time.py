@@ -25,6 +25,7 @@ from megatron.planning.compute_cost import (
     gemm_efficiency,
     gemm_seconds,
     layer_time,
+    output_layer_time,
 )
 from megatron.planning.hardware import DEVICES, Hardware
 from megatron.planning.pipeline_simulator import simulate
@@ -179,6 +180,20 @@ def test_attention_and_elementwise_terms():
         dataclasses.replace(no_dropout, tensor_model_parallel_size=4, sequence_parallel=True), tokens, 4
     )
     assert sp == pytest.approx(plain / 4)
+
+
+def test_fused_output_layer_recomputes_its_gemm_and_reads_the_logits_once():
+    """--cross-entropy-loss-fusion: the backward's 3 GEMMs (the logits again, then the two gradients) and
+    one read per logit forward, a read and a write backward, in fp16, for the unfused path's 20 and 12
+    bytes of fp32 cross-entropy."""
+    tokens, vocab = 4096, 51200
+    plain_f, plain_b = output_layer_time(GPT_1_7B, vocab, tokens, 2, A100, CAL)
+    fused = dataclasses.replace(GPT_1_7B, cross_entropy_loss_fusion=True)
+    fused_f, fused_b = output_layer_time(fused, vocab, tokens, 2, A100, CAL)
+    assert (fused_f.gemm, fused_b.gemm) == (plain_f.gemm, 1.5 * plain_b.gemm)
+    assert (fused_f.elementwise, fused_b.elementwise) == pytest.approx(
+        (plain_f.elementwise * 2 / 20, plain_b.elementwise * 4 / 12)
+    )
 
 
 def test_sc21_1_7b_never_above_peak():

@@ -9,7 +9,7 @@ tied across stages), the offload optimizer (full and half), sharded gradients (o
 and sharded parameters (optim_grads_params: DP, TP+SP x DP, CP x DP, PP x VPP x DP also
 resharding after forward, and with half the optimizer offloaded), host-resident chunks (gradient
 and parameter shards on host: all of them, and nested halves; host gradients under optim_grads),
-fp32 and bf16; GPT with
+the fused LM head + cross-entropy (TP+SP, and sharded parameters), fp32 and bf16; GPT with
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
 Triton interpreter is available, our Triton attention and norm kernels; a Llama with MoE layers
 under EP2 (alltoall, allgather), EP2 x TP2+SP with ETP 1, EP2 x PP2, and EP2 over DP4 with the
@@ -129,6 +129,7 @@ HOST_HALF = ["--grad-offload-fraction", "0.5", "--param-offload-fraction", "0.5"
 # during forward/backward (the estimate's gathered_bytes) are transients, not measured here
 OPTIM_GRADS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 OPTIM_GRADS_PARAMS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+CE_FUSION = ["--cross-entropy-loss-fusion"]  # the output layer and the loss in token chunks: no logits kept
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
     **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
@@ -167,6 +168,8 @@ LAYOUTS = {
         ),
         ("ep2-alltoall", "moe", EP2 + ALLTOALL),
         ("ep2-allgather-bf16", "moe", EP2 + BF16),
+        ("tp2-sp-ce-fusion", "llama", TP2 + SP + CE_FUSION),
+        ("dp2-optim-grads-params-ce-fusion-bf16", "gpt", OPTIM_GRADS_PARAMS + CE_FUSION + BF16),
     ],
     4: [
         ("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2),

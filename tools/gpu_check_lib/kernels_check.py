@@ -16,17 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.cross_entropy import unsupported_reason as cross_entropy_unsupported
 from kernels.flash_attention import flash_attention, flash_attention_torch
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import layer_norm, layer_norm_torch, rms_norm, rms_norm_torch
 from kernels.normalization import unsupported_reason as norm_unsupported
 from kernels.triton_support import kernel_path
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.fused_cross_entropy import fused_output_cross_entropy
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import error_line
 
 COLUMNS = ["case", "pass", "impl", "path", "max err", "mean err", "rel err", "ms", "rate", "unit", "vs torch"]
-REAL = dict(tokens=65536, seqs=(2048, 8192), hidden=4096, rows=16384, norm_hiddens=(4096, 8192))
-DRY = dict(tokens=16, seqs=(16, 32), heads=2, rows=32, norm_hiddens=(64, 128))
+REAL = dict(tokens=65536, seqs=(2048, 8192), hidden=4096, rows=16384, norm_hiddens=(4096, 8192), head=(8192, 128256))
+DRY = dict(tokens=16, seqs=(16, 32), heads=2, rows=32, norm_hiddens=(64, 128), hidden=64, head=(24, 200))
 
 
 def _errors(pairs) -> tuple[float, float, float]:
@@ -164,11 +167,40 @@ def _norm_case(section, ctx, case, kind, rows, hidden, dtype):
     _rows(section, ctx, case, impls, inputs, reference, lambda t: t, ("GB/s", 2 * row_bytes, 3 * row_bytes), dout)
 
 
+def output_cross_entropy_case(section, ctx, sizes, dtype):
+    """The output layer + cross-entropy at Llama-3's vocabulary: fused (--cross-entropy-loss-fusion)
+    against the unfused path (the "torch" row: the logits GEMM, then the vocab-parallel cross-entropy)."""
+    (tokens, vocab), hidden = sizes["head"], sizes["hidden"]
+    case = f"lm head + cross entropy {tokens} tokens, h{hidden}, vocab {vocab}"
+    try:
+        device = ctx.device
+        gen = torch.Generator(device).manual_seed(vocab)
+        x = torch.randn(tokens, 1, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+        w = (0.02 * torch.randn(vocab, hidden, device=device, dtype=dtype, generator=gen)).requires_grad_()
+        target = torch.randint(0, vocab, (tokens, 1), device=device, generator=gen)
+        dout = torch.rand(tokens, 1, device=device, generator=gen)
+        ref_in = [t.detach().float().requires_grad_() for t in (x, w)]
+        ref_out = F.cross_entropy(F.linear(*ref_in).flatten(0, 1), target.flatten(), reduction="none").view(tokens, 1)
+        reference = (ref_out.detach(), torch.autograd.grad(ref_out, ref_in, dout))
+        del ref_out, ref_in
+        path = kernel_path("triton" if ctx.dry_run else "auto", device, cross_entropy_unsupported(dtype))
+        impl = "triton" if path.startswith("triton") else "auto"
+        impls = {
+            "torch": ("unfused", lambda x, w: vocab_parallel_cross_entropy(F.linear(x, w), target, None, 0)),
+            "ours": (path, lambda x, w: fused_output_cross_entropy(x, w, target, tp_group=None, impl=impl)),
+        }
+        flops = 2 * tokens * hidden * vocab  # the logits GEMM (the fused backward computes it again: not counted)
+        _rows(section, ctx, case, impls, (x, w), reference, lambda t: t, ("TFLOP/s", flops, 2 * flops), dout)
+    except Exception as error:
+        section.add(case=case, impl="-", path=f"error: {error_line(error)}")
+
+
 def check_kernels(report, ctx) -> None:
     section = report.section("kernels", "Kernels (bf16) vs fp32 reference and torch", COLUMNS)
     sizes = DRY if ctx.dry_run else REAL
     attention_cases(section, ctx, sizes, torch.bfloat16)
     norm_cases(section, ctx, sizes, torch.bfloat16)
+    output_cross_entropy_case(section, ctx, sizes, torch.bfloat16)
     section.notes.append(
         "max/mean err: absolute, against fp32 (attention: batch element 0); rel err: max err / the reference's "
         "largest value (the kernel tests' bf16 tolerance is 2e-2); bwd: all input gradients together"

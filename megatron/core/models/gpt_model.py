@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from megatron.core.context_parallel.sharding import positions as cp_positions
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.fused_cross_entropy import OutputLayer
 from megatron.core.tensor_parallel.initialization import InitSpec, make_param
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -109,7 +110,7 @@ class GPTModel(torch.nn.Module):
             device=device,
         )
         if post_process:
-            self.output_layer = ColumnParallelLinear(
+            self.output_layer = OutputLayer(
                 config.hidden_size,
                 config.padded_vocab_size,
                 tp_group=tp_group,
@@ -173,6 +174,10 @@ class GPTModel(torch.nn.Module):
         hidden = self.decoder(hidden, angles, mask)
         if not self.post_process:
             return hidden
+        if labels is not None and self.config.cross_entropy_loss_fusion:
+            impl = self.config.kernel_paths(hidden.device.type).cross_entropy.impl
+            once = not (self.tied and self.pre_process)  # a tied embedding's gradient also comes from its lookup
+            return self.output_layer(hidden, self.output_weight(), labels.t(), impl, once).t()
         logits = self.output_layer(hidden, self.output_weight())
         if labels is None:
             full = gather_from_tensor_parallel_region(logits, self.tp_group)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     # The three reductions here move s*b scalars each: not part of the per-layer volume.
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
@@ -23,16 +23,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start):
         logits = logits.float()
         local_vocab = logits.shape[-1]
-        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        logits_max = all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         exp_logits = (logits - logits_max.unsqueeze(-1)).exp_()
 
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - logits_max
-        target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), group)
+        target_logit = all_reduce(target_logit.masked_fill(outside, 0.0), group)
 
-        sum_exp = _all_reduce(exp_logits.sum(dim=-1), group)
+        sum_exp = all_reduce(exp_logits.sum(dim=-1), group)
         loss = sum_exp.log() - target_logit
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)

@@ -66,6 +66,8 @@ class TransformerConfig:
     attention_backend: str = "auto"
     normalization_impl: str = "auto"
     gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into main_grad themselves
+    cross_entropy_loss_fusion: bool = False  # the output layer and the cross-entropy in one chunked pass
+    cross_entropy_impl: str = "auto"  # the fused pass's reductions: kernels/cross_entropy.py's impl
     # mixture of experts (megatron-core's names and defaults; moe/validation.py checks them)
     num_moe_experts: int | None = None  # --num-experts: None is a dense model
     moe_layer_freq: int | list = 1  # every n-th layer is MoE, or one 0/1 per layer
@@ -180,7 +182,11 @@ class TransformerConfig:
             )
         else:
             need(self.recompute_method is None, "--recompute-method only applies with --recompute-granularity full")
-        for name, impls in (("attention_backend", (*KERNEL_IMPLS, UNFUSED)), ("normalization_impl", KERNEL_IMPLS)):
+        for name, impls in (
+            ("attention_backend", (*KERNEL_IMPLS, UNFUSED)),
+            ("normalization_impl", KERNEL_IMPLS),
+            ("cross_entropy_impl", KERNEL_IMPLS),
+        ):
             need(
                 getattr(self, name) in impls,
                 f"--{name.replace('_', '-')} must be one of {', '.join(impls)}",
@@ -253,6 +259,7 @@ class TransformerConfig:
             context_parallel=self.context_parallel_size > 1 if context_parallel is None else context_parallel,
             document_mask=document_mask,
             assume_triton=assume_triton,
+            cross_entropy_impl=self.cross_entropy_impl if self.cross_entropy_loss_fusion else None,
         )
 
     @property

@@ -152,6 +152,8 @@ RUNTIME_FIELDS = frozenset(
         "attention_backend",
         "normalization_impl",
         "gradient_accumulation_fusion",
+        "cross_entropy_loss_fusion",
+        "cross_entropy_impl",
         "attention_dropout",
         "hidden_dropout",
         "init_method",

@@ -47,9 +47,6 @@ _NO_OP = {
     "attention's softmax always accumulates in fp32 here": "--attention-softmax-in-fp32",
     "attention scores are fp32 in the flash and SDPA paths, where scaling them by 1/layer and back cancels "
     "(the unfused path, --attention-backend local, does not apply it)": "--apply-query-key-layer-scaling",
-    "the vocab-parallel cross-entropy is already one pass over the logits": (
-        "--cross-entropy-loss-fusion --cross-entropy-fusion-impl V"
-    ),
     "the loss is always the mean over the global batch's unmasked tokens": "--calculate-per-token-loss",
     "no mask is ever built: the kernels apply causality": "--no-create-attention-mask-in-dataloader",
     "the .bin files are always memory-mapped (numpy.memmap)": "--no-mmap-bin-files",

@@ -98,7 +98,33 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "(one addmm, no weight-gradient tensor); fp32 weights only, bf16/fp16 weights "
         "accumulate unfused (default on, as in Megatron)",
     )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="the output layer and the vocab-parallel cross-entropy in one pass over token chunks: "
+        "a microbatch's logits are never stored whole (docs/kernels.md)",
+    )
+    g.add_argument(
+        "--cross-entropy-fusion-impl",
+        choices=["native", "te"],
+        help="native (default): our fused pass; te: Transformer Engine's is not used here, ours runs "
+        "(the same losses; noted at start-up)",
+    )
     return parser
+
+
+def cross_entropy_notes(args) -> list[str]:
+    """Start-up notes for --cross-entropy-fusion-impl: 'te' runs our fused pass; without
+    --cross-entropy-loss-fusion it does nothing, as in Megatron."""
+    impl = args.cross_entropy_fusion_impl
+    if impl is not None and not args.cross_entropy_loss_fusion:
+        return [f"> note: --cross-entropy-fusion-impl {impl} changes nothing without --cross-entropy-loss-fusion"]
+    if impl == "te":
+        return [
+            "> note: --cross-entropy-fusion-impl te: Transformer Engine is not used here; our fused output "
+            "layer + cross-entropy runs instead (the same losses, and the logits are never stored whole)"
+        ]
+    return []
 
 
 def _position_embedding_type(args) -> str:
@@ -164,5 +190,6 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         attention_backend=ATTENTION_BACKENDS[args.attention_backend],
         normalization_impl=args.normalization_impl,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         **moe_fields_from_args(args),
     )

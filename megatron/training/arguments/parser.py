@@ -27,7 +27,12 @@ from megatron.training.arguments.megatron_flags import (
     refuse_out_of_scope,
     strip_fusion_toggles,
 )
-from megatron.training.arguments.model import ATTENTION_BACKENDS, add_model_arguments, transformer_config_from_args
+from megatron.training.arguments.model import (
+    ATTENTION_BACKENDS,
+    add_model_arguments,
+    cross_entropy_notes,
+    transformer_config_from_args,
+)
 from megatron.training.arguments.moe import add_moe_arguments, moe_notes, refuse_moe_checkpoints
 from megatron.training.arguments.offload import add_offload_arguments, offload_config_from_args
 from megatron.training.arguments.optimizer import (
@@ -162,7 +167,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
             f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
             f"built here)"
         )
-    notes += moe_notes(model)
+    notes += moe_notes(model) + cross_entropy_notes(args)
     checkpoint = checkpoint_config_from_args(args)
     notes += checkpoint_notes(checkpoint)
     refuse_moe_checkpoints(model, checkpoint, parallel)
