@@ -5,9 +5,10 @@ state, compiled graphs or fragmentation):
 
 prints its figures as the last line of stdout, `RESULT_MARK` then JSON. A job (`Job`) names its kind: `ours`
 (our Trainer as pretrain_llama.py builds it, tools/gpu_check_lib/runs.py `train`), `bare` (the bare PyTorch
-loop of bare_llama.py, eager or under torch.compile, SDPA pinned to one backend) or `torchtitan`
-(torchtitan_rows.py). `run_job` starts the process and reads its line back; a dry run calls `execute` in
-this process instead (the same code, without the few seconds each fresh interpreter costs on a CPU).
+loop of bare_llama.py, eager or under torch.compile, SDPA pinned to the backend the attention section measured
+fastest) or `torchtitan` (torchtitan_rows.py). `run_job` starts the process and reads its line back; a dry run
+calls `execute` in this process instead (the same code, without the seconds each fresh interpreter costs on a
+CPU), and compiles with torch.compile's "eager" backend (the graph capture without inductor's code generation).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Job:
     iters: int = 2
     extra_argv: list = field(default_factory=list)  # ours: pretrain_llama.py flags beside the shape's
     compile: bool = False  # bare, torchtitan: under torch.compile
-    sdpa_backend: str | None = None  # bare: the SDPA backend pinned (attention_backends.SDPA_BACKENDS)
+    sdpa_backend: str | None = None  # bare: the SDPA backend pinned (kernels/attention_rule.py)
     torchtitan_path: str | None = None  # torchtitan: where its wheels were unpacked (None: already importable)
 
     @property
@@ -74,30 +75,25 @@ def _ours(job: Job) -> dict:
 
     ctx = Context(_device(job.dry_run), job.dry_run, budget_s=float("inf"))
     measured = train(ctx, job.argv(), job.iters, job.warmup)
-    return dict(
-        losses=measured.losses, step_s=measured.step_s, max_allocated=measured.max_allocated, error=measured.error
-    )
+    figures = ("losses", "step_s", "max_allocated", "max_reserved", "error")
+    return {name: getattr(measured, name) for name in figures}
 
 
 def _bare(job: Job) -> dict:
-    import contextlib
-
     import torch
-    from torch.nn.attention import sdpa_kernel
 
-    from tools.gpu_check_lib.attention_backends import SDPA_BACKENDS
+    from kernels.attention_rule import pinned_backend
     from tools.gpu_check_lib.bare_llama import BareLoop
     from tools.gpu_check_lib.report import NA
     from tools.gpu_check_lib.runs import error_line, run_config
 
     device = _device(job.dry_run)
-    pinned = sdpa_kernel(SDPA_BACKENDS[job.sdpa_backend]) if job.sdpa_backend else contextlib.nullcontext()
     out = dict(losses=[], step_s=NA, max_allocated=NA, error=None)
     try:
         loop = BareLoop(run_config(job.argv()), device)
         if job.compile:
-            loop.model.compile()  # in place: the optimizer keeps the same parameters
-        with pinned:
+            loop.model.compile(backend="eager" if job.dry_run else "inductor")  # in place: the same parameters
+        with pinned_backend(job.sdpa_backend):
             losses = [loop.step() for _ in range(job.warmup)]
             _sync(device)
             start = time.perf_counter()

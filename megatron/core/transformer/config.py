@@ -253,6 +253,7 @@ class TransformerConfig:
             context_parallel=self.context_parallel_size > 1 if context_parallel is None else context_parallel,
             document_mask=document_mask,
             assume_triton=assume_triton,
+            seq_length=self.seq_length,
         )
 
     @property
