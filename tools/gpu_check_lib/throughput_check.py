@@ -106,7 +106,7 @@ def flops(job: Job) -> tuple[float, float, float]:
 def row(name: str, job: Job, result: dict, peak_tflops, projected) -> dict:
     """The table's cells of one run from its job's result."""
     error, step = result["error"], result["step_s"]
-    why = error or (NA if job.dry_run else "not measured")
+    why = error or result.get("note") or (NA if job.dry_run else "not measured")
     measured = isinstance(step, float) and error is None
     full, causal, _ = flops(job)
     tokens = job.micro_batch * job.microbatches * job.shape["seq"]
