@@ -6,7 +6,7 @@ The configurations (`choose`): the start-up check's estimate (env.estimate_run, 
 makes) of micro batch 1 without recomputation at 2, 4, 6, ... layers finds the most layers it lets start, L;
 then L layers (start predicted, the closest from below), L + 2 (refusal predicted, the closest from above),
 L + 2 with full recomputation (the same model made to fit) and L layers at micro batch 2. Each runs 2
-iterations of 2 microbatches (the optimizer's state exists from the first step on; the second reaches the
+iterations of one microbatch (the optimizer's state exists from the first step on; the second reaches the
 peak). A dry run makes the same choice against a pretend device as large as the tiny model's estimate at 3
 layers, so the choice and the rows are exercised; nothing can run out of memory on a CPU.
 
@@ -28,7 +28,7 @@ RECOMPUTE = {
     "none": [],
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }
-MICROBATCHES, WARMUP, ITERS = 2, 1, 1
+MICROBATCHES, WARMUP, ITERS = 1, 1, 1
 COLUMNS = ["configuration", "layers", "micro batch", "recompute", "device GiB", "certain GiB", "total GiB",
            "start-up check", "ran", "max allocated GiB", "max reserved GiB", "check right"]  # fmt: skip
 
@@ -71,18 +71,24 @@ def _device_bytes(ctx) -> tuple[int, str]:
     return pretend, "a pretend device: the tiny model's certain bytes at 3 layers (dry run)"
 
 
-def check_memory_limit(report, ctx, run) -> None:
-    """`run(job, need_s)`: the throughput part's job runner (a result dict, or a skip reason as its error)."""
+def check_memory_limit(report, ctx, run, need_s: float) -> None:
+    """`run(job, need_s)`: the throughput part's job runner (a result dict, or a skip reason as its error);
+    `need_s`: the seconds to reserve for each configuration."""
+    import torch
+
     from tools.gpu_check_lib.report import NA, gib
 
     section = report.section(SECTION, "Memory near the device's limit (ours, the check's shape)", COLUMNS)
     device_bytes, what = _device_bytes(ctx)
+    if ctx.cuda:
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        what += f" ({free / GIB:.1f} GiB free as the section starts: this process keeps its CUDA context)"
     configs = choose(ctx.dry_run, device_bytes, 1 if ctx.dry_run else 2, 8 if ctx.dry_run else 128)
     if not configs:
         section.notes.append("no configuration chosen: the estimate refuses the fewest layers or starts the most")
     for layers, micro_batch, recompute in configs:
         estimate = _decision(ctx.dry_run, layers, micro_batch, recompute, device_bytes)
-        result = run(job(ctx.dry_run, layers, micro_batch, recompute), 120)
+        result = run(job(ctx.dry_run, layers, micro_batch, recompute), need_s)
         ran = "yes" if result["error"] is None else result["error"]
         right = NA
         if ctx.cuda and ran in ("yes", "out of memory"):

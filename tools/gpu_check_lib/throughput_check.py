@@ -7,10 +7,9 @@ Sections, in this order within the part's budget (a run that would not fit the t
    process); its fastest correct SDPA backend is the one the bare rows pin.
 2. the rows (`ROWS`), each run in a fresh process one after another (throughput_jobs.py): ours with its default
    flags and with `BEST_FLAGS`, bare PyTorch eager and under torch.compile (bare_llama.py), torchtitan 0.2.2
-   eager and compiled (torchtitan_rows.py), at 8 layers; then ours at 16 layers where the start-up check
-   lets it start, then
+   eager and compiled (torchtitan_rows.py), at 8 layers;
 3. memory_limit.py: four configurations on both sides of the device's memory;
-4. the other rows at 16 layers, as the time left allows.
+4. the same rows at 16 layers (ours where the start-up check lets it start), as the time left allows.
 Columns (`COLUMNS`, named as issue 43 asks; a number where measured, else a string saying why): tokens/s;
 model TFLOP/s with attention counted as Megatron counts it (12 L d s per token: the full s x s, the log line's
 megatron/core/transformer/flops.py) and its MFU; MFU with causal attention counted (half the s x s);
@@ -20,6 +19,8 @@ the device's preset); the loss after the timed steps.
 """
 
 from __future__ import annotations
+
+import time
 
 from tools.gpu_check_lib.report import NA, gib
 from tools.gpu_check_lib.throughput_jobs import Job, run_job
@@ -37,11 +38,12 @@ ROWS = (  # name, job kind, job fields
     ("torchtitan-compile", "torchtitan", {"compile": True}),
 )
 LAYERS, DRY_LAYERS = (8, 16), (1, 2)
-ITERS, DRY_ITERS = (1, 3), (1, 1)  # (warm-up, timed): the first step of a compiled row compiles
-# seconds a GPU run is expected to take at 8 layers (a fresh process, the build, 4 steps of about 2.6 s);
-# twice at 16 layers; compiling adds its own
-NEED_S = {"ours": 40, "bare": 40, "torchtitan": 50}
-COMPILE_S = 60
+ITERS, DRY_ITERS = (1, 2), (1, 1)  # (warm-up, timed): the first step of a compiled row compiles
+# seconds a GPU run is expected to take at 8 layers before one has run (a fresh process, the build, 3 steps
+# of about 2.6 s; compiling adds its own); afterwards the 8-layer run's own wall time, x `MORE_LAYERS_S` at 16
+NEED_S = {"ours": 30, "bare": 30, "torchtitan": 40}
+COMPILE_S = 45
+MORE_LAYERS_S = 1.6
 OURS_ONLY = "ours only: the planner models our trainer"
 
 
@@ -68,8 +70,11 @@ def runner(ctx):
     return run
 
 
-def _need(kind: str, layers: int, fields: dict) -> float:
-    return NEED_S[kind] * (2 if layers > 8 else 1) + (COMPILE_S if fields.get("compile") else 0)
+def _need(kind: str, fields: dict, wall_s: float | None) -> float:
+    """Seconds to reserve for a run: `wall_s` (the same row's run at fewer layers) x MORE_LAYERS_S, else a guess."""
+    if wall_s is not None:
+        return wall_s * MORE_LAYERS_S
+    return NEED_S[kind] + (COMPILE_S if fields.get("compile") else 0)
 
 
 def projected_step_s(ctx, job: Job, device_name: str | None) -> float:
@@ -163,20 +168,23 @@ def check_throughput(report, ctx, peak) -> None:
     run, layers = runner(ctx), DRY_LAYERS if ctx.dry_run else LAYERS
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else None
 
+    walls = {}  # name -> wall seconds of its run at layers[0]
+
     def add(name, kind, fields, count):
         job = _job(ctx, kind, count, fields, sdpa_backend, torchtitan_path)
         refused = _starts(ctx, job) if kind == "ours" and count > layers[0] else None
-        result = run(job, _need(kind, count, fields)) if refused is None else dict(
+        begin = time.perf_counter()
+        result = run(job, _need(kind, fields, walls.get(name))) if refused is None else dict(
             losses=[], step_s=None, max_allocated=None, error=refused
         )  # fmt: skip
+        walls.setdefault(name, time.perf_counter() - begin)
         projected = projected_step_s(ctx, job, device_name) if kind == "ours" else OURS_ONLY
         section.rows.append(row(name, job, result, peak[0], projected))
 
     for name, kind, fields in ROWS:
         add(name, kind, fields, layers[0])
-    add(*ROWS[0], layers[1])
-    memory_limit.check_memory_limit(report, ctx, run)
-    for name, kind, fields in ROWS[1:]:
+    memory_limit.check_memory_limit(report, ctx, run, walls["ours"] * 2)
+    for name, kind, fields in ROWS:
         add(name, kind, fields, layers[1])
     per_layer(section.rows, layers)
     probe = _job(ctx, "ours", layers[0], {}, None, None)

@@ -5,10 +5,11 @@ state, compiled graphs or fragmentation):
 
 prints its figures as the last line of stdout, `RESULT_MARK` then JSON. A job (`Job`) names its kind: `ours`
 (our Trainer as pretrain_llama.py builds it, tools/gpu_check_lib/runs.py `train`), `bare` (the bare PyTorch
-loop of bare_llama.py, eager or under torch.compile, SDPA pinned to the backend the attention section measured
-fastest) or `torchtitan` (torchtitan_rows.py). `run_job` starts the process and reads its line back; a dry run
-calls `execute` in this process instead (the same code, without the seconds each fresh interpreter costs on a
-CPU), and compiles with torch.compile's "eager" backend (the graph capture without inductor's code generation).
+loop of bare_llama.py, eager or with each block under torch.compile, SDPA pinned to the backend the attention
+section measured fastest) or `torchtitan` (torchtitan_rows.py). `run_job` starts the process and reads its
+line back; a dry run calls `execute` in this process instead (the same code, without the seconds each fresh
+interpreter costs on a CPU), and compiles with torch.compile's "eager" backend (the graph capture without
+inductor's code generation).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _bare(job: Job) -> dict:
     try:
         loop = BareLoop(run_config(job.argv()), device)
         if job.compile:
-            loop.model.compile(backend="eager" if job.dry_run else "inductor")  # in place: the same parameters
+            for layer in loop.model.layers:  # each block, as torchtitan compiles: one graph for all of them
+                layer.compile(backend="eager" if job.dry_run else "inductor")
         with pinned_backend(job.sdpa_backend):
             losses = [loop.step() for _ in range(job.warmup)]
             _sync(device)
