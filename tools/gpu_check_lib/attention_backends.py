@@ -2,10 +2,10 @@
 the check's attention shapes (Llama-3-8B: 32 query heads, 8 K/V groups, head dim 128, causal, bf16; sequence
 8192 and 2048, batch 1), forward and backward, each checked against the fp32 reference (kernels_check.py's:
 SDPA in fp32 with K/V heads repeated). A backend that refuses the grouped K/V heads (`enable_gqa`) runs again
-on K/V repeated to all heads, as a user of it would (the path column says so); one that refuses the shape
-anyway is a row with its error. The rows are what kernels/attention_rule.py's rule reads (`measurements`);
-the note names what `auto` would take from them, and the fastest correct SDPA backend is the one the bare
-PyTorch rows of the throughput table pin."""
+on K/V repeated to all heads, as a user of it would (the path column says so; the rule does not take it, since
+our layers pass grouped K/V); one that refuses the shape anyway is a row with its error. The rows are what
+kernels/attention_rule.py's rule reads (`measurements`); the note names what `auto` would take from them, and
+the fastest correct SDPA backend is the one the bare PyTorch rows of the throughput table pin."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tools.gpu_check_lib.kernels_check import _errors, _grads, _timed
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import error_line, free_device_memory
 
+REPEATED = "K/V repeated"
 COLUMNS = ["case", "path", "correct", "fwd rel err", "bwd rel err", "fwd ms", "bwd ms", "TFLOP/s", "vs ours"]
 REAL = dict(seqs=(8192, 2048), heads=32, groups=8, head_dim=128)
 DRY = dict(seqs=(32, 16), heads=2, groups=1, head_dim=64)  # a head dim our kernel takes, 2 query heads a group
@@ -90,7 +91,7 @@ def _case(section, ctx, seq: int, sizes: dict, dtype) -> None:
                 continue
             try:
                 figures = _measure(ctx, fallback, inputs, dout, reference)
-                path += " (K/V repeated: enable_gqa refused)"
+                path += f" ({REPEATED}: enable_gqa refused)"
             except RuntimeError as error:
                 section.add(case=case, path=path, correct=f"error: {error_line(error)}")
                 continue
@@ -109,11 +110,12 @@ def _case(section, ctx, seq: int, sizes: dict, dtype) -> None:
 
 
 def measurements(rows: list[dict], capability, dtype: str, device: str) -> list[Measurement]:
-    """The section's timed, error-free rows as kernels/attention_rule.py `Measurement`s."""
+    """The section's timed rows as kernels/attention_rule.py `Measurement`s, but those that ran on K/V repeated: our
+    layers and the bare loop call SDPA with grouped K/V heads, which that backend refused."""
     date = datetime.date.today().isoformat()
     out = []
     for row in rows:
-        if not isinstance(row.get("fwd ms"), float):
+        if not isinstance(row.get("fwd ms"), float) or REPEATED in row["path"]:
             continue
         seq, d = (int(part[1:]) for part in row["case"].split() if part[0] in "sd" and part[1:].isdigit())
         name = row["path"].split(" (")[0].removeprefix("sdpa ")
