@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU self-check: run once on a new GPU machine, one process, one GPU.
 
-    python tools/gpu_check.py --part {kernels-step,offload,all} [--out DIR] [--dry-run] [--only SECTIONS]
+    python tools/gpu_check.py --part {kernels-step,offload,throughput,all} [--out DIR] [--dry-run] [--only SECTIONS]
 
 Prints its tables and writes DIR/report.json and DIR/report.md (default runs/gpu_check). User
 guide: docs/gpu-check.md. Parts (tools/gpu_check_lib/):
@@ -24,6 +24,10 @@ offload (issue 35)
      losses, bytes vs the estimate, waits, CPU step, copy bandwidth vs a plain pinned copy_.
   4. size_check: the largest Llama that fits this GPU and host with full host residency, and
      without offload, by tools/bench/max_model_size.py's rule; 3 iterations each.
+throughput (issue 43; throughput_check.py)
+  ours (default and best flags), bare PyTorch eager/compiled and torchtitan 0.2.2 eager/compiled at the
+  Llama-3-8B layer shape, 8 and 16 layers, each in a fresh process; our attention kernel vs each SDPA
+  backend; four memory configurations on both sides of the device's limit.
 
 Time budget: 6 minutes per part. Each part has a 360 s deadline; a section that would start with
 less time left than it needs is skipped and says so. Measured 2026-11-26 (docs/gpu-check.md):
