@@ -90,8 +90,8 @@ def check_memory_limit(report, ctx, run, need_s: float) -> None:
         estimate = _decision(ctx.dry_run, layers, micro_batch, recompute, device_bytes)
         result = run(job(ctx.dry_run, layers, micro_batch, recompute), need_s)
         ran = "yes" if result["error"] is None else result["error"]
-        right = NA
-        if ctx.cuda and ran in ("yes", "out of memory"):
+        right = NA if ctx.dry_run else "no outcome: it neither trained nor ran out of memory"
+        if not ctx.dry_run and ran in ("yes", "out of memory"):
             right = (estimate.decision == "refuses") == (ran == "out of memory")
         section.add(
             configuration=f"L{layers} mbs{micro_batch} recompute {recompute}",
