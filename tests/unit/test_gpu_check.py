@@ -2,22 +2,29 @@
 
 The report files exist and hold every section and row; the kernels' errors against fp32 are
 finite and within the kernel tests' bf16 tolerance; speed and allocator cells say "n/a (dry run)"
-rather than a number; the offload runs' losses equal their device runs'. Bad input is one
-`error:` line and exit status 2.
+rather than a number; the offload runs' losses equal their device runs'; the offloaded CPU step in
+the device's rounding gives the device's fp32 masters bit for bit; each size member ran in a process
+of its own. The parts registry: order, budgets, every section importable. Bad input is one
+`error:` line and exit status 2; --only and --skip pick sections.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
 
 import pytest
 import torch
 
 from tests.cli import explain, run_cli
+from tools.gpu_check_lib import parts
 
 NA = "n/a (dry run)"
 SECTIONS = {
+    "adam_bits": "AdamW, one shard, two steps",
+    "adam_bits_runs": "Offload vs device, bf16 0.17B model",
     "kernels": "Kernels (bf16) vs fp32 reference and torch",
     "train_step": "One-GPU training step",
     "memory": "Memory estimate vs the CUDA allocator",
@@ -105,6 +112,21 @@ def test_runs_and_dry_run_cells(report):
         assert row["d2h MiB"] > 0 and row["h2d MiB"] > 0 and row["copy ms"] == NA
     for row in sections["size_fits"]["rows"]:
         assert row["ran"] == "yes" and row["parameters"] > 0 and row["tokens/s"] == NA
+    note = next(n for n in sections["size_fits"]["notes"] if n.startswith("each member ran in a fresh process"))
+    pids = re.findall(r"\d+", note)
+    assert len(pids) == len(set(pids)) == 3, note  # two member processes, neither of them the check's
+
+
+def test_offloaded_step_in_device_rounding_is_bit_equal(report):
+    sections = report[0]["sections"]
+    rows = {row["compared"]: row for row in sections["adam_bits"]["rows"]}
+    assert rows["offload CPU step, CPU single-tensor rounding"]["elements differing"] == 0  # the device here is a CPU
+    assert rows["offload CPU step, torch's fused CPU AdamW (default)"]["elements differing"] > 0
+    assert rows["offload CPU step, CUDA rounding emulated"]["elements differing"] > 0
+    runs = sections["adam_bits_runs"]["rows"]
+    assert [(r["CPU step rounding"], r["verdict"]) for r in runs] == [("-", "reference"), ("fused", "differs"),
+                                                                      ("cpu", "bit-equal")]  # fmt: skip
+    assert runs[1]["elements differing"] > 0 and runs[2]["elements"] == runs[0]["elements"] > 0
 
 
 @pytest.mark.parametrize(
@@ -112,6 +134,8 @@ def test_runs_and_dry_run_cells(report):
     [
         ["--part", "everything", "--dry-run"],
         ["--part", "all", "--dry-run", "--only", "memory,speed"],
+        ["--part", "all", "--dry-run", "--skip", "size,nosuch"],
+        ["--part", "kernels-step", "--dry-run", "--only", "size"],
         ["--part", "all", "--dry-run", "--out", "tests/unit/test_gpu_check.py/out"],
         pytest.param(
             ["--part", "offload"],
@@ -131,3 +155,66 @@ def test_only_runs_the_named_sections(tmp_path):
     proc = run_cli("tools/gpu_check.py", flags, timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert set(json.loads((tmp_path / "report.json").read_text())["sections"]) == {"memory"}
+
+
+def test_skip_leaves_sections_out(tmp_path):
+    flags = ["--dry-run", "--part", "kernels-step", "--skip", "kernels,step", "--out", str(tmp_path)]
+    proc = run_cli("tools/gpu_check.py", flags, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data["sections"]) == {"memory"}
+    assert "section kernels wall s" not in data["meta"] and "section memory wall s" in data["meta"]
+
+
+def test_sections_that_do_not_fit_are_skipped(tmp_path):
+    """A GPU run (not a dry run) with 20 s of its part left starts no section that needs more."""
+    from tools.gpu_check_lib.cli import parse, run_part
+    from tools.gpu_check_lib.report import Report
+    from tools.gpu_check_lib.runs import Context
+
+    args = parse(["--part", "offload", "--skip", "offload"])
+    report = Report({})
+    run_part(report, tmp_path, args.parts[0], args, Context(torch.device("cpu"), False, 20.0))
+    assert [s.key for s in report.sections] == ["sections_skipped"]
+    rows = report.sections[0].rows
+    assert [r["section"] for r in rows] == ["adam_bits", "size"]
+    assert all(r["why"].startswith("skipped: 20 s of the part's 20 s budget left") for r in rows), rows
+    assert json.loads((tmp_path / "report.json").read_text())["sections"]["sections_skipped"]["rows"] == rows
+
+
+def test_parts_registry():
+    ordered = parts.ordered()
+    assert [p.order for p in ordered] == sorted(p.order for p in ordered)
+    names = parts.section_names()
+    assert len(names) == len(set(names))  # a section name picks one section
+    for part in parts.PARTS:
+        for _, target, need_s in part.sections:
+            assert callable(parts.section_runner(target)) and 0 < need_s <= part.budget_s, target
+    line = parts.budget_line()
+    total = sum(p.budget_s for p in parts.PARTS)
+    assert f"= {total:.0f} s of budgets against {parts.all_deadline_s():.0f} s" in line
+    assert ("fits" in line) == (total <= parts.all_deadline_s())
+
+
+def test_carried_wheels_list_and_wrapper():
+    """wheels.txt pins one version of each wheel the device image lacks; the wrapper parses as bash."""
+    lines = [line.split("#")[0].strip() for line in open("tools/gpu_check_lib/wheels.txt")]
+    specs = [line for line in lines if line]
+    names = [spec.split("==")[0] for spec in specs]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][0-9a-z.]*", spec) for spec in specs), specs
+    assert len(names) == len(set(names)) and {"torchtitan", "torchao", "datasets"} <= set(names)
+    assert dict(s.split("==") for s in specs)["torchtitan"] == "0.2.2"  # 0.3.0 needs a newer torch than the image's
+    proc = subprocess.run(["bash", "-n", "tools/gpu_check_device.sh"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_gpu_run_is_in_the_runs_table():
+    """docs/gpu-check.md's table of runs links every report in docs/gpu-results/ (a .json beside its .md)."""
+    from pathlib import Path
+
+    results = Path("docs/gpu-results")
+    guide = Path("docs/gpu-check.md").read_text()
+    runs = guide[guide.index("## Runs") : guide.index("### What the runs measured")]
+    for report in sorted(results.iterdir()):
+        assert report.suffix in (".md", ".json") and report.with_suffix(".md").exists(), report
+        assert f"](gpu-results/{report.name})" in runs, f"{report.name} is not in docs/gpu-check.md's table of runs"

@@ -7,10 +7,11 @@ One AdamW step over `--params` fp32 elements held in chunks of `--chunk` (the of
 optimizer's memory chunks), with weight decay on all but a small no-decay run per chunk
 (as a shard's norm weights and biases): ours (`cpu_adam.CpuAdamW`, what --optimizer-cpu-offload
 runs) vs torch.optim.AdamW(fused=True) vs foreach=True, and DeepSpeed's CPU Adam when it is
-installed. Each: median seconds per step, effective GB/s at 28 bytes per element (read param,
-grad, m, v; write param, m, v), and that as a share of the machine's copy bandwidth measured
-here (read + write of a large tensor: the ceiling for a streaming kernel). Last line:
-`ratio ours/torch-fused: X` (target <= 1.0).
+installed; and ours in the roundings that match a device shard's masters bit for bit
+(`rounding="cpu"`, `"cuda"`: megatron/core/optimizer/adam_rounding.py). Each: median seconds
+per step, effective GB/s at 28 bytes per element (read param, grad, m, v; write param, m, v),
+and that as a share of the machine's copy bandwidth measured here (read + write of a large
+tensor: the ceiling for a streaming kernel). Last line: `ratio ours/torch-fused: X` (target <= 1.0).
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def chunks(total: int, chunk: int) -> list[torch.nn.Parameter]:
     return out
 
 
-def ours(params: list):
+def ours(params: list, rounding: str = "fused"):
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     optimizers = [
-        CpuAdamW(p.data, p.grad, m, v, decay=[(1024, p.numel())], decoupled=[]) for p, (m, v) in zip(params, state)
+        CpuAdamW(p.data, p.grad, m, v, decay=[(1024, p.numel())], decoupled=[], rounding=rounding)
+        for p, (m, v) in zip(params, state)
     ]
     count = [0]
 
@@ -125,6 +127,8 @@ def main(argv=None) -> None:
         "torch AdamW fused=True": torch_adamw(params, fused=True),
         "torch AdamW foreach=True": torch_adamw(params, foreach=True),
         "DeepSpeedCPUAdam": deepspeed_adam(params),
+        "ours, rounding=cpu": ours(params, "cpu"),  # bit-equal to ShardedAdamW on CPU
+        "ours, rounding=cuda": ours(params, "cuda"),  # ShardedAdamW's CUDA rounding, emulated
     }
     results = interleaved_medians({k: v for k, v in steps.items() if v is not None}, args.steps)
     for name in steps:

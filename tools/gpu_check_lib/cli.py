@@ -10,10 +10,6 @@ import time
 import traceback
 from pathlib import Path
 
-PARTS = {"kernels-step": ("kernels", "step", "memory"), "offload": ("offload", "size"), "throughput": ("throughput",)}
-SECTIONS = tuple(section for sections in PARTS.values() for section in sections)
-PART_BUDGET_S = 360.0  # each part must end within 6 minutes on one H100 (see the module docstring of gpu_check.py)
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -21,24 +17,45 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse(argv):
-    parser = _Parser(prog="tools/gpu_check.py", description="GPU self-check: kernels, training step, memory, offload")
-    parser.add_argument("--part", required=True, choices=[*PARTS, "all"], help="what to check (all: both parts)")
+    from tools.gpu_check_lib import parts
+
+    names = parts.section_names()
+    parser = _Parser(prog="tools/gpu_check.py", description="GPU self-check: one prepared run of every GPU part")
+    parser.add_argument(
+        "--part", required=True, choices=[*parts.by_name(), "all"], help="what to check (all: every part)"
+    )
     parser.add_argument("--out", default="runs/gpu_check", help="directory for report.json and report.md")
     parser.add_argument("--dry-run", action="store_true", help="the same code path on CPU at tiny sizes")
-    parser.add_argument(
-        "--only",
-        type=_sections,
-        help=f"comma-separated sections of the part(s) to run, the rest left out ({', '.join(SECTIONS)})",
-    )
-    return parser.parse_args(argv)
+    for flag, what in (("--only", "to run, the rest left out"), ("--skip", "to leave out")):
+        parser.add_argument(flag, type=_sections(flag), help=f"comma-separated sections {what} ({', '.join(names)})")
+    args = parser.parse_args(argv)
+    chosen = [p for p in parts.ordered() if args.part in ("all", p.name)]
+    offered = [name for p in chosen for name, _, _ in p.sections]
+    for flag in ("--only", "--skip"):
+        stray = [s for s in getattr(args, flag[2:]) or () if s not in offered]
+        if stray:
+            raise ValueError(
+                f"{flag} {stray[0]}: not a section of --part {args.part} (its sections: {', '.join(offered)})"
+            )
+    args.parts = chosen
+    return args
 
 
-def _sections(text: str) -> tuple[str, ...]:
-    chosen = tuple(s.strip() for s in text.split(","))
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown section {unknown[0]!r} (valid: {', '.join(SECTIONS)})")
-    return chosen
+def _sections(flag: str):
+    def parse_list(text: str) -> tuple[str, ...]:
+        from tools.gpu_check_lib.parts import section_names
+
+        chosen = tuple(s.strip() for s in text.split(","))
+        unknown = [s for s in chosen if s not in section_names()]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown section {unknown[0]!r} (valid: {', '.join(section_names())})")
+        return chosen
+
+    return parse_list
+
+
+def _wanted(args, section: str) -> bool:
+    return (args.only is None or section in args.only) and (args.skip is None or section not in args.skip)
 
 
 def writable(path: str) -> Path:
@@ -73,10 +90,32 @@ def _run_section(report, name: str, fn) -> None:
         fn()
     except Exception as error:
         traceback.print_exc()
-        failures = next((s for s in report.sections if s.key == "failures"), None)
-        if failures is None:
-            failures = report.section("failures", "Sections that failed", ["section", "error"])
-        failures.add(section=name, error=error_line(error))
+        _note_section(report, "failures", "Sections that failed", name, error_line(error))
+
+
+def _note_section(report, key: str, title: str, name: str, why: str) -> None:
+    """A row (section, why) in the report's table `key`, made when first needed."""
+    table = next((s for s in report.sections if s.key == key), None)
+    if table is None:
+        table = report.section(key, title, ["section", "why"])
+    table.add(section=name, why=why)
+
+
+def run_part(report, out: Path, part, args, ctx) -> None:
+    """The part's chosen sections in order, each skipped when less of the part's time is left than
+    it needs to start; the report is rewritten after each."""
+    from tools.gpu_check_lib import parts
+
+    for section, target, need_s in (s for s in part.sections if _wanted(args, s[0])):
+        skipped = ctx.skip(need_s)
+        if skipped:
+            _note_section(report, "sections_skipped", "Sections skipped", section, skipped)
+            continue
+        begin = time.perf_counter()
+        _run_section(report, section, lambda t=target, c=ctx: parts.section_runner(t)(report, c))
+        report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)
+        report.write(out)  # what has run so far survives a crash of a later section
+    report.write(out)
 
 
 def main(argv=None) -> int:
@@ -97,10 +136,12 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from tools.gpu_check_lib import kernels_check, offload_tables, size_check, step_check, throughput_check
+    from tools.gpu_check_lib import parts
     from tools.gpu_check_lib.report import Report
     from tools.gpu_check_lib.runs import Context, start_process_group
 
+    started = time.perf_counter()
+    deadline = started + parts.all_deadline_s() if args.part == "all" else None
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
     peak, name = _peak(torch, device, args.dry_run)
     start_process_group(device)
@@ -111,25 +152,17 @@ def main(argv=None) -> int:
             "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "versions": f"torch {torch.__version__}, triton {triton.__version__}",
             "dry run": args.dry_run,
-            "budget per part": f"{PART_BUDGET_S:.0f} s",
+            "command": "tools/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "budgets": parts.budget_line(),
         }
     )
-    sections = {
-        "kernels": lambda ctx: kernels_check.check_kernels(report, ctx),
-        "step": lambda ctx: step_check.check_step(report, ctx, peak),
-        "memory": lambda ctx: step_check.check_memory(report, ctx),
-        "offload": lambda ctx: offload_tables.check_offload(report, ctx),
-        "size": lambda ctx: size_check.check_size(report, ctx),
-        "throughput": lambda ctx: throughput_check.check_throughput(report, ctx, peak),
-    }
-    for part in PARTS if args.part == "all" else [args.part]:
-        ctx = Context(device, args.dry_run, PART_BUDGET_S)
-        for section in (s for s in PARTS[part] if args.only is None or s in args.only):
-            begin = time.perf_counter()
-            _run_section(report, section, lambda s=section, c=ctx: sections[s](c))
-            report.meta[f"section {section} wall s"] = round(time.perf_counter() - begin, 1)
-            report.write(out)  # what has run so far survives a crash of a later section
-        report.meta[f"part {part} wall s"] = round(time.perf_counter() - ctx.started, 1)
+    for part in args.parts:
+        budget = part.budget_s if deadline is None else max(0.0, min(part.budget_s, deadline - time.perf_counter()))
+        ctx = Context(device, args.dry_run, budget, peak=peak)
+        report.meta[f"part {part.name} budget s"] = round(budget, 1)
+        run_part(report, out, part, args, ctx)
+        report.meta[f"part {part.name} wall s"] = round(time.perf_counter() - ctx.started, 1)
+    report.meta["total wall s"] = round(time.perf_counter() - started, 1)
     report.write(out)
     print(report.text(), flush=True)
     print(f"report: {out / 'report.json'}, {out / 'report.md'}", flush=True)

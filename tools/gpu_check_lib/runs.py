@@ -27,12 +27,15 @@ from tools.gpu_check_lib.report import NA
 
 @dataclass
 class Context:
-    """What every section reads: the device, whether this is a dry run, and the part's deadline."""
+    """What every section reads: the device, whether this is a dry run, the part's deadline (its
+    budget, or what is left of `--part all`'s, the smaller) and the device's peak (TFLOP/s or None,
+    what the figure is)."""
 
     device: torch.device
     dry_run: bool
     budget_s: float
     started: float = field(default_factory=time.perf_counter)
+    peak: tuple = (None, NA)
 
     @property
     def cuda(self) -> bool:
@@ -111,10 +114,13 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:200] if text else '-'}"
 
 
-def train(ctx: Context, argv: list[str], iters: int, warmup: int, *, count_syncs=False, inspect=None, hooks=None):
+def train(
+    ctx: Context, argv: list[str], iters: int, warmup: int, *, count_syncs=False, inspect=None, hooks=None, prepare=None
+):
     """`warmup` + `iters` iterations of the run `argv`; losses of all of them, the timed iterations'
-    mean step time, syncs per timed iteration, the allocator's peaks since the build. `inspect(trainer,
-    measured)` runs after the last step; `hooks(trainer)` after the warm-up (e.g. resets counters).
+    mean step time, syncs per timed iteration, the allocator's peaks since the build. `prepare(trainer)`
+    runs after the build, `hooks(trainer)` after the warm-up (e.g. resets counters), `inspect(trainer,
+    measured)` after the last step.
     Out of memory (or another runtime error) ends the run and is recorded, not raised."""
     free_device_memory(ctx)
     measured, trainer = Measured(), None
@@ -122,6 +128,8 @@ def train(ctx: Context, argv: list[str], iters: int, warmup: int, *, count_syncs
         measured.allocated_before = torch.cuda.memory_allocated()
     try:
         trainer = Trainer(run_config(argv), ctx.device)
+        if prepare is not None:
+            prepare(trainer)
         results = [trainer.train_step(i) for i in range(1, warmup + 1)]
         trainer.optimizer.wait_for_step()
         if hooks is not None:

@@ -157,17 +157,17 @@ def _starts(ctx, job: Job) -> str | None:
     return f"not run: the start-up check refuses it ({estimate.line[:160]})" if estimate.decision == "refuses" else None
 
 
-def check_throughput(report, ctx, peak) -> None:
-    """`peak`: (dense bf16 TFLOP/s or None, what it is), as cli.py passes it to the step check."""
+def check_throughput(report, ctx) -> None:
+    """The part's one section (tools/gpu_check_lib/parts.py); `ctx.peak`: (dense bf16 TFLOP/s or None, what it is)."""
     import torch
 
     from tools.gpu_check_lib import attention_backends, memory_limit
-    from tools.gpu_check_lib.torchtitan_rows import unpack_wheels
+    from tools.gpu_check_lib.torchtitan_rows import torchtitan_source
 
     sdpa_backend = attention_backends.check_attention(report, ctx)
     section = report.section("throughput", "Throughput at the Llama-3-8B layer shape: ours and its peers", COLUMNS)
-    torchtitan_path, wheels = unpack_wheels()
-    run, layers = runner(ctx), DRY_LAYERS if ctx.dry_run else LAYERS
+    torchtitan_path, wheels = torchtitan_source()
+    run, layers, peak = runner(ctx), DRY_LAYERS if ctx.dry_run else LAYERS, ctx.peak
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else None
 
     walls = {}  # name -> wall seconds of its run at layers[0]

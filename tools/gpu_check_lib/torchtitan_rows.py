@@ -2,9 +2,10 @@
 compiled, one process each (throughput_jobs.py).
 
 torchtitan comes from the carried wheels (`WHEELS`, filled by tools/gpu_check_device.sh from
-tools/gpu_check_lib/wheels.txt): `unpack_wheels` extracts them into a temporary folder that the job's process
-puts on its path (a wheel is a zip archive; the pure-Python ones need nothing else), so the project's
-environment and its torch stay as they are. Where torchtitan is already importable, that one runs.
+tools/gpu_check_lib/wheels.txt), which that script's device call installs into a temporary folder on
+PYTHONPATH; run without it, `unpack_wheels` extracts them into a temporary folder that only the torchtitan
+jobs put on their path (a wheel is a zip archive; the pure-Python ones need nothing else). Either way the
+project's environment and its torch stay as they are.
 
 A job parses torchtitan's own command line (`config_argv`), which imports torchtitan_custom.py through
 `--experimental.custom_import` (synthetic tokens, the `8B-L<layers>` flavor), builds torchtitan's `Trainer` and
@@ -17,6 +18,7 @@ meta device (torchtitan's Trainer needs CUDA: its device type falls back to cuda
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -27,6 +29,16 @@ from tools.gpu_check_lib.report import NA
 
 WHEELS = Path(__file__).resolve().parents[2] / "wheels"
 CUSTOM_IMPORT = "tools.gpu_check_lib.torchtitan_custom"
+
+
+def torchtitan_source(wheels: Path = WHEELS) -> tuple[str | None, str]:
+    """(folder the torchtitan jobs put on their path, where torchtitan comes from): None where this environment
+    has it already (tools/gpu_check_device.sh's call installs the wheels and puts them on PYTHONPATH), else the
+    wheels unpacked (`unpack_wheels`)."""
+    found = importlib.util.find_spec("torchtitan")
+    if found is not None:
+        return None, f"torchtitan from this environment ({list(found.submodule_search_locations)[0]})"
+    return unpack_wheels(wheels)
 
 
 def unpack_wheels(wheels: Path = WHEELS) -> tuple[str | None, str]:
@@ -88,8 +100,6 @@ def _dry(config) -> dict:
 
 
 def run_torchtitan(job) -> dict:
-    import importlib
-
     failure = _import_failure()
     if failure:
         return dict(losses=[], step_s=None if not job.dry_run else NA, max_allocated=None, error=failure)
@@ -98,7 +108,7 @@ def run_torchtitan(job) -> dict:
     with tempfile.TemporaryDirectory(prefix="torchtitan_dump_") as dump:
         config = ConfigManager().parse_args(config_argv(job, dump))
         if job.dry_run:
-            importlib.import_module(config.experimental.custom_import)
+            importlib.import_module(config.experimental.custom_import)  # what torchtitan's Trainer does first
             return _dry(config)
         return _train(job, config)
 

@@ -6,6 +6,11 @@ than anything we wrote (`tools/bench/cpu_adam.py` keeps that honest). It takes o
 rate and one weight decay per call, so a shard is cut once, at construction, into maximal
 runs of elements that share (weight decay?, decoupled learning rate?) — padding steps with
 neither, like `adamw.ShardedAdamW` — and each class of runs is one call.
+
+`rounding` other than "fused" steps each run with `adam_rounding.step_as` instead: the
+arithmetic of ShardedAdamW's ops as that device ("cpu", "cuda") rounds them, so that an
+offloaded shard's masters equal those of the same shard stepped on the device, bit for bit
+(slower: several passes over the shard, see tools/bench/cpu_adam.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from megatron.core.optimizer.adam_rounding import ROUNDINGS, step_as
 
 
 def element_classes(numel: int, decay: list, decoupled: list) -> list[tuple[int, int, bool, bool]]:
@@ -39,7 +46,11 @@ class CpuAdamW:
         exp_avg_sq: torch.Tensor,
         decay: list,
         decoupled: list,
+        rounding: str = "fused",
     ):
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        self.rounding = rounding
         self.groups: dict[tuple[bool, bool], list[list[torch.Tensor]]] = {}
         for start, end, decays, is_decoupled in element_classes(main.numel(), decay, decoupled):
             lists = self.groups.setdefault((decays, is_decoupled), [[], [], [], []])
@@ -57,8 +68,16 @@ class CpuAdamW:
         weight_decay: float,
     ) -> None:
         steps = torch.tensor(float(step))
+        by_add = decoupled_lr is not None and any(key[1] for key in self.groups)  # ShardedAdamW's decoupled path
         for (decays, is_decoupled), (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
             rate = decoupled_lr if is_decoupled and decoupled_lr is not None else lr
+            if self.rounding != "fused":
+                for run in zip(params, grads, exp_avgs, exp_avg_sqs):
+                    step_as(
+                        self.rounding, *run, step=step, lr=rate, betas=betas, eps=eps,
+                        weight_decay=weight_decay if decays else 0.0, by_add=by_add,
+                    )  # fmt: skip
+                continue
             torch._fused_adamw_(
                 params,
                 grads,
