@@ -6,7 +6,7 @@ dtype (output and every input gradient within `TOLERANCE` of the fp32 reference,
 value), the one with the least forward + backward time at the measured sequence length nearest to the run's
 (by ratio). Where nothing is measured for the capability, head dim and dtype, or where our kernel is the
 fastest, kernels/dispatch.py keeps its default: our flash kernel where it takes the shape, torch's SDPA with
-torch's own backend choice elsewhere. A path is one of `PATHS`: "ours" (kernels/flash_attention.py) or an SDPA
+torch's own backend choice elsewhere. A path is "ours" (kernels/flash_attention.py) or an SDPA
 backend pinned with `torch.nn.attention.sdpa_kernel` (`SDPA_BACKENDS`).
 
 The measurements (`MEASURED`) are rows of the GPU check's attention section
@@ -30,7 +30,6 @@ SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-PATHS = ("ours", *SDPA_BACKENDS)
 TOLERANCE = 2e-2  # bf16: the kernel tests' tolerance relative to the reference's largest value
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -43,7 +42,7 @@ class Measurement:
     head_dim: int
     dtype: str  # "bf16" or "fp16"
     seq_length: int
-    path: str  # one of PATHS
+    path: str  # "ours" or a key of SDPA_BACKENDS
     ms: float  # forward + backward
     correct: bool  # output and gradients within TOLERANCE
     source: str  # device, date, report

@@ -61,9 +61,6 @@ class Job:
         argv += ["--train-iters", str(self.warmup + self.iters), "--bf16", "--mock-data"]
         return argv + ["--lr", "1e-4", "--lr-decay-style", "constant", *self.extra_argv]
 
-    def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
 
 def _device(dry_run: bool):
     import torch
