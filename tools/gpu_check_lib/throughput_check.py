@@ -162,6 +162,7 @@ def check_throughput(report, ctx) -> None:
     import torch
 
     from tools.gpu_check_lib import attention_backends, memory_limit
+    from tools.gpu_check_lib.runs import error_line
     from tools.gpu_check_lib.torchtitan_rows import torchtitan_source
 
     sdpa_backend = attention_backends.check_attention(report, ctx)
@@ -180,7 +181,12 @@ def check_throughput(report, ctx) -> None:
             losses=[], step_s=None, max_allocated=None, error=refused
         )  # fmt: skip
         walls.setdefault(name, time.perf_counter() - begin)
-        projected = projected_step_s(ctx, job, device_name) if kind == "ours" else OURS_ONLY
+        projected = OURS_ONLY
+        if kind == "ours":
+            try:
+                projected = projected_step_s(ctx, job, device_name)
+            except ValueError as error:  # a layout the step-time model does not cover
+                projected = error_line(error)
         section.rows.append(row(name, job, result, peak[0], projected))
 
     for name, kind, fields in ROWS:
