@@ -7,6 +7,7 @@ kernels/triton_support.py `op_path` against the kernel's own rule of what it sup
 
 from dataclasses import dataclass
 
+from kernels.attention_rule import measured_sdpa_backend
 from kernels.cross_entropy import unsupported_reason as cross_entropy_unsupported
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
@@ -31,6 +32,7 @@ class KernelPaths:
     norm: OpPath
     sdpa_reason: str = ""
     cross_entropy: OpPath | None = None
+    sdpa_backend: str | None = None  # the SDPA backend pinned (kernels/attention_rule.py), None: torch's choice
 
     @property
     def attention_line(self) -> str:
@@ -60,6 +62,7 @@ def kernel_paths(
     document_mask=False,
     assume_triton=False,
     cross_entropy_impl=None,
+    seq_length=None,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
     log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend ('unfused', or
@@ -67,7 +70,8 @@ def kernel_paths(
     probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
     `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
     CPU: the interpreter on), for an estimate of a run elsewhere; `cross_entropy_impl`: the fused LM
-    head + cross-entropy's impl (None: unfused)."""
+    head + cross-entropy's impl (None: unfused); `seq_length`: for auto's measured rule
+    (kernels/attention_rule.py), which may pin an SDPA backend measured faster than our kernel."""
     unfused = attention_impl == UNFUSED
     attention_kernel = op_path(
         "torch" if unfused else attention_impl,
@@ -87,4 +91,8 @@ def kernel_paths(
         return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)", ce)
     if attention_dropout > 0.0:
         return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)", ce)
+    backend = measured_sdpa_backend(device_type, head_dim, dtype, seq_length) if attention_impl == "auto" else None
+    if backend is not None:
+        reason = f"({backend} backend: measured fastest, kernels/attention_rule.py)"
+        return KernelPaths("sdpa", attention_kernel, norm, reason, ce, backend)
     return KernelPaths("flash_attention", attention_kernel, norm, cross_entropy=ce)

@@ -9,6 +9,10 @@ after every section. User guide: docs/gpu-check.md; the device call that runs it
 included): tools/gpu_check_device.sh. Parts are a registry (tools/gpu_check_lib/parts.py: name ->
 sections, budget, order); `--part all` runs them newest measurements first:
 
+throughput (issue 43; throughput_check.py)
+  throughput: our attention kernel vs each SDPA backend; ours (default and best flags), bare PyTorch
+     eager/compiled and torchtitan 0.2.2 eager/compiled at the Llama-3-8B layer shape, 8 and 16
+     layers, each in a fresh process; four memory configurations on both sides of the device's limit.
 offload (issue 35; adam_bits and fresh-process sizes: issue 42)
   adam_bits: the same fp32 masters stepped by ShardedAdamW on the device and by the offload CPU
      step in each rounding, bitwise; the device's noise floor (fused / multi-tensor AdamW, a

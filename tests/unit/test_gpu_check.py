@@ -32,6 +32,9 @@ SECTIONS = {
     "offload_bytes": "Offload bytes",
     "offload_overlap": "Offload overlap",
     "size_fits": "Largest Llama that fits",
+    "attention_backends": "Attention: our kernel vs each SDPA backend",  # part throughput: test_gpu_check_throughput.py
+    "throughput": "Throughput at the Llama-3-8B layer shape",
+    "memory_limit": "Memory near the device's limit",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",

@@ -18,11 +18,14 @@ heads and sequence not in the readable part of its dump, and --distribute-checkp
 the local DDP's flattened gradient copy are not ours), #637 (a "GPT-30B" in FP8: tp, pp, shape and the
 GPU not given), #1308 and #783 (no flags), #1000 (ran, no memory reported, layer count disputed in
 #1308); alibaba/Megatron-LLaMA #11 is another framework (its own overlapped distributed optimizer).
+Last, our own trainer's outcomes near a GPU's limit (`own_runs`): the memory_limit section of each GPU check
+report committed in docs/gpu-results/ (issue 43; none yet).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -228,4 +231,15 @@ def _megatron_lm_525() -> MemoryRun:
 # lists the reports read and why the others could not be used)
 MEGATRON_LM_RUNS = (_megatron_lm_525(),)
 
-MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS, *MEGATRON_LM_RUNS)
+GPU_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "gpu-results"
+
+
+def own_runs(folder: Path = GPU_RESULTS) -> tuple[MemoryRun, ...]:
+    """Our own trainer's outcomes near the device's limit: the memory_limit section of every GPU check report
+    committed in `folder` (tools/gpu_check_lib/memory_limit.py; none yet: no GPU has run that section)."""
+    from tools.gpu_check_lib.memory_limit import report_memory_runs
+
+    return tuple(MemoryRun(**fields) for path in sorted(folder.glob("*.json")) for fields in report_memory_runs(path))
+
+
+MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS, *MEGATRON_LM_RUNS, *own_runs())

@@ -31,6 +31,9 @@ class Part:
 
 
 PARTS = (
+    Part("throughput", 43, order=30, budget_s=360.0, sections=(
+        ("throughput", "throughput_check:check_throughput", 60.0),  # issue 43: never measured yet
+    )),
     Part("offload", 35, order=40, budget_s=360.0, sections=(
         ("adam_bits", "offload_adam_bits:check_adam_bits", 30.0),  # issue 42: never measured yet
         ("size", "size_check:check_size", 90.0),  # issue 42: a fresh process per member, not measured yet

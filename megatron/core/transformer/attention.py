@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.attention_rule import pinned_backend
 from kernels.dispatch import UNFUSED
 from kernels.flash_attention import flash_attention
 from megatron.core.context_parallel.ring_attention import context_parallel_attention
@@ -70,15 +71,16 @@ def core_attention(q, k, v, dropout_p: float, paths, cp_group=None, cp_comm_type
         out = flash_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, impl=impl)
         return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attention_mask,
-        dropout_p=dropout_p,
-        is_causal=attention_mask is None,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    with pinned_backend(paths.sdpa_backend):
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=dropout_p,
+            is_causal=attention_mask is None,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
     return out.permute(2, 0, 1, 3)
 
 

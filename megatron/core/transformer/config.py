@@ -260,6 +260,7 @@ class TransformerConfig:
             document_mask=document_mask,
             assume_triton=assume_triton,
             cross_entropy_impl=self.cross_entropy_impl if self.cross_entropy_loss_fusion else None,
+            seq_length=self.seq_length,
         )
 
     @property
