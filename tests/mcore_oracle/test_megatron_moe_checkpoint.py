@@ -6,7 +6,9 @@ spec, SequentialMLP experts) for 2 steps at expert-parallel size 2 and at 1 (dp 
 stacked by global index) and a DeepSeek-like one (a dense first layer, so one tensor per layer; a shared expert,
 sigmoid routing with the expert bias and its per-iteration update, group-limited top-4). No auxiliary loss: its
 per-microbatch statistics would differ between layouts that split the batch differently. We load each checkpoint
-at EP2 (2 ranks) and on 1 rank: steps 3-5 give megatron-core's losses and grad norms. Both our runs then save
+at EP2 (2 ranks) and on 1 rank (there with grouped experts, --moe-grouped-gemm, whose torch_dist names are
+megatron-core's GroupedMLP/TEGroupedMLP ones: its SequentialMLP's): steps 3-5 give megatron-core's losses and grad
+norms. Both our runs then save
 torch_dist after step 5 and take steps 6-7; megatron-core loads each save at EP2 and at EP1 and its steps 6-7 are
 ours. All within 1e-5, except that megatron-core's own training steps at EP2 differ from its EP1 ones (see
 `_compare`): against its EP2 runs, the first step's loss is compared.
@@ -38,6 +40,7 @@ def _without_aux_loss(flags: list[str]) -> list[str]:
 CASES = {name: _without_aux_loss(flags) for name, flags in (("mixtral", MIXTRAL), ("deepseek", DEEPSEEK))}
 EP = {1: [], 2: ["--expert-model-parallel-size", "2"]}
 OUR_WORLD = {2: 2, 1: 1}  # our expert-parallel size -> ranks (EP2 on 2 ranks; EP1 on 1 rank)
+OUR_EXPERTS = {2: [], 1: ["--moe-grouped-gemm"]}  # the expert loop at EP2, grouped experts at EP1
 
 
 def _moe_job(case: str, ep: int, batch: str, ops: list[dict]) -> dict:
@@ -70,7 +73,7 @@ def _ours(rank: int, directory: str, batch_file: str, ep: int) -> dict:
     for case, flags in CASES.items():
         for saved_ep in EP:
             root = os.path.join(directory, f"mcore_{case}_ep{saved_ep}")
-            trainer, iteration = _load("llama", "tp1", root, batch, flags + EP[ep])
+            trainer, iteration = _load("llama", "tp1", root, batch, flags + EP[ep] + OUR_EXPERTS[ep])
             results[(case, saved_ep)] = _train(trainer, iteration + 1, 5)
         save_megatron_checkpoint(os.path.join(directory, f"ours_{case}_ep{ep}"), 5, trainer)
         results[(case, "steps 6-7")] = _train(trainer, 6, 7)
