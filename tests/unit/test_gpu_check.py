@@ -25,6 +25,8 @@ SECTIONS = {
     "offload_bytes": "Offload bytes",
     "offload_overlap": "Offload overlap",
     "size_fits": "Largest Llama that fits",
+    "moe": "MoE experts (bf16, forward + backward)",
+    "moe_models": "Whole MoE models on one GPU",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",
@@ -102,6 +104,23 @@ def test_runs_and_dry_run_cells(report):
         assert row["d2h MiB"] > 0 and row["h2d MiB"] > 0 and row["copy ms"] == NA
     for row in sections["size_fits"]["rows"]:
         assert row["ran"] == "yes" and row["parameters"] > 0 and row["tokens/s"] == NA
+
+
+def test_moe_rows_and_host_syncs(report):
+    sections = report[0]["sections"]
+    rows = sections["moe"]["rows"]
+    assert [(r["shape"], r["routing"]) for r in rows] == [
+        (shape, routing) for shape in ("e8-top2", "e64-top6", "e128-top8") for routing in ("balanced", "skewed")
+    ]
+    for row in rows:  # no host sync in an MoE layer with the allgather dispatcher and grouped experts
+        assert row["host_syncs_per_layer"] == 0 and row["grouped_ms"] == row["speedup"] == row["permute_gbps"] == NA
+    assert "alltoall 1 read(s) per layer" in " ".join(sections["moe"]["notes"])
+    models = sections["moe_models"]["rows"]
+    assert [r["name"] for r in models] == ["mixtral-like (2 layers)", "qwen3-moe-like (4 layers)"]
+    for row in models:
+        assert (
+            row["tokens_per_s"] == row["tflops"] == row["step_s"] == NA and row["projected_step_s"] == "not projected"
+        )
 
 
 @pytest.mark.parametrize(
