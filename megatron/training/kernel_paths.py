@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe_permute import permute_path
+
 
 def startup_kernel_paths(model, device: torch.device, document_mask: bool = False) -> dict:
-    """{'attention': path, 'normalization': path}; raises ValueError naming the flag when a
-    forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
+    """{'attention': path, 'normalization': path} (and 'moe permutation' with experts); raises ValueError
+    naming the flag when a forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
     torch's SDPA with an explicit mask (forcing the kernel is refused with the flags)."""
     if model.attention_dropout > 0.0 and model.attention_backend == "triton":
         raise ValueError(
@@ -19,4 +21,7 @@ def startup_kernel_paths(model, device: torch.device, document_mask: bool = Fals
     for flag, path in (("--attention-backend", attention), ("--normalization-impl", normalization)):
         if path.startswith("error"):
             raise ValueError(f"{flag} triton cannot run: {path[len('error (') : -1]}")
-    return {"attention": attention, "normalization": normalization}
+    paths = {"attention": attention, "normalization": normalization}
+    if model.num_moe_experts is not None:
+        paths["moe permutation"] = permute_path("auto", device)
+    return paths

@@ -38,7 +38,10 @@ def offsets_of(counts, device) -> torch.Tensor:
     for n in counts:
         total += n
         ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+    host = torch.tensor(ends, dtype=torch.int32)
+    if torch.device(device).type == "cuda":  # a copy from pinned memory does not block the host
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def fallback_reason(dtype: torch.dtype, dims: dict[str, int], device_type: str = "cuda") -> str | None:
