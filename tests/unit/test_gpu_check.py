@@ -147,3 +147,15 @@ def test_only_runs_the_named_sections(tmp_path):
     proc = run_cli("tools/gpu_check.py", flags, timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert set(json.loads((tmp_path / "report.json").read_text())["sections"]) == {"memory"}
+
+
+@pytest.mark.parametrize("experts, topk", [(8, 2), (64, 6), (128, 8)])
+def test_moe_check_routings(experts, topk):
+    from tools.gpu_check_lib.moe_check import SKEW, routing_map, rows_per_expert
+
+    tokens = 512
+    balanced, skewed = (rows_per_expert(tokens, experts, topk, r) for r in ("balanced", "skewed"))
+    assert sum(balanced) == sum(skewed) == tokens * topk
+    assert max(skewed) == round(SKEW * tokens * topk // experts) and max(balanced) - min(balanced) < experts
+    mapping = routing_map(tokens, skewed, "cpu")
+    assert mapping.sum(dim=0).tolist() == skewed and (mapping.sum(dim=1) == topk).all()

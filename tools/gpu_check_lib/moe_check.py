@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from megatron.core.tensor_parallel.initialization import initialize_parameters
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.flops import flops_per_iteration
 from megatron.core.transformer.moe import token_dispatcher
@@ -135,7 +134,7 @@ def _permute_gbps(ctx, tokens, mapping, probs, topk) -> object:
 def _host_syncs(ctx, experts: int, topk: int, hidden: int, ffn: int, dispatcher: str, tokens: int) -> tuple:
     """(HOST_SYNCS reads, CUDA sync-debug warnings, their sites) of one MoE layer's forward + backward."""
     layer = MoELayer(_config(experts, topk, hidden, ffn, True, dispatcher), tp_group=None, device=ctx.device)
-    initialize_parameters(layer, 1)
+    _fill(layer)
     hidden_states = torch.randn(tokens, 1, hidden, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
     layer(hidden_states).sum().backward()  # warm-up
     ctx.sync()
@@ -144,6 +143,25 @@ def _host_syncs(ctx, experts: int, topk: int, hidden: int, ffn: int, dispatcher:
         layer(hidden_states).sum().backward()
         ctx.sync()
     return token_dispatcher.HOST_SYNCS.reads, cuda_syncs.count if ctx.cuda else NA, cuda_syncs.sites
+
+
+@torch.no_grad()
+def _fill(module) -> None:
+    """Random weights, fast at real sizes (the layout-independent initialisation is not what is timed)."""
+    for param in module.parameters():
+        param.normal_(0.0, 0.02)
+
+
+def _expert_pair(ctx, experts: int, topk: int, hidden: int, ffn: int) -> dict:
+    """Grouped and loop experts holding the same weights (the loop's copied from the grouped ones)."""
+    grouped = GroupedExperts(_config(experts, topk, hidden, ffn, True), range(experts), device=ctx.device)
+    loop = SequentialExperts(_config(experts, topk, hidden, ffn, False), range(experts), device=ctx.device)
+    _fill(grouped)
+    with torch.no_grad():
+        for e, expert in enumerate(loop.local_experts.values()):
+            expert.linear_fc1.weight.copy_(grouped.linear_fc1.weight[e])
+            expert.linear_fc2.weight.copy_(grouped.linear_fc2.weight[e])
+    return {"grouped": grouped, "loop": loop}
 
 
 def check_moe(report, ctx) -> None:
@@ -163,6 +181,10 @@ def check_moe(report, ctx) -> None:
             f"{shape}: alltoall {alltoall[0]} read(s) per layer; CUDA sync-debug warnings per layer: allgather "
             f"{syncs[1]}, alltoall {alltoall[1]} ({', '.join(sorted(set(syncs[2]) | set(alltoall[2]))) or '-'})"
         )
+        try:
+            pair = _expert_pair(ctx, experts, topk, hidden, ffn)
+        except Exception as error:  # out of memory: the shape's rows say so
+            pair = error_line(error)
         for routing in ("balanced", "skewed"):
             skipped = ctx.skip(20)
             if skipped or time.perf_counter() - ctx.started > MOE_BUDGET_S:
@@ -170,13 +192,17 @@ def check_moe(report, ctx) -> None:
                 continue
             row = dict(shape=shape, routing=routing, host_syncs_per_layer=syncs[0])
             try:
-                figures, error = _shape_row(ctx, experts, topk, hidden, ffn, tokens, routing)
+                if isinstance(pair, str):
+                    raise RuntimeError(pair)
+                figures, error = _shape_row(ctx, pair, topk, hidden, tokens, routing)
                 row.update(figures)
                 agreement.append(f"{shape} {routing} {error:.1e}")
             except Exception as error:  # out of memory, an unsupported shape: the row says so
                 row["grouped_ms"] = error_line(error)
             section.add(**row)
             free_device_memory(ctx)
+        del pair
+        free_device_memory(ctx)
     section.notes += [
         f"{tokens} tokens x top-k routes per shape; skewed: half the experts {SKEW}x the mean rows, half 0.5x; "
         "ms: median of 5 after a warm-up (CUDA events); grouped_fwd_tflops: 6 x rows x hidden x ffn / forward time",
@@ -187,15 +213,12 @@ def check_moe(report, ctx) -> None:
     ]
 
 
-def _shape_row(ctx, experts, topk, hidden, ffn, tokens, routing) -> tuple[dict, float]:
+def _shape_row(ctx, kinds: dict, topk: int, hidden: int, tokens: int, routing: str) -> tuple[dict, float]:
     """The row's figures, and the grouped output's difference from the loop's (relative to its largest value)."""
+    experts = len(kinds["grouped"].local_ids)
+    ffn = kinds["grouped"].linear_fc2.weight.shape[-1]
     counts = rows_per_expert(tokens, experts, topk, routing)
     rows_n = sum(counts)
-    kinds = {}
-    for name, kind in (("grouped", GroupedExperts), ("loop", SequentialExperts)):
-        module = kind(_config(experts, topk, hidden, ffn, name == "grouped"), range(experts), device=ctx.device)
-        initialize_parameters(module, 1)
-        kinds[name] = module
     rows = torch.randn(rows_n, hidden, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(rows_n, device=ctx.device, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -204,7 +227,7 @@ def _shape_row(ctx, experts, topk, hidden, ffn, tokens, routing) -> tuple[dict, 
         del grouped_out, loop_out
     grouped_ms, grouped_fwd = _experts_ms(ctx, kinds["grouped"], rows, counts, probs)
     loop_ms, _ = _experts_ms(ctx, kinds["loop"], rows, counts, probs)
-    del kinds
+    del rows, probs
     free_device_memory(ctx)
     token_rows = torch.randn(tokens, hidden, device=ctx.device, dtype=torch.bfloat16)
     mapping = routing_map(tokens, counts, ctx.device)
