@@ -9,7 +9,9 @@ expert), and the trace (trace.py) stands in `routes_per_expert` for every entry 
   the E experts (its T k routes spread evenly);
 - with --moe-expert-capacity-factor: at most the capacity ceil(T k / E x factor);
 - with --moe-pad-expert-input-to-capacity: exactly the capacity (padding makes every expert's rows the
-  capacity whatever the routing, so there this is no assumption and the estimate is exact).
+  capacity whatever the routing, so there this is no assumption and the estimate is exact);
+- grouped experts under the allgather dispatcher: no read at all; the rows are a fixed bound
+  (token_dispatcher.allgather_row_bound) whatever the routing, so the estimate is exact there too.
 
 Training routes unevenly. The allowance "MoE routing imbalance" is what a rank's saved activations grow
 by when each of its experts gets `imbalance_load` x the balanced load: the capacity factor when one is
@@ -39,10 +41,17 @@ def routes_per_expert(config, tokens: int, load: float = 1.0) -> int:
     return min(routes, tokens)  # a token routes to an expert at most once
 
 
+def fixed_rows(config) -> bool:
+    """Whether an MoE layer's shapes do not depend on the routing: experts padded to their capacity, or grouped
+    experts under the allgather dispatcher (a fixed row bound)."""
+    grouped_allgather = config.moe_grouped_gemm and config.moe_token_dispatcher_type == "allgather"
+    return config.moe_pad_expert_input_to_capacity or grouped_allgather
+
+
 def imbalance_load(config) -> float | None:
     """The load the "MoE routing imbalance" allowance assumes; None where routing decides no shape (a dense
-    model, or experts padded to their capacity)."""
-    if config.num_moe_experts is None or config.moe_pad_expert_input_to_capacity:
+    model, experts padded to their capacity, grouped experts under allgather)."""
+    if config.num_moe_experts is None or fixed_rows(config):
         return None
     return config.moe_expert_capacity_factor or DEFAULT_IMBALANCE
 
@@ -61,6 +70,11 @@ def describe(config) -> str | None:
         return None
     if config.moe_pad_expert_input_to_capacity:
         return "> MoE: every expert's rows are its capacity (padded): exact, whatever the routing"
+    if fixed_rows(config):
+        return (
+            "> MoE: grouped experts under allgather run a fixed bound of rows (no host sync): exact, whatever the "
+            "routing"
+        )
     return (
         "> MoE: saved activations at the balanced load (each expert gets ceil(T x topk / experts) routes of every "
         "rank's T tokens"

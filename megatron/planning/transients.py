@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.core.tensor_parallel.fused_cross_entropy import chunk_tokens
+from megatron.core.transformer.moe.token_dispatcher import allgather_row_bound
 from megatron.planning.kernels import dtype_bytes
 from megatron.planning.moe_routing import routes_per_expert
 from megatron.planning.parameters import padded_vocab
@@ -239,9 +240,12 @@ def cp_workspace_bytes(dims: Dims, cp: int) -> int:
 
 def expert_rows(dims: Dims, config) -> int:
     """Rows an MoE layer's local experts run on one rank at the balanced load: routes per expert from
-    each of the ep x etp ranks whose tokens reach them (alltoall sends, allgather gathers them)."""
+    each of the ep x etp ranks whose tokens reach them (alltoall sends, allgather gathers them); with grouped
+    experts under allgather, the fixed bound the dispatcher uses to avoid a host sync."""
     ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
     local = config.num_moe_experts // ep
+    if config.moe_grouped_gemm and config.moe_token_dispatcher_type == "allgather":
+        return allgather_row_bound(config, dims.s_res * dims.b, ep * etp, local)
     return routes_per_expert(config, dims.s_res * dims.b) * local * ep * etp
 
 

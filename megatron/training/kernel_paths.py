@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe_permute import permute_path
+
 
 def startup_kernel_paths(model, device: torch.device, document_mask: bool = False) -> dict:
-    """{'attention': path, 'normalization': path, 'lm head + cross entropy': path}; raises ValueError
-    naming the flag when a forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
+    """{'attention': path, 'normalization': path, 'lm head + cross entropy': path} (and 'moe permutation'
+    with experts); raises ValueError naming the flag when a forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
     torch's SDPA with an explicit mask (forcing the kernel is refused with the flags)."""
     if model.attention_dropout > 0.0 and model.attention_backend == "triton":
         raise ValueError(
@@ -21,4 +23,11 @@ def startup_kernel_paths(model, device: torch.device, document_mask: bool = Fals
             raise ValueError(f"{flag} triton cannot run: {path[len('error (') : -1]}")
     if paths.cross_entropy is not None and paths.cross_entropy.error:
         raise ValueError(f"--cross-entropy-loss-fusion: its Triton kernels cannot run: {paths.cross_entropy.error}")
-    return {"attention": attention, "normalization": normalization, "lm head + cross entropy": paths.cross_entropy_line}
+    lines = {
+        "attention": attention,
+        "normalization": normalization,
+        "lm head + cross entropy": paths.cross_entropy_line,
+    }
+    if model.num_moe_experts is not None:
+        lines["moe permutation"] = permute_path("auto", device)
+    return lines

@@ -57,7 +57,8 @@ def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
         f"{run.training.num_microbatches} microbatches = global {run.training.global_batch_size}",
         f"> kernels: attention {paths['attention']}; normalization {paths['normalization']}; "
         f"lm head + cross entropy {paths['lm head + cross entropy']}; "
-        "NVIDIA apex not used (optional; nothing here needs it)",
+        + (f"MoE permutation {paths['moe permutation']}; " if "moe permutation" in paths else "")
+        + "NVIDIA apex not used (optional; nothing here needs it)",
     ]
     if not run.training.batch_schedule.constant:
         lines.append(

@@ -7,10 +7,11 @@ stacked by global index) and a DeepSeek-like one (a dense first layer, so one te
 sigmoid routing with the expert bias and its per-iteration update, group-limited top-4). At EP2 megatron-core
 keeps two optimizers (dense and expert-parallel parameters: a ChainedOptimizer, whose state names start with
 `chained_0.` and `chained_1.`). No auxiliary loss: its per-microbatch statistics would differ between layouts
-that split the batch differently. We load each checkpoint at EP2 (2 ranks) and on 1 rank: steps 3-5 give
-megatron-core's losses and grad norms. Both our runs then save torch_dist after step 5 and take steps 6-7;
-megatron-core loads each save at the expert-parallel size it was written at (Megatron-LM's own optimizer state
-names change with it: one optimizer at EP1, two at EP2) and its steps 6-7 are ours. All within 1e-5.
+that split the batch differently. We load each checkpoint at EP2 (2 ranks) and on 1 rank (there with grouped
+experts, --moe-grouped-gemm, whose torch_dist names are SequentialMLP's): steps 3-5 give megatron-core's losses
+and grad norms. Both our runs then save torch_dist after step 5 and take steps 6-7; megatron-core loads each
+save at the expert-parallel size it was written at (Megatron-LM's own optimizer state names change with it: one
+optimizer at EP1, two at EP2) and its steps 6-7 are ours. All within 1e-5.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _without_aux_loss(flags: list[str]) -> list[str]:
 CASES = {name: _without_aux_loss(flags) for name, flags in (("mixtral", MIXTRAL), ("deepseek", DEEPSEEK))}
 EP = {1: [], 2: ["--expert-model-parallel-size", "2"]}
 OUR_WORLD = {2: 2, 1: 1}  # our expert-parallel size -> ranks (EP2 on 2 ranks; EP1 on 1 rank)
+OUR_EXPERTS = {2: [], 1: ["--moe-grouped-gemm"]}  # the expert loop at EP2, grouped experts at EP1
 
 
 def _moe_job(case: str, ep: int, batch: str, ops: list[dict]) -> dict:
@@ -67,7 +69,7 @@ def _ours(rank: int, directory: str, batch_file: str, ep: int) -> dict:
     for case, flags in CASES.items():
         for saved_ep in EP:
             root = os.path.join(directory, f"mcore_{case}_ep{saved_ep}")
-            trainer, iteration = _load("llama", "tp1", root, batch, flags + EP[ep])
+            trainer, iteration = _load("llama", "tp1", root, batch, flags + EP[ep] + OUR_EXPERTS[ep])
             results[(case, saved_ep)] = _train(trainer, iteration + 1, 5)
         save_megatron_checkpoint(os.path.join(directory, f"ours_{case}_ep{ep}"), 5, trainer)
         results[(case, "steps 6-7")] = _train(trainer, 6, 7)

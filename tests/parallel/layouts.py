@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.schedules import ActionKind
+from megatron.core.tensor_parallel.initialization import expert_tensors
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from megatron.training.trainer import Trainer
 
@@ -72,6 +73,16 @@ def seed_key(name: str, param) -> str:
     return param.init_spec.seed_name or name
 
 
+def canonical_tensors(trainer: Trainer, tensor_of=torch.Tensor.detach) -> dict:
+    """name -> (a copy of `tensor_of(param)`, InitSpec) of every tensor this rank holds, under the one-process
+    model's names; grouped experts' weights are cut into the per-expert tensors they stand for."""
+    return {
+        name: (tensor.clone(), spec)
+        for n, p in named_params(trainer)
+        for name, tensor, spec in expert_tensors(seed_key(n, p), tensor_of(p), p.init_spec)
+    }
+
+
 def build_trainer(model: str, extra: list[str]) -> Trainer:
     defaults, argv = model_flags(model, extra)
     return Trainer(parse_run_config(argv, defaults, dist.get_world_size()), torch.device("cpu"))
@@ -86,17 +97,17 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     this rank's schedule has."""
     trainer = build_trainer(model, extra)
     trainer.optimizer.finish_param_sync()  # sharded parameters are kept as shards until first used
-    initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    initial = canonical_tensors(trainer)
     losses, grads, grad_norms = [], {}, []
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
         if iteration == grads_at and not trainer.chunks[0].buffer.shards_grads:  # else no whole main_grad
-            grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
+            grads = canonical_tensors(trainer, lambda p: p.main_grad)
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
     resident = [sum(values) for values in zip(*(chunk.buffer.resident_bytes() for chunk in trainer.chunks))]
     trainer.optimizer.finish_param_sync()
-    final = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
+    final = canonical_tensors(trainer)
     return {
         "losses": losses,
         "initial": initial,

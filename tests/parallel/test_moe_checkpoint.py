@@ -2,9 +2,11 @@
 
 A DeepSeek-like model (expert bias, whose state lives outside the optimizer, shared expert, sigmoid group-limited
 routing) trains 3 iterations at EP2 x DP2 with the alltoall dispatcher and the distributed optimizer, saves, and
-continues iterations 4-6 at EP4, at EP2 (2 ranks, distributed optimizer) and on one rank: the losses and grad
-norms of the uninterrupted one-rank run, within 1e-5 (expert weights, their Adam moments and the expert bias are
-stored by global expert index, so any ep loads them).
+continues iterations 4-6 at EP4 (the expert loop, and grouped experts), at EP2 (2 ranks, distributed optimizer,
+grouped experts) and on one rank: the losses and grad norms of the uninterrupted one-rank run, within 1e-5 (expert
+weights, their Adam moments and the expert bias are stored by global expert index, so any ep loads them; grouped
+experts store theirs as the loop's per-expert tensors). The saving run uses grouped experts, so each kind reads the
+other's checkpoint.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from tests.parallel.layouts import model_flags
 from tests.parallel.test_moe_equivalence import DEEPSEEK
 
 EP = "--expert-model-parallel-size"
-SAVED = [EP, "2", "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer"]
-CONTINUED = {4: [[EP, "4"]], 2: [[EP, "2", "--use-distributed-optimizer"]], 1: [[]]}
+GROUPED = "--moe-grouped-gemm"
+SAVED = [EP, "2", "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer", GROUPED]
+CONTINUED = {4: [[EP, "4"], [EP, "4", GROUPED]], 2: [[EP, "2", "--use-distributed-optimizer", GROUPED]], 1: [[]]}
 
 
 def _run(extra: list[str]):

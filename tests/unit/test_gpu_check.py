@@ -35,6 +35,8 @@ SECTIONS = {
     "attention_backends": "Attention: our kernel vs each SDPA backend",  # part throughput: test_gpu_check_throughput.py
     "throughput": "Throughput at the Llama-3-8B layer shape",
     "memory_limit": "Memory near the device's limit",
+    "moe": "MoE experts (bf16, forward + backward)",
+    "moe_models": "Whole MoE models on one GPU",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",
@@ -130,6 +132,23 @@ def test_offloaded_step_in_device_rounding_is_bit_equal(report):
     assert runs[1]["elements differing"] > 0 and runs[2]["elements"] == runs[0]["elements"] > 0
 
 
+def test_moe_rows_and_host_syncs(report):
+    sections = report[0]["sections"]
+    rows = sections["moe"]["rows"]
+    assert [(r["shape"], r["routing"]) for r in rows] == [
+        (shape, routing) for shape in ("e8-top2", "e64-top6", "e128-top8") for routing in ("balanced", "skewed")
+    ]
+    for row in rows:  # no host sync in an MoE layer with the allgather dispatcher and grouped experts
+        assert row["host_syncs_per_layer"] == 0 and row["grouped_ms"] == row["speedup"] == row["permute_gbps"] == NA
+    assert "alltoall 1 read(s) per layer" in " ".join(sections["moe"]["notes"])
+    models = sections["moe_models"]["rows"]
+    assert [r["name"] for r in models] == ["mixtral-like (2 layers)", "qwen3-moe-like (4 layers)"]
+    for row in models:
+        assert (
+            row["tokens_per_s"] == row["tflops"] == row["step_s"] == NA and row["projected_step_s"] == "not projected"
+        )
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -219,3 +238,15 @@ def test_every_gpu_run_is_in_the_runs_table():
     for report in sorted(results.iterdir()):
         assert report.suffix in (".md", ".json") and report.with_suffix(".md").exists(), report
         assert f"](gpu-results/{report.name})" in runs, f"{report.name} is not in docs/gpu-check.md's table of runs"
+
+
+@pytest.mark.parametrize("experts, topk", [(8, 2), (64, 6), (128, 8)])
+def test_moe_check_routings(experts, topk):
+    from tools.gpu_check_lib.moe_check import SKEW, routing_map, rows_per_expert
+
+    tokens = 512
+    balanced, skewed = (rows_per_expert(tokens, experts, topk, r) for r in ("balanced", "skewed"))
+    assert sum(balanced) == sum(skewed) == tokens * topk
+    assert max(skewed) == round(SKEW * tokens * topk // experts) and max(balanced) - min(balanced) < experts
+    mapping = routing_map(tokens, skewed, "cpu")
+    assert mapping.sum(dim=0).tolist() == skewed and (mapping.sum(dim=1) == topk).all()

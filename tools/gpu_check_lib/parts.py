@@ -31,6 +31,10 @@ class Part:
 
 
 PARTS = (
+    Part("moe", 45, order=20, budget_s=180.0, sections=(
+        ("moe", "moe_check:check_moe", 60.0),  # issue 45: never measured yet
+        ("moe_models", "moe_check:check_moe_models", 45.0),
+    )),
     Part("throughput", 43, order=30, budget_s=360.0, sections=(
         ("throughput", "throughput_check:check_throughput", 60.0),  # issue 43: never measured yet
     )),

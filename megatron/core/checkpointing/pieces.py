@@ -20,6 +20,8 @@ global tensors that it holds. The canonical form of each kind of parameter:
 - tied embeddings: stored once as `embedding.word_embeddings.weight`; the last
   stage's copy of the output layer (its InitSpec names the embedding as
   `seed_name`) is not written, and is filled from the embedding on load.
+- grouped experts (`...mlp.experts.linear_fc1.weight` [local experts, out, in]): stored as the per-expert
+  tensors `...mlp.experts.local_experts.<e>.linear_fc1.weight` of the expert loop, so both load each other.
 Everything else (norms, biases of row-parallel layers, position embeddings) is
 whole on every rank that holds it; replicas are written once (DCP deduplicates
 pieces with equal name and offsets).
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.tensor_parallel.initialization import held_ranges
+from megatron.core.tensor_parallel.initialization import expert_name, held_ranges
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,17 @@ def box_pieces(
     name: str, spec, offsets: tuple[int, ...], sizes: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype
 ) -> list[TensorPiece]:
     """Pieces of the canonical tensor `name` (shape from the InitSpec `spec`, see module doc) held by
-    the box (offsets, sizes) of this rank's local shard; `data` is that box's tensor (a view)."""
+    the box (offsets, sizes) of this rank's local shard; `data` is that box's tensor (a view). A grouped
+    parameter's box is cut into the per-expert tensors its leading dimension holds."""
+    if spec.experts is not None:
+        one, first = dataclasses.replace(spec, experts=None), offsets[0]
+        return [
+            piece
+            for i in range(first, first + sizes[0])
+            for piece in box_pieces(
+                expert_name(name, spec.experts[i]), one, offsets[1:], sizes[1:], data[i - first], dtype
+            )
+        ]
     shape = list(spec.full_shape)
     held = [[(0, size)] for size in shape]
     if spec.shard is not None:

@@ -63,7 +63,10 @@ class InitSpec:
     vocabulary of a padded vocabulary tensor, drawn on the tile grid; the padding rows after
     them are drawn row by row (see the module doc), so no row depends on the layout. `seed_name`
     replaces the parameter's own name as seed source (the tied output-layer copy
-    on the last pipeline stage starts equal to the input embedding).
+    on the last pipeline stage starts equal to the input embedding). `experts`: the parameter
+    stacks one tensor per expert (these global indices) along a new leading dimension, as grouped
+    experts hold their weights; everything else describes one expert's tensor, which is the tensor
+    `expert_name(name, e)` of the per-expert layout (initial values and checkpoints alike).
     """
 
     full_shape: tuple
@@ -72,6 +75,24 @@ class InitSpec:
     shard: ShardSpec | None = None
     real_rows: int | None = None
     seed_name: str | None = None
+    experts: tuple[int, ...] | None = None
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The per-expert name of expert `expert`'s slice of the grouped parameter `name`:
+    `<prefix>.linear_fc1.weight` -> `<prefix>.local_experts.<expert>.linear_fc1.weight`."""
+    parts = name.split(".")
+    return ".".join(parts[:-2] + ["local_experts", str(expert)] + parts[-2:])
+
+
+def expert_tensors(name: str, tensor: torch.Tensor, spec: InitSpec) -> list[tuple[str, torch.Tensor, InitSpec]]:
+    """(name, tensor, InitSpec) of each tensor `tensor` holds: itself, or one per expert of a grouped parameter."""
+    if spec.experts is None:
+        return [(name, tensor, spec)]
+    if tensor.shape[0] != len(spec.experts):
+        raise ValueError(f"{name}: holds {tensor.shape[0]} experts, its InitSpec names {len(spec.experts)}")
+    one = dataclasses.replace(spec, experts=None)
+    return [(expert_name(name, e), tensor[i], one) for i, e in enumerate(spec.experts)]
 
 
 RANDOM_KINDS = ("normal", "xavier_uniform")  # also the init methods a model's weights can use
@@ -162,7 +183,12 @@ def _fill_random(out: torch.Tensor, spec: InitSpec, seed: int, name: str) -> Non
 @torch.no_grad()
 def initialize_(tensor: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
     """Fill `tensor`, this rank's shard of `spec` (any dtype), with its layout-independent initial value.
-    With `spec.shard` None, `tensor` is the full tensor every layout's shard is a slice of."""
+    With `spec.shard` None, `tensor` is the full tensor every layout's shard is a slice of. A grouped
+    parameter (`spec.experts`) gets each expert's value under that expert's per-expert name."""
+    if spec.experts is not None:
+        for one_name, one, one_spec in expert_tensors(name, tensor, spec):
+            initialize_(one, one_spec, seed, one_name)
+        return
     expected = list(spec.full_shape)
     if spec.shard is not None:
         if spec.shard.dim not in (0, 1) or (spec.shard.dim == 1 and len(expected) != 2):

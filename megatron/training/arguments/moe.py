@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from megatron.core.transformer.moe.experts import grouped_fallback_reason
+
 # the flags below, by TransformerConfig field; a flag given without --num-experts is refused by name
 MOE_FIELDS = {
     "num_moe_experts": "--num-experts",
@@ -76,7 +78,7 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument(
         "--moe-grouped-gemm",
         action="store_true",
-        help="accepted: the local experts run one after the other (no grouped GEMM kernel here)",
+        help="the local experts of a layer as one [experts, out, in] weight per linear, run by torch's grouped GEMM",
     )
     g.add_argument("--moe-token-dispatcher-type", default="allgather", help="allgather or alltoall")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
@@ -115,10 +117,13 @@ def moe_notes(config) -> list[str]:
         f"{'' if config.moe_expert_capacity_factor is None else config.moe_expert_capacity_factor}"
     ]
     if config.moe_grouped_gemm:
-        notes.append(
-            "> note: --moe-grouped-gemm runs the local experts one after the other (a loop of GEMMs): no grouped "
-            "GEMM kernel is built here"
-        )
+        notes.append("> MoE: grouped experts run by torch.nn.functional.grouped_mm")
+        for device_type in ("cuda", "cpu"):
+            reason = grouped_fallback_reason(config, config.expert_tensor_parallel_size, device_type)
+            if reason is not None:
+                notes.append(
+                    f"> note: --moe-grouped-gemm: {reason}; there the grouped expert weights run one GEMM per expert"
+                )
     return notes
 
 

@@ -7,7 +7,9 @@ MoEAllGatherTokenDispatcher and MoEAlltoAllTokenDispatcher).
 - alltoall: each rank sends every routed row (a token once per chosen expert) only to the rank that holds that
   expert and gets the rows back, with uneven sizes taken from the routing (no padding to the worst case).
 
-Rows enter the experts grouped by local expert; a dispatch returns what its combine needs to undo it.
+Rows enter the experts grouped by local expert; a dispatch returns what its combine needs to undo it. Rows are
+gathered from the tokens and summed back by gathers in a fixed order (kernels/moe_permute.py), forward and
+backward, so the layer is deterministic on CUDA too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.moe_permute import permute_rows, unpermute_rows
 from megatron.core.distributed import collectives
 from megatron.core.tensor_parallel.mappings import (
     COMM_STATS,
@@ -24,33 +27,85 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.moe.routing import expert_capacity
 
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+@dataclass
+class HostSyncs:
+    """Reads of routing data to the host (each a device sync) since `reads` was last reset."""
+
+    reads: int = 0
+
+
+HOST_SYNCS = HostSyncs()
+
+
 def host_counts(counts: torch.Tensor) -> list[list[int]]:
-    """Routes per (source rank, expert), counts [sources, experts], read to the host in one sync: the dispatch's split
-    sizes, as Megatron reads them. The only value the dispatch takes from the routing, so that the memory estimate's
-    trace (megatron/planning/moe_routing.py) can stand in a routing for it."""
+    """Routes per (source rank, expert), counts [sources, experts], read to the host in one sync (counted in
+    HOST_SYNCS): the alltoall dispatch's split sizes, as Megatron reads them, and the expert loop's rows per expert.
+    The only value an MoE layer takes from the routing to the host, so that the memory estimate's trace
+    (megatron/planning/moe_routing.py) can stand in a routing for it."""
+    HOST_SYNCS.reads += 1
     return counts.tolist()
 
 
-def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_rows: int):
+def allgather_row_bound(config, tokens: int, sources: int, local: int) -> int:
+    """The rows the allgather dispatcher gives `local` experts without reading the routing to the host: every
+    route `sources` ranks of `tokens` tokens each can send them (top-k per token, or the local experts if fewer),
+    at most the experts' capacity, which padding fills exactly."""
+    routes = sources * tokens * min(config.moe_router_topk, local)
+    if config.moe_expert_capacity_factor is None:
+        return routes
+    capacity = (
+        sources
+        * local
+        * expert_capacity(tokens * config.moe_router_topk, config.num_moe_experts, config.moe_expert_capacity_factor)
+    )
+    return capacity if config.moe_pad_expert_input_to_capacity else min(routes, capacity)
+
+
+@dataclass
+class Permutation:
+    """Where each routed row of a dispatch comes from: `token_of_row` [rows] (-1: a padding row), and `slots`
+    [tokens, k] the rows of each token in expert order (-1: none), which the combine sums in that order."""
+
+    token_of_row: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.shape[0]
+
+
+def max_routes(config) -> int:
+    """Routes of one token: its top-k, or any expert when padding to capacity adds routes of weight 0."""
+    return config.num_moe_experts if config.moe_pad_expert_input_to_capacity else config.moe_router_topk
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_rows: int, max_routes: int):
     """Rows grouped by expert (expert 0's tokens first, each group in token order), their routing weights and the
-    token each row came from. tokens [T, h], routing_map and probs [T, E]; `num_rows`: the routes in the map (known
-    on the host, so every shape here is)."""
-    num_tokens = routing_map.shape[0]
-    route = routing_map.T.contiguous().flatten().nonzero_static(size=num_rows).squeeze(1)  # expert-major positions
-    token_of_row = route % num_tokens
-    return tokens.index_select(0, token_of_row), probs.T.flatten().index_select(0, route), token_of_row
+    Permutation. tokens [T, h], routing_map and probs [T, E]; `num_rows`: the routes in the map, or a bound on them
+    (rows past the routes are padding: zero, weight 0); `max_routes`: a bound on the routes of one token (top-k, or
+    the experts when capacity padding adds routes). No value is read back to the host."""
+    num_tokens, num_experts = routing_map.shape
+    by_expert = routing_map.T.contiguous().flatten()  # expert-major
+    route = by_expert.nonzero_static(size=num_rows, fill_value=-1).squeeze(1)
+    token_of_row = torch.where(route >= 0, route % num_tokens, -1)
+    row_of_route = torch.where(by_expert, by_expert.cumsum(0) - 1, -1).view(num_experts, num_tokens).T
+    k = min(max_routes, num_experts)
+    slots = row_of_route if k == num_experts else row_of_route.topk(k, dim=1, sorted=True).values  # rows descending
+    permutation = Permutation(token_of_row, slots.contiguous())
+    row_probs = torch.where(route >= 0, probs.T.flatten().index_select(0, route.clamp_min(0)), 0)
+    return permute_rows(tokens, token_of_row, permutation.slots), row_probs, permutation
 
 
-def unpermute(rows: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum each token's rows back into place: [T, h] (zero for a token no row came from)."""
-    out = rows.new_zeros((num_tokens, rows.shape[-1]))
-    return out.index_add(0, token_of_row, rows)
+def unpermute(rows: torch.Tensor, permutation: Permutation) -> torch.Tensor:
+    """Sum each token's rows back into place, in a fixed order: [T, h] (zero for a token no row came from)."""
+    return unpermute_rows(rows, permutation.token_of_row, permutation.slots)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -75,8 +130,7 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
 
 @dataclass
 class _Dispatched:
-    token_of_row: torch.Tensor
-    num_tokens: int
+    permutation: Permutation
     shape: torch.Size
     chunk_sizes: list[int] | None = None  # alltoall: rows per (source rank, local expert)
     splits: tuple[list[int], list[int]] | None = None  # alltoall: (rows received, rows sent) per ep rank
@@ -84,10 +138,14 @@ class _Dispatched:
 
 
 class AllGatherDispatcher:
-    """Gathers over `group` (expert tensor x expert parallel); this rank's experts are `local_ids`."""
+    """Gathers over `group` (expert tensor x expert parallel); this rank's experts are `local_ids`. `sync_free`
+    (grouped experts, which take rows per expert on the device): no host read; the rows are `allgather_row_bound`,
+    those past the routed ones padding (exact with one expert-parallel rank, dropless or padded; ep x the routed
+    rows at most with more). Else the routed rows exactly, their counts read to the host once."""
 
-    def __init__(self, local_ids: range, group=None):
-        self.local_ids, self.group = local_ids, group
+    def __init__(self, local_ids: range, config, group=None, sync_free: bool = False):
+        self.local_ids, self.config, self.group, self.sync_free = local_ids, config, group, sync_free
+        self.max_routes = max_routes(config)
 
     def dispatch(self, hidden, probs, routing_map):
         """hidden [s, b, h], probs and routing_map [s*b, E] -> (rows, rows per local expert, row weights, handle)."""
@@ -100,15 +158,20 @@ class AllGatherDispatcher:
             tokens = gather_from_sequence_parallel_region(tokens, self.group)
         lo, hi = self.local_ids.start, self.local_ids.stop
         local_map = routing_map[:, lo:hi]
-        per_source = host_counts(local_map.reshape(sources, -1, hi - lo).sum(dim=1))  # gathered in rank order
-        counts = [sum(column) for column in zip(*per_source)]
-        rows, row_probs, token_of_row = permute(tokens, local_map, probs[:, lo:hi], sum(counts))
-        return rows, counts, row_probs, _Dispatched(token_of_row, tokens.shape[0], shape)
+        if self.sync_free:
+            counts = local_map.sum(dim=0)  # on the device
+            num_rows = allgather_row_bound(self.config, tokens.shape[0] // sources, sources, hi - lo)
+        else:
+            per_source = host_counts(local_map.reshape(sources, -1, hi - lo).sum(dim=1))  # gathered in rank order
+            counts = [sum(column) for column in zip(*per_source)]
+            num_rows = sum(counts)
+        rows, row_probs, permutation = permute(tokens, local_map, probs[:, lo:hi], num_rows, self.max_routes)
+        return rows, counts, row_probs, _Dispatched(permutation, shape)
 
     def combine(self, rows: torch.Tensor, handle: _Dispatched, dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to [s, b, h] on the ranks that routed them (summed over ranks and partial shards,
         in `dtype`: the routing weights' precision, as Megatron reduces)."""
-        out = unpermute(rows, handle.token_of_row, handle.num_tokens)
+        out = unpermute(rows, handle.permutation)
         if _size(self.group) > 1:
             out = reduce_scatter_to_sequence_parallel_region(out.to(dtype), self.group).to(rows.dtype)
         return out.view(handle.shape)
@@ -158,8 +221,8 @@ class AllToAllDispatcher:
     (etp fastest). `local_ids` are this rank's experts, `num_experts` all of them (split evenly over ep in rank
     order)."""
 
-    def __init__(self, local_ids: range, num_experts: int, ep_group=None, etp_group=None, tp_ep_group=None):
-        self.local_ids, self.num_experts = local_ids, num_experts
+    def __init__(self, local_ids: range, config, ep_group=None, etp_group=None, tp_ep_group=None):
+        self.local_ids, self.num_experts, self.max_routes = local_ids, config.num_moe_experts, max_routes(config)
         self.ep_group, self.etp_group, self.tp_ep_group = ep_group, etp_group, tp_ep_group
 
     def dispatch(self, hidden, probs, routing_map):
@@ -174,8 +237,8 @@ class AllToAllDispatcher:
             collectives.all_gather_single(every_rank, counts, group=self.tp_ep_group)
             table = host_counts(every_rank.view(ep * etp, -1))
         own = table[dist.get_rank(self.tp_ep_group) if ep * etp > 1 else 0]
-        rows, row_probs, token_of_row = permute(tokens, routing_map, probs, sum(own))
-        handle = _Dispatched(token_of_row, tokens.shape[0], shape)
+        rows, row_probs, permutation = permute(tokens, routing_map, probs, sum(own), self.max_routes)
+        handle = _Dispatched(permutation, shape)
         lo, hi = self.local_ids.start, self.local_ids.stop
         if ep * etp == 1:
             return rows, own[lo:hi], row_probs, handle
@@ -211,7 +274,7 @@ class AllToAllDispatcher:
             if ep > 1:
                 received, sent = handle.splits
                 rows = all_to_all(rows, sent, received, self.ep_group)
-        return unpermute(rows, handle.token_of_row, handle.num_tokens).view(handle.shape)
+        return unpermute(rows, handle.permutation).view(handle.shape)
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], outer: int, inner: int) -> torch.Tensor:
