@@ -9,8 +9,9 @@ from kernels.moe_permute import permute_path
 
 def startup_kernel_paths(model, device: torch.device, document_mask: bool = False) -> dict:
     """{'attention': path, 'normalization': path, 'lm head + cross entropy': path} (and 'moe permutation'
-    with experts); raises ValueError naming the flag when a forced Triton path cannot run here. `document_mask`: --reset-attention-mask, which runs
-    torch's SDPA with an explicit mask (forcing the kernel is refused with the flags)."""
+    with experts); raises ValueError naming the flag when a forced Triton path cannot run here.
+    `document_mask`: --reset-attention-mask, which runs torch's SDPA with an explicit mask (forcing the
+    kernel is refused with the flags)."""
     if model.attention_dropout > 0.0 and model.attention_backend == "triton":
         raise ValueError(
             "--attention-backend triton has no attention dropout; use --attention-dropout 0 "
