@@ -219,8 +219,8 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
 def _schedules(pp: int, v: int, search: Search) -> list[str]:
     """The pipeline schedules (ParallelConfig.pipeline_schedule) to try for (pp, v): the one the layout
     implies ('auto') and its zero-bubble variant, or those of `search.schedules` that run (pp, v)."""
-    if pp == 1:
-        return ["auto"] if search.schedules is None else []
+    if pp == 1:  # no pipeline: what 1f1b is with one stage
+        return ["auto"] if search.schedules is None or "1f1b" in search.schedules else []
     plain, zero_bubble = ("1f1b", "zb-h1") if v == 1 else ("interleaved", "interleaved-zb")
     if search.schedules is None:
         return ["auto", zero_bubble]

@@ -95,6 +95,7 @@ def run_layouts(run) -> list[tuple[object, object]]:
         stage_splits=((None, None),),
         grad_dtype=run.grad_dtype,
         max_virtual_stages=config.model.num_layers,
+        schedules=("1f1b", "interleaved"),  # Megatron-LM's: the published runs had no zero-bubble schedule
     )
     batch = config.training.global_batch_size
     return [
