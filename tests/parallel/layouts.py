@@ -107,6 +107,9 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
         "resident_bytes": resident,
         "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
         "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps),
+        "fp8_scales": {
+            n: b.clone() for chunk in trainer.chunks for n, b in chunk.module.named_buffers() if n.endswith("fp8_scale")
+        },
     }
 
 

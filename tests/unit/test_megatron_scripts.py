@@ -362,8 +362,8 @@ def test_out_of_scope_flags_are_refused_in_one_message():
             + [
                 "--moe-enable-deepep",
                 "--overlap-moe-expert-parallel-comm",
-                "--fp8-format",
-                "hybrid",
+                "--fp4-format",
+                "e2m1",
                 "--multi-latent-attention",
                 "--use-torch-fsdp2",
                 "--vision-backbone-type",
@@ -377,7 +377,7 @@ def test_out_of_scope_flags_are_refused_in_one_message():
     for flag in (
         "--moe-enable-deepep",
         "--overlap-moe-expert-parallel-comm",
-        "--fp8-format",
+        "--fp4-format",
         "--multi-latent-attention",
         "--use-torch-fsdp2",
         "--vision-backbone-type",

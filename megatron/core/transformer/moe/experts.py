@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, make_param
+from megatron.core.tensor_parallel.layers import linear
 
 
-class _ExpertLinear(torch.nn.Module):
+class ExpertLinear(torch.nn.Module):
     def __init__(self, full_shape: tuple, shard: ShardSpec, std: float, config, device):
         super().__init__()
+        self.fp8 = None  # FP8 GEMMs (megatron/core/fp8/model.py)
         shape = list(full_shape)
         shape[shard.dim] //= shard.num_shards
         self.weight = make_param(
@@ -25,8 +27,11 @@ class _ExpertLinear(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A module call (not a bare matmul), so the sharding strategies' hooks gather the weight around it."""
-        return F.linear(x, self.weight)
+        """A module call (not a bare matmul), so the sharding strategies' hooks gather the weight around it.
+        In FP8 the weight gradient goes through autograd (not straight into main_grad)."""
+        if self.fp8 is None:
+            return F.linear(x, self.weight)
+        return linear(x, self.weight, None, owned=False, fp8=self.fp8)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -38,10 +43,10 @@ class ExpertMLP(torch.nn.Module):
         self.swiglu = config.swiglu
         h, f = config.hidden_size, config.moe_ffn_hidden_size
         stacked = 2 if config.swiglu else 1
-        self.linear_fc1 = _ExpertLinear(
+        self.linear_fc1 = ExpertLinear(
             (stacked * f, h), ShardSpec(0, etp_size, etp_rank, stacked), config.init_method_std, config, device
         )
-        self.linear_fc2 = _ExpertLinear(
+        self.linear_fc2 = ExpertLinear(
             (h, f), ShardSpec(1, etp_size, etp_rank), config.output_layer_init_std, config, device
         )
 
