@@ -83,15 +83,19 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     this rank's shard of each reduced gradient; none where gradients are sharded, optim_grads),
     the weights after the last step, the bytes of optimizer state, the (parameter, gradient)
     bytes the buffers hold after the last step, and how many WEIGHT steps (split backward)
-    this rank's schedule has."""
+    this rank's schedule has, and FP8 delayed scaling's amax histories after iteration `grads_at`."""
     trainer = build_trainer(model, extra)
     trainer.optimizer.finish_param_sync()  # sharded parameters are kept as shards until first used
     initial = {seed_key(n, p): (p.detach().clone(), p.init_spec) for n, p in named_params(trainer)}
-    losses, grads, grad_norms = [], {}, []
+    losses, grads, grad_norms, fp8_histories = [], {}, [], {}
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
         if iteration == grads_at and not trainer.chunks[0].buffer.shards_grads:  # else no whole main_grad
             grads = {seed_key(n, p): (p.main_grad.clone(), p.init_spec) for n, p in named_params(trainer)}
+        if iteration == grads_at:  # FP8 delayed scaling: the amax history after this iteration
+            fp8_histories = {
+                n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "fp8_amax_history" in n
+            }
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
     resident = [sum(values) for values in zip(*(chunk.buffer.resident_bytes() for chunk in trainer.chunks))]
@@ -107,9 +111,7 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
         "resident_bytes": resident,
         "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
         "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps),
-        "fp8_scales": {
-            n: b.clone() for chunk in trainer.chunks for n, b in chunk.module.named_buffers() if n.endswith("fp8_scale")
-        },
+        "fp8_histories": fp8_histories,
     }
 
 

@@ -127,6 +127,7 @@ def _run(owner, x, g):
 def test_delayed_scaling_history_margin_and_scale_update():
     class Mesh:
         tp_group = tp_cp_group = dp_group = etp_group = edp_group = None
+        dp_size = cp_size = 1
 
     recipe = Fp8Recipe(format="hybrid", margin=1, amax_history_len=3, amax_compute_algo="max")
     owner = _layer(recipe)

@@ -48,9 +48,31 @@ def _reduce(rows: list[torch.Tensor], groups) -> None:
         row[INPUT], row[GRAD] = activation[0], activation[1]
 
 
+def gradient_factor(mesh) -> int:
+    """How much larger this layout's backward gradients are than one process's: each microbatch's backward
+    starts from its loss times 1 / (microbatches per rank x token positions per cp rank) (the executor), so
+    by dp x cp; the gradients are averaged over dp x cp only after the backward."""
+    return mesh.dp_size * mesh.cp_size
+
+
+def _derive_scales(gemms: Fp8Gemms, factor: int) -> None:
+    """Scales from the amax history (history in one process's units: the gradient's times `factor` here)."""
+    recipe, owner = gemms.recipe, gemms.owner
+    history = owner.fp8_amax_history
+    newest = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0]
+    limits = torch.tensor([fp8_max(recipe.dtype(t)) for t in (INPUT, WEIGHT, GRAD)], device=newest.device)
+    layout = torch.tensor([1.0, 1.0, float(factor)], device=newest.device)
+    scale = limits / (newest * layout) / 2.0**recipe.margin
+    usable = (newest > 0) & torch.isfinite(newest)
+    owner.fp8_scale.copy_(torch.where(usable, scale, owner.fp8_scale))
+    gemms.has_history = True
+
+
 def update_delayed_scaling(modules, mesh) -> None:
     """Fold this iteration's amaxes into every delayed-scaling layer's history and scales (a collective
-    over the groups named in the module doc; every rank of a stage calls it with the same layers)."""
+    over the groups named in the module doc; every rank of a stage calls it with the same layers). The
+    history holds gradient amaxes in one process's units (`gradient_factor`), so a checkpoint's history
+    means the same in every layout."""
     layers = delayed_gemms(modules)
     if not layers:
         return
@@ -61,23 +83,21 @@ def update_delayed_scaling(modules, mesh) -> None:
     experts = [g.owner.fp8_amax_pending for g in layers if g.expert]
     _reduce(dense, (mesh.tp_group, mesh.tp_cp_group, *dp))
     _reduce(experts, (mesh.etp_group, mesh.etp_group, *edp))
-    dtypes = [recipe.dtype(t) for t in (INPUT, WEIGHT, GRAD)]
-    limits = torch.tensor([fp8_max(d) for d in dtypes])
+    factor = gradient_factor(mesh)
     with torch.no_grad():
         for gemms in layers:
-            gemms.has_history = True
             owner = gemms.owner
             history = owner.fp8_amax_history
             history.copy_(torch.roll(history, 1, dims=0))
             history[0] = owner.fp8_amax_pending
+            history[0, GRAD] /= factor
             owner.fp8_amax_pending.zero_()
-            newest = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0]
-            scale = limits.to(newest.device) / newest / 2.0**recipe.margin
-            usable = (newest > 0) & torch.isfinite(newest)
-            owner.fp8_scale.copy_(torch.where(usable, scale, owner.fp8_scale))
+            _derive_scales(gemms, factor)
 
 
-def resume_delayed_scaling(modules) -> None:
-    """After a checkpoint's amax histories and scales were loaded: cast with them (not current scales)."""
-    for gemms in delayed_gemms(modules):
-        gemms.has_history = True
+def resume_delayed_scaling(modules, mesh) -> None:
+    """After a checkpoint's amax histories and scales were loaded: the scales for this layout, from the
+    histories (the same values in the layout that saved them), and cast with them from now on."""
+    with torch.no_grad():
+        for gemms in delayed_gemms(modules):
+            _derive_scales(gemms, gradient_factor(mesh))

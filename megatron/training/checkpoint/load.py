@@ -131,7 +131,7 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
 
 
 def _fp8_state(info: CheckpointInfo, trainer, pieces: list[TensorPiece]) -> tuple[list[TensorPiece], list[str]]:
-    """Delayed scaling's amax histories and scales: loaded when saved (and then cast with); a checkpoint
+    """Delayed scaling's amax histories and scales: loaded when saved; a checkpoint
     without them (BF16, or another FP8 recipe) starts them fresh, and a BF16 run ignores saved ones; one
     note line either way."""
     saved = {name for name in saved_tensors(info.directory) if is_fp8_state(name)}
@@ -139,9 +139,7 @@ def _fp8_state(info: CheckpointInfo, trainer, pieces: list[TensorPiece]) -> tupl
     missing = {piece.name for piece in wanted} - saved
     if missing and len(missing) < len(wanted):
         raise CheckpointError(f"{info.directory}: FP8 scaling state only partly saved, e.g. {sorted(missing)[0]}")
-    modules = [chunk.module for chunk in trainer.chunks]
     if wanted and not missing:
-        resume_delayed_scaling(modules)
         return pieces, []
     notes = []
     if wanted:
@@ -185,6 +183,8 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
     # our RNG states are read with the model (one DCP read less) and set once everything is loaded
     rng = rng_states(trainer) if info.format == OURS and not config.finetune and why_not_rng is None else {}
     read_pieces(pieces + [TensorPiece.whole(name, state) for name, state in rng.items()], info.directory)
+    if any(is_fp8_state(piece.name) for piece in pieces):  # loaded: this layout's scales from the histories
+        resume_delayed_scaling([chunk.module for chunk in trainer.chunks], trainer.mesh)
     for chunk in trainer.chunks:
         chunk.params_written()
     notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes, *fp8_note]
