@@ -25,6 +25,8 @@ SECTIONS = {
     "offload_bytes": "Offload bytes",
     "offload_overlap": "Offload overlap",
     "size_fits": "Largest Llama that fits",
+    "fp8": "FP8 training at the 8B layer shape",
+    "fp8_layer": "One layer's FP8 product",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",
@@ -128,3 +130,24 @@ def test_only_runs_the_named_sections(tmp_path):
     proc = run_cli("tools/gpu_check.py", flags, timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert set(json.loads((tmp_path / "report.json").read_text())["sections"]) == {"memory"}
+
+
+def test_fp8_rows_as_the_issue_names_them(report):
+    """Issue 44's report columns and row names; on CPU our four runs train (finite losses, FP8 differing
+    from BF16) and torchtitan's rows say why they did not run; the emulated product is near the exact one."""
+    rows = report[0]["sections"]["fp8"]["rows"]
+    assert [r["name"] for r in rows] == [
+        "ours-bf16",
+        "ours-tensorwise",
+        "ours-delayed",
+        "ours-blockwise",
+        "torchtitan-bf16",
+        "torchtitan-tensorwise",
+        "torchtitan-rowwise",
+    ]
+    ours = {r["name"]: r for r in rows[:4]}
+    assert all(math.isfinite(r["final_loss"]) and r["error"] is None and r["tokens_per_s"] == NA for r in rows[:4])
+    assert all(ours[name]["final_loss"] != ours["ours-bf16"]["final_loss"] for name in list(ours)[1:])
+    assert all(r["error"] and r["final_loss"] is None for r in rows[4:])
+    (layer,) = report[0]["sections"]["fp8_layer"]["rows"]
+    assert 0 < layer["emulated vs bf16 rel err"] < 0.08 and layer["_scaled_mm vs emulated max abs"] == NA

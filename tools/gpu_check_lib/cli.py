@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-PARTS = {"kernels-step": ("kernels", "step", "memory"), "offload": ("offload", "size")}
+PARTS = {"kernels-step": ("kernels", "step", "memory"), "offload": ("offload", "size"), "fp8": ("fp8",)}
 SECTIONS = tuple(section for sections in PARTS.values() for section in sections)
 PART_BUDGET_S = 360.0  # each part must end within 6 minutes on one H100 (see the module docstring of gpu_check.py)
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from tools.gpu_check_lib import kernels_check, offload_tables, size_check, step_check
+    from tools.gpu_check_lib import fp8_check, kernels_check, offload_tables, size_check, step_check
     from tools.gpu_check_lib.report import Report
     from tools.gpu_check_lib.runs import Context, start_process_group
 
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
         "memory": lambda ctx: step_check.check_memory(report, ctx),
         "offload": lambda ctx: offload_tables.check_offload(report, ctx),
         "size": lambda ctx: size_check.check_size(report, ctx),
+        "fp8": lambda ctx: fp8_check.check_fp8(report, ctx, peak),
     }
     for part in PARTS if args.part == "all" else [args.part]:
         ctx = Context(device, args.dry_run, PART_BUDGET_S)
