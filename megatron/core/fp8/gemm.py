@@ -50,3 +50,18 @@ def fp8_mm(a, a_scale_inv, bt, bt_scale_inv, out_dtype: torch.dtype) -> torch.Te
             a.contiguous(), bt.contiguous().t(), scale_a=a_scale_inv, scale_b=bt_scale_inv, out_dtype=out_dtype
         )
     return emulated_mm(a, a_scale_inv, bt, bt_scale_inv, out_dtype)
+
+
+def startup_line(recipe, device: torch.device) -> str:
+    """The start-up log's FP8 line: the recipe and which path multiplies."""
+    hardware = device_has_fp8(device) and recipe.recipe != "blockwise"
+    path = "torch._scaled_mm" if hardware else "emulated (the FP8 values multiplied in fp32)"
+    layers = ""
+    if recipe.first_last_layers_bf16:
+        layers = (
+            f", first {recipe.num_layers_at_start_in_bf16} / last {recipe.num_layers_at_end_in_bf16} layers in BF16"
+        )
+    return (
+        f"> fp8: {recipe.recipe} scaling, format {recipe.format}, wgrad {'FP8' if recipe.wgrad else 'high precision'}"
+        f"{layers}; linear layers' GEMMs: {path}"
+    )
