@@ -8,11 +8,12 @@ scaling also syncs once per step). The amax of one logical tensor is reduced ove
 pieces: a weight over tp (expert weights: expert-tp); inputs and output gradients over tp x cp and dp
 (experts: expert-tp and expert-dp), or over tp x cp only with --tp-only-amax-red (Megatron's
 amax-reduction group), in which case data-parallel replicas keep scales of their own data.
-Until its first update a layer casts with current scales (as tensorwise does), not with a fixed first
-scale: Transformer Engine's initial scale of 1 flushes small gradients, by an amount that depends on
-how the loss is split over microbatches and ranks. history[0] is the newest amax; scale =
-fp8_max / amax / 2^margin with amax the history's max (`max`) or its newest entry (`most_recent`),
-the previous scale kept where that amax is 0 or not finite.
+Until its first update a layer runs its GEMMs in the model's precision and only records amaxes (one
+calibrating iteration), not FP8 with a fixed first scale: Transformer Engine's initial scale of 1 flushes
+small gradients by an amount that depends on how the loss is split over microbatches and ranks, and
+current scales would depend on which tokens an expert's GEMM groups under expert parallelism.
+history[0] is the newest amax; scale = fp8_max / amax / 2^margin with amax the history's max (`max`) or
+its newest entry (`most_recent`), the previous scale kept where that amax is 0 or not finite.
 """
 
 from __future__ import annotations

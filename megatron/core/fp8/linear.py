@@ -54,9 +54,7 @@ class Fp8Gemms:
         self._out_group = weight_group if out_straddles else None
         self._in_group = weight_group if in_straddles else None
         self._block_group = weight_group if (out_straddles or in_straddles) else None
-        # delayed scaling before its first update (no amax recorded yet) casts with current scales: a fixed
-        # first scale (TE's 1) would flush small gradients to zero by an amount that depends on the layout
-        self.has_history = False
+        self.has_history = False  # delayed scaling: scales derived from recorded amaxes (see `calibrating`)
         if recipe.delayed:
             device = owner.weight.device
             owner.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -67,13 +65,22 @@ class Fp8Gemms:
             owner.register_buffer("fp8_amax_pending", torch.zeros(3, device=device), persistent=False)
 
     # ---- per-tensor scales (delayed and tensorwise)
+    def _record(self, x: torch.Tensor, tensor: int) -> None:
+        """Delayed scaling: fold this cast's amax into the iteration's pending amax (training only)."""
+        if self.owner.training:
+            pending = self.owner.fp8_amax_pending
+            pending[tensor] = torch.maximum(pending[tensor], amax(x))
+
+    @property
+    def calibrating(self) -> bool:
+        """Delayed scaling before its first update: the GEMMs run in the model's precision and only record
+        amaxes (a fixed first scale, TE's 1, would flush small gradients by a layout-dependent amount)."""
+        return self.recipe.delayed and not self.has_history
+
     def _scale(self, x: torch.Tensor, tensor: int, groups) -> torch.Tensor:
         if self.recipe.delayed:
-            if self.owner.training:
-                pending = self.owner.fp8_amax_pending
-                pending[tensor] = torch.maximum(pending[tensor], amax(x))
-            if self.has_history:
-                return self.owner.fp8_scale[tensor]
+            self._record(x, tensor)
+            return self.owner.fp8_scale[tensor]
         return current_scale(all_reduce_max(amax(x), *groups), self.recipe.dtype(tensor))
 
     def _cast(self, x, scale, tensor):
@@ -94,6 +101,10 @@ class Fp8Gemms:
     # ---- the three products
     def forward(self, x2d: torch.Tensor, weight: torch.Tensor):
         """(x W^T in x's dtype, what backward reuses: the per-tensor scales of x and W)."""
+        if self.calibrating:
+            self._record(x2d, INPUT)
+            self._record(weight, WEIGHT)
+            return x2d.mm(weight.t()), None
         if self.recipe.recipe == "blockwise":
             cols = _arange(self._in, x2d.device)
             xq = self._rows(x2d, INPUT, cols, self.full_shape[1], self._in_group)
@@ -107,10 +118,15 @@ class Fp8Gemms:
         """The output gradient's per-tensor scale, shared by dgrad and wgrad (None under block scaling)."""
         if self.recipe.recipe == "blockwise":
             return None
+        if self.calibrating:
+            self._record(g2d, GRAD)
+            return None
         return self._scale(g2d, GRAD, self.activation_groups)
 
     def dgrad(self, g2d: torch.Tensor, weight: torch.Tensor, saved, g_scale) -> torch.Tensor:
         """dY W, in dY's dtype."""
+        if self.calibrating:
+            return g2d.mm(weight)
         if self.recipe.recipe == "blockwise":
             cols = _arange(self._out, g2d.device)
             gq = self._rows(g2d, GRAD, cols, self.full_shape[0], self._out_group)
@@ -121,7 +137,7 @@ class Fp8Gemms:
 
     def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, saved, g_scale) -> torch.Tensor:
         """dY^T X in fp32 (added into main_grad, or rounded to the weight's dtype for autograd)."""
-        if not self.recipe.wgrad:
+        if not self.recipe.wgrad or self.calibrating:
             return g2d.t().mm(x2d).float()
         if self.recipe.recipe == "blockwise":  # blocks of 128 tokens (this rank's tokens: see docs/fp8.md)
             return fp8_mm(*self._rows(g2d.t(), GRAD), *self._rows(x2d.t(), INPUT), torch.float32)
