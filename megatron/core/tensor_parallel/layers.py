@@ -70,7 +70,7 @@ class _Linear(torch.autograd.Function):
         product = None  # the weight-gradient GEMM: grad^T x in the model's precision, or FP8's
         if ctx.fp8 is not None:
             g_scale = ctx.fp8.grad_scale(grad_2d)
-            product = functools.partial(_fp8_wgrad, ctx.fp8, saved=ctx.fp8_saved, g_scale=g_scale)
+            product = functools.partial(ctx.fp8.wgrad, saved=ctx.fp8_saved, g_scale=g_scale)
         if ctx.param is None:
             total_2d = sequence_input(x, ctx.sp_group).flatten(0, -2)
             grad_weight = grad_2d.t().mm(total_2d) if product is None else product(grad_2d, total_2d).to(weight.dtype)
@@ -92,10 +92,6 @@ class _Linear(torch.autograd.Function):
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
         return grad_input, grad_weight, None, None, None, None, None
-
-
-def _fp8_wgrad(fp8, grad_2d, total_2d, *, saved, g_scale):
-    return fp8.wgrad(grad_2d, total_2d, saved, g_scale)
 
 
 def linear(
