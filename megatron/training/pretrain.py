@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import AgreedError
+from megatron.core.fp8.gemm import refuse_device_without_fp8
+from megatron.core.fp8.gemm import startup_line as fp8_startup_line
 from megatron.training.arguments.errors import EXPECTED_ERRORS, report_error
 from megatron.training.arguments.parser import parse_run_config
 from megatron.training.evaluation import Validation
@@ -65,6 +67,8 @@ def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
             f"> batch size grows: {run.training.batch_schedule.sizes()} (--rampup-batch-size / "
             f"--step-batch-size-schedule), {run.training.train_iters} iterations"
         )
+    if model.fp8 is not None:
+        lines.append(fp8_startup_line(model.fp8, trainer.device))
     if run.training.deterministic:
         lines.append("> --deterministic-mode: torch.use_deterministic_algorithms(True)")
     if run.sequence_parallel_requested and not model.sequence_parallel:
@@ -156,6 +160,8 @@ def _validate(argv, defaults, world_size: int, local_rank: int, prog):
     check_torch_version()
     run = parse_run_config(argv, defaults, world_size, prog)
     device = select_device(local_rank)
+    if run.model.fp8 is not None:
+        refuse_device_without_fp8(device)
     backend = choose_backend(run.parallel.backend, device)
     paths = startup_kernel_paths(
         run.model, device, document_mask=run.data is not None and run.data.reset_attention_mask

@@ -11,6 +11,8 @@ import torch
 from megatron.core.distributed.finalize import finalize_model_grads
 from megatron.core.distributed.host_chunks import HostChunks
 from megatron.core.distributed.model_chunk_buffers import ModelChunkBuffers, chunk_layouts
+from megatron.core.fp8.delayed import update_delayed_scaling
+from megatron.core.fp8.gemm import refuse_device_without_fp8
 from megatron.core.models.stages import build_model_chunks
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.parallel_state import ParallelMesh
@@ -55,6 +57,8 @@ class Trainer:
     def __init__(self, run, device: torch.device):
         self.run, self.device = run, device
         model_cfg, parallel, training = run.model, run.parallel, run.training
+        if model_cfg.fp8 is not None:
+            refuse_device_without_fp8(device)
         self.mesh = ParallelMesh(parallel.dims, device.type)
         torch.manual_seed(training.seed)  # dropout uses each model chunk's own streams (RNGTracker)
         with deferred_initialization():  # each parameter is initialised in its buffer (a shard at a time)
@@ -206,6 +210,7 @@ class Trainer:
         loss, grad_scale = reduced_token_mean(stats.token_sums())
         update_expert_biases(modules, self.mesh.stage_group, self.run.model.moe_router_bias_update_rate)
         finalize_model_grads(self.chunks, self.mesh, grad_scale=grad_scale)
+        update_delayed_scaling(modules, self.mesh)  # FP8 delayed scaling: this iteration's amaxes -> next scales
         return loss, lr, loss_scale, stats, self.moe_losses(executor.spec.num_microbatches)
 
     def moe_losses(self, num_microbatches: int) -> dict:

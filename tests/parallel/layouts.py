@@ -94,15 +94,19 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     this rank's shard of each reduced gradient; none where gradients are sharded, optim_grads),
     the weights after the last step, the bytes of optimizer state, the (parameter, gradient)
     bytes the buffers hold after the last step, and how many WEIGHT steps (split backward)
-    this rank's schedule has."""
+    this rank's schedule has, and FP8 delayed scaling's amax histories after iteration `grads_at`."""
     trainer = build_trainer(model, extra)
     trainer.optimizer.finish_param_sync()  # sharded parameters are kept as shards until first used
     initial = canonical_tensors(trainer)
-    losses, grads, grad_norms = [], {}, []
+    losses, grads, grad_norms, fp8_histories = [], {}, [], {}
     for iteration in range(1, iterations + 1):
         loss, *_ = trainer.forward_backward(iteration)
         if iteration == grads_at and not trainer.chunks[0].buffer.shards_grads:  # else no whole main_grad
             grads = canonical_tensors(trainer, lambda p: p.main_grad)
+        if iteration == grads_at:  # FP8 delayed scaling: the amax history after this iteration
+            fp8_histories = {
+                n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "fp8_amax_history" in n
+            }
         grad_norms.append(trainer.optimizer.step().grad_norm)
         losses.append(loss)
     resident = [sum(values) for values in zip(*(chunk.buffer.resident_bytes() for chunk in trainer.chunks))]
@@ -118,6 +122,7 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
         "resident_bytes": resident,
         "padded": sum(chunk.buffer.layout.numel for chunk in trainer.chunks),
         "weight_steps": sum(step[0].kind is ActionKind.WEIGHT for step in trainer.executor.steps),
+        "fp8_histories": fp8_histories,
     }
 
 
@@ -170,3 +175,19 @@ def assert_matches_one_process(ranks: list[dict], reference: dict) -> None:
             assert torch.equal(weight, shard(reference["initial"][name][0], spec)), f"rank {rank} init {name}"
             seen.add(name)
     assert seen == set(reference["grads"]), f"parameters missing from the layout: {set(reference['grads']) - seen}"
+
+
+def assert_fp8_tracks_one_process(rank: int, out: dict, reference: dict) -> None:
+    """An FP8 layout against the one-process FP8 run: iteration 1 (the same weights) gives its loss and grad
+    norm to 1e-5; later iterations track it as bf16 layouts do (2e-3: an fp32 summation-order difference
+    that moves a value across an FP8 rounding boundary changes it by up to 1/16); delayed scaling's amax
+    histories after iteration 1 (in one process's units), where `out` has them, to 1e-5."""
+    losses, expected = out["losses"], reference["losses"]
+    assert abs(losses[0] - expected[0]) <= 1e-5 * expected[0], f"rank {rank} iteration 1: {losses[0]} vs {expected[0]}"
+    norm, expected_norm = out["grad_norms"][0], reference["grad_norms"][0]
+    assert abs(norm - expected_norm) <= 1e-5 * expected_norm, f"rank {rank} grad norm: {norm} vs {expected_norm}"
+    for it, (loss, want) in enumerate(zip(losses, expected), start=1):
+        assert abs(loss - want) <= 2e-3 * abs(want), f"rank {rank} iteration {it}: {loss} vs {want}"
+    for name, history in out.get("fp8_histories", {}).items():
+        want = reference["fp8_histories"][name]
+        assert ((history - want).abs() <= 1e-5 * want).all(), f"rank {rank} {name}: {history} vs {want}"

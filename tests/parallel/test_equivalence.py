@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.parallel.layouts import assert_matches_one_process, train_many
+from tests.parallel.layouts import assert_fp8_tracks_one_process, assert_matches_one_process, train_many
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 TP4 = ["--tensor-model-parallel-size", "4"]
@@ -82,23 +82,31 @@ def test_layout_matches_one_process(results, world, layout, model):
 
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
 LOW_PRECISION_LAYOUTS = {"tp2-sp": TP2 + SP, "pp2-vpp2": PP2 + VPP, "pp2-vpp2-split": PP2 + VPP + SPLIT}
+# FP8 recipes (fp32 weights, so that only FP8 casts differ from the fp32 runs above) and their layouts; blockwise
+# under cp is left out: its weight-gradient blocks of 128 tokens are this rank's tokens (docs/fp8.md)
+FP8 = {
+    "fp8-delayed": ["--fp8-format", "hybrid"],
+    "fp8-tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+}
+FP8_LAYOUTS = {"tp2-sp": TP2 + SP, "cp2": CP2, "dp2": [], "pp2-vpp2": PP2 + VPP}
+FP8_CASES = [(layout, p) for layout in FP8_LAYOUTS for p in FP8 if not (layout == "cp2" and p == "fp8-blockwise")]
 
 
 @pytest.fixture(scope="module")
 def low_precision_results():
+    """bf16/fp16 and FP8 runs, one process group per world size."""
     runs = {
-        1: [("reference", p) for p in PRECISIONS],
-        2: [(layout, p) for layout in LOW_PRECISION_LAYOUTS for p in PRECISIONS],
+        1: [("reference", p) for p in (*PRECISIONS, *FP8)],
+        2: [(layout, p) for layout in LOW_PRECISION_LAYOUTS for p in PRECISIONS] + FP8_CASES,
     }
+    layouts, precisions = {**LOW_PRECISION_LAYOUTS, **FP8_LAYOUTS, "reference": []}, {**PRECISIONS, **FP8}
     out = {}
     for world, names in runs.items():
-        flags = [
-            ("llama", PRECISIONS[p] + ([] if layout == "reference" else LOW_PRECISION_LAYOUTS[layout]))
-            for layout, p in names
-        ]
+        flags = [("llama", precisions[p] + layouts[layout]) for layout, p in names]
         per_rank = run_distributed(world, train_many, flags)
         for index, name in enumerate(names):
-            out[name] = per_rank[-1][index]["losses"]
+            out[name] = [rank[index] for rank in per_rank]
     return out
 
 
@@ -107,7 +115,17 @@ def low_precision_results():
 def test_low_precision_layout_tracks_one_process(low_precision_results, layout, precision):
     """bf16 / fp16 weights with fp32 master weights and reduction: the same losses as one
     process up to the low-precision rounding of different summation orders."""
-    reference = low_precision_results[("reference", precision)]
-    losses = low_precision_results[(layout, precision)]
+    reference = low_precision_results[("reference", precision)][0]["losses"]
+    losses = low_precision_results[(layout, precision)][-1]["losses"]
     for it, (loss, expected) in enumerate(zip(losses, reference), start=1):
         assert abs(loss - expected) <= 2e-3 * abs(expected), f"iteration {it}: {loss} vs {expected}"
+
+
+@pytest.mark.parametrize("layout,recipe", FP8_CASES, ids=[f"{r}-{layout}" for layout, r in FP8_CASES])
+def test_fp8_layout_matches_one_process(low_precision_results, layout, recipe):
+    """FP8 scales reduced over the ranks holding one tensor: every rank tracks the one-process FP8 run
+    (layouts.py `assert_fp8_tracks_one_process`)."""
+    reference = low_precision_results[("reference", recipe)][0]
+    for rank, out in enumerate(low_precision_results[(layout, recipe)]):
+        assert_fp8_tracks_one_process(rank, out, reference)
+    assert bool(reference["fp8_histories"]) == (recipe == "fp8-delayed")

@@ -37,6 +37,8 @@ SECTIONS = {
     "memory_limit": "Memory near the device's limit",
     "moe": "MoE experts (bf16, forward + backward)",
     "moe_models": "Whole MoE models on one GPU",
+    "fp8": "FP8 training at the 8B layer shape",
+    "fp8_layer": "One layer's FP8 product",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",
@@ -250,3 +252,24 @@ def test_moe_check_routings(experts, topk):
     assert max(skewed) == round(SKEW * tokens * topk // experts) and max(balanced) - min(balanced) < experts
     mapping = routing_map(tokens, skewed, "cpu")
     assert mapping.sum(dim=0).tolist() == skewed and (mapping.sum(dim=1) == topk).all()
+
+
+def test_fp8_rows_as_the_issue_names_them(report):
+    """Issue 44's report columns and row names; on CPU our four runs train (finite losses, FP8 differing
+    from BF16) and torchtitan's rows say why they did not run; the emulated product is near the exact one."""
+    rows = report[0]["sections"]["fp8"]["rows"]
+    assert [r["name"] for r in rows] == [
+        "ours-bf16",
+        "ours-tensorwise",
+        "ours-delayed",
+        "ours-blockwise",
+        "torchtitan-bf16",
+        "torchtitan-tensorwise",
+        "torchtitan-rowwise",
+    ]
+    ours = {r["name"]: r for r in rows[:4]}
+    assert all(math.isfinite(r["final_loss"]) and r["error"] is None and r["tokens_per_s"] == NA for r in rows[:4])
+    assert all(ours[name]["final_loss"] != ours["ours-bf16"]["final_loss"] for name in list(ours)[1:])
+    assert all(r["error"] and r["final_loss"] is None for r in rows[4:])
+    (layer,) = report[0]["sections"]["fp8_layer"]["rows"]
+    assert 0 < layer["emulated vs bf16 rel err"] < 0.08 and layer["_scaled_mm vs emulated max abs"] == NA

@@ -1,6 +1,6 @@
 """Megatron-LM's dense example scripts run unchanged: the flag lists of
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh
-(written out here; sizes scaled down, paths pointed at local data, FP8 flags left out) go
+(written out here; sizes scaled down, paths pointed at local data; the FP8 flags kept, emulated on CPU) go
 through pretrain_*.py and train 2 iterations on CPU. Also: out-of-scope flags are refused in one
 message, the flag table in docs/megatron-lm.md is the parser's, and the log's Megatron timing (first iteration
 always logged, memory line). Every other Megatron flag: test_megatron_flags.py."""
@@ -172,6 +172,13 @@ def llama3_8b_flags(out: Path) -> list[str]:
         "--adam-beta2",
         "0.95",
         "--bf16",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-amax-history-len",
+        "1024",
+        "--fp8-amax-compute-algo",
+        "max",
+        "--fp8-param-gather",
         "--grad-reduce-in-bf16",
         "--cross-entropy-loss-fusion",
         "--calculate-per-token-loss",
@@ -298,6 +305,8 @@ def test_llama3_8b_script_trains(tmp_path):
     assert _iterations(proc.stdout) == [1, 2], proc.stdout[-2000:]
     for flag in ("--use-mcore-models", "--grad-reduce-in-bf16", "--manual-gc", "--tiktoken-pattern"):
         assert f"> note: {flag} changes nothing here" in proc.stdout
+    assert "> note: --fp8-param-gather: the distributed optimizer gathers the weights in their own dtype" in proc.stdout
+    assert "> fp8: delayed scaling, format hybrid, wgrad FP8; linear layers' GEMMs: emulated" in proc.stdout
     assert re.search(
         r"^\[Rank 0\] \(after 1 iterations\) memory \(MB\) \| resident: [\d.]+ \| max resident", proc.stdout, flags=re.M
     )
@@ -362,8 +371,8 @@ def test_out_of_scope_flags_are_refused_in_one_message():
             + [
                 "--moe-enable-deepep",
                 "--overlap-moe-expert-parallel-comm",
-                "--fp8-format",
-                "hybrid",
+                "--fp4-format",
+                "e2m1",
                 "--multi-latent-attention",
                 "--use-torch-fsdp2",
                 "--vision-backbone-type",
@@ -377,7 +386,7 @@ def test_out_of_scope_flags_are_refused_in_one_message():
     for flag in (
         "--moe-enable-deepep",
         "--overlap-moe-expert-parallel-comm",
-        "--fp8-format",
+        "--fp4-format",
         "--multi-latent-attention",
         "--use-torch-fsdp2",
         "--vision-backbone-type",

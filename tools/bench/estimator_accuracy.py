@@ -13,7 +13,8 @@ the fused LM head + cross-entropy (TP+SP, and sharded parameters), fp32 and bf16
 dropout (SDPA math path on CPU), Llama without (SDPA's CPU flash path), and, when the
 Triton interpreter is available, our Triton attention and norm kernels; a Llama with MoE layers
 under EP2 (alltoall, allgather), EP2 x TP2+SP with ETP 1, EP2 x PP2, and EP2 over DP4 with the
-distributed optimizer, half of it offloaded and optim_grads_params (experts over their edp ranks).
+distributed optimizer, half of it offloaded and optim_grads_params (experts over their edp ranks);
+FP8 (delayed under TP2+SP in bf16, blockwise under DP2).
 
 Measured on each rank after one training iteration (so Adam state exists):
 - parameters / weights: the model chunks' parameters, whose storages are the flat parameter
@@ -170,6 +171,8 @@ LAYOUTS = {
         ("ep2-allgather-bf16", "moe", EP2 + BF16),
         ("tp2-sp-ce-fusion", "llama", TP2 + SP + CE_FUSION),
         ("dp2-optim-grads-params-ce-fusion-bf16", "gpt", OPTIM_GRADS_PARAMS + CE_FUSION + BF16),
+        ("tp2-sp-fp8-delayed-bf16", "llama", TP2 + SP + BF16 + ["--fp8-format", "hybrid"]),
+        ("dp2-fp8-blockwise", "gpt", ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]),
     ],
     4: [
         ("tp2-sp-pp2-vpp2", "gpt", TP2 + SP + PP2 + VPP2),

@@ -31,6 +31,9 @@ class Part:
 
 
 PARTS = (
+    Part("fp8", 44, order=10, budget_s=240.0, sections=(
+        ("fp8", "parts:check_fp8", 60.0),  # issue 44: never measured yet (also writes fp8_layer)
+    )),
     Part("moe", 45, order=20, budget_s=180.0, sections=(
         ("moe", "moe_check:check_moe", 60.0),  # issue 45: never measured yet
         ("moe_models", "moe_check:check_moe_models", 45.0),
@@ -85,6 +88,13 @@ def budget_line() -> str:
         f"{terms} = {total:.0f} s of budgets against {limit:.0f} s for --part all "
         f"({RUN_LIMIT_S:.0f} s device call less {WRAPPER_ALLOWANCE_S:.0f} s to start): {verdict}"
     )
+
+
+def check_fp8(report, ctx) -> None:
+    """fp8_check.check_fp8 with the device's peak (ctx.peak), as a section function."""
+    from tools.gpu_check_lib import fp8_check
+
+    fp8_check.check_fp8(report, ctx, ctx.peak)
 
 
 def check_step(report, ctx) -> None:

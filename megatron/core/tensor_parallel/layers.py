@@ -7,6 +7,8 @@ layer's output is reduce-scattered back to sequence shards.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -52,19 +54,28 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, sp_group, param, fuse, deferrable):
-        ctx.sp_group, ctx.param, ctx.fuse, ctx.deferrable = sp_group, param, fuse, deferrable
+    def forward(ctx, x, weight, sp_group, param, fuse, deferrable, fp8):
+        ctx.sp_group, ctx.param, ctx.fuse, ctx.deferrable, ctx.fp8 = sp_group, param, fuse, deferrable, fp8
         ctx.save_for_backward(x, weight)
-        return F.linear(sequence_input(x, sp_group), weight)
+        total = sequence_input(x, sp_group)
+        if fp8 is None:
+            return F.linear(total, weight)
+        y, ctx.fp8_saved = fp8.forward(total.flatten(0, -2), weight)
+        return y.view(*total.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_2d = grad_out.flatten(0, -2)
+        product = None  # the weight-gradient GEMM: grad^T x in the model's precision, or FP8's
+        if ctx.fp8 is not None:
+            g_scale = ctx.fp8.grad_scale(grad_2d)
+            product = functools.partial(ctx.fp8.wgrad, saved=ctx.fp8_saved, g_scale=g_scale)
         if ctx.param is None:
-            grad_weight = grad_2d.t().mm(sequence_input(x, ctx.sp_group).flatten(0, -2))
+            total_2d = sequence_input(x, ctx.sp_group).flatten(0, -2)
+            grad_weight = grad_2d.t().mm(total_2d) if product is None else product(grad_2d, total_2d).to(weight.dtype)
         else:
-            weight_grad = WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse)
+            weight_grad = WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse, product)
             queue = getattr(ctx.param, "weight_grad_queue", None)
             if queue is not None and queue.active and ctx.deferrable:
                 queue.add(weight_grad)
@@ -74,13 +85,16 @@ class _Linear(torch.autograd.Function):
             grad_weight = torch.empty_like(weight)
         grad_input = None
         if ctx.needs_input_grad[0]:  # not for a first layer fed with data
-            grad_input = grad_out.matmul(weight)
+            if ctx.fp8 is None:
+                grad_input = grad_out.matmul(weight)
+            else:
+                grad_input = ctx.fp8.dgrad(grad_2d, weight, ctx.fp8_saved, g_scale).view(*grad_out.shape[:-1], -1)
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
-def _linear(
+def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -89,19 +103,21 @@ def _linear(
     owned: bool = True,
     gradient_accumulation_fusion: bool = False,
     deferrable: bool = True,
+    fp8=None,
 ) -> torch.Tensor:
     """x W^T + b: the product through `_Linear` when it does something autograd's linear does not
     (gather over the sequence; gradients of the layer's own weight straight into its main_grad
     buffer), else F.linear. Fused accumulation needs main_grad in the weight's dtype (fp32 weights:
     adding a bf16/fp16 product into fp32 needs a kernel not built here). The bias is added to the
-    product rounded to its dtype, as megatron-core's linear layers do (a fused addmm rounds once)."""
+    product rounded to its dtype, as megatron-core's linear layers do (a fused addmm rounds once).
+    `fp8`: the layer's FP8 GEMMs (megatron/core/fp8/linear.py `Fp8Gemms`), or None."""
     main_grad = getattr(weight, "main_grad", None)
     param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
-    if sp_group is None and param is None:
+    if sp_group is None and param is None and fp8 is None:
         y = F.linear(x, weight)
     else:
         fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
-        y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable)
+        y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable, fp8)
     return y if bias is None else y + bias
 
 
@@ -143,6 +159,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.split_backward_defers = split_backward_defers
+        self.fp8 = None  # the FP8 GEMMs of a transformer layer's linear layer (megatron/core/fp8/model.py)
         tp, rank = _group_size_rank(tp_group)
         local_out = divide(output_size, tp, "output size of a column-parallel layer over tensor parallel size")
         shard = ShardSpec(dim=0, num_shards=tp, rank=rank, stacked=stacked)
@@ -178,11 +195,12 @@ class ColumnParallelLinear(torch.nn.Module):
             owned=owned,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             deferrable=self.split_backward_defers,
+            fp8=self.fp8,
         )
         if self.sequence_parallel:
-            y = _linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
+            y = linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
         else:
-            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **grad_options)
+            y = linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **grad_options)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -210,6 +228,7 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.fp8 = None  # see ColumnParallelLinear
         tp, rank = _group_size_rank(tp_group)
         local_in = divide(input_size, tp, "input size of a row-parallel layer over tensor parallel size")
         self.weight = make_param(
@@ -230,7 +249,7 @@ class RowParallelLinear(torch.nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        y = linear(x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion, fp8=self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -13,6 +13,7 @@ linear layer's output gradient until then.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,13 @@ class WeightGrad:
     x: torch.Tensor  # the layer's input (a sequence shard under sequence parallelism)
     sp_group: object
     fuse: bool
+    product: Callable | None = None  # (grad_out, input) -> fp32 weight gradient (an FP8 GEMM); None: grad_out^T x
 
     def accumulate(self) -> None:
         total_input = sequence_input(self.x, self.sp_group).flatten(0, -2)
-        if self.fuse:
+        if self.product is not None:
+            self.param.main_grad.add_(self.product(self.grad_out, total_input))
+        elif self.fuse:
             self.param.main_grad.addmm_(self.grad_out.t(), total_input)
         else:
             self.param.main_grad.add_(self.grad_out.t().mm(total_input))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import UNFUSED, KernelPaths, kernel_paths
+from megatron.core.fp8.recipe import GEMM_MULTIPLE, Fp8Recipe
 from megatron.core.tensor_parallel.initialization import RANDOM_KINDS
 from megatron.core.transformer.moe.validation import moe_layer_pattern, validate_moe
 
@@ -93,6 +94,7 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "allgather"
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size, as Megatron
+    fp8: Fp8Recipe | None = None  # --fp8-format and its recipe flags (megatron/core/fp8/recipe.py); None: no FP8
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -194,6 +196,31 @@ class TransformerConfig:
         self._validate_tensor_parallel()
         self._validate_context_parallel()
         validate_moe(self)
+        self._validate_fp8_gemms()
+
+    def _validate_fp8_gemms(self) -> None:
+        """torch._scaled_mm needs every GEMM dimension divisible by 16: name the layer and the dimension."""
+        if self.fp8 is None:
+            return
+        tp, h = self.tensor_model_parallel_size, self.hidden_size
+        qkv = self.num_query_groups * (self.num_attention_heads // self.num_query_groups + 2) * self.kv_channels
+        stacked = 2 if self.swiglu else 1
+        dims = [
+            ("linear_qkv", "input (--hidden-size)", h),
+            ("linear_qkv", "output per tp rank", qkv // tp),
+            ("linear_proj", "input per tp rank", self.num_attention_heads * self.kv_channels // tp),
+            ("linear_fc1", "output per tp rank", stacked * self.ffn_hidden_size // tp),
+            ("linear_fc2", "input per tp rank", self.ffn_hidden_size // tp),
+        ]
+        if self.num_moe_experts is not None:
+            etp = self.expert_tensor_parallel_size
+            dims.append(("experts' linear_fc2", "input per expert-tp rank", self.moe_ffn_hidden_size // etp))
+        for layer, what, size in dims:
+            if size % GEMM_MULTIPLE:
+                raise ValueError(
+                    f"--fp8-format: {layer}'s {what} is {size}, not divisible by {GEMM_MULTIPLE} "
+                    f"(torch._scaled_mm's FP8 GEMM needs every dimension divisible by {GEMM_MULTIPLE})"
+                )
 
     def _validate_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.model import attach_fp8
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -34,6 +35,7 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MoELayer(config, tp_group=tp_group, groups=expert_groups, device=device)
         else:
             self.mlp = MLP(config, tp_group=tp_group, device=device)
+        attach_fp8(self, config, layer_index, tp_group=tp_group, cp_group=cp_group, expert_groups=expert_groups)
 
     def _dropout(self, x):
         return hidden_dropout(

@@ -16,6 +16,7 @@ import argparse
 import re
 from typing import NamedTuple
 
+from megatron.training.arguments.fp8 import FP8_FLAGS
 from megatron.training.arguments.moe import MOE_FIELDS
 
 
@@ -174,7 +175,8 @@ _NO_OP = {
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
 BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model.py)
-BUILT_PREFIXED = frozenset(MOE_FIELDS.values())  # flags of a refused prefix that the parser supports (moe.py)
+# flags of a refused prefix that the parser supports (moe.py, fp8.py)
+BUILT_PREFIXED = frozenset(MOE_FIELDS.values()) | frozenset(FP8_FLAGS)
 NO_OP_GROUP = "Megatron flags with no effect here"
 
 # family -> (reason, exact flags, prefixes); the first family that matches a flag names it
@@ -210,13 +212,8 @@ REFUSED = {
         ("--mla-",),
     ),
     "FP8/FP4": (
-        "FP8/FP4 training and quantization recipes are out of scope until a GPU issue; use --bf16",
+        "FP4, MXFP8 and the FP8 options beyond the built recipes (docs/fp8.md) are not built",
         (
-            "--no-fp8-wgrad",
-            "--disable-fp8-wgrad",
-            "--first-last-layers-bf16",
-            "--num-layers-at-start-in-bf16",
-            "--num-layers-at-end-in-bf16",
             "--reuse-grad-buf-for-mxfp8-param-ag",
             "--keep-fp8-transpose-cache",
             "--te-precision-config-file",

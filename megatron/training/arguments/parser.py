@@ -20,6 +20,7 @@ from megatron.training.arguments.checkpoint import (
 )
 from megatron.training.arguments.data import add_data_arguments, data_config_from_args
 from megatron.training.arguments.evaluation import add_eval_arguments, eval_config_from_args
+from megatron.training.arguments.fp8 import add_fp8_arguments, fp8_notes, fp8_recipe_from_args
 from megatron.training.arguments.logging import add_logging_arguments, logging_config_from_args
 from megatron.training.arguments.megatron_flags import (
     add_no_op_arguments,
@@ -87,6 +88,7 @@ def build_parser(defaults: dict, prog: str | None = None) -> argparse.ArgumentPa
     parser = _Parser(prog=prog, description="Megatron-style GPT/Llama pre-training")
     add_model_arguments(parser)
     add_moe_arguments(parser)
+    add_fp8_arguments(parser)
     add_parallel_arguments(parser)
     add_training_arguments(parser)
     _data_flags(parser)
@@ -154,7 +156,9 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     data = _data_config(args)
     parallel = parallel_config_from_args(args, world_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    model = transformer_config_from_args(args, parallel, dtype)
+    model = dataclasses.replace(
+        transformer_config_from_args(args, parallel, dtype), fp8=fp8_recipe_from_args(args, parallel)
+    )
     parallel.validate_layers(model.num_layers)
     training = training_config_from_args(args, parallel.dp)
     schedule = lr_schedule_from_args(args, training)
@@ -167,7 +171,7 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
             f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
             f"built here)"
         )
-    notes += moe_notes(model) + cross_entropy_notes(args)
+    notes += moe_notes(model) + cross_entropy_notes(args) + fp8_notes(model.fp8)
     checkpoint = checkpoint_config_from_args(args)
     notes += checkpoint_notes(checkpoint)
     refuse_moe_checkpoints(model, checkpoint, parallel)

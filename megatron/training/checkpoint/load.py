@@ -24,6 +24,8 @@ from megatron.core.checkpointing import (
 )
 from megatron.core.checkpointing.megatron_buckets import BUCKET_FORM
 from megatron.core.checkpointing.vocabulary import fit_rows, rows_note, saved_vocab_rows
+from megatron.core.fp8.delayed import resume_delayed_scaling
+from megatron.core.fp8.linear import is_fp8_state
 from megatron.training.checkpoint.canonical import check_compatible, find_checkpoint
 from megatron.training.checkpoint.directory import MEGATRON, OURS, TRACKER, CheckpointInfo, detect_checkpoint_format
 from megatron.training.checkpoint.state import (
@@ -115,7 +117,9 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
     e.g. --qk-layernorm or --add-qkv-bias) would be silently dropped: refuse, the same on every rank."""
     wanted = {piece.name for piece in pieces}
     saved = sorted(
-        name for name in saved_tensors(info.directory) if not name.startswith(("optimizer.", "chained_", "rng."))
+        name
+        for name in saved_tensors(info.directory)
+        if not name.startswith(("optimizer.", "chained_", "rng.")) and not is_fp8_state(name)  # FP8: `_fp8_state`
     )
     # unused: by no rank (every rank holds the same list of saved names: one small all-reduce)
     unused = [name for name, none in zip(saved, every_rank([name not in wanted for name in saved])) if none]
@@ -124,6 +128,25 @@ def _refuse_unused_model_tensors(info: CheckpointInfo, pieces: list[TensorPiece]
             f"{info.directory}: {len(unused)} saved model tensors have no place in the flags' "
             f"model, e.g. {unused[0]} (a flag that adds tensors is missing)"
         )
+
+
+def _fp8_state(info: CheckpointInfo, trainer, pieces: list[TensorPiece]) -> tuple[list[TensorPiece], list[str]]:
+    """Delayed scaling's amax histories and scales: loaded when saved; a checkpoint
+    without them (BF16, or another FP8 recipe) starts them fresh, and a BF16 run ignores saved ones; one
+    note line either way."""
+    saved = {name for name in saved_tensors(info.directory) if is_fp8_state(name)}
+    wanted = [piece for piece in pieces if is_fp8_state(piece.name)]
+    missing = {piece.name for piece in wanted} - saved
+    if missing and len(missing) < len(wanted):
+        raise CheckpointError(f"{info.directory}: FP8 scaling state only partly saved, e.g. {sorted(missing)[0]}")
+    if wanted and not missing:
+        return pieces, []
+    notes = []
+    if wanted:
+        notes.append("> the checkpoint holds no FP8 delayed-scaling state: amax histories start empty")
+    elif saved:
+        notes.append("> FP8 delayed-scaling state in the checkpoint not used (this run does not use delayed scaling)")
+    return [piece for piece in pieces if not is_fp8_state(piece.name)], notes
 
 
 def _why_rng_not_loaded(info: CheckpointInfo, trainer, config) -> str | None:
@@ -154,14 +177,17 @@ def load_checkpoint(info: CheckpointInfo, trainer, config) -> tuple[int, list[st
 
     trainer.optimizer.finish_param_sync()  # sharded parameters (optim_grads_params): whole, to be written
     pieces = stored(model_pieces(named_parameters(trainer), tied_copies=True))
+    pieces, fp8_note = _fp8_state(info, trainer, pieces)
     _refuse_unused_model_tensors(info, pieces)
     why_not_rng = None if config.finetune else _why_rng_not_loaded(info, trainer, config)
     # our RNG states are read with the model (one DCP read less) and set once everything is loaded
     rng = rng_states(trainer) if info.format == OURS and not config.finetune and why_not_rng is None else {}
     read_pieces(pieces + [TensorPiece.whole(name, state) for name, state in rng.items()], info.directory)
+    if any(is_fp8_state(piece.name) for piece in pieces):  # loaded: this layout's scales from the histories
+        resume_delayed_scaling([chunk.module for chunk in trainer.chunks], trainer.mesh)
     for chunk in trainer.chunks:
         chunk.params_written()
-    notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes]
+    notes = [f"> loaded {info.directory} (iteration {info.iteration})", *info.notes, *fp8_note]
     # the optimizer state is read after params_written: where the fp32 master weights are the
     # parameters' shards, taking the shards from the whole parameters would overwrite saved masters
     if config.finetune or config.no_load_optim:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, make_param
+from megatron.core.tensor_parallel.layers import linear
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.grouped_gemm import fallback_reason, grouped_linear, looped_linear, offsets_of
 
@@ -48,17 +49,21 @@ def _activate(h: torch.Tensor, swiglu: bool, probs: torch.Tensor, dtype: torch.d
     return (h * probs.unsqueeze(-1)).to(dtype)
 
 
-class _ExpertLinear(torch.nn.Module):
+class ExpertLinear(torch.nn.Module):
     def __init__(self, full_shape: tuple, shard: ShardSpec, std: float, config, device):
         super().__init__()
+        self.fp8 = None  # FP8 GEMMs (megatron/core/fp8/model.py)
         spec = InitSpec(full_shape, std=std, shard=shard)
         self.weight = make_param(
             tuple(_local_shape(full_shape, shard)), spec, config.params_dtype, device, is_expert=True
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A module call (not a bare matmul), so the sharding strategies' hooks gather the weight around it."""
-        return F.linear(x, self.weight)
+        """A module call (not a bare matmul), so the sharding strategies' hooks gather the weight around it.
+        In FP8 the weight gradient goes through autograd (not straight into main_grad)."""
+        if self.fp8 is None:
+            return F.linear(x, self.weight)
+        return linear(x, self.weight, None, owned=False, fp8=self.fp8)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -69,8 +74,8 @@ class ExpertMLP(torch.nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         shapes = _shapes(config, etp_size, etp_rank)
-        self.linear_fc1 = _ExpertLinear(*shapes["linear_fc1"], config, device)
-        self.linear_fc2 = _ExpertLinear(*shapes["linear_fc2"], config, device)
+        self.linear_fc1 = ExpertLinear(*shapes["linear_fc1"], config, device)
+        self.linear_fc2 = ExpertLinear(*shapes["linear_fc2"], config, device)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         h = _activate(self.linear_fc1(tokens), self.swiglu, probs, tokens.dtype)
