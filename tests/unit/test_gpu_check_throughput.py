@@ -219,3 +219,12 @@ def test_torchtitan_custom_import_module():
     assert sum(p.numel() for p in model.parameters()) == 2_795_573_248  # ours at 8 layers, the same shape
     with pytest.raises(KeyError):
         torchtitan_custom.TRAIN_SPEC.model_args["70B"]
+
+
+def test_auto_pins_cudnn_where_the_h200_measured_it_fastest():
+    """The committed measurements (docs/gpu-results/2026-11-28-h200.json): on compute capability 9.0, head dim
+    128, bf16, cuDNN's SDPA was the fastest correct path at seq 2048 and 8192; nothing else is decided by them."""
+    assert attention_rule.fastest(attention_rule.MEASURED, (9, 0), 128, "bf16", 8192) == "cudnn"
+    assert attention_rule.fastest(attention_rule.MEASURED, (9, 0), 128, "bf16", 4096) == "cudnn"
+    assert attention_rule.fastest(attention_rule.MEASURED, (9, 0), 64, "bf16", 8192) is None
+    assert attention_rule.fastest(attention_rule.MEASURED, (8, 0), 128, "bf16", 8192) is None

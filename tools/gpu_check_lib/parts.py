@@ -31,17 +31,17 @@ class Part:
 
 
 PARTS = (
-    Part("fp8", 44, order=10, budget_s=240.0, sections=(
-        ("fp8", "parts:check_fp8", 60.0),  # issue 44: never measured yet (also writes fp8_layer)
+    Part("fp8", 44, order=20, budget_s=60.0, sections=(
+        ("fp8", "parts:check_fp8", 30.0),  # 27 s on an H200, 2026-11-28 (also writes fp8_layer)
     )),
-    Part("moe", 45, order=20, budget_s=180.0, sections=(
+    Part("moe", 45, order=30, budget_s=70.0, sections=(
         ("moe", "moe_check:check_moe", 60.0),  # issue 45: never measured yet
         ("moe_models", "moe_check:check_moe_models", 45.0),
     )),
-    Part("throughput", 43, order=30, budget_s=360.0, sections=(
-        ("throughput", "throughput_check:check_throughput", 60.0),  # issue 43: never measured yet
+    Part("throughput", 43, order=10, budget_s=300.0, sections=(
+        ("throughput", "throughput_check:check_throughput", 60.0),  # 220 s on an H200 (rows skipped), 2026-11-28
     )),
-    Part("offload", 35, order=40, budget_s=360.0, sections=(
+    Part("offload", 35, order=40, budget_s=110.0, sections=(
         ("adam_bits", "offload_adam_bits:check_adam_bits", 30.0),  # issue 42: never measured yet
         ("size", "size_check:check_size", 90.0),  # issue 42: a fresh process per member, not measured yet
         ("offload", "offload_tables:check_offload", 40.0),
