@@ -35,15 +35,15 @@ PARTS = (
         ("fp8", "parts:check_fp8", 30.0),  # 27 s on an H200, 2026-11-28 (also writes fp8_layer)
     )),
     Part("moe", 45, order=30, budget_s=70.0, sections=(
-        ("moe", "moe_check:check_moe", 60.0),  # issue 45: never measured yet
-        ("moe_models", "moe_check:check_moe_models", 45.0),
+        ("moe", "moe_check:check_moe", 20.0),  # 9 s on an H200, 2026-11-28
+        ("moe_models", "moe_check:check_moe_models", 20.0),  # 4 s (one model: the other skipped itself)
     )),
     Part("throughput", 43, order=10, budget_s=300.0, sections=(
         ("throughput", "throughput_check:check_throughput", 60.0),  # 220 s on an H200 (rows skipped), 2026-11-28
     )),
     Part("offload", 35, order=40, budget_s=110.0, sections=(
-        ("adam_bits", "offload_adam_bits:check_adam_bits", 30.0),  # issue 42: never measured yet
-        ("size", "size_check:check_size", 90.0),  # issue 42: a fresh process per member, not measured yet
+        ("adam_bits", "offload_adam_bits:check_adam_bits", 30.0),  # 21 s on an H200, 2026-11-28
+        ("size", "size_check:check_size", 90.0),  # 109 s on an H200, a fresh process per member, 2026-11-28
         ("offload", "offload_tables:check_offload", 40.0),
     )),
     Part("kernels-step", 34, order=50, budget_s=360.0, sections=(
