@@ -3,12 +3,20 @@
 The layers run it, the start-up log prints it, the memory estimate traces it (for a device
 elsewhere, as if Triton were installed: `assume_triton`). Each op's path is resolved by
 kernels/triton_support.py `op_path` against the kernel's own rule of what it supports.
+
+Rule: an op's own switch wins when it names a side ('triton' or 'torch': --attention-backend,
+--normalization-impl; --no-rope-fusion and --no-bias-swiglu-fusion give 'torch'); an op left at
+'auto' follows --kernel-impl: 'auto' (Triton where it can run: CUDA, or the interpreter when forced),
+'torch' (every torch reference), 'triton' (every Triton kernel whose shape and dtype it supports;
+an environment that cannot run Triton at all is an error).
 """
 
 from dataclasses import dataclass
 
 from kernels.flash_attention import unsupported_reason as attention_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
+from kernels.rope import unsupported_reason as rope_unsupported
+from kernels.swiglu import unsupported_reason as swiglu_unsupported
 from kernels.triton_support import OpPath, op_path
 
 ATTENTION_PATHS = ("ring", "flash_attention", "sdpa", "unfused")
@@ -21,12 +29,14 @@ class KernelPaths:
     run `attention_kernel`), 'flash_attention' (our kernel or its torch reference, by
     `attention_kernel`), 'sdpa' (torch's scaled_dot_product_attention: attention dropout or a
     document mask, which the kernel does not have), or 'unfused' (megatron-core's local-spec
-    attention, rounding as it does: --attention-backend unfused|local). `norm`: the normalization
-    kernels' path."""
+    attention, rounding as it does: --attention-backend unfused|local). The other fields are one
+    op's path each (kernels/<op>.py): the norms, RoPE of q and k, SwiGLU."""
 
     attention: str
     attention_kernel: OpPath
     norm: OpPath
+    rope: OpPath
+    swiglu: OpPath
     sdpa_reason: str = ""
 
     @property
@@ -39,6 +49,16 @@ class KernelPaths:
         return self.attention_kernel.line
 
 
+def resolve_op(own_impl, kernel_impl, device_type, unsupported=None, assume_triton=False) -> OpPath:
+    """One op's path by the module's rule: `own_impl` its own switch, `kernel_impl` --kernel-impl."""
+    if own_impl != "auto" or kernel_impl != "triton":
+        impl = own_impl if own_impl != "auto" else kernel_impl
+        return op_path(impl, device_type, unsupported, assume_triton)
+    if unsupported is not None:  # --kernel-impl triton forces a kernel only where it takes the shape
+        return OpPath("torch", f"torch ({unsupported})")
+    return op_path("triton", device_type, None, assume_triton)
+
+
 def kernel_paths(
     device_type,
     *,
@@ -47,31 +67,43 @@ def kernel_paths(
     head_dim,
     hidden_size,
     dtype,
+    kernel_impl="auto",
+    rope_impl="auto",
+    swiglu_impl="auto",
+    rotary_dim=None,
     attention_dropout=0.0,
     context_parallel=False,
     document_mask=False,
     assume_triton=False,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
-    log and the memory estimate. `attention_impl` / `norm_impl`: --attention-backend ('unfused', or
-    a kernel impl) and --normalization-impl; `hidden_size`: the normalized width; `attention_dropout`: the
-    probability in effect (0 in eval); `context_parallel`: a cp group of size > 1;
-    `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were installed (on
-    CPU: the interpreter on), for an estimate of a run elsewhere."""
+    log and the memory estimate. `attention_impl` / `norm_impl` / `rope_impl` / `swiglu_impl`: each
+    op's own switch (--attention-backend, 'unfused' or a kernel impl; --normalization-impl;
+    'torch' under --no-rope-fusion / --no-bias-swiglu-fusion), `kernel_impl`: --kernel-impl;
+    `hidden_size`: the normalized width; `rotary_dim`: the rotating channels per head (None:
+    head_dim); `attention_dropout`: the probability in effect (0 in eval); `context_parallel`: a cp
+    group of size > 1; `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were
+    installed (on CPU: the interpreter on), for an estimate of a run elsewhere."""
     unfused = attention_impl == UNFUSED
-    attention_kernel = op_path(
-        "torch" if unfused else attention_impl,
-        device_type,
-        attention_unsupported(head_dim, dtype, device_type),
-        assume_triton,
+
+    def resolve(own, unsupported):
+        return resolve_op(own, kernel_impl, device_type, unsupported, assume_triton)
+
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    ops = dict(
+        attention_kernel=resolve(
+            "torch" if unfused else attention_impl, attention_unsupported(head_dim, dtype, device_type)
+        ),
+        norm=resolve(norm_impl, norm_unsupported(hidden_size, dtype)),
+        rope=resolve(rope_impl, rope_unsupported(head_dim, rotary_dim, dtype)),
+        swiglu=resolve(swiglu_impl, swiglu_unsupported(dtype)),
     )
-    norm = op_path(norm_impl, device_type, norm_unsupported(hidden_size, dtype), assume_triton)
     if context_parallel:
-        return KernelPaths("ring", attention_kernel, norm)
+        return KernelPaths("ring", **ops)
     if unfused:
-        return KernelPaths(UNFUSED, attention_kernel, norm)
+        return KernelPaths(UNFUSED, **ops)
     if document_mask:
-        return KernelPaths("sdpa", attention_kernel, norm, "with a document mask (--reset-attention-mask)")
+        return KernelPaths("sdpa", **ops, sdpa_reason="with a document mask (--reset-attention-mask)")
     if attention_dropout > 0.0:
-        return KernelPaths("sdpa", attention_kernel, norm, "(attention dropout > 0)")
-    return KernelPaths("flash_attention", attention_kernel, norm)
+        return KernelPaths("sdpa", **ops, sdpa_reason="(attention dropout > 0)")
+    return KernelPaths("flash_attention", **ops)

@@ -15,6 +15,9 @@ attention (megatron/core/transformer/attention.py `core_attention`)
   * "unfused": megatron-core's unfused attention (--attention-backend unfused|local), plain torch ops.
 normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, or F.rms_norm,
   composite on CPU and `_fused_rms_norm` on CUDA).
+rope, swiglu: "triton" (kernels/rope.py, kernels/swiglu.py: saving only the angles, only the SwiGLU
+  input) or "torch" (cos and sin per layer; silu(gate) besides the input); "none" where the model has
+  no rotary embedding or no SwiGLU.
 dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
 """
 
@@ -31,9 +34,14 @@ ATTENTION_IMPLS = ("auto", "ring", "triton", "flash", "efficient", "math")
 class KernelChoice:
     attention: str  # "ring" | "triton" | "flash" | "efficient" | "math" | "unfused"
     norm: str  # "triton" | "torch"
+    rope: str = "none"  # "triton" | "torch" | "none"
+    swiglu: str = "none"
 
     def describe(self) -> str:
-        return f"attention {self.attention}, norms {self.norm}"
+        fused = "".join(
+            f", {op} {path}" for op, path in (("rope", self.rope), ("swiglu", self.swiglu)) if path != "none"
+        )
+        return f"attention {self.attention}, norms {self.norm}{fused}"
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -64,4 +72,10 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
         chosen = "triton"
     else:
         chosen = _sdpa_kernel(config, device_type, paths.attention == "sdpa")
-    return KernelChoice(attention=chosen, norm="triton" if paths.norm.runs_triton else "torch")
+    side = lambda path, used: ("triton" if path.runs_triton else "torch") if used else "none"  # noqa: E731
+    return KernelChoice(
+        attention=chosen,
+        norm=side(paths.norm, True),
+        rope=side(paths.rope, config.position_embedding_type == "rope"),
+        swiglu=side(paths.swiglu, config.swiglu),
+    )

@@ -290,7 +290,13 @@ def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfi
     installed), so that the trace's fake CPU tensors run them."""
     paths = config.kernel_paths(device_type, assume_triton=True)
     attention = config.attention_backend if paths.attention == UNFUSED else paths.attention_kernel.impl
-    return dataclasses.replace(config, attention_backend=attention, normalization_impl=paths.norm.impl)
+    return dataclasses.replace(
+        config,
+        attention_backend=attention,
+        normalization_impl=paths.norm.impl,
+        rope_impl=paths.rope.impl,
+        swiglu_impl=paths.swiglu.impl,
+    )
 
 
 def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bool, layer_ids) -> Saved:

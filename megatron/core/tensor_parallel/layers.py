@@ -171,18 +171,21 @@ class ColumnParallelLinear(torch.nn.Module):
                 tensor_model_parallel=True,
             )
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
+        """`weight`: another module's (a tied output layer); `add_bias` False: the caller adds
+        `self.bias` itself (inside the SwiGLU kernel)."""
         owned = weight is None
         weight = self.weight if owned else weight
+        bias = self.bias if add_bias else None
         grad_options = dict(
             owned=owned,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             deferrable=self.split_backward_defers,
         )
         if self.sequence_parallel:
-            y = _linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
+            y = _linear(x, weight, bias, sp_group=self.tp_group, **grad_options)
         else:
-            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **grad_options)
+            y = _linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, bias, **grad_options)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.swiglu import swiglu
 from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, make_param
 
 
@@ -35,6 +36,7 @@ class ExpertMLP(torch.nn.Module):
 
     def __init__(self, config, *, etp_size: int, etp_rank: int, device=None):
         super().__init__()
+        self.config = config
         self.swiglu = config.swiglu
         h, f = config.hidden_size, config.moe_ffn_hidden_size
         stacked = 2 if config.swiglu else 1
@@ -48,8 +50,7 @@ class ExpertMLP(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(tokens)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h, impl=self.config.kernel_paths(h.device.type).swiglu.impl)
         else:
             h = F.gelu(h)
         h = (h * probs.unsqueeze(-1)).to(tokens.dtype)
