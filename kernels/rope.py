@@ -11,8 +11,8 @@ neighbours (2i with 2i + 1): out[c] = x[c] cos(a_c) - x[c + r/2] sin(a_c) for th
 x[c] cos(a_c) + x[c - r/2] sin(a_c) for the second, and alike for (2i, 2i + 1).
 
 Reference (`rope_torch`): megatron-core's unfused rotary, rounding cos, sin and each product to
-x's dtype. Kernel: fp32 arithmetic, one rounding (as fused RoPE kernels do). One program per
-token and block of heads, over the q heads and then the k heads; backward is the same kernel
+x's dtype. Kernel: fp32 arithmetic, one rounding (as fused RoPE kernels do). Each program takes a
+block of (token, head) rows, of q and, past q's blocks, of k; backward is the same kernel
 rotating the output gradient back (its own angles at the partner channel), so only the angles
 are saved for it.
 """
@@ -24,7 +24,7 @@ import torch
 from . import triton_support
 from .triton_support import jit, tl
 
-BLOCK_HEADS = 8
+TILE_ELEMENTS = 2048  # a program's [rows, head dim] tile; not yet tuned on a GPU
 
 
 def unsupported_reason(head_dim: int, rotary_dim: int, dtype: torch.dtype) -> str | None:
@@ -65,15 +65,13 @@ def rope_torch(q, k, angles, interleaved=False):
 
 # ----------------------------------------------------------------------------- Triton kernel
 @jit
-def _rotate_heads(
+def _rotate_rows(
     X,
     Y,
     ANG,
-    token,
-    s_idx,
-    b_idx,
-    head_start,
+    row_start,
     n_heads,
+    n_rows,
     x_stride_s,
     x_stride_b,
     x_stride_h,
@@ -82,16 +80,19 @@ def _rotate_heads(
     batch,
     head_dim,
     rotary_dim,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """Heads [head_start, head_start + BLOCK_H) of one token: Y (contiguous) = rotated X."""
-    heads = head_start + tl.arange(0, BLOCK_H)
+    """Rows [row_start, row_start + BLOCK_R) of X's (token, head) rows: Y (contiguous) = rotated X."""
+    rows = row_start + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    mask = (heads < n_heads)[:, None] & (cols < head_dim)[None, :]
-    rotates = cols < rotary_dim
+    token, head = rows // n_heads, rows % n_heads
+    s_idx, b_idx = token // batch, token % batch
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < head_dim)[None, :]
+    rotates = (cols < rotary_dim)[None, :] & row_mask[:, None]
     half = rotary_dim // 2
     if INTERLEAVED:
         partner = cols ^ 1
@@ -99,21 +100,20 @@ def _rotate_heads(
     else:
         partner = tl.where(cols < half, cols + half, cols - half)
         sign = tl.where(cols < half, -1.0, 1.0)
-    partner = tl.where(rotates, partner, cols)
-    a_row = ANG + s_idx * a_stride_s + b_idx * a_stride_b
-    angle = tl.load(a_row + cols, mask=rotates, other=0.0).to(tl.float32)
+    partner = tl.where(cols < rotary_dim, partner, cols)
+    a_rows = ANG + (s_idx * a_stride_s + b_idx * a_stride_b)[:, None]
+    angle = tl.load(a_rows + cols[None, :], mask=rotates, other=0.0).to(tl.float32)
     if BACKWARD:  # dx[c] = g[c] cos(a_c) - sign_c g[p] sin(a_p): the partner's angle
-        partner_angle = tl.load(a_row + partner, mask=rotates, other=0.0).to(tl.float32)
-        coef = tl.where(rotates, -sign * tl.sin(partner_angle), 0.0)
+        partner_angle = tl.load(a_rows + partner[None, :], mask=rotates, other=0.0).to(tl.float32)
+        coef = tl.where(rotates, -sign[None, :] * tl.sin(partner_angle), 0.0)
     else:
-        coef = tl.where(rotates, sign * tl.sin(angle), 0.0)
+        coef = tl.where(rotates, sign[None, :] * tl.sin(angle), 0.0)
     cos = tl.where(rotates, tl.cos(angle), 1.0)
-    x_row = X + s_idx * x_stride_s + b_idx * x_stride_b + heads[:, None] * x_stride_h
-    x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = x * cos[None, :] + x_partner * coef[None, :]
-    y_offs = (token * n_heads + heads[:, None]) * head_dim + cols[None, :]
-    tl.store(Y + y_offs, y.to(Y.dtype.element_ty), mask=mask)
+    x_rows = X + (s_idx * x_stride_s + b_idx * x_stride_b + head * x_stride_h)[:, None]
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x * cos + x_partner * coef
+    tl.store(Y + rows[:, None] * head_dim + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -133,29 +133,27 @@ def _rope_kernel(
     k_stride_h,
     a_stride_s,
     a_stride_b,
+    tokens,
     batch,
     head_dim,
     rotary_dim,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """Program (token, head block): the first cdiv(q_heads, BLOCK_H) head blocks are q's, the rest k's."""
-    token = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    s_idx, b_idx = token // batch, token % batch
-    q_blocks = tl.cdiv(q_heads, BLOCK_H)
+    """Program i: a block of BLOCK_R (token, head) rows of q, or past q's blocks, of k."""
+    block = tl.program_id(0)
+    q_rows, k_rows = tokens * q_heads, tokens * k_heads
+    q_blocks = tl.cdiv(q_rows, BLOCK_R)
     if block < q_blocks:
-        _rotate_heads(
+        _rotate_rows(
             Q,
             QO,
             ANG,
-            token,
-            s_idx,
-            b_idx,
-            block * BLOCK_H,
+            block.to(tl.int64) * BLOCK_R,
             q_heads,
+            q_rows,
             q_stride_s,
             q_stride_b,
             q_stride_h,
@@ -164,21 +162,19 @@ def _rope_kernel(
             batch,
             head_dim,
             rotary_dim,
-            BLOCK_H,
+            BLOCK_R,
             BLOCK_D,
             INTERLEAVED,
             BACKWARD,
         )
     else:
-        _rotate_heads(
+        _rotate_rows(
             K,
             KO,
             ANG,
-            token,
-            s_idx,
-            b_idx,
-            (block - q_blocks) * BLOCK_H,
+            (block - q_blocks).to(tl.int64) * BLOCK_R,
             k_heads,
+            k_rows,
             k_stride_s,
             k_stride_b,
             k_stride_h,
@@ -187,7 +183,7 @@ def _rope_kernel(
             batch,
             head_dim,
             rotary_dim,
-            BLOCK_H,
+            BLOCK_R,
             BLOCK_D,
             INTERLEAVED,
             BACKWARD,
@@ -208,10 +204,11 @@ def _launch(q, k, angles, interleaved, backward):
         return q_out, k_out
     s, b, q_heads, head_dim = q.shape
     k_heads, rotary_dim = k.shape[2], angles.shape[-1]
-    block_h = min(BLOCK_HEADS, triton_support.triton.next_power_of_2(max(q_heads, k_heads)))
-    block_d = triton_support.triton.next_power_of_2(head_dim)
+    cdiv, next_power_of_2 = triton_support.triton.cdiv, triton_support.triton.next_power_of_2
+    block_d = next_power_of_2(head_dim)
+    block_r = max(1, min(TILE_ELEMENTS // block_d, next_power_of_2(s * b * q_heads)))
     a_stride_b = 0 if angles.shape[1] == 1 else angles.stride(1)
-    grid = (s * b, triton_support.triton.cdiv(q_heads, block_h) + triton_support.triton.cdiv(k_heads, block_h))
+    grid = (cdiv(s * b * q_heads, block_r) + cdiv(s * b * k_heads, block_r),)
     _rope_kernel[grid](
         q,
         k,
@@ -228,10 +225,11 @@ def _launch(q, k, angles, interleaved, backward):
         k.stride(2),
         angles.stride(0),
         a_stride_b,
+        s * b,
         b,
         head_dim,
         rotary_dim,
-        BLOCK_H=block_h,
+        BLOCK_R=block_r,
         BLOCK_D=block_d,
         INTERLEAVED=interleaved,
         BACKWARD=backward,

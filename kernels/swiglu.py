@@ -7,7 +7,7 @@ are never stored: the kernel's backward recomputes them from h and the bias, the
 saves.
 
 Reference (`swiglu_torch`): the plain torch ops, each rounded to h's dtype. Kernel: fp32
-arithmetic, one rounding per output. One program per row and block of f columns; backward
+arithmetic, one rounding per output. Each program takes a tile of rows and up to 1024 columns; backward
 writes d[gate | up] per row, and the bias gradient is its sum over rows (in fp32, by torch).
 """
 
@@ -20,6 +20,7 @@ from . import triton_support
 from .triton_support import jit, tl
 
 BLOCK_COLUMNS = 1024
+TILE_ELEMENTS = 4096  # a program's [rows, columns] tile; not yet tuned on a GPU
 
 
 def unsupported_reason(dtype: torch.dtype) -> str | None:
@@ -39,47 +40,58 @@ def swiglu_torch(h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Ten
 
 # ----------------------------------------------------------------------------- Triton kernels
 @jit
-def _load_halves(H, BIAS, row, cols, mask, width, HAS_BIAS: tl.constexpr):
-    """One row's gate and up columns `cols`, bias added, in fp32."""
-    offs = row * 2 * width + cols
+def _tile(n_rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's rows and columns of the output [rows, width], and their mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return rows[:, None], cols[None, :], (rows < n_rows)[:, None] & (cols < width)[None, :]
+
+
+@jit
+def _load_halves(H, BIAS, rows, cols, mask, width, HAS_BIAS: tl.constexpr):
+    """The tile's gate and up columns, bias added, in fp32."""
+    offs = rows * 2 * width + cols
     gate = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(H + offs + width, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        gate += tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(BIAS + width + cols, mask=mask, other=0.0).to(tl.float32)
+        col_mask = cols < width
+        gate += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+        up += tl.load(BIAS + width + cols, mask=col_mask, other=0.0).to(tl.float32)
     return gate, up
 
 
 @jit
-def _swiglu_fwd_kernel(H, BIAS, Y, width, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate, up = _load_halves(H, BIAS, row, cols, mask, width, HAS_BIAS)
+def _swiglu_fwd_kernel(H, BIAS, Y, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rows, cols, mask = _tile(n_rows, width, BLOCK_R, BLOCK_C)
+    gate, up = _load_halves(H, BIAS, rows, cols, mask, width, HAS_BIAS)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(Y + row * width + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows * width + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
-def _swiglu_bwd_kernel(H, BIAS, DY, DH, width, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _swiglu_bwd_kernel(
+    H, BIAS, DY, DH, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr
+):
     """d gate = dy * up * silu'(gate), silu'(g) = sig(g) (1 + g (1 - sig(g))); d up = dy * silu(gate)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate, up = _load_halves(H, BIAS, row, cols, mask, width, HAS_BIAS)
-    dy = tl.load(DY + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(n_rows, width, BLOCK_R, BLOCK_C)
+    gate, up = _load_halves(H, BIAS, rows, cols, mask, width, HAS_BIAS)
+    dy = tl.load(DY + rows * width + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = dy * gate * sig
-    offs = row * 2 * width + cols
+    offs = rows * 2 * width + cols
     tl.store(DH + offs, d_gate.to(DH.dtype.element_ty), mask=mask)
     tl.store(DH + offs + width, d_up.to(DH.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
-def _grid(rows, width):
-    block = min(BLOCK_COLUMNS, triton_support.triton.next_power_of_2(width))
-    return (rows, triton_support.triton.cdiv(width, block)), block
+def _launch(kernel, n_rows, width, *args):
+    """Tiles of up to TILE_ELEMENTS: up to BLOCK_COLUMNS columns, as many rows as fill the rest."""
+    cdiv, next_power_of_2 = triton_support.triton.cdiv, triton_support.triton.next_power_of_2
+    block_c = min(BLOCK_COLUMNS, next_power_of_2(width))
+    block_r = max(1, min(TILE_ELEMENTS // block_c, next_power_of_2(n_rows)))
+    grid = (cdiv(n_rows, block_r), cdiv(width, block_c))
+    kernel[grid](*args, n_rows, width, BLOCK_R=block_r, BLOCK_C=block_c, HAS_BIAS=args[1] is not None)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -91,8 +103,7 @@ class _SwiGLU(torch.autograd.Function):
         ctx.save_for_backward(h2, bias)
         ctx.input_shape = h.shape
         if not triton_support.shape_only(h) and h2.shape[0]:
-            grid, block = _grid(h2.shape[0], width)
-            _swiglu_fwd_kernel[grid](h2, bias, y, width, BLOCK=block, HAS_BIAS=bias is not None)
+            _launch(_swiglu_fwd_kernel, h2.shape[0], width, h2, bias, y)
         return y
 
     @staticmethod
@@ -101,9 +112,7 @@ class _SwiGLU(torch.autograd.Function):
         width = h2.shape[1] // 2
         dh = triton_support.empty(h2.shape, h2.dtype, h2.device)
         if not triton_support.shape_only(h2) and h2.shape[0]:
-            grid, block = _grid(h2.shape[0], width)
-            dy = dy.reshape(-1, width).contiguous()
-            _swiglu_bwd_kernel[grid](h2, bias, dy, dh, width, BLOCK=block, HAS_BIAS=bias is not None)
+            _launch(_swiglu_bwd_kernel, h2.shape[0], width, h2, bias, dy.reshape(-1, width).contiguous(), dh)
         d_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
             d_bias = dh.sum(0, dtype=torch.float32).to(bias.dtype)
