@@ -86,10 +86,11 @@ def _rotate_rows(
     BACKWARD: tl.constexpr,
 ):
     """Rows [row_start, row_start + BLOCK_R) of X's (token, head) rows: Y (contiguous) = rotated X."""
-    rows = row_start + tl.arange(0, BLOCK_R).to(tl.int64)
+    rows = row_start + tl.arange(0, BLOCK_R)  # int32 division (int64 would call a slow subroutine) ...
     cols = tl.arange(0, BLOCK_D)
     token, head = rows // n_heads, rows % n_heads
-    s_idx, b_idx = token // batch, token % batch
+    s_idx, b_idx = (token // batch).to(tl.int64), (token % batch).to(tl.int64)  # ... int64 offsets
+    head = head.to(tl.int64)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < head_dim)[None, :]
     rotates = (cols < rotary_dim)[None, :] & row_mask[:, None]
@@ -113,7 +114,7 @@ def _rotate_rows(
     x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(x_rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     y = x * cos + x_partner * coef
-    tl.store(Y + rows[:, None] * head_dim + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows.to(tl.int64)[:, None] * head_dim + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -151,7 +152,7 @@ def _rope_kernel(
             Q,
             QO,
             ANG,
-            block.to(tl.int64) * BLOCK_R,
+            block * BLOCK_R,
             q_heads,
             q_rows,
             q_stride_s,
@@ -172,7 +173,7 @@ def _rope_kernel(
             K,
             KO,
             ANG,
-            (block - q_blocks).to(tl.int64) * BLOCK_R,
+            (block - q_blocks) * BLOCK_R,
             k_heads,
             k_rows,
             k_stride_s,
@@ -269,6 +270,8 @@ def rope(q, k, angles, interleaved=False, impl="auto"):
     unsupported = unsupported_reason(q.shape[-1], angles.shape[-1], q.dtype)
     if k.dtype != q.dtype:
         unsupported = f"q and k of different dtypes ({q.dtype}, {k.dtype})"
+    if q.shape[:3].numel() >= 2**31:
+        unsupported = f"{q.shape[:3].numel()} (token, head) rows of q (the kernel indexes them in int32)"
     if not triton_support.use_triton(impl, q, unsupported):
         return rope_torch(q, k, angles, interleaved)
     return _RoPE.apply(q, k, angles, bool(interleaved))
