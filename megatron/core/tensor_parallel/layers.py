@@ -92,15 +92,15 @@ def _linear(
 ) -> torch.Tensor:
     """x W^T + b: the product through `_Linear` when it does something autograd's linear does not
     (gather over the sequence; gradients of the layer's own weight straight into its main_grad
-    buffer), else F.linear. Fused accumulation needs main_grad in the weight's dtype (fp32 weights:
-    adding a bf16/fp16 product into fp32 needs a kernel not built here). The bias is added to the
+    buffer), else F.linear. Fused accumulation of bf16/fp16 weights sums the product in main_grad's
+    fp32 (weight_grads.py `accumulate_in_main_grad_dtype`). The bias is added to the
     product rounded to its dtype, as megatron-core's linear layers do (a fused addmm rounds once)."""
     main_grad = getattr(weight, "main_grad", None)
     param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
     if sp_group is None and param is None:
         y = F.linear(x, weight)
     else:
-        fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
+        fuse = gradient_accumulation_fusion and param is not None
         y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable)
     return y if bias is None else y + bias
 

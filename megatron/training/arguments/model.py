@@ -108,8 +108,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         action=argparse.BooleanOptionalAction,
         default=True,
         help="linear layers add their weight gradients straight into the fp32 main_grad buffer "
-        "(one addmm, no weight-gradient tensor); fp32 weights only, bf16/fp16 weights "
-        "accumulate unfused (default on, as in Megatron)",
+        "(one addmm, no weight-gradient tensor; bf16/fp16 products summed in fp32) (default on, as in Megatron)",
     )
     return parser
 
