@@ -17,6 +17,9 @@ normalisation: "triton" (our kernels) or "torch" (the reference: F.layer_norm, o
   composite on CPU and `_fused_rms_norm` on CUDA).
 cross entropy: "unfused" (the output layer's logits, then the vocab-parallel cross-entropy), or the
   fused LM head + cross-entropy (--cross-entropy-loss-fusion) with its reductions in "triton" or "torch".
+rope, swiglu: "triton" (kernels/rope.py, kernels/swiglu.py: saving only the angles, only the SwiGLU
+  input) or "torch" (cos and sin per layer; silu(gate) besides the input); "none" where the model has
+  no rotary embedding or no SwiGLU.
 dropout: CPU multiplies by a noise tensor of the input dtype; CUDA's fused dropout keeps a bool mask.
 """
 
@@ -34,9 +37,14 @@ class KernelChoice:
     attention: str  # "ring" | "triton" | "flash" | "efficient" | "math" | "unfused"
     norm: str  # "triton" | "torch"
     cross_entropy: str = "unfused"  # "unfused" | "triton" | "torch" (the fused pass's reductions)
+    rope: str = "none"  # "triton" | "torch" | "none"
+    swiglu: str = "none"
 
     def describe(self) -> str:
-        fused = "" if self.cross_entropy == "unfused" else f", fused cross entropy {self.cross_entropy}"
+        fused = "".join(
+            f", {op} {path}" for op, path in (("rope", self.rope), ("swiglu", self.swiglu)) if path != "none"
+        )
+        fused += "" if self.cross_entropy == "unfused" else f", fused cross entropy {self.cross_entropy}"
         return f"attention {self.attention}, norms {self.norm}{fused}"
 
 
@@ -69,8 +77,11 @@ def resolve_kernels(config, device_type: str, attention: str = "auto") -> Kernel
     else:
         chosen = _sdpa_kernel(config, device_type, paths.attention == "sdpa")
     ce = paths.cross_entropy
+    side = lambda path, used: ("triton" if path.runs_triton else "torch") if used else "none"  # noqa: E731
     return KernelChoice(
         attention=chosen,
-        norm="triton" if paths.norm.runs_triton else "torch",
+        norm=side(paths.norm, True),
+        rope=side(paths.rope, config.position_embedding_type == "rope"),
+        swiglu=side(paths.swiglu, config.swiglu),
         cross_entropy="unfused" if ce is None else "triton" if ce.runs_triton else "torch",
     )

@@ -292,7 +292,12 @@ def _for_device(config: TransformerConfig, device_type: str) -> TransformerConfi
     attention = config.attention_backend if paths.attention == UNFUSED else paths.attention_kernel.impl
     cross_entropy = config.cross_entropy_impl if paths.cross_entropy is None else paths.cross_entropy.impl
     return dataclasses.replace(
-        config, attention_backend=attention, normalization_impl=paths.norm.impl, cross_entropy_impl=cross_entropy
+        config,
+        attention_backend=attention,
+        normalization_impl=paths.norm.impl,
+        rope_impl=paths.rope.impl,
+        swiglu_impl=paths.swiglu.impl,
+        cross_entropy_impl=cross_entropy,
     )
 
 

@@ -7,28 +7,37 @@ import torch
 from kernels.moe_permute import permute_path
 
 
+def _forcing_flag(own_flag: str | None, own_impl: str) -> str:
+    """The flag that forced an op onto Triton: its own switch when it names triton, else --kernel-impl."""
+    return own_flag if own_flag is not None and own_impl == "triton" else "--kernel-impl"
+
+
 def startup_kernel_paths(model, device: torch.device, document_mask: bool = False) -> dict:
-    """{'attention': path, 'normalization': path, 'lm head + cross entropy': path} (and 'moe permutation'
-    with experts); raises ValueError naming the flag when a forced Triton path cannot run here.
-    `document_mask`: --reset-attention-mask, which runs torch's SDPA with an explicit mask (forcing the
-    kernel is refused with the flags)."""
+    """{op: path} for the ops this model runs (attention, normalization, rope, swiglu, the LM head +
+    cross entropy, the MoE permutation); raises ValueError naming the flag when a forced Triton path
+    cannot run here. `document_mask`: --reset-attention-mask, which runs torch's SDPA with an explicit
+    mask (forcing the kernel is refused with the flags)."""
     if model.attention_dropout > 0.0 and model.attention_backend == "triton":
         raise ValueError(
             "--attention-backend triton has no attention dropout; use --attention-dropout 0 "
             "or --attention-backend torch"
         )
     paths = model.kernel_paths(device.type, context_parallel=False, document_mask=document_mask)
-    attention, normalization = paths.attention_line, paths.norm.line
-    for flag, path in (("--attention-backend", attention), ("--normalization-impl", normalization)):
+    ops = {  # op: (its path, its own switch, the switch's value)
+        "attention": (paths.attention_line, "--attention-backend", model.attention_backend),
+        "normalization": (paths.norm.line, "--normalization-impl", model.normalization_impl),
+    }
+    if model.position_embedding_type == "rope":
+        ops["rope"] = (paths.rope.line, None, model.rope_impl)
+    if model.swiglu:
+        ops["swiglu"] = (paths.swiglu.line, None, model.swiglu_impl)
+    for path, flag, impl in ops.values():
         if path.startswith("error"):
-            raise ValueError(f"{flag} triton cannot run: {path[len('error (') : -1]}")
+            raise ValueError(f"{_forcing_flag(flag, impl)} triton cannot run: {path[len('error (') : -1]}")
     if paths.cross_entropy is not None and paths.cross_entropy.error:
         raise ValueError(f"--cross-entropy-loss-fusion: its Triton kernels cannot run: {paths.cross_entropy.error}")
-    lines = {
-        "attention": attention,
-        "normalization": normalization,
-        "lm head + cross entropy": paths.cross_entropy_line,
-    }
+    lines = {op: path for op, (path, _, _) in ops.items()}
+    lines["lm head + cross entropy"] = paths.cross_entropy_line
     if model.num_moe_experts is not None:
-        lines["moe permutation"] = permute_path("auto", device)
+        lines["MoE permutation"] = permute_path("auto", device)
     return lines

@@ -57,10 +57,8 @@ def startup_summary(trainer: Trainer, backend: str, paths: dict) -> list[str]:
         f"> precision: {_precision(run)}",
         f"> batch: micro {run.training.micro_batch_size} x dp {mesh.dp_size} x "
         f"{run.training.num_microbatches} microbatches = global {run.training.global_batch_size}",
-        f"> kernels: attention {paths['attention']}; normalization {paths['normalization']}; "
-        f"lm head + cross entropy {paths['lm head + cross entropy']}; "
-        + (f"MoE permutation {paths['moe permutation']}; " if "moe permutation" in paths else "")
-        + "NVIDIA apex not used (optional; nothing here needs it)",
+        f"> kernels: {'; '.join(f'{op} {path}' for op, path in paths.items())}; "
+        "NVIDIA apex not used (optional; nothing here needs it)",
     ]
     if not run.training.batch_schedule.constant:
         lines.append(

@@ -9,7 +9,8 @@ yields InterpretedFunction objects that `triton.compile` cannot take) replaces e
 launch with a recorder and calls the real host functions on meta tensors (see _launch_cases:
 attention for every GPU dtype x head dim x causal x lse-gradient; norms for every dtype x flag
 combination at two tile sizes and every tile size for the heaviest variant; the cross-entropy
-reductions for every dtype at two vocabulary sizes). Each recorded
+reductions for every dtype at two vocabulary sizes; RoPE and SwiGLU for every dtype at Llama-3-8B's
+shapes and odd ones, each flag both ways). Each recorded
 launch becomes a signature with the JIT's default specialisation (pointers and multiples of 16
 marked 16-divisible, ints equal to 1 made constant) and is compiled with
 `triton.compile(ASTSource(...), target=...)`. The test also fails if a kernel in the modules
@@ -19,7 +20,8 @@ Checked per configuration: compiles to a non-empty cubin; dynamic shared memory 
 compiled metadata <= 232448 bytes (the SM90 opt-in limit); register and local-memory (spill)
 use read from the cubin by cuobjdump: a spill (stack frame or local memory) fails the test,
 except in the known case of the norm backward at hidden 16384, where the row's weight and the
-fp32 dW/dB accumulators alone exceed what one program's registers hold (reported, not failed).
+fp32 dW/dB accumulators alone exceed what one program's registers hold (reported, not failed), and
+the RoPE kernel's small stack frame for sin/cos of huge angles (`_known_spill`).
 Not checked: anything at run time on a GPU (correctness there, speed, occupancy).
 """
 
@@ -85,6 +87,26 @@ def _launch_cases():
             target, per_token = torch.empty(256, dtype=torch.int64, **meta), torch.empty(256, **meta)
             ce._statistics(logits, target, vocab)
             ce._gradient(logits, target, vocab, per_token, per_token)
+    from kernels import rope as rp
+    from kernels import swiglu as sg
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        # RoPE: q and k strided views of a GQA QKV output, Llama-3-8B's 32 + 8 heads at 128 and odd head dims
+        for head_dim in (64, 80, 96, 128):
+            qkv = torch.empty(1024, 2, 8, 6, head_dim, dtype=dtype, **meta)
+            q, k = qkv[:, :, :, :4].reshape(1024, 2, 32, head_dim), qkv[:, :, :, -2]
+            for rotary_dim in (head_dim, head_dim // 2):
+                angles = torch.empty(1024, 1, 1, rotary_dim, **meta)
+                for interleaved in (False, True):
+                    for backward in (False, True):
+                        rp._launch(q, k, angles, interleaved, backward)
+        # SwiGLU: Llama-3-8B's ffn per tp rank (14336 / 8) and a ragged width, with and without bias
+        for width in (1792, 1000):
+            h = torch.empty(4096, 2 * width, dtype=dtype, **meta)
+            y = torch.empty(4096, width, dtype=dtype, **meta)
+            for bias in (None, torch.empty(2 * width, dtype=dtype, **meta)):
+                sg._launch(sg._swiglu_fwd_kernel, 4096, width, h, bias, y)
+                sg._launch(sg._swiglu_bwd_kernel, 4096, width, h, bias, y, h)
 
 
 def _signature(kernel, args, kwargs):
@@ -140,12 +162,14 @@ def _compile_all():
     from kernels import cross_entropy as ce
     from kernels import flash_attention as fa
     from kernels import normalization as nm
+    from kernels import rope as rp
+    from kernels import swiglu as sg
     from kernels import triton_support
 
     assert not triton_support.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
     kernels = {
         name: obj
-        for module in (fa, nm, ce)
+        for module in (fa, nm, ce, rp, sg)
         for name, obj in vars(module).items()
         if isinstance(obj, JITFunction) and name.endswith("_kernel")
     }
@@ -216,6 +240,11 @@ def test_every_kernel_configuration_compiles_for_sm90():
 
 
 def _known_spill(config):
+    """The norm backward at hidden 16384 (module docstring); and the RoPE kernel's stack frame, which is
+    no spill: libdevice's accurate sinf/cosf keep a 28-byte array (`__local_depot` in the PTX) for the
+    argument reduction of angles beyond about 1e5 radians, touched only then."""
+    if config["kernel"] == "_rope_kernel":
+        return config["usage"].get("LOCAL", 0) == 0 and config["usage"].get("STACK", 0) <= 64
     return config["kernel"] == "_norm_bwd_kernel" and config["constexprs"]["BLOCK_N"] == "16384"
 
 

@@ -11,7 +11,7 @@ KERNEL_FRIENDLY = ["--num-layers", "2", "--kv-channels", "64", "--seq-length", "
 def triton_vs_torch(rank):
     out = {}
     for impl in ("torch", "triton"):
-        flags = KERNEL_FRIENDLY + ["--attention-backend", impl, "--normalization-impl", impl]
+        flags = KERNEL_FRIENDLY + ["--kernel-impl", impl]  # attention, norms, RoPE, SwiGLU
         out[impl] = train("llama", flags, iterations=2)
     return out
 

@@ -56,14 +56,17 @@ REL = 1e-6
 CASES = (("gpt", "tp2", 2), ("llama", "tp2", 2), ("llama", "pp2", 1))
 # one microbatch of the whole batch, as megatron-core's step takes it (in bf16, splitting the batch over
 # microbatches or dp ranks rounds the weight gradients' partial sums differently)
-BF16 = ["--bf16", "--attention-backend", "local", "--micro-batch-size", str(BATCH)]
+# megatron-core runs without gradient accumulation fusion here (driver.py: its fused wgrad kernel is CUDA's):
+# its autograd rounds each weight-gradient product to bf16 before main_grad adds it, as ours does without it
+UNFUSED_WGRAD = ["--no-gradient-accumulation-fusion"]
+BF16 = ["--bf16", "--attention-backend", "local", "--micro-batch-size", str(BATCH), *UNFUSED_WGRAD]
 # Megatron-LM's default configuration: a padded vocabulary (the GPT's 100 tokens, the Llama's 120, in 128
 # rows), bf16 and the distributed optimizer (its checkpoint in dp_reshardable buckets) at tp 1 x dp 2, each dp
 # rank one microbatch of its own half of the batch (megatron-core's `dp_split`; ours: --micro-batch-size 1):
 # both sum the dp ranks' bf16 weight gradients in fp32
 DEFAULT_MODELS = (PADDED_GPT, PADDED)
 DEFAULT_JOB = {"bf16": True, "distributed_optimizer": True, "dp_split": True}
-DEFAULT = ["--bf16", "--attention-backend", "local", "--use-distributed-optimizer"]
+DEFAULT = ["--bf16", "--attention-backend", "local", "--use-distributed-optimizer", *UNFUSED_WGRAD]
 
 
 @pytest.fixture(scope="module")

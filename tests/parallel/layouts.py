@@ -126,8 +126,9 @@ def train(model: str, extra: list[str], iterations: int = 5, grads_at: int = 1) 
     }
 
 
-def train_many(rank: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
-    return [train(model, extra) for model, extra in runs]
+def train_many(rank: int, runs: list[tuple]) -> list[dict]:
+    """`train` of each (model, flags) or (model, flags, iterations)."""
+    return [train(*run) for run in runs]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -228,20 +228,14 @@ def test_defaults_and_derived_values():
     assert llama.model.normalization == "RMSNorm" and llama.model.position_embedding_type == "rope"
 
 
-def test_gradient_accumulation_fusion_is_a_real_switch_noted_for_bf16():
+def test_gradient_accumulation_fusion_is_a_real_switch_for_every_dtype():
     def fusion_notes(extra):
         run = parse(extra + ["--lr", "1e-4"])
         return run.model.gradient_accumulation_fusion, run.notes
 
     assert fusion_notes([]) == (True, [])
     assert fusion_notes(["--no-gradient-accumulation-fusion"]) == (False, [])  # a real flag, not a noted no-op
-    assert fusion_notes(["--bf16"]) == (
-        True,
-        [
-            "> note: --gradient-accumulation-fusion applies to fp32 weights: --bf16 weights accumulate their gradients "
-            "unfused (the bf16/fp16 -> fp32 accumulating kernel is not built here)"
-        ],
-    )
+    assert fusion_notes(["--bf16"]) == (True, [])  # bf16 products summed in the fp32 main_grad
     assert fusion_notes(["--bf16", "--no-gradient-accumulation-fusion"]) == (False, [])
 
 

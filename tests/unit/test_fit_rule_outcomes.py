@@ -156,11 +156,12 @@ def test_deepspeed_bf16_optimizer_on_the_02_28_rows_only():
 def test_megatron_lm_525_against_its_log():
     """The report's own numbers: the log counts 771,201,024 parameters; when the first forward failed, PyTorch
     had 28.82 GiB allocated. Our counterpart at that moment (weights, fp16 gradient buffer, fp32 main
-    parameters, saved activations; Adam's moments come with the first optimizer step) is 28.23 GiB."""
+    parameters, saved activations; Adam's moments come with the first optimizer step) is 27.30 GiB (28.23
+    before our SwiGLU kernel, issue 43, which recomputes silu(gate) in backward instead of keeping it)."""
     (run,) = [r for r in MEGATRON_LM_RUNS if r.name.startswith("Megatron-LM #525")]
     estimate = _estimate(run)
     (rank,) = estimate.ranks
     assert rank.parameters == 771_201_024
     main_params = 4 * rank.parameters  # the distributed optimizer's fp32 copy (dp 1: the whole model)
     at_failure = rank.weights_bytes + rank.grads_bytes + main_params + rank.activations_bytes
-    assert 27.8 * GIB < at_failure < 28.82 * GIB
+    assert 27.2 * GIB < at_failure < 28.82 * GIB

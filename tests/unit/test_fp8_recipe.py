@@ -54,6 +54,11 @@ FP8_ERRORS = [
     ),
     (["--fp8-recipe", "tensorwise"], 1, "--fp8-recipe needs --fp8-format e4m3 or hybrid"),
     (
+        ["--fp8-format", "hybrid", "--num-experts", "4", "--moe-grouped-gemm", "--disable-bias-linear"],
+        1,
+        "--fp8-format with --moe-grouped-gemm is not built",
+    ),
+    (
         ["--fp8-format", "hybrid", "--first-last-layers-bf16"],
         1,
         "--first-last-layers-bf16 is not supported with --fp8-recipe delayed",

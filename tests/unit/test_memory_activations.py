@@ -61,16 +61,24 @@ def layer_bytes(config, tp=1, device="cuda", cp=1):
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_llama_layer_on_cuda_against_the_paper(t):
     """Paper (Fujii et al., bf16, flash, SP, no dropout): s b h (12 + 4k/a + 8 f/h) / t bytes per layer.
-    With our Triton kernels (attention, norms) our layer adds what the code really keeps: RMSNorm's fp32
-    rstd, the kernel's fp32 log-sum-exp, and RoPE's cos/sin rounded to bf16 as megatron-core does, once
-    for q and once for k (the projection saves its input, a reshaped view of the kernel's output, as it is)."""
-    assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton"
+    With our Triton kernels (attention, norms, RoPE, SwiGLU) our layer keeps what the code really keeps:
+    RMSNorm's fp32 rstd and the attention kernel's fp32 log-sum-exp besides, and 2 s b f / t less, as the
+    SwiGLU kernel recomputes silu(gate) from its input (the paper counts it stored); the RoPE kernel saves
+    only the angles, the block's input shared by all layers. The torch paths of RoPE and SwiGLU (the
+    --no-rope-fusion / --no-bias-swiglu-fusion flags) keep cos and sin rounded to bf16 as megatron-core
+    does, once for q and once for k, and silu(gate) (the projection saves its input, a reshaped view of
+    the kernel's output, as it is)."""
+    assert resolve_kernels(LLAMA, "cuda").describe() == "attention triton, norms triton, rope triton, swiglu triton"
     sbh = S * B * H
     paper = sbh * (12 + 4 * G / A + 8 * F / H) / t
     rstd = 2 * 4 * S * B / t
     lse = 4 * B * A * S / t
+    silu = 2 * S * B * F / t
+    assert layer_bytes(LLAMA, t) == paper + rstd + lse - silu
+    unfused = dataclasses.replace(LLAMA, rope_impl="torch", swiglu_impl="torch")
+    assert resolve_kernels(unfused, "cuda").describe() == "attention triton, norms triton, rope torch, swiglu torch"
     rope = 4 * S * D * 2
-    assert layer_bytes(LLAMA, t) == paper + rstd + lse + rope
+    assert layer_bytes(unfused, t) == paper + rstd + lse + rope
 
 
 def test_llama_layer_with_torch_sdpa_on_cuda():
@@ -140,7 +148,8 @@ def test_full_recomputation_keeps_group_inputs_only():
     )
     result = _chunk_bytes(uniform)
     assert result.bytes == 2 * residual  # two groups of two layers: their inputs (the first is the chunk input)
-    assert result.recompute_bytes == 2 * layer_bytes(LLAMA) - residual  # the second layer's input recomputed
+    angles = 4 * S * D  # the RoPE kernel saves the block's fp32 angles: held once in a recomputed group
+    assert result.recompute_bytes == 2 * layer_bytes(LLAMA) - residual + angles  # the second layer's input recomputed
     block = dataclasses.replace(uniform, recompute_method="block", recompute_num_layers=1)
     plain = _chunk_bytes(LLAMA).bytes
     assert _chunk_bytes(block).bytes == plain - layer_bytes(LLAMA) + residual

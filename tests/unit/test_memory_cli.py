@@ -188,10 +188,12 @@ def _llama31_estimate(layout_flags):
 @pytest.mark.parametrize("name", list(TRAINED_LAYOUTS))
 def test_layouts_megatron_trained_fit(name, capsys):
     """Llama-3.1-8B trained at these layouts; the full estimate, NCCL buffers of its three
-    communicators included, is just below the device (93.43 and 92.88 GiB of 93.6), the certain
-    part well below: the verdict is "fits" (the 80% rule before issue 36 dropped both)."""
+    communicators included, is below the device (84.64 GiB of 93.6 for both), the certain part
+    well below: the verdict is "fits" (the 80% rule before issue 36 dropped both). Before the
+    SwiGLU kernel (issue 43), whose backward recomputes silu(gate) as megatron-core's bias-SwiGLU
+    fusion does, the estimate was 93.43 and 92.88 GiB: 7.5 GiB of silu(gate) over 32 layers."""
     estimate, device_bytes = _llama31_estimate(TRAINED_LAYOUTS[name])
-    assert estimate.max_certain_bytes < 0.86 * device_bytes and 0.97 * device_bytes < estimate.max_total_bytes
+    assert estimate.max_certain_bytes < 0.80 * device_bytes and 0.89 * device_bytes < estimate.max_total_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert line.startswith("> memory check: estimated peak") and "device memory: fits: pipeline rank 0" in line
     code, out, _ = run_tool(estimate_tool, LLAMA31_8B + TRAINED_LAYOUTS[name] + ["--json"], capsys)
@@ -201,16 +203,16 @@ def test_layouts_megatron_trained_fit(name, capsys):
 
 def test_warning_names_the_components_and_the_largest_allowance():
     estimate, _ = _llama31_estimate(TRAINED_LAYOUTS["seq16k-mbs1"])
-    device_bytes = 91 * GIB  # below the 91.38 GiB estimate, above its certain part
+    device_bytes = 80 * GIB  # below the 84.64 GiB estimate, above its certain part
     assert estimate.max_total_bytes > device_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert "\n" not in line
     for part in (
-        "certain part 79.23 GiB",
+        "certain part 71.74 GiB",
         "weights 7.48 GiB",
         "grads 14.96 GiB",
         "optimizer 11.22 GiB",
-        "saved activations 45.57 GiB",
+        "saved activations 38.08 GiB",
         "largest first: largest temporary (logits) 5.87 GiB",
         "fragmentation allowance",
         "runtime allowance 1.00 GiB",
@@ -377,11 +379,11 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     assert "0 fit" in out
     assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.49" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert [(row[8], row[16]) for row in rows] == [("full", "0.49"), ("none", "0.75")]
+    assert [(row[8], row[16]) for row in rows] == [("full", "0.49"), ("none", "0.71")]
     assert "offload  host GiB" in out and "leave out the CPU step" in out
     code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
     data = json.loads(out)
-    assert code == 0 and [row["offload_fraction"] for row in data] == [0.49, 0.75]
+    assert code == 0 and [row["offload_fraction"] for row in data] == [0.49, 0.71]
     assert all(row["distributed_optimizer"] and row["max_total_bytes"] <= 80 * GIB for row in data)
     assert data[0]["max_host_bytes"] > 0
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kernels.rope import apply_rotary
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.norm import Norm
-from megatron.core.transformer.rotary import apply_rotary, llama3_scaled, rotary_frequencies
+from megatron.core.transformer.rotary import llama3_scaled, rotary_frequencies
 from megatron.training.arguments.parser import GPT_DEFAULTS, LLAMA_DEFAULTS, parse_run_config
 from tests.distributed import run_distributed
 

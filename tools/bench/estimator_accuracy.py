@@ -119,7 +119,7 @@ CP2, DISTOPT = ["--context-parallel-size", "2"], ["--use-distributed-optimizer"]
 BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets per chunk, each padded to dp x cp x 64 elements
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]  # pp2: 1 layer on the first rank, 3 on the last
 NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no dropout
-TRITON = ["--attention-backend", "triton", "--normalization-impl", "triton"]
+TRITON = ["--kernel-impl", "triton"]  # attention, norms, RoPE and SwiGLU
 OFFLOAD = DISTOPT + ["--optimizer-cpu-offload"]  # the static policy; f = 0.5 below takes whole chunks
 HALF = ["--optimizer-offload-fraction", "0.5"]
 EP2, ALLTOALL = ["--expert-model-parallel-size", "2"], ["--moe-token-dispatcher-type", "alltoall"]
@@ -133,7 +133,16 @@ OPTIM_GRADS_PARAMS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"
 CE_FUSION = ["--cross-entropy-loss-fusion"]  # the output layer and the loss in token chunks: no logits kept
 # world size -> [(name, model, flags)]; the Triton kernels (the GPU path) run only under the interpreter here
 LAYOUTS = {
-    **({1: [("triton-kernels-bf16", "llama-d64", TRITON + BF16)]} if INTERPRETER else {}),
+    **(
+        {
+            1: [
+                ("triton-kernels-bf16", "llama-d64", TRITON + BF16),
+                ("triton-kernels-full-uniform", "llama-d64", TRITON + FULL_UNIFORM),
+            ]
+        }
+        if INTERPRETER
+        else {}
+    ),
     2: [
         ("dp2", "gpt", []),
         ("dp2-bf16", "llama", BF16),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Our Triton kernels vs torch (and apex when importable) on one GPU, side by side.
 
-    python tools/bench/kernels.py [--dtype bf16] [--kernels attention,rms_norm,layer_norm]
+    python tools/bench/kernels.py [--dtype bf16] [--kernels attention,rms_norm,layer_norm,rope,swiglu]
                                   [--seqs 1024,2048,4096,8192,16384] [--hiddens 1024,2048,4096,8192,16384]
 
 First measures this GPU's peaks: dense matmul TFLOP/s (the dtype under test, 8192^3) and
@@ -9,13 +9,15 @@ copy GB/s (a 1 GiB clone). Then, per shape, times forward and backward of each
 implementation on the same inputs with triton.testing.do_bench (median, L2 flushed between
 runs) and prints TFLOP/s (attention: 4*b*h*s_q*s_k*d per forward, halved when causal,
 backward counted as 2.5x forward) or GB/s (norms: bytes of x, y, dy, dx that must move;
-weights and statistics are ignored), the % of the measured peak, and speed relative to torch
+weights and statistics are ignored; RoPE: q and k in and out; SwiGLU: its input and output),
+the % of the measured peak, and speed relative to torch
 (time_torch / time_ours; above 1 means ours is faster). Before timing, each implementation's
 forward output is compared with torch's ('check' column).
 
 Torch baselines: scaled_dot_product_attention with its default backend choice (flash on
 recent GPUs for fp16/bf16) on the same [b, s, h, d] tensors transposed to [b, h, s, d]
-views; torch.nn.functional.rms_norm / layer_norm. apex: FusedRMSNorm / FusedLayerNorm
+views; torch.nn.functional.rms_norm / layer_norm; RoPE and SwiGLU: their torch references
+(kernels/rope.py `rope_torch`, megatron-core's unfused rotation; `swiglu_torch`). apex: FusedRMSNorm / FusedLayerNorm
 (apex has no comparable attention op). Needs a CUDA GPU; without one it exits with status 2.
 """
 
@@ -60,6 +62,7 @@ def fwd_bwd_ms(fn, inputs):
 
 
 def agreement(ours, reference, dtype):
+    ours, reference = (out[0] if isinstance(out, tuple) else out for out in (ours, reference))  # RoPE: q
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     err = ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
     return f"{'ok' if err <= tol else 'MISMATCH'} {err:.1e}"
@@ -111,6 +114,49 @@ def norm_cases(kind, args, dtype):
         yield kind, f"{args.tokens}x{hidden}", impls, inputs, ("GB/s", 2 * row_bytes, 3 * row_bytes)
 
 
+def rope_cases(args, dtype):
+    """RoPE of q and k at Llama-3-8B's heads (32 q, 8 kv, head dim 128), all channels rotating, against
+    megatron-core's unfused rotation (`rope_torch`); bytes: q and k read and written."""
+    from kernels.rope import rope, rope_torch
+    from megatron.core.transformer.rotary import rotary_frequencies
+
+    angles = rotary_frequencies(args.tokens, 128, 500000.0, device="cuda", scaling_factor=8.0)
+    q, k = (torch.randn(args.tokens, 1, h, 128, device="cuda", dtype=dtype, requires_grad=True) for h in (32, 8))
+    impls = {"torch": lambda q, k: rope_torch(q, k, angles), "ours": lambda q, k: rope(q, k, angles, impl="triton")}
+    moved = 2 * (q.numel() + k.numel()) * q.element_size()
+    yield "rope", f"{args.tokens}x(32+8)x128", impls, (q, k), ("GB/s", moved, moved)
+
+
+def swiglu_cases(args, dtype):
+    """SwiGLU of [tokens, 2 f] at f = Llama-3-8B's 14336, with and without bias; bytes: forward reads
+    2f and writes f, backward reads 2f and dy (f) and writes 2f, per row."""
+    from kernels.swiglu import swiglu, swiglu_torch
+
+    width = 14336
+    h = torch.randn(args.tokens, 2 * width, device="cuda", dtype=dtype, requires_grad=True)
+    bias = torch.randn(2 * width, device="cuda", dtype=dtype, requires_grad=True)
+    row = args.tokens * width * h.element_size()
+    cases = {
+        "plain": ((h,), lambda h: swiglu_torch(h), lambda h: swiglu(h, impl="triton")),
+        "bias": ((h, bias), swiglu_torch, lambda h, b: swiglu(h, b, impl="triton")),
+    }
+    for label, (inputs, reference, ours) in cases.items():
+        yield (
+            "swiglu",
+            f"{args.tokens}x2x{width} {label}",
+            {"torch": reference, "ours": ours},
+            inputs,
+            (
+                "GB/s",
+                3 * row,
+                5 * row,
+            ),
+        )
+
+
+CASES = {"attention": attention_cases, "rope": rope_cases, "swiglu": swiglu_cases}
+
+
 def apex_norm(kind, hidden, weight, bias):
     """apex's fused norm as a function of the same inputs, or None without apex."""
     try:
@@ -146,7 +192,7 @@ def run_case(name, shape, impls, inputs, units, peaks, dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--kernels", default="attention,rms_norm,layer_norm")
+    parser.add_argument("--kernels", default="attention,rms_norm,layer_norm,rope,swiglu")
     parser.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     parser.add_argument("--hiddens", default="1024,2048,4096,8192,16384")
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seq per attention shape; rows for norms")
@@ -173,7 +219,7 @@ def main():
         f"{'%peak':>7} {'vs torch':>9}  check"
     )
     for kernel in args.kernels.split(","):
-        cases = attention_cases(args, dtype) if kernel == "attention" else norm_cases(kernel, args, dtype)
+        cases = CASES[kernel](args, dtype) if kernel in CASES else norm_cases(kernel, args, dtype)
         for case in cases:
             run_case(*case, peaks, dtype)
     return 0

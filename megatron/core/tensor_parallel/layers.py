@@ -107,8 +107,8 @@ def linear(
 ) -> torch.Tensor:
     """x W^T + b: the product through `_Linear` when it does something autograd's linear does not
     (gather over the sequence; gradients of the layer's own weight straight into its main_grad
-    buffer), else F.linear. Fused accumulation needs main_grad in the weight's dtype (fp32 weights:
-    adding a bf16/fp16 product into fp32 needs a kernel not built here). The bias is added to the
+    buffer), else F.linear. Fused accumulation of bf16/fp16 weights sums the product in main_grad's
+    fp32 (weight_grads.py `accumulate_in_main_grad_dtype`). The bias is added to the
     product rounded to its dtype, as megatron-core's linear layers do (a fused addmm rounds once).
     `fp8`: the layer's FP8 GEMMs (megatron/core/fp8/linear.py `Fp8Gemms`), or None."""
     main_grad = getattr(weight, "main_grad", None)
@@ -116,7 +116,7 @@ def linear(
     if sp_group is None and param is None and fp8 is None:
         y = F.linear(x, weight)
     else:
-        fuse = gradient_accumulation_fusion and param is not None and main_grad.dtype == weight.dtype
+        fuse = gradient_accumulation_fusion and param is not None
         y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable, fp8)
     return y if bias is None else y + bias
 
@@ -188,9 +188,12 @@ class ColumnParallelLinear(torch.nn.Module):
                 tensor_model_parallel=True,
             )
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
+        """`weight`: another module's (a tied output layer); `add_bias` False: the caller adds
+        `self.bias` itself (inside the SwiGLU kernel)."""
         owned = weight is None
         weight = self.weight if owned else weight
+        bias = self.bias if add_bias else None
         grad_options = dict(
             owned=owned,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
@@ -198,9 +201,9 @@ class ColumnParallelLinear(torch.nn.Module):
             fp8=self.fp8,
         )
         if self.sequence_parallel:
-            y = linear(x, weight, self.bias, sp_group=self.tp_group, **grad_options)
+            y = linear(x, weight, bias, sp_group=self.tp_group, **grad_options)
         else:
-            y = linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, self.bias, **grad_options)
+            y = linear(copy_to_tensor_parallel_region(x, self.tp_group), weight, bias, **grad_options)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

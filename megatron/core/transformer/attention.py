@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from kernels.attention_rule import pinned_backend
 from kernels.dispatch import UNFUSED
 from kernels.flash_attention import flash_attention
+from kernels.rope import rope
 from megatron.core.context_parallel.ring_attention import context_parallel_attention
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import recompute
 from megatron.core.transformer.norm import Norm
-from megatron.core.transformer.rotary import apply_rotary
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -145,9 +145,9 @@ class SelfAttention(torch.nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary_angles is not None:
-            interleaved = self.config.rotary_interleaved
-            q, k = apply_rotary(q, rotary_angles, interleaved), apply_rotary(k, rotary_angles, interleaved)
+        if rotary_angles is not None:  # q and k in one call (kernels/rope.py; --no-rope-fusion: the torch path)
+            impl = self.config.kernel_paths(q.device.type).rope.impl
+            q, k = rope(q, k, rotary_angles, self.config.rotary_interleaved, impl=impl)
         if self.config.recompute_granularity == "selective":
             context = recompute(self._attend, self.rng_tracker, q, k, v, attention_mask)
         else:

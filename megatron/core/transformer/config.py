@@ -66,6 +66,9 @@ class TransformerConfig:
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"
     normalization_impl: str = "auto"
+    rope_impl: str = "auto"  # "torch" under --no-rope-fusion (megatron-core's unfused rotary)
+    swiglu_impl: str = "auto"  # "torch" under --no-bias-swiglu-fusion
+    kernel_impl: str = "auto"  # --kernel-impl: the side of every op whose own switch is "auto"
     gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into main_grad themselves
     cross_entropy_loss_fusion: bool = False  # the output layer and the cross-entropy in one chunked pass
     cross_entropy_impl: str = "auto"  # the fused pass's reductions: kernels/cross_entropy.py's impl
@@ -184,11 +187,11 @@ class TransformerConfig:
             )
         else:
             need(self.recompute_method is None, "--recompute-method only applies with --recompute-granularity full")
-        for name, impls in (
-            ("attention_backend", (*KERNEL_IMPLS, UNFUSED)),
-            ("normalization_impl", KERNEL_IMPLS),
-            ("cross_entropy_impl", KERNEL_IMPLS),
-        ):
+        impl_fields = (("attention_backend", (*KERNEL_IMPLS, UNFUSED)), ("normalization_impl", KERNEL_IMPLS))
+        impl_fields += tuple(
+            (name, KERNEL_IMPLS) for name in ("rope_impl", "swiglu_impl", "kernel_impl", "cross_entropy_impl")
+        )
+        for name, impls in impl_fields:
             need(
                 getattr(self, name) in impls,
                 f"--{name.replace('_', '-')} must be one of {', '.join(impls)}",
@@ -279,6 +282,10 @@ class TransformerConfig:
             device_type,
             attention_impl=self.attention_backend,
             norm_impl=self.normalization_impl,
+            kernel_impl=self.kernel_impl,
+            rope_impl=self.rope_impl,
+            swiglu_impl=self.swiglu_impl,
+            rotary_dim=self.rotary_dim,
             head_dim=self.kv_channels,
             hidden_size=self.hidden_size if norm_width is None else norm_width,
             dtype=self.params_dtype,

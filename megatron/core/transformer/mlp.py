@@ -1,10 +1,11 @@
-"""Feed-forward block: GELU MLP or SwiGLU, split across tp ranks."""
+"""Feed-forward block: GELU MLP or SwiGLU (kernels/swiglu.py, the fc1 bias added inside), split across tp ranks."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels.swiglu import swiglu
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -17,6 +18,7 @@ class MLP(torch.nn.Module):
 
     def __init__(self, config, *, tp_group, device=None):
         super().__init__()
+        self.config = config
         self.swiglu = config.swiglu
         common = dict(
             tp_group=tp_group,
@@ -39,10 +41,9 @@ class MLP(torch.nn.Module):
         )
 
     def forward(self, x):
-        h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            impl = self.config.kernel_paths(x.device.type).swiglu.impl
+            h = swiglu(self.linear_fc1(x, add_bias=False), self.linear_fc1.bias, impl=impl)
         else:
-            h = F.gelu(h)
+            h = F.gelu(self.linear_fc1(x))
         return self.linear_fc2(h)

@@ -3,7 +3,7 @@
 Options (Megatron's flags): only the first `rotary_dim` channels of each head rotate
 (--rotary-percent; the rest pass unchanged); channels pair as halves (d_i with d_{i+D/2},
 the default) or as neighbours (d_{2i} with d_{2i+1}, --rotary-interleaved); frequencies may
-be rescaled the Llama-3.1 way (--rope-scaling).
+be rescaled the Llama-3.1 way (--rope-scaling). The rotation itself, fused or not, is kernels/rope.py.
 """
 
 from __future__ import annotations
@@ -50,24 +50,3 @@ def rotary_frequencies(
     else:
         angles = torch.cat([angles, angles], dim=-1)
     return angles[:, None, None, :]
-
-
-def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    if interleaved:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([-odd, even], dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first angles.shape[-1] channels of x [s, b, h, d] by angles [s, b or 1, 1, r]; the
-    other channels pass unchanged. As megatron-core: cos and sin (of fp32 angles) are rounded to x's
-    dtype and the rotation is computed in x's dtype."""
-    rotary_dim = angles.shape[-1]
-    rotated = x[..., :rotary_dim]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    out = rotated * cos + _rotate(rotated, interleaved) * sin
-    if rotary_dim == x.shape[-1]:
-        return out
-    return torch.cat([out, x[..., rotary_dim:]], dim=-1)

@@ -84,6 +84,11 @@ def fp8_recipe_from_args(args, parallel) -> Fp8Recipe | None:
         raise ValueError(
             f"--fp8-recipe {values['fp8_recipe']} is not supported here: {REFUSED_RECIPES[values['fp8_recipe']]}"
         )
+    if getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(
+            "--fp8-format with --moe-grouped-gemm is not built: grouped experts run their GEMMs in BF16; "
+            "drop --moe-grouped-gemm (the expert loop runs FP8) or --fp8-format"
+        )
     if values["fp8_param_gather"] and parallel.ddp.sharding_strategy == "no_shard":
         raise ValueError(
             "--fp8-param-gather needs sharded parameters to gather: add --use-distributed-optimizer "

@@ -174,7 +174,11 @@ _NO_OP = {
     "selective recompute recomputes core attention": "--recompute-modules core_attn...",
 }
 FUSION_TOGGLE = re.compile(r"^--no-[a-z0-9-]+-fusion$")  # --no-masked-softmax-fusion, --no-rope-fusion, ...
-BUILT_FUSION_SWITCHES = ("--no-gradient-accumulation-fusion",)  # real flags of the parser (model.py)
+BUILT_FUSION_SWITCHES = (
+    "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion",
+    "--no-bias-swiglu-fusion",
+)  # real flags of the parser (model.py)
 # flags of a refused prefix that the parser supports (moe.py, fp8.py)
 BUILT_PREFIXED = frozenset(MOE_FIELDS.values()) | frozenset(FP8_FLAGS)
 NO_OP_GROUP = "Megatron flags with no effect here"

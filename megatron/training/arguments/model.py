@@ -91,12 +91,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     g.add_argument("--normalization-impl", choices=["auto", "triton", "torch"], default="auto")
     g.add_argument(
+        "--kernel-impl",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="every op whose own switch is left at auto: triton (each Triton kernel where it takes the "
+        "shape; on CPU under TRITON_INTERPRET=1), torch (each torch path), auto (Triton where it runs)",
+    )
+    for on, off, dest, what in (
+        ("--apply-rope-fusion", "--no-rope-fusion", "apply_rope_fusion", "RoPE of q and k"),
+        ("--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "bias_swiglu_fusion", "bias + SwiGLU"),
+    ):
+        g.add_argument(on, dest=dest, action="store_true", default=True, help=f"fused {what} (the default)")
+        g.add_argument(off, dest=dest, action="store_false", help=f"{what} as plain torch ops")
+    g.add_argument(
         "--gradient-accumulation-fusion",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="linear layers add their weight gradients straight into the fp32 main_grad buffer "
-        "(one addmm, no weight-gradient tensor); fp32 weights only, bf16/fp16 weights "
-        "accumulate unfused (default on, as in Megatron)",
+        "(one addmm, no weight-gradient tensor; bf16/fp16 products summed in fp32) (default on, as in Megatron)",
     )
     g.add_argument(
         "--cross-entropy-loss-fusion",
@@ -189,6 +201,9 @@ def transformer_config_from_args(args, parallel, params_dtype) -> TransformerCon
         recompute_num_layers=args.recompute_num_layers,
         attention_backend=ATTENTION_BACKENDS[args.attention_backend],
         normalization_impl=args.normalization_impl,
+        rope_impl="auto" if args.apply_rope_fusion else "torch",
+        swiglu_impl="auto" if args.bias_swiglu_fusion else "torch",
+        kernel_impl=args.kernel_impl,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         **moe_fields_from_args(args),

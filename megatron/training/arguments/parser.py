@@ -165,12 +165,6 @@ def parse_run_config(argv: list[str], defaults: dict, world_size: int, prog: str
     notes = no_op_notes(args, fusion_toggles)
     if args.lr is None:
         notes.insert(0, f"> note: --lr not given: using {DEFAULT_LR} (Megatron has no default learning rate)")
-    if model.gradient_accumulation_fusion and dtype != torch.float32:
-        notes.append(
-            f"> note: --gradient-accumulation-fusion applies to fp32 weights: {'--bf16' if args.bf16 else '--fp16'} "
-            f"weights accumulate their gradients unfused (the bf16/fp16 -> fp32 accumulating kernel is not "
-            f"built here)"
-        )
     notes += moe_notes(model) + cross_entropy_notes(args) + fp8_notes(model.fp8)
     checkpoint = checkpoint_config_from_args(args)
     notes += checkpoint_notes(checkpoint)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.swiglu import swiglu
 from megatron.core.tensor_parallel.initialization import InitSpec, ShardSpec, make_param
 from megatron.core.tensor_parallel.layers import linear
 from megatron.core.transformer.moe import token_dispatcher
@@ -38,12 +39,11 @@ def _local_shape(full_shape: tuple, shard: ShardSpec) -> list[int]:
     return shape
 
 
-def _activate(h: torch.Tensor, swiglu: bool, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SwiGLU or GELU of fc1's output, scaled by each row's routing weight (megatron-core's `per_token_scale`
-    between the activation and fc2)."""
-    if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+def _activate(h: torch.Tensor, config, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SwiGLU (on its kernel's path, kernels/dispatch.py) or GELU of fc1's output, scaled by each row's routing
+    weight (megatron-core's `per_token_scale` between the activation and fc2)."""
+    if config.swiglu:
+        h = swiglu(h, impl=config.kernel_paths(h.device.type).swiglu.impl)
     else:
         h = F.gelu(h)
     return (h * probs.unsqueeze(-1)).to(dtype)
@@ -72,13 +72,13 @@ class ExpertMLP(torch.nn.Module):
 
     def __init__(self, config, *, etp_size: int, etp_rank: int, device=None):
         super().__init__()
-        self.swiglu = config.swiglu
+        self.config = config
         shapes = _shapes(config, etp_size, etp_rank)
         self.linear_fc1 = ExpertLinear(*shapes["linear_fc1"], config, device)
         self.linear_fc2 = ExpertLinear(*shapes["linear_fc2"], config, device)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        h = _activate(self.linear_fc1(tokens), self.swiglu, probs, tokens.dtype)
+        h = _activate(self.linear_fc1(tokens), self.config, probs, tokens.dtype)
         return self.linear_fc2(h)
 
 
@@ -135,7 +135,7 @@ class GroupedExperts(torch.nn.Module):
 
     def __init__(self, config, local_ids: range, *, etp_size: int = 1, etp_rank: int = 0, device=None):
         super().__init__()
-        self.local_ids, self.swiglu = local_ids, config.swiglu
+        self.local_ids, self.config = local_ids, config
         self.row_lengths = _row_lengths(config, etp_size)
         experts, shapes = tuple(local_ids), _shapes(config, etp_size, etp_rank)
         self.linear_fc1 = _GroupedWeight(*shapes["linear_fc1"], experts, config, device)
@@ -155,4 +155,4 @@ class GroupedExperts(torch.nn.Module):
         if on_device and not grouped:  # the loop takes host counts: a sync, counted
             counts = token_dispatcher.host_counts(tokens_per_expert.view(1, -1))[0]
         h = self.linear_fc1(tokens, offsets, counts, on_device)
-        return self.linear_fc2(_activate(h, self.swiglu, probs, tokens.dtype), offsets, counts, on_device)
+        return self.linear_fc2(_activate(h, self.config, probs, tokens.dtype), offsets, counts, on_device)
