@@ -73,5 +73,5 @@ def test_startup_names_the_flag_that_forced_triton(monkeypatch):
     with pytest.raises(ValueError, match=r"^--normalization-impl triton cannot run"):
         startup_kernel_paths(model("--normalization-impl", "triton"), cpu)
     paths = startup_kernel_paths(model(), cpu)
-    assert list(paths) == ["attention", "normalization", "rope", "swiglu"]
+    assert list(paths) == ["attention", "normalization", "rope", "swiglu", "lm head + cross entropy"]
     assert paths["swiglu"] == "torch (tensors on CPU)"

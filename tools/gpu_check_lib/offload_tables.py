@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.gpu_check_lib.offload_check import CONFIGS, EXACT_TOL, MIB, plain_copy_gbps, run_configs
+from tools.gpu_check_lib.offload_check import CONFIGS, MIB, loss_tolerance, plain_copy_gbps, run_configs
 from tools.gpu_check_lib.report import GIB, NA, gib
 
 
@@ -16,7 +16,7 @@ def correctness(report, results: dict) -> None:
         "Offload correctness: losses vs the same run on the device",
         ["configuration", "compared with", "losses", "max relative difference", "tolerance", "verdict"],
     )
-    for name, _, reference in CONFIGS:
+    for name, flags, reference in CONFIGS:
         result = results.get(name)
         if result is None:
             section.add(configuration=name, verdict="skipped: time budget")
@@ -34,15 +34,17 @@ def correctness(report, results: dict) -> None:
             section.add(**row, **{"compared with": reference, "verdict": "no reference"})
             continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(measured.losses, ref[2].losses))
-        verdict = "equal" if diff <= EXACT_TOL else "DIFFERS"
+        tolerance = loss_tolerance(flags)
+        verdict = "equal" if diff <= tolerance else "DIFFERS"
         section.add(
             **row,
-            **{"compared with": reference, "max relative difference": diff, "tolerance": EXACT_TOL, "verdict": verdict},
+            **{"compared with": reference, "max relative difference": diff, "tolerance": tolerance, "verdict": verdict},
         )
     section.notes.append(
-        "tolerance: the relative loss tolerance of tests/parallel/test_host_chunks.py and test_offload_optimizer.py "
-        "(bf16 weights, fp32 master weights and reductions), over every iteration including the first; the fp32 pair "
-        "shows what the device's and the CPU's Adam arithmetic alone make of the difference"
+        "tolerance: fp32, the relative loss tolerance of tests/parallel/test_host_chunks.py and "
+        "test_offload_optimizer.py, over every iteration including the first; bf16 weights, 5e-5: the device's own "
+        "noise floor (two AdamW implementations on one H200 disagree in more masters than the offloaded step: "
+        "docs/gpu-check.md); the fp32 pair shows what the device's and the CPU's Adam arithmetic alone make of it"
     )
 
 
