@@ -1,6 +1,7 @@
 """The fit rule on published outcomes (tools/bench/fit_rule_outcomes.py): BigScience's BLOOM-176B layout
 search on 384 A100 80 GB (tools/bench/published_memory_outcomes.py, `BIGSCIENCE_RUNS`), rows that trained and rows
-that ran out of memory, and out-of-memory reports of Megatron-LM itself (`MEGATRON_LM_RUNS`). Each row's
+that ran out of memory, out-of-memory reports of Megatron-LM itself (`MEGATRON_LM_RUNS`), and Fujii et al.'s 4D
+sweep of Llama-3.1-8B with Megatron-LM on A100 40 GB and H100 94 GB (`FUJII_RUNS`, issue 41 item 5). Each row's
 verdict is pinned, and the 80% rule's (before issue 36), with why. The rows of 02-28 count what DeepSpeed's
 BF16_Optimizer holds beyond our estimate (`DEEPSPEED_BF16_OPTIMIZER`: 2 bytes a parameter of the rank)."""
 
@@ -13,6 +14,7 @@ from tools.bench.fit_rule_outcomes import kept, memory_run_model_and_layout, wit
 from tools.bench.published_memory_outcomes import (
     BIGSCIENCE_RUNS,
     DEEPSPEED_BF16_OPTIMIZER,
+    FUJII_RUNS,
     MEGATRON_LM_RUNS,
     MEMORY_RUNS,
 )
@@ -120,12 +122,96 @@ def test_outcome_counts():
     assert sum(EXPECTED[name][1] for name in oom) == 1
 
 
-def test_outcome_counts_of_every_out_of_memory_row():
-    """All sources: 7 layouts ran out of memory; ours keeps 2 (29%), the 80% rule 1 (docs/memory.md)."""
+def test_outcome_counts_of_every_out_of_memory_row(fujii_verdicts):
+    """All sources: 131 layouts ran out of memory (7 pinned above, 124 of Fujii's sweep); ours keeps 8 (6%),
+    the 80% rule 5 (4%): what tools/bench/fit_rule_outcomes.py prints last."""
     oom = [run.name for run in MEMORY_RUNS if run.oom]
-    assert len(oom) == 7
-    assert sum(PINNED[name][0] == "F" for name in oom) == 2
-    assert sum(PINNED[name][1] for name in oom) == 1
+    assert len(oom) == 131
+    pinned = [name for name in oom if name in PINNED]
+    assert len(pinned) == 7
+    assert sum(PINNED[name][0] == "F" for name in pinned) == 2
+    assert sum(PINNED[name][1] for name in pinned) == 1
+    fujii = [fujii_verdicts[name] for name in oom if name not in PINNED]
+    assert len(fujii) == 124
+    assert sum(after for _, after, _, _ in fujii) == 6
+    assert sum(before for before, _, _, _ in fujii) == 4
+
+
+# Fujii et al.'s sweep (FUJII_RUNS): 292 layouts, 168 ran and 124 ran out of memory. Each verdict's kind by outcome:
+# the issue's three targets read off it (issue 41 item 5): failed layouts called "fits" 6 of 124 (4.8%, target at
+# most 2%: missed), layouts that ran called "does not fit" 1 of 168 (0.6%, target under 10%), "fits with margin"
+# 39 of 292 (13.4%, target under 20%). Before context parallelism's allowances the issue counted 13 "fits".
+FUJII_KINDS = {("ran", "F"): 160, ("ran", "M"): 7, ("ran", "D"): 1, ("OOM", "F"): 6, ("OOM", "M"): 32, ("OOM", "D"): 86}
+# the rows the verdict gets wrong, name -> (total GiB, why). The totals of layouts that ran reach 99.7% of the
+# device (h100 s16384 tp2 cp2 pp1 m2 n16, a100 tp4 cp2 pp1 m2 n16), those of failed ones start at 95.4%: the
+# two overlap by about 2 GiB, so no allowance added to every layout separates them. One of 1.5 GiB would meet
+# all three targets here (2 failed "fits", 55 margins, 18.8%), but nothing named accounts for it: not added.
+FUJII_WRONG = {
+    # out of memory, "fits": micro batch 4 at tp4 cp2 pp2 fails at every GPU count (its micro batch 2 ran at
+    # every count, 27.5 GiB); totals 99.5%, 97.7%, 96.9% of 39.39 GiB; on 16 and 32 GPUs it reads "margin"
+    "Fujii a100-40gb s8192 tp4 cp2 pp2 m4 n64": (39.20, "OOM"),
+    "Fujii a100-40gb s8192 tp4 cp2 pp2 m4 n128": (38.50, "OOM"),
+    "Fujii a100-40gb s8192 tp4 cp2 pp2 m4 n256": (38.15, "OOM"),
+    # out of memory, "fits": dp 1 (the optimizer sharded over cp alone); 95.4% and 95.8%. The same layouts
+    # with dp 2 ran (32.1 GiB for tp4 cp2 pp1 m1 n16)
+    "Fujii a100-40gb s8192 tp2 cp4 pp2 m2 n16": (37.56, "OOM"),
+    "Fujii a100-40gb s8192 tp4 cp2 pp1 m1 n8": (37.73, "OOM"),
+    # out of memory, "fits": cp 1, the issue's H100 layout at 98.6% (certain 79.0, visible 85.1, allowances
+    # 7.2 GiB); context parallelism's allowances do not apply to it
+    "Fujii h100-94gb s8192 tp4 cp1 pp1 m4 n4": (92.28, "OOM"),
+    # ran, "does not fit": certain 95.2 GiB of 93.6. The table's figure for this cell (436.77 TFLOP/s) is the
+    # one of tp2 cp2 pp1 m2 at the same 64 GPUs, and tp2 cp1 pp2 m1's (365.75) that of tp2 cp2 pp1 m1 there;
+    # the same layout failed on 4 to 32 GPUs: likely a copying slip in the table, kept as published
+    "Fujii h100-94gb s16384 tp2 cp1 pp2 m2 n64": (108.44, "ran"),
+}
+
+
+@pytest.fixture(scope="module")
+def fujii_verdicts():
+    """name -> (kept by the 80% rule, kept by ours, total GiB, label) of every row of Fujii et al.'s sweep."""
+    return {
+        run.name: kept(*memory_run_model_and_layout(run), int(run.device_memory_gib * GIB), run.optimizer)
+        for run in FUJII_RUNS
+    }
+
+
+def _kind(label: str) -> str:
+    """F, M or D of a verdict's label ("fits with margin X" also starts with "fits")."""
+    return next(kind for kind in "MDF" if label.startswith(KINDS[kind]))
+
+
+def test_fujii_rows_as_published():
+    """The table's cells: 99 on A100 40 GB (seq 8192), 92 and 101 on H100 94 GB (seq 8192 and 16384); every
+    layout within its GPU count, global batch 1024, the device memory CUDA reports."""
+    by_table = {}
+    for run in FUJII_RUNS:
+        device, seq = run.name.split()[1:3]
+        by_table[device, seq] = by_table.get((device, seq), 0) + 1
+        assert run.device_memory_gib == {"a100-40gb": 39.39, "h100-94gb": 93.6}[device]
+    assert by_table == {("a100-40gb", "s8192"): 99, ("h100-94gb", "s8192"): 92, ("h100-94gb", "s16384"): 101}
+    assert sum(run.oom for run in FUJII_RUNS) == 124 and len(FUJII_RUNS) == 292
+
+
+def test_fujii_outcome_counts(fujii_verdicts):
+    """The verdicts' kinds by outcome (FUJII_KINDS) and the 80% rule's: it keeps 4 failed layouts and drops 43
+    that ran (26%)."""
+    counts = {}
+    for run in FUJII_RUNS:
+        key = ("OOM" if run.oom else "ran", _kind(fujii_verdicts[run.name][3]))
+        counts[key] = counts.get(key, 0) + 1
+    assert counts == FUJII_KINDS
+    assert sum(fujii_verdicts[run.name][0] for run in FUJII_RUNS if run.oom) == 4
+    assert sum(not fujii_verdicts[run.name][0] for run in FUJII_RUNS if not run.oom) == 43
+
+
+def test_fujii_rows_the_verdict_gets_wrong(fujii_verdicts):
+    """Failed layouts called "fits" and layouts that ran called "does not fit": exactly FUJII_WRONG."""
+    wrong = {
+        run.name: (round(fujii_verdicts[run.name][2], 2), "OOM" if run.oom else "ran")
+        for run in FUJII_RUNS
+        if _kind(fujii_verdicts[run.name][3]) == ("F" if run.oom else "D")
+    }
+    assert wrong == FUJII_WRONG
 
 
 def test_deepspeed_bf16_optimizer_on_the_02_28_rows_only():

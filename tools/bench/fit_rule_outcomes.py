@@ -17,7 +17,8 @@ The layouts, each with its published outcome:
   rows of 02-28 ran DeepSpeed's BF16_Optimizer, whose bf16 gradients (2 bytes a parameter of the
   rank, `DEEPSPEED_BF16_OPTIMIZER`) are added to our estimate for both rules; and out-of-memory
   reports of Megatron-LM itself whose flags are given in full (`MEGATRON_LM_RUNS`: GitHub issue
-  NVIDIA/Megatron-LM#525, a 771M GPT on one V100 32 GB).
+  NVIDIA/Megatron-LM#525, a 771M GPT on one V100 32 GB); and Fujii et al.'s 4D sweep of Llama-3.1-8B
+  with Megatron-LM (`FUJII_RUNS`: 292 layouts on A100 40 GB and H100 94 GB, 124 out of memory).
 
 Before: the estimate as it was (fragmentation 10% of the dynamic memory, runtime 1 GiB, no NCCL
 buffers, no document mask), kept when its total is within 80% of the device (Fujii et al.'s rule).

@@ -227,6 +227,83 @@ def _megatron_lm_525() -> MemoryRun:
     )
 
 
+FUJII_SWEEP = (
+    "Fujii, Watanabe, Yokota's 4D sweep of Llama-3.1-8B with Megatron-LM (arXiv 2411.06465, submitted to MLSys 2025), "
+    "the table github.com/okoge-kaz/Megatron-LM scripts/abci/Llama-3.1-8B/4d_parallelism.md at "
+    "e4e8c2184f64906e46442ce3ad2b64df9670d1ee (2024-10-22): TFLOP/s per (TP, CP, PP, micro batch) and GPU count "
+    "on ABCI's A100 40 GB nodes (8 a node) and TSUBAME 4.0's H100 94 GB nodes (4 a node), '-' where it did not "
+    "run; the flags of its job scripts scripts/abci/Llama-3.1-8B/llama-3.1-8b-tp4-pp2.sh at "
+    "3ee8385be2baba8d889cef51a3bd65ebf638fb95 (outputs/Llama-3.1-8b-tflops) and "
+    "scripts/tsubame/Llama-3.1-8B/llama-3.1-8B-tp2-pp2-te-v1.9.sh at d8add38421ce2bf4ab4eabf1ef9189ee142c961a "
+    "(outputs/Llama-3.1-8b-MLSys25)"
+)
+# The table, one string a (TP, CP, PP, micro batch) row, one letter a GPU count column: R ran (a TFLOP/s
+# figure), O did not ("-"; one cell reads the Japanese long-vowel mark, taken as "-"), . blank (not run)
+_FUJII_TABLE = {
+    ("a100-40gb", 8192, (8, 16, 32, 64, 128, 256)): (
+        ((4, 1, 2, 1), "RRRRRR"), ((4, 1, 2, 2), "ORRRRR"), ((4, 1, 2, 4), "OOOOOO"),
+        ((4, 2, 2, 1), ".RRRRR"), ((4, 2, 2, 2), ".RRRRR"), ((4, 2, 2, 4), "OOOOOO"),
+        ((2, 2, 2, 1), "ORRRRR"), ((2, 2, 2, 2), "OOOOOO"),
+        ((2, 4, 2, 1), ".RRRRR"), ((2, 4, 2, 2), ".ORRRR"),
+        ((4, 2, 1, 1), "ORRRRR"), ((4, 2, 1, 2), "ORRRRR"), ((4, 2, 1, 4), "OOOOOO"),
+        ((2, 2, 4, 1), ".RRRR."), ((2, 2, 4, 2), ".ORRR."),
+        ((2, 4, 1, 1), "OORRRR"), ((2, 4, 1, 2), "OOOOOO"), ((2, 4, 1, 4), "OOOOOO"),
+    ),
+    ("h100-94gb", 8192, (4, 8, 16, 32, 64, 128)): (
+        ((2, 1, 1, 1), "RRRRRR"), ((2, 1, 1, 2), "ORRRRR"), ((2, 1, 1, 4), "OOOOOO"),
+        ((2, 2, 1, 1), "RRRRRR"), ((2, 2, 1, 2), "RRRRRR"), ((2, 2, 1, 4), "ORRRR."), ((2, 2, 1, 8), "OOOOO."),
+        ((4, 1, 1, 1), "RRRRRR"), ((4, 1, 1, 2), "RRRRRR"), ((4, 1, 1, 4), "ORRRRR"),
+        ((2, 1, 2, 1), "RRRRRR"), ((2, 1, 2, 2), "RRRRRR"), ((2, 1, 2, 4), "OOOOOO"),
+        ((1, 2, 1, 1), "ORRR.."), ((1, 2, 1, 2), "OOOO.."),
+        ((1, 4, 1, 1), "RRRR.."), ((1, 4, 1, 2), "ORRR.."),
+    ),
+    ("h100-94gb", 16384, (4, 8, 16, 32, 64, 128)): (
+        ((2, 1, 1, 1), "ORRRR."), ((2, 1, 1, 2), "OOOOO."), ((2, 1, 1, 4), "OOOOOO"),
+        ((2, 2, 1, 1), "RRRRR."), ((2, 2, 1, 2), "RRRRR."), ((2, 2, 1, 4), "OOOOO."), ((2, 2, 1, 8), "OOOOO."),
+        ((4, 1, 1, 1), "RRRRR."), ((4, 1, 1, 2), "RRRRR."), ((4, 1, 1, 4), "OOOOO."),
+        ((2, 1, 2, 1), "RRRRR."), ((2, 1, 2, 2), "OOOOR."), ((2, 1, 2, 4), "OOOOO."),
+        ((1, 2, 1, 1), "OOOO.."), ((1, 2, 1, 2), "OOOO.."),
+        ((1, 4, 1, 1), "ORRRR."), ((1, 4, 1, 2), "OOOOO."), ((1, 4, 1, 4), "OOOOO."),
+        ((2, 4, 1, 1), ".RRR.."), ((2, 4, 1, 2), ".RRR.."), ((4, 2, 1, 1), ".RRR.."), ((4, 2, 1, 2), ".RRR.."),
+    ),
+}  # fmt: skip
+# the device memory CUDA reports: A100 40 GB as hardware.py has it; TSUBAME 4.0's H100 SXM5 94 GB as the
+# H100 NVL entry (the same 94 GB of HBM3)
+_FUJII_DEVICES = {"a100-40gb": DEVICES["a100-40gb"].memory_gib, "h100-94gb": DEVICES["h100-nvl"].memory_gib}
+
+
+def _fujii(device: str, seq: int, tp: int, cp: int, pp: int, mbs: int, gpus: int, oom: bool) -> MemoryRun:
+    """One cell of the sweep's table. Published (the job scripts): Llama-3.1-8B's shape, bf16 with fp32
+    gradient accumulation (--accumulate-allreduce-grads-in-fp32), sequence parallelism, the distributed
+    optimizer with overlapped gradient reduction and parameter gather, TransformerEngine with flash
+    attention, no recomputation, untied embeddings, global batch 1024, the Llama-3 tokenizer's 128,256
+    tokens. Assumed: a '-' is an out-of-memory failure (the table does not say; every '-' cell is a layout
+    that fits the GPU count, but one, which is left out, and the sweep's authors' paper is about exactly
+    that outcome). Not counted: the dataloader's document mask of --reset-attention-mask ([b, 1, s/cp, s]
+    bool on the device, 64-512 MiB; our flags refuse it with cp > 1) and Fujii's --use-z-loss (one fp32
+    value a token)."""
+    flags = words(
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --vocab-size 128256 --bf16 --swiglu --normalization RMSNorm "
+        "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
+        "--accumulate-allreduce-grads-in-fp32 --sequence-parallel --use-distributed-optimizer "
+        "--overlap-grad-reduce --overlap-param-gather --use-flash-attn --transformer-impl transformer_engine "
+        f"--tensor-model-parallel-size {tp} --context-parallel-size {cp} --pipeline-model-parallel-size {pp} "
+        f"--seq-length {seq} --micro-batch-size {mbs} --global-batch-size 1024"
+    )
+    name = f"Fujii {device} s{seq} tp{tp} cp{cp} pp{pp} m{mbs} n{gpus}"
+    return MemoryRun(name, FUJII_SWEEP, gpus, _FUJII_DEVICES[device], tuple(flags), oom=oom)
+
+
+FUJII_RUNS = tuple(
+    _fujii(device, seq, *layout, gpus, outcome == "O")
+    for (device, seq, columns), table in _FUJII_TABLE.items()
+    for layout, outcomes in table
+    for gpus, outcome in zip(columns, outcomes)
+    # the A100 row (4, 2, 2, 4) reads '-' at 8 GPUs too, where tp x cp x pp = 16: not a layout
+    if outcome != "." and layout[0] * layout[1] * layout[2] <= gpus
+)
+
 # Out-of-memory reports of Megatron-LM itself, given in full (this module's docstring
 # lists the reports read and why the others could not be used)
 MEGATRON_LM_RUNS = (_megatron_lm_525(),)
@@ -242,4 +319,11 @@ def own_runs(folder: Path = GPU_RESULTS) -> tuple[MemoryRun, ...]:
     return tuple(MemoryRun(**fields) for path in sorted(folder.glob("*.json")) for fields in report_memory_runs(path))
 
 
-MEMORY_RUNS = (_llama31_8b(16384, 1), _llama31_8b(8192, 2), *BIGSCIENCE_RUNS, *MEGATRON_LM_RUNS, *own_runs())
+MEMORY_RUNS = (
+    _llama31_8b(16384, 1),
+    _llama31_8b(8192, 2),
+    *BIGSCIENCE_RUNS,
+    *MEGATRON_LM_RUNS,
+    *FUJII_RUNS,
+    *own_runs(),
+)
