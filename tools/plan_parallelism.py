@@ -275,6 +275,7 @@ def explain(c, hw: Hardware) -> list[str]:
         "recompute_s": "recomputed forward",
         "tp_comm_s": "tensor-parallel collectives",
         "cp_comm_s": "context-parallel ring (not hidden by attention)",
+        "ep_comm_s": "MoE token dispatch and combine over ep",
         "pp_comm_s": "pipeline transfers not hidden",
         "bubble_s": "pipeline bubble",
         "dp_comm_s": f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",

@@ -162,11 +162,14 @@ GRID = {
     "flash_fraction": (0.2, 0.25, 0.3, 0.35, 0.45),
     "layer_overhead_s": (0.0, 2e-4, 4e-4, 6e-4),
     "step_overhead_s": (0.0, 0.05, 0.1, 0.15),
+    "expert_rows_half": (0.0, 256.0, 512.0, 1024.0, 1280.0, 1536.0, 2048.0, 4096.0),
 }
 
 
 # where a fit that should not inherit the fitted defaults starts (--holdout, --leave-one-source-out)
-NEUTRAL = Calibration(gemm_peak_fraction=0.85, flash_fraction=0.35, layer_overhead_s=2e-4, step_overhead_s=0.1)
+NEUTRAL = Calibration(
+    gemm_peak_fraction=0.85, flash_fraction=0.35, layer_overhead_s=2e-4, step_overhead_s=0.1, expert_rows_half=256.0
+)
 
 
 def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS, verbose: bool = True) -> Calibration:
@@ -212,7 +215,8 @@ def leave_one_source_out(runs=ALL_RUNS, start: Calibration = NEUTRAL, passes: in
 def _constants_text(cal: Calibration) -> str:
     return (
         f"(gemm {cal.gemm_peak_fraction:g}, flash {cal.flash_fraction:g}, "
-        f"layer {1e3 * cal.layer_overhead_s:g} ms, step {cal.step_overhead_s:g} s)"
+        f"layer {1e3 * cal.layer_overhead_s:g} ms, step {cal.step_overhead_s:g} s, "
+        f"expert rows r0 {cal.expert_rows_half:g})"
     )
 
 
