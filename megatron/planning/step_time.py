@@ -24,7 +24,7 @@ The constants are in compute_cost.Calibration, fitted on published runs (docs/pl
 MoE layers (moe_cost.py): the attention part of the dense layer, the router, the local experts at the
 busiest rank's load, the shared expert and the token dispatch over ep (`ep_comm_s`, not overlapped),
 averaged over the model's layers by their share of MoE layers; expert gradients reduce over the
-expert-data-parallel group. Expert tensor parallelism other than tp is not modelled (`uncovered`).
+expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -420,11 +420,6 @@ def data_parallel_seconds(
     return grad, gather
 
 
-def uncovered(config) -> str | None:
-    """Why the model cannot project `config`, in one line; None when it can."""
-    return None
-
-
 def step_time(
     config,
     layout,
@@ -441,8 +436,6 @@ def step_time(
     False takes for the pipeline's idle time only what no schedule avoids (`least_idle`, no
     simulation): every other part is the same, so its total is a lower bound. `practice`: what a
     published run of another framework did differently (`Practice`)."""
-    if uncovered(config):
-        raise ValueError(uncovered(config))
     par = layout.parallel
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention, practice.cp_all_gather)
