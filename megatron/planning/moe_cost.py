@@ -98,7 +98,7 @@ def all_to_all_seconds(volume: float, size: int, stride: int, hw: Hardware, cal:
     return (
         volume
         * ((1 - outside) / (hw.intra_node_gbps * 1e9) + outside / (hw.inter_node_gbps * 1e9))
-        / (cal.comm_efficiency)
+        / cal.comm_efficiency
     )
 
 
@@ -120,6 +120,7 @@ def dispatch_seconds(config, tokens: int, tp: int, ep: int, etp: int, hw: Hardwa
 
 
 def moe_layers(config) -> int:
+    """How many of the model's layers are MoE layers (--moe-layer-freq)."""
     return sum(config.is_moe_layer(i) for i in range(config.num_layers))
 
 

@@ -39,6 +39,11 @@ calibration set, holds two sources:
   per chunk, the embedding and output layer in chunks of their own) is one our trainer cannot
   lay out; the projection runs it (`interleave`), the memory estimate is skipped.
 
+`MOE_RUNS`, MoE training (one source so far): the Megatron MoE Model Zoo's Qwen3-235B-A22B on 256
+H100s, BF16, ep 8 inside a node (see `_moe_zoo`); they fit the MoE constant r0 alone
+(compute_cost.Calibration.expert_rows_half), the MoE rows searched for and left out are in
+docs/planner.md ("Mixture of experts").
+
 Left out, the layout not pinned down: MegaScale (Jiang et al. 2024) Table 2's Megatron-LM
 baseline (micro batch, recomputation, optimizer sharding, attention kernel, GPU memory and
 network of its "Ampere GPUs" unpublished); BLOOM-176B (ALiBi, Omni-Path network with 4
