@@ -15,6 +15,8 @@ from megatron.planning.hardware import DEVICES, Hardware
 from megatron.planning.moe_cost import all_to_all_seconds, dispatch_seconds, expert_rows, moe_part_time
 from megatron.planning.planner import Search, plan, plan_fastest
 from megatron.planning.step_time import data_parallel_seconds, step_time
+from tools.bench import planner_calibration
+from tools.bench.published_runs import MOE_RUNS
 
 H100 = DEVICES["h100-80gb"]
 CAL = Calibration()
@@ -123,3 +125,14 @@ def test_planner_ranks_moe_layouts_by_projected_time():
     assert len(fitting) > 3 and times == sorted(times) and {c.layout.parallel.ep for c in fitting} == {1, 2, 4}
     top, _ = plan_fastest(MOE, 8, 16, 80 * GIB, search=search, top=3)
     assert [c.layout for c in top] == [c.layout for c in fitting[:3]]
+
+
+def test_expert_rows_constant_is_fitted_on_the_moe_rows_alone(monkeypatch):
+    """`fit` takes r0 from the MoE rows with the other constants held (their grid runs on dense rows only,
+    none here): the default r0 is the one the published MoE rows pick over its neighbours of the grid."""
+    monkeypatch.setattr(planner_calibration, "MOE_GRID", {"expert_rows_half": (0.0, 1024.0, 1280.0, 1536.0)})
+    start = dataclasses.replace(CAL, expert_rows_half=0.0)
+    fitted = planner_calibration.fit(start, passes=2, runs=MOE_RUNS, verbose=False)
+    assert fitted == dataclasses.replace(start, expert_rows_half=CAL.expert_rows_half)
+    errors = [o.error for o in planner_calibration.evaluate_all(CAL, MOE_RUNS)]
+    assert all(abs(e) < 0.15 for e in errors) and sum(map(abs, errors)) / len(errors) < 0.1, errors
