@@ -35,8 +35,9 @@ UNFUSED = ("math", "efficient")
 @dataclass(frozen=True)
 class Calibration:
     """The step-time model's constants. Fitted (tools/bench/planner_calibration.py --fit --all) on
-    the 50 published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
-    weighted equally: the GEMM curve, flash efficiency and the host overheads. Taken from public
+    the 50 dense published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
+    weighted equally: the GEMM curve, flash efficiency and the host overheads; then `expert_rows_half`
+    on its MoE runs alone, the others held. Taken from public
     measurements, not fitted: the share of link and HBM bandwidth reached.
 
     The fit on the calibration set alone (19 rows, 2 sources) gave flash 0.25 and 0.4 ms per layer;
@@ -50,8 +51,8 @@ class Calibration:
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.05
     # MoE (moe_cost.py): an expert's GEMM of `rows` rows takes the dense roofline x (rows + r0) / rows. Fitted
-    # alone (the other constants held: it moves no dense row) on the 2 published MoE rows (one source,
-    # tools/bench/published_runs.py MOE_RUNS): it absorbs all the MoE layer leaves out, not only small GEMMs
+    # on the 2 published MoE rows (one source, tools/bench/published_runs.py MOE_RUNS): it absorbs all the
+    # MoE layer leaves out, not only small GEMMs
     expert_rows_half: float = 1280.0
     comm_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
     hbm_efficiency: float = 0.80  # achieved / spec HBM bandwidth of streaming kernels
