@@ -43,9 +43,8 @@ into 2 x cp chunks (x tp under SP) and there is no attention dropout.
 MoE models (--num-experts): ep is searched too, every size that divides the experts and, times
 etp, the ranks of a stage (tp x cp x dp), as Megatron requires; --expert-model-parallel-size
 restricts it (several values allowed) and --expert-tensor-parallel-size sets etp (default: tp, as
-Megatron). The step-time model does not cover MoE layers: one line says so, no step time is
-printed, and the layouts that fit are ordered by a rule of thumb (least tp x cp x pp, least
-recomputation, larger micro batch, lighter), each estimated.
+Megatron). Their layouts are ranked by projected step time like dense ones (the experts, the
+token dispatch over ep and the load imbalance: megatron/planning/moe_cost.py).
 
 When no layout fits, it proposes sharding more than the optimizer state first
 (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads, else optim_grads_params,
@@ -85,7 +84,7 @@ from megatron.planning.planner import (  # noqa: E402
     plan_sharded,
 )
 from megatron.planning.startup_check import refusal  # noqa: E402
-from megatron.planning.step_time import Overlap, Projection, uncovered  # noqa: E402
+from megatron.planning.step_time import Overlap, Projection  # noqa: E402
 from megatron.training.arguments.parallel import PIPELINE_SCHEDULES  # noqa: E402
 from megatron.training.arguments.parser import GPT_DEFAULTS, ArgumentError, build_parser  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool, tool_parser  # noqa: E402
@@ -193,11 +192,7 @@ def _header(candidates, offload: bool) -> str:
 def _row(rank: int, c, device_bytes: int) -> str:
     lay, est, t = c.layout, c.estimate, c.time
     par = lay.parallel
-    time = (
-        f"{1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% {t.model_tflops_per_gpu:11.1f}"
-        if t is not None
-        else f"{'-':>10} {'-':>8} {'-':>11}"
-    )
+    time = f"{1e3 * t.total_s:10.2f} {100 * t.bubble_fraction:7.1f}% {t.model_tflops_per_gpu:11.1f}"
     row = (
         f"{rank:4d} {par.tp:3d} {par.cp:3d} {par.pp:3d} {par.virtual_stages:3d} {par.dp:4d} "
         f"{lay.micro_batch_size:4d} {lay.num_microbatches:5d}  {c.recompute:<9} "
@@ -242,17 +237,14 @@ def _json(c, device_bytes: int, why: str | None = None) -> dict:
         "fits": why is None,
         "verdict": fit_verdict(est, device_bytes).label,
         "why_not": why,
-        "step_time_not_projected": uncovered(c.config),
         **_json_time(t),
     }
 
 
 def _json_time(t) -> dict:
-    """The projection's keys (None where no step time is projected)."""
+    """The projection's keys."""
     keys = ("predicted_step_time_s", "predicted_tokens_per_s", "predicted_model_tflops_per_gpu")
     keys += ("predicted_hardware_tflops_per_gpu", "breakdown", "step_time_s", "bubble_fraction")
-    if t is None:
-        return dict.fromkeys(keys)
     values = (t.total_s, t.tokens_per_s, t.model_tflops_per_gpu, t.hardware_tflops_per_gpu, t.breakdown())
     return dict(zip(keys, values + (t.total_s, t.bubble_fraction)))
 
@@ -260,8 +252,6 @@ def _json_time(t) -> dict:
 def explain(c, hw: Hardware) -> list[str]:
     """The step-time breakdown of one layout, one line per part (or why there is none)."""
     t = c.time
-    if t is None:
-        return [f"> step time of {c.layout.describe()}: not projected: {uncovered(c.config)}"]
     lines = [
         f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
         f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
@@ -275,6 +265,7 @@ def explain(c, hw: Hardware) -> list[str]:
         "recompute_s": "recomputed forward",
         "tp_comm_s": "tensor-parallel collectives",
         "cp_comm_s": "context-parallel ring (not hidden by attention)",
+        "ep_comm_s": "MoE token dispatch and combine over ep",
         "pp_comm_s": "pipeline transfers not hidden",
         "bubble_s": "pipeline bubble",
         "dp_comm_s": f"data-parallel communication not hidden (of {1e3 * t.dp_comm_total_s:.1f} ms)",
@@ -474,11 +465,6 @@ def _check_virtual_stages(args) -> None:
 
 
 def _step_time_note(config, offloaded: bool) -> str:
-    if uncovered(config):
-        return (
-            f"> step times: not projected: {uncovered(config)}; layouts ordered by a rule of thumb instead (least "
-            "tp x cp x pp, least recomputation, larger micro batch, lighter)"
-        )
     note = "> step times: a projection calibrated on published runs (docs/planner.md: how close it lands, what "
     return note + "it leaves out)" + ("; they leave out the CPU step of the offloaded state" if offloaded else "")
 
@@ -504,8 +490,6 @@ def _print_given(candidates, device_bytes: int, args, hw: Hardware) -> int:
         if args.explain:
             print("\n".join(explain(candidate, hw)))
         print(f"> layout {rank} fits: {'yes' if why is None else 'no, ' + why}")
-    if uncovered(candidates[0].config):
-        print(f"> step times: not projected: {uncovered(candidates[0].config)}")
     return 0 if fits else 1
 
 

@@ -35,8 +35,9 @@ UNFUSED = ("math", "efficient")
 @dataclass(frozen=True)
 class Calibration:
     """The step-time model's constants. Fitted (tools/bench/planner_calibration.py --fit --all) on
-    the 50 published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
-    weighted equally: the GEMM curve, flash efficiency and the host overheads. Taken from public
+    the 50 dense published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
+    weighted equally: the GEMM curve, flash efficiency and the host overheads; then `expert_rows_half`
+    on its MoE runs alone, the others held. Taken from public
     measurements, not fitted: the share of link and HBM bandwidth reached.
 
     The fit on the calibration set alone (19 rows, 2 sources) gave flash 0.25 and 0.4 ms per layer;
@@ -49,6 +50,10 @@ class Calibration:
     flash_fraction: float = 0.25
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.05
+    # MoE (moe_cost.py): an expert's GEMM of `rows` rows takes the dense roofline x (rows + r0) / rows. Fitted
+    # on the 2 published MoE rows (one source, tools/bench/published_runs.py MOE_RUNS): it absorbs all the
+    # MoE layer leaves out, not only small GEMMs
+    expert_rows_half: float = 1280.0
     comm_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
     hbm_efficiency: float = 0.80  # achieved / spec HBM bandwidth of streaming kernels
 
@@ -89,8 +94,9 @@ def gemm_efficiency(m: float, n: float, k: float, element_bytes: int, hw: Hardwa
     return 2.0 * m * n * k / gemm_seconds(m, n, k, element_bytes, hw, cal) / (hw.peak_tflops * 1e12)
 
 
-def layer_gemm_shapes(config, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of a layer's forward GEMMs on one tp rank: QKV, output projection, MLP in and out."""
+def layer_gemm_shapes(config, tokens: int, tp: int, mlp: bool = True) -> list[tuple[int, int, int]]:
+    """(m, n, k) of a layer's forward GEMMs on one tp rank: QKV, output projection, MLP in and out
+    (`mlp` False: without the MLP, as on an MoE layer)."""
     h, d, a, g, f = (
         config.hidden_size,
         config.kv_channels,
@@ -99,12 +105,8 @@ def layer_gemm_shapes(config, tokens: int, tp: int) -> list[tuple[int, int, int]
         config.ffn_hidden_size,
     )
     mlp_in = (2 if config.swiglu else 1) * f
-    return [
-        (tokens, (a + 2 * g) * d // tp, h),
-        (tokens, h, a * d // tp),
-        (tokens, mlp_in // tp, h),
-        (tokens, h, f // tp),
-    ]
+    attention = [(tokens, (a + 2 * g) * d // tp, h), (tokens, h, a * d // tp)]
+    return attention + ([(tokens, mlp_in // tp, h), (tokens, h, f // tp)] if mlp else [])
 
 
 def attention_time(
@@ -135,17 +137,18 @@ def attention_time(
     )
 
 
-def elementwise_bytes(config, tokens: int, tp: int) -> float:
+def elementwise_bytes(config, tokens: int, tp: int, mlp: bool = True) -> float:
     """Bytes one layer's forward reads and writes outside GEMMs and attention, on one tp rank:
     two norms (in, out), two dropout + residual adds (two in, one out, a 1-byte mask when dropout
     is on), the activation (GELU: f in, f out; SwiGLU: 2f in, f out) and rotary embedding on q and
-    k (in, out). Norms and residuals run on tokens / tp under sequence parallelism."""
+    k (in, out). Norms and residuals run on tokens / tp under sequence parallelism. `mlp` False: without
+    the activation (an MoE layer's experts have their own: moe_cost.py)."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     e = dtype_bytes(config.params_dtype)
     row_tokens = tokens // tp if config.sequence_parallel else tokens
     mask = 1 if config.hidden_dropout > 0 else 0
     per_row = 2 * (2 * h * e) + 2 * (3 * h * e + h * mask)
-    activation = (3 if config.swiglu else 2) * f // tp * e
+    activation = (3 if config.swiglu else 2) * f // tp * e if mlp else 0
     rotary = (
         2 * (config.num_attention_heads + config.num_query_groups) * d // tp * e
         if config.position_embedding_type == "rope"
@@ -155,14 +158,15 @@ def elementwise_bytes(config, tokens: int, tp: int) -> float:
 
 
 def layer_time(
-    config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware, cal: Calibration
+    config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware, cal: Calibration, mlp: bool = True
 ) -> tuple[PassTime, PassTime]:
     """(forward, backward) of one transformer layer on one rank; the backward costs twice the
-    forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out)."""
+    forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out).
+    `mlp` False: without the dense MLP (an MoE layer: moe_cost.py adds its experts)."""
     tokens = batch * config.seq_length // cp
     element = dtype_bytes(config.params_dtype)
-    gemm = sum(gemm_seconds(m, n, k, element, hw, cal) for m, n, k in layer_gemm_shapes(config, tokens, tp))
-    elementwise = elementwise_bytes(config, tokens, tp) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    gemm = sum(gemm_seconds(m, n, k, element, hw, cal) for m, n, k in layer_gemm_shapes(config, tokens, tp, mlp))
+    elementwise = elementwise_bytes(config, tokens, tp, mlp) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
     attn_f, attn_b = attention_time(config, kernel, batch, cp, tp, hw, cal)
     overhead = cal.layer_overhead_s
     return (

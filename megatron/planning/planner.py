@@ -3,8 +3,7 @@
 A layout is (tp, cp, pp, virtual stages, dp, micro batch, recomputation, replicated or
 distributed optimizer, and for MoE models ep and etp) for a fixed number of GPUs and global
 batch. Sequence parallelism is on whenever tp > 1 (same communication volume, less activation
-memory). MoE models have no step-time projection (step_time.uncovered): their layouts that fit
-are ordered by a rule of thumb instead (`_rank`), every one estimated. Layouts our
+memory); MoE models too, their experts projected as moe_cost.py says. Layouts our
 code would refuse (sizes that do not divide, a sequence that does not split into 2 x cp
 chunks, cp with attention dropout, interleaving without enough microbatches) are
 skipped, using the same validation as training (TransformerConfig, build_schedule).
@@ -35,7 +34,7 @@ from megatron.planning.fit_rule import fit_verdict
 from megatron.planning.hardware import Hardware
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.offload import fraction_that_fits
-from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime, uncovered
+from megatron.planning.step_time import DEFAULT_PROJECTION, Projection, StepTime
 from megatron.planning.trace import traces_run
 
 RECOMPUTE = {
@@ -51,7 +50,7 @@ class Candidate:
     layout: MemoryLayout
     recompute: str
     estimate: MemoryEstimate
-    time: StepTime | None  # None: the step-time model does not cover the model (step_time.uncovered)
+    time: StepTime
 
 
 @dataclass(frozen=True)
@@ -239,12 +238,7 @@ def evaluate_layout(
     config, layout: MemoryLayout, recompute: str, projection: Projection = DEFAULT_PROJECTION
 ) -> Candidate:
     """One layout's memory estimate and projected step time, whether it fits or not."""
-    return Candidate(config, layout, recompute, estimate_memory(config, layout), _time(projection, config, layout))
-
-
-def _time(projection: Projection, config, layout: MemoryLayout) -> StepTime | None:
-    """The projected step time; None where the model does not cover `config` (step_time.uncovered)."""
-    return None if uncovered(config) else projection(config, layout)
+    return Candidate(config, layout, recompute, estimate_memory(config, layout), projection(config, layout))
 
 
 def plan(
@@ -269,24 +263,14 @@ def plan(
             rejected += 1
             startable += verdict is not None and not verdict.refused
             continue
-        fitting.append(Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout)))
+        fitting.append(Candidate(cfg, layout, name, estimate, projection(cfg, layout)))
     fitting.sort(key=_rank)
     return fitting, rejected, startable
 
 
 def _rank(candidate: Candidate) -> tuple:
-    """The planner's order: fastest first, then the lighter. Without a projected step time (MoE), a rule
-    of thumb and not a projection: the least model parallelism (tp x cp x pp) first, then the least
-    recomputation, the larger micro batch, the lighter."""
-    if candidate.time is not None:
-        return candidate.time.total_s, candidate.estimate.max_total_bytes
-    par = candidate.layout.parallel
-    return (
-        par.tp * par.cp * par.pp,
-        list(RECOMPUTE).index(candidate.recompute),
-        -candidate.layout.micro_batch_size,
-        candidate.estimate.max_total_bytes,
-    )
+    """The planner's order: fastest first, then the lighter."""
+    return candidate.time.total_s, candidate.estimate.max_total_bytes
 
 
 @dataclass(frozen=True)
@@ -316,25 +300,23 @@ def plan_fastest(
     layout: those the parameter count rules out are pruned (bounds.py), the rest visited in the
     order of a lower bound of their step time (`Projection.lower_bound`, no pipeline simulation),
     each estimated and, when it fits, projected in full; the visit stops at the first layout
-    whose bound exceeds the slowest of `top` layouts found (ties visited: `plan`'s order breaks them).
-    Without a step-time projection (MoE) every layout that is not pruned is estimated."""
+    whose bound exceeds the slowest of `top` layouts found (ties visited: `plan`'s order breaks them)."""
     traces_before = traces_run()
-    projected = uncovered(config) is None
     bounded, pruned = [], 0
     for cfg, layout, name in enumerate_layouts(config, num_gpus, global_batch_size, search, projection.hw):
         if certain_lower_bound(cfg, layout) > device_bytes:
             pruned += 1
         else:
-            bounded.append((projection.lower_bound(cfg, layout) if projected else 0.0, cfg, layout, name))
+            bounded.append((projection.lower_bound(cfg, layout), cfg, layout, name))
     bounded.sort(key=lambda b: b[0])
     best, verdicts = [], []
     for bound, cfg, layout, name in bounded:
-        if projected and len(best) == top and bound > best[-1].time.total_s:
+        if len(best) == top and bound > best[-1].time.total_s:
             break
         estimate = estimate_memory(cfg, layout)
         verdicts.append(fit_verdict(estimate, device_bytes))
         if verdicts[-1].fits:
-            found = Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout))
+            found = Candidate(cfg, layout, name, estimate, projection(cfg, layout))
             best = sorted([*best, found], key=_rank)[:top]
     counts = SearchCounts(
         considered=pruned + len(bounded),
@@ -373,7 +355,7 @@ def plan_sharded(
             sharded = layout.with_ddp(sharding_strategy=strategy)
             estimate = estimate_memory(cfg, sharded)
             if estimate.fits(device_bytes):
-                proposals.append(Candidate(cfg, sharded, name, estimate, _time(projection, cfg, sharded)))
+                proposals.append(Candidate(cfg, sharded, name, estimate, projection(cfg, sharded)))
                 break
     proposals.sort(key=_rank)
     return proposals[:top]
@@ -429,7 +411,7 @@ def plan_offload(
         estimate = estimate_memory(cfg, layout)
         need = offload_needed(estimate, device_bytes)
         if need:  # None: not even full offload fits; 0: fits without
-            needed.append((need, Candidate(cfg, layout, name, estimate, _time(projection, cfg, layout))))
+            needed.append((need, Candidate(cfg, layout, name, estimate, projection(cfg, layout))))
     needed.sort(key=lambda n: (n[0], _rank(n[1])))
     proposals = []
     for need, candidate in needed:
@@ -469,6 +451,6 @@ def plan_host_resident(
         placed = host_resident(layout)
         estimate = estimate_memory(cfg, placed)
         if estimate.fits(device_bytes):
-            proposals.append(Candidate(cfg, placed, name, estimate, _time(projection, cfg, placed)))
+            proposals.append(Candidate(cfg, placed, name, estimate, projection(cfg, placed)))
     proposals.sort(key=_rank)
     return proposals[:top]

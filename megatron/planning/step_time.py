@@ -21,7 +21,10 @@ every microbatch's forward.
 
 Bandwidths are per GPU (hardware.py); a group stays on NVLink while it fits in a node.
 The constants are in compute_cost.Calibration, fitted on published runs (docs/planner.md).
-MoE layers are not modelled (`uncovered`): no projection rather than a dense one.
+MoE layers (moe_cost.py): the attention part of the dense layer, the router, the local experts at the
+busiest rank's load, the shared expert and the token dispatch over ep (`ep_comm_s`, not overlapped),
+averaged over the model's layers by their share of MoE layers; expert gradients reduce over the
+expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from megatron.planning.comm_volume import (
 from megatron.planning.compute_cost import Calibration, PassTime, layer_time, output_layer_time
 from megatron.planning.hardware import Hardware
 from megatron.planning.kernels import dtype_bytes, resolve_kernels
+from megatron.planning.moe_cost import expert_parameters_per_layer, moe_layer_average
 from megatron.planning.parameters import padded_vocab, total_parameters
 from megatron.planning.pipeline_simulator import simulate
 
@@ -91,6 +95,7 @@ class StepTime:
     recompute_s: float
     tp_comm_s: float
     cp_comm_s: float
+    ep_comm_s: float  # MoE token dispatch and combine
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
@@ -111,6 +116,7 @@ class StepTime:
         "recompute_s",
         "tp_comm_s",
         "cp_comm_s",
+        "ep_comm_s",
         "pp_comm_s",
         "bubble_s",
         "dp_comm_s",
@@ -129,7 +135,7 @@ class StepTime:
 
     @property
     def bubble_fraction(self) -> float:
-        busy = self.compute_s + self.tp_comm_s + self.cp_comm_s
+        busy = self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
         return self.bubble_s / busy if busy else 0.0
 
     @property
@@ -157,6 +163,7 @@ class RankWork:
     recompute: PassTime
     tp_s: float
     cp_s: float
+    ep_s: float
     forward_s: float  # the forward with its communication
     backward_s: float  # the backward, recomputation and their communication
 
@@ -291,6 +298,11 @@ def slowest_rank_work(
     cp_layer = cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp) / (
         group_bandwidth(hw, cp, tp) * cal.comm_efficiency
     )
+    ep_layer = 0.0
+    if config.num_moe_experts is not None:
+        layer_f, layer_b, tp_layer, ep_layer = moe_layer_average(
+            config, layout, kernel, (layer_f, layer_b), tp_layer, hw, cal
+        )
     cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
     cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
     if cp_all_gather:
@@ -301,16 +313,18 @@ def slowest_rank_work(
         backward = layer_b.scaled(layers) + (out_b if last else PassTime())
         recompute = _recomputed(config, layer_f, layers)
         again = recomputed_layers(config, layers)
-        tp_fwd, cp_fwd = tp_layer * layers, cp_f * layers
+        tp_fwd, cp_fwd, ep_fwd = tp_layer * layers, cp_f * layers, ep_layer * layers
         tp_bwd, cp_bwd = tp_layer * (layers + again), cp_b * layers + cp_f * again
+        ep_bwd = ep_layer * (layers + again)
         return RankWork(
             forward,
             backward,
             recompute,
             tp_fwd + tp_bwd,
             cp_fwd + cp_bwd,
-            forward.total + tp_fwd + cp_fwd,
-            backward.total + recompute.total + tp_bwd + cp_bwd,
+            ep_fwd + ep_bwd,
+            forward.total + tp_fwd + cp_fwd + ep_fwd,
+            backward.total + recompute.total + tp_bwd + cp_bwd + ep_bwd,
         )
 
     par = layout.parallel
@@ -328,14 +342,31 @@ def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
     return volume / (group_bandwidth(hw, 2, par.tp * par.cp * par.dp) * cal.comm_efficiency)
 
 
-def rank_parameters(config, layout) -> float:
-    """Parameters of the pipeline rank holding the most (its layers and an embedding or output layer)."""
+def rank_parameter_split(config, layout) -> tuple[float, float]:
+    """(parameters outside the routed experts, the experts' own) of the pipeline rank holding the most
+    (its layers and an embedding or output layer): experts split over ep x etp, the rest over tp."""
     par = layout.parallel
     embedding = padded_vocab(config, par.tp) * config.hidden_size
     embeddings = 2 if config.untie_embeddings_and_output_weights else 1
-    per_layer = (total_parameters(config, par.tp) - embeddings * embedding) / config.num_layers
+    experts = expert_parameters_per_layer(config)
+    per_layer = (total_parameters(config, par.tp) - embeddings * embedding) / config.num_layers - experts
     counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
-    return (max(counts) * per_layer + embedding) / par.tp
+    return (max(counts) * per_layer + embedding) / par.tp, max(counts) * experts / (par.ep * par.dims.etp)
+
+
+def rank_parameters(config, layout) -> float:
+    """Parameters of the pipeline rank holding the most (`rank_parameter_split`, both parts)."""
+    return sum(rank_parameter_split(config, layout))
+
+
+def optimizer_shard(config, layout) -> float:
+    """Parameters the rank's optimizer steps: the distributed optimizer shards the experts' over the
+    expert-data-parallel group, the rest over dp x cp."""
+    par = layout.parallel
+    dense, experts = rank_parameter_split(config, layout)
+    if not par.ddp.use_distributed_optimizer:
+        return dense + experts
+    return dense / (par.dp * par.cp) + experts / par.dims.edp
 
 
 def dp_collectives(layout, regather_params: bool = False) -> tuple[int, int]:
@@ -358,7 +389,7 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
     accumulated unsharded); host parameter shards are copied up at every gather."""
     if not layout.offload_fractions.optimizer:
         return 0.0, 0.0
-    shard = rank_parameters(config, layout) / (layout.parallel.dp * layout.parallel.cp)
+    shard = optimizer_shard(config, layout)
     weight, grad = dtype_bytes(config.params_dtype), layout.parallel.ddp.grad_dtype.itemsize
     reductions, gathers = dp_collectives(layout)
     opt, grads, params = layout.offload_fractions
@@ -370,29 +401,23 @@ def host_traffic_bytes(config, layout) -> tuple[float, float]:
 def data_parallel_seconds(
     config, layout, hw: Hardware, cal: Calibration, regather_params: bool = False
 ) -> tuple[float, float]:
-    """(gradient reduction, parameter all-gather) seconds over the dp x cp group, before any overlap."""
+    """(gradient reduction, parameter all-gather) seconds over the dp x cp group (the experts' over the
+    expert-data-parallel group, ep x etp ranks apart), before any overlap."""
     par = layout.parallel
-    d = par.dp * par.cp
-    grad, gather = dp_bytes(
-        rank_parameters(config, layout),
-        d,
-        par.ddp.grad_dtype.itemsize,
-        dtype_bytes(config.params_dtype),
-        par.ddp.use_distributed_optimizer,
-        *dp_collectives(layout, regather_params),
-    )
-    bandwidth = group_bandwidth(hw, d, par.tp) * cal.comm_efficiency
-    return grad / bandwidth, gather / bandwidth
-
-
-def uncovered(config) -> str | None:
-    """Why the model cannot project `config`, in one line; None when it can."""
-    if config.num_moe_experts is None:
-        return None
-    return (
-        "the step-time model does not cover MoE layers (--num-experts): the routed experts' GEMMs, the token "
-        "dispatch and its expert-parallel communication are not modelled, so no step time is projected"
-    )
+    dense, experts = rank_parameter_split(config, layout)
+    grad, gather = 0.0, 0.0
+    for parameters, ranks, stride in ((dense, par.dp * par.cp, par.tp), (experts, par.dims.edp, par.ep * par.dims.etp)):
+        volumes = dp_bytes(
+            parameters,
+            ranks,
+            par.ddp.grad_dtype.itemsize,
+            dtype_bytes(config.params_dtype),
+            par.ddp.use_distributed_optimizer,
+            *dp_collectives(layout, regather_params),
+        )
+        bandwidth = group_bandwidth(hw, ranks, stride) * cal.comm_efficiency
+        grad, gather = grad + volumes[0] / bandwidth, gather + volumes[1] / bandwidth
+    return grad, gather
 
 
 def step_time(
@@ -411,8 +436,6 @@ def step_time(
     False takes for the pipeline's idle time only what no schedule avoids (`least_idle`, no
     simulation): every other part is the same, so its total is a lower bound. `practice`: what a
     published run of another framework did differently (`Practice`)."""
-    if uncovered(config):
-        raise ValueError(uncovered(config))
     par = layout.parallel
     pp, v, m = par.pp, par.virtual_stages, layout.num_microbatches
     work = slowest_rank_work(config, layout, hw, cal, attention, practice.cp_all_gather)
@@ -442,9 +465,8 @@ def step_time(
         if overlap.param_gather or par.ddp.shards_params
         else gather_s
     )
-    shard = rank_parameters(config, layout) / (par.dp * par.cp if par.ddp.use_distributed_optimizer else 1)
     optimizer = (
-        shard
+        optimizer_shard(config, layout)
         * (1.0 - layout.offload_fractions.optimizer)
         * OPTIMIZER_BYTES_PER_PARAMETER
         / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
@@ -467,6 +489,7 @@ def step_time(
         recompute_s=m * work.recompute.total,
         tp_comm_s=m * work.tp_s,
         cp_comm_s=m * work.cp_s,
+        ep_comm_s=m * work.ep_s,
         pp_comm_s=idle - bubble,
         bubble_s=bubble,
         dp_comm_s=exposed_grad + exposed_gather,

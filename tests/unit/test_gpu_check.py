@@ -146,9 +146,7 @@ def test_moe_rows_and_host_syncs(report):
     models = sections["moe_models"]["rows"]
     assert [r["name"] for r in models] == ["mixtral-like (2 layers)", "qwen3-moe-like (4 layers)"]
     for row in models:
-        assert (
-            row["tokens_per_s"] == row["tflops"] == row["step_s"] == NA and row["projected_step_s"] == "not projected"
-        )
+        assert row["tokens_per_s"] == row["tflops"] == row["step_s"] == NA and row["projected_step_s"] > 0
 
 
 @pytest.mark.parametrize(

@@ -643,7 +643,9 @@ def test_start_up_check_estimates_moe_runs():
     assert "MoE routing imbalance (each expert at 1.5x the balanced load, assumed: dropless)" in lines[-1]
 
 
-def test_planner_searches_ep_of_moe_jobs_without_a_step_time(capsys):
+def test_planner_searches_ep_of_moe_jobs_by_step_time(capsys):
+    """MoE layouts are ranked by projected step time (megatron/planning/moe_cost.py); --explain shows the
+    token dispatch over ep; a given ep restricts the search."""
     base = ["--num-gpus", "4", "--micro-batch-size", "1", "--recompute-granularity", "none"]
     base += ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "1"] + MOE_TINY[:-4]
     argv = base[:-2] + ["--global-batch-size", "8"] + MOE
@@ -651,10 +653,11 @@ def test_planner_searches_ep_of_moe_jobs_without_a_step_time(capsys):
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert out.splitlines()[1].endswith("ep  etp  schedule") and {row[-3] for row in rows} >= {"1", "2"}
-    assert all(row[12:15] == ["-", "-", "-"] for row in rows)
-    assert "> step times: not projected: the step-time model does not cover MoE layers (--num-experts)" in out
-    code, out, err = run_tool(plan_tool, argv + ["--expert-model-parallel-size", "2"], capsys)
-    assert code == 0 and {line.split()[-3] for line in out.splitlines() if line.split()[0].isdigit()} == {"2"}
+    times = [float(row[12]) for row in rows]
+    assert times == sorted(times) and "not projected" not in out and "rule of thumb" not in out
+    code, out, err = run_tool(plan_tool, argv + ["--expert-model-parallel-size", "2", "--explain"], capsys)
+    assert code == 0 and "MoE token dispatch and combine over ep" in out
+    assert {line.split()[-3] for line in out.splitlines() if line.split() and line.split()[0].isdigit()} == {"2"}
     code, out, err = run_tool(
         plan_tool, base[:-2] + ["--global-batch-size", "8", "--expert-model-parallel-size", "2"], capsys
     )

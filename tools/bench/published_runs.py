@@ -39,6 +39,11 @@ calibration set, holds two sources:
   per chunk, the embedding and output layer in chunks of their own) is one our trainer cannot
   lay out; the projection runs it (`interleave`), the memory estimate is skipped.
 
+`MOE_RUNS`, MoE training (one source so far): the Megatron MoE Model Zoo's Qwen3-235B-A22B on 256
+H100s, BF16, ep 8 inside a node (see `_moe_zoo`); they fit the MoE constant r0 alone
+(compute_cost.Calibration.expert_rows_half), the MoE rows searched for and left out are in
+docs/planner.md ("Mixture of experts").
+
 Left out, the layout not pinned down: MegaScale (Jiang et al. 2024) Table 2's Megatron-LM
 baseline (micro batch, recomputation, optimizer sharding, attention kernel, GPU memory and
 network of its "Ampere GPUs" unpublished); BLOOM-176B (ALiBi, Omni-Path network with 4
@@ -378,5 +383,62 @@ EXTRA_RUNS = (
     _llama3("405B 8K 16384", 16384, 1, 128, 8192, 16, 400),
     _llama3("405B 128K 16384", 16384, 16, 8, 131072, 16, 380),
 )  # fmt: skip
-ALL_RUNS = RUNS + EXTRA_RUNS
+
+MOE_ZOO = (
+    "Megatron MoE Model Zoo (github.com/yanring/Megatron-MoE-ModelZoo, commit c1ad0b5): best_practice/Qwen3/readme.md "
+    "(per-GPU TFLOP/s, step seconds, layouts), model_configs/benchmarking/Qwen3-235B-A22B.yaml (every flag)"
+)
+
+
+def _moe_zoo(dispatcher, tp, ep, pp, vpp, tflops):
+    """Qwen3-235B-A22B on 256 H100 80 GB (NVLink 4, 8 x 50 GB/s InfiniBand per node), BF16, Megatron-Core,
+    seq 4096, micro batch 1, global batch 2048, dropless routing (not force-balanced). Published: tp, ep,
+    pp, vpp, etp 1, the dispatcher, recomputation. From the model config: the distributed optimizer with
+    overlapped reduce-scatter and all-gather, sequence parallelism, flash attention, the fused cross entropy,
+    grouped GEMM, the embedding and the loss each counted as a layer in the pipeline split (94 layers + 2 =
+    pp x vpp chunks: the first and last stages one layer fewer per chunk holding them, a split our trainer
+    cannot lay out: `interleave`). Left as ours: Megatron-Core's bf16 gradient buffer kept (its default),
+    qk-layernorm left out (two per-head norms, elementwise), DeepEP ("flex") projected as our all-to-all
+    with the same token bytes (DeepEP sends a token once per node, not once per expert: fewer network
+    bytes than projected), the recomputation of the norms and the experts' activation ("norm, act": an
+    extra elementwise pass) not projected."""
+    per_stage, name = 96 // pp, f"t{tp} e{ep} p{pp} v{vpp}"
+    flags = [
+        "--num-layers", 94, "--hidden-size", 4096, "--ffn-hidden-size", 12288, "--num-attention-heads", 64,
+        "--kv-channels", 128, "--group-query-attention", "--num-query-groups", 4, "--seq-length", 4096,
+        "--max-position-embeddings", 4096, "--vocab-size", 151936, "--untie-embeddings-and-output-weights",
+        "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear", "--bf16",
+        "--num-experts", 128, "--moe-ffn-hidden-size", 1536, "--moe-router-topk", 8, "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", ep,
+        "--expert-tensor-parallel-size", 1, "--tensor-model-parallel-size", tp, "--sequence-parallel",
+        "--pipeline-model-parallel-size", pp, "--decoder-first-pipeline-num-layers", per_stage - 1,
+        "--decoder-last-pipeline-num-layers", per_stage - 1, "--micro-batch-size", 1, "--global-batch-size", 2048,
+        "--use-distributed-optimizer", "--cross-entropy-loss-fusion",
+    ]  # fmt: skip
+    return PublishedRun(
+        f"MoE-Zoo Qwen3-235B {dispatcher} {name}",
+        MOE_ZOO,
+        "h100-80gb",
+        256,
+        tuple(map(str, flags)),
+        "flash",
+        "model",
+        tflops,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_dtype=torch.bfloat16,
+        family="llama",
+        interleave=vpp,
+    )
+
+
+# MoE training runs (BF16, H100) whose layout is published, ep inside a node (NVLink). Left out (docs/planner.md):
+# the same table's ep 32 row across 4 nodes with DeepEP (245 TFLOP/s): DeepEP sends a token once per node and
+# forwards it over NVLink there, not our all-to-all (projected as ours: 38 s for the published 19.7 s), and its
+# rows with the all-to-all overlapped with computation ("1f1b overlap") or Megatron-FSDP
+MOE_RUNS = (
+    _moe_zoo("A2A", 2, 8, 32, 3, 200),
+    _moe_zoo("DeepEP", 4, 8, 8, 4, 167),
+)
+ALL_RUNS = RUNS + EXTRA_RUNS + MOE_RUNS
 SOURCES = tuple(dict.fromkeys(run.source for run in ALL_RUNS))

@@ -11,7 +11,7 @@ token_dispatcher.HOST_SYNCS; the alltoall dispatcher's count and CUDA's own sync
 
 Section `moe_models`: a Mixtral-like and a Qwen3-MoE-like Llama with fewer layers, grouped experts, trained on one
 GPU: tokens/s, TFLOP/s (megatron/core/transformer/flops.py), step time, and the planner's projected step time
-(none while the step-time model does not cover MoE layers: the cell says so).
+(megatron/planning/moe_cost.py for the MoE layers, on the device's preset).
 
 The part keeps to MOE_BUDGET_S; --dry-run runs the same code on CPU at tiny sizes (times "n/a (dry run)").
 """
@@ -27,7 +27,6 @@ from megatron.core.transformer.flops import flops_per_iteration
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.experts import GroupedExperts, SequentialExperts
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.planning.step_time import uncovered
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import SyncCounter, error_line, free_device_memory, run_config, train
 from tools.gpu_check_lib.step_check import model_flags
@@ -250,6 +249,21 @@ def _model_flags(ctx, spec) -> list[str]:
     return argv + ["--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-2"]
 
 
+def _projected_step_s(ctx, run) -> float:
+    """The planner's step time of `run` on the device's preset (the default preset off a CUDA device)."""
+    import torch
+
+    from megatron.planning.step_time import DEFAULT_HARDWARE, step_time
+    from megatron.training.memory_check import layout_from_run
+    from tools.gpu_check_lib.env import device_preset
+
+    hardware = DEFAULT_HARDWARE
+    if ctx.cuda:
+        memory = torch.cuda.get_device_properties(ctx.device).total_memory
+        hardware = device_preset(torch.cuda.get_device_name(ctx.device), memory)[1] or hardware
+    return step_time(run.model, layout_from_run(run, "cuda"), hardware).total_s
+
+
 def check_moe_models(report, ctx) -> None:
     section = report.section(
         "moe_models",
@@ -257,7 +271,6 @@ def check_moe_models(report, ctx) -> None:
         ["name", "tokens_per_s", "tflops", "step_s", "projected_step_s"],
     )
     warmup, iters = (1, 1) if ctx.dry_run else (3, 5)
-    not_projected = set()
     for name, spec in (DRY_MODELS if ctx.dry_run else MODELS).items():
         skipped = ctx.skip(60)
         if skipped or time.perf_counter() - ctx.started > MOE_BUDGET_S:
@@ -269,10 +282,7 @@ def check_moe_models(report, ctx) -> None:
         step = measured.step_s
         tokens = run.training.global_batch_size * run.model.seq_length
         flops = flops_per_iteration(run.model, run.training.global_batch_size)
-        not_covered = uncovered(run.model)  # while the step-time model leaves MoE out: no projection to show
-        if not_covered:
-            not_projected.add(not_covered)
-        row = dict(name=name, step_s=step, projected_step_s="not projected" if not_covered else None)
+        row = dict(name=name, step_s=step, projected_step_s=_projected_step_s(ctx, run))
         if measured.error:
             row["tokens_per_s"] = measured.error
         elif isinstance(step, float):
@@ -285,5 +295,5 @@ def check_moe_models(report, ctx) -> None:
         + "; ".join(f"{n}: layers, hidden, heads, groups, experts, top-k, expert ffn, seq, microbatches = {s}"
                     for n, s in (DRY_MODELS if ctx.dry_run else MODELS).items()),
         f"warm-up {warmup} + {iters} timed iterations; TFLOP/s: megatron/core/transformer/flops.py (routed experts)",
-        f"projected_step_s: {'; '.join(sorted(not_projected)) or 'the planner step-time model'}",
+        "projected_step_s: the planner's step-time model (megatron/planning/moe_cost.py) on the device's preset",
     ]  # fmt: skip
