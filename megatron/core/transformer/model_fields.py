@@ -157,6 +157,7 @@ RUNTIME_FIELDS = frozenset(
         "gradient_accumulation_fusion",
         "cross_entropy_loss_fusion",
         "cross_entropy_impl",
+        "fp8",  # how the linear layers' GEMMs run; its amax state is saved apart (`_fp8_state`)
         "attention_dropout",
         "hidden_dropout",
         "init_method",
