@@ -31,6 +31,12 @@ LAYOUTS = {
         "tp2": TP2,
         "tp2-sp": TP2 + SP,
         "tp2-sp-ce-fusion": TP2 + SP + ["--cross-entropy-loss-fusion"],  # fused LM head + loss, chunked (gpt)
+        # the same with its Triton reductions (interpreter) against the one-process torch path: --kernel-impl
+        # triton, the other ops kept on torch by their own switches (they have layout tests of their own)
+        "tp2-sp-ce-fusion-triton": TP2
+        + SP
+        + ["--cross-entropy-loss-fusion", "--kernel-impl", "triton", "--attention-backend", "torch"]
+        + ["--normalization-impl", "torch", "--no-rope-fusion", "--no-bias-swiglu-fusion"],
         "pp2": PP2,
         "pp2-vpp2": PP2 + VPP,
         "pp2-vpp2-g4": PP2 + VPP_GROUP4,
