@@ -304,7 +304,7 @@ class PipelineExecutor:
         chunk = self.chunks[action.chunk]
         if not last:
             return chunk(chunk_input, **model_inputs)
-        token_losses = chunk(chunk_input, data.labels, **model_inputs)
+        token_losses = chunk(chunk_input, data.labels, loss_mask=data.loss_mask, **model_inputs)
         return stats.add_loss(token_losses, data.loss_mask) * (scale / data.loss_mask.numel())
 
     def _backward(self, action, inputs, outputs, received_grads, input_grads):
