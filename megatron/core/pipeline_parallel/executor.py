@@ -207,7 +207,9 @@ class PipelineExecutor:
     """Executes one iteration of the schedule for this rank.
 
     `chunks[c]` is local model chunk c (a ModelChunkBuffers module), called
-    as chunk(inputs, labels, **model_inputs) -> hidden states or per-token loss. `batch(mb)`
+    as chunk(inputs, **model_inputs) -> hidden states, or on the last stage
+    chunk(inputs, labels, loss_mask=..., **model_inputs) -> per-token loss (the mask: the loss's
+    weights, which the fused LM head + cross-entropy needs in its forward). `batch(mb)`
     returns the Microbatch mb (or its first three fields: input ids, labels, loss mask).
     """
 
