@@ -181,14 +181,15 @@ def output_layer_time(
     """(forward, backward) of the logits GEMM and the vocab-parallel cross entropy on fp32 logits:
     forward 20 bytes per logit (the cast writes 4, the max reads 4, exp reads and writes 8, the sum
     reads 4), backward 12 (the softmax gradient reads and writes 8, the cast back writes 2, rounded up).
-    Fused (--cross-entropy-loss-fusion, its Triton reductions): forward reads each logit once in the
-    weights' dtype; backward computes the logits GEMM again and its gradient kernel reads and writes
-    each logit once."""
+    Fused (--cross-entropy-loss-fusion, its Triton reductions): the forward runs the three GEMMs (the
+    gradients are computed there), the reductions read each logit once in the weights' dtype and the
+    gradient kernel reads and writes it once; backward scales the stored weight gradient into
+    main_grad (fp32: reads 8 bytes and writes 4 per weight element, per weight element)."""
     element = dtype_bytes(config.params_dtype)
     gemm = gemm_seconds(tokens, vocab // tp, config.hidden_size, element, hw, cal)
-    logits = tokens * vocab // tp / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    per_byte = 1 / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    logits = tokens * vocab // tp * per_byte
     if config.cross_entropy_loss_fusion:
-        return PassTime(gemm=gemm, elementwise=element * logits), PassTime(
-            gemm=3 * gemm, elementwise=2 * element * logits
-        )
+        weight_update = 12 * vocab // tp * config.hidden_size * per_byte
+        return PassTime(gemm=3 * gemm, elementwise=3 * element * logits), PassTime(elementwise=weight_update)
     return PassTime(gemm=gemm, elementwise=20 * logits), PassTime(gemm=2 * gemm, elementwise=12 * logits)

@@ -241,7 +241,7 @@ def _trace(config_key: tuple, setting: Setting, kind: str, pattern: tuple[bool, 
         with recorder.recording():
             if post:
                 labels, loss_mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s)
-                out = StepStats.zeros("cpu").add_loss(model(x, labels), loss_mask)
+                out = StepStats.zeros("cpu").add_loss(model(x, labels, loss_mask=loss_mask), loss_mask)
             else:
                 out = model(x)
     saved = dict(recorder.saved)

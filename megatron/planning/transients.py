@@ -188,7 +188,8 @@ def logits_temporary(dims: Dims) -> int:
 def fused_logits_temporary(dims: Dims, path: str) -> int:
     """The fused LM head + cross-entropy (tensor_parallel/fused_cross_entropy.py): one chunk's logits
     [chunk, V/t] in the weight dtype (the torch reductions add an fp32 working copy, the Triton
-    kernels none: `path`), and in backward the input gradient [s, b, h] filled chunk by chunk."""
+    kernels none: `path`), and the input gradient [s, b, h] the forward fills chunk by chunk (its
+    weight gradient is saved for backward: counted with the activations)."""
     tokens = dims.s * dims.b
     per_logit = dims.p + (FP32 if path == "torch" else 0)
     return chunk_tokens(tokens, dims.h, dims.vocab) * dims.vocab * per_logit + tokens * dims.h * dims.p

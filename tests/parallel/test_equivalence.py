@@ -38,6 +38,9 @@ LAYOUTS = {
         + ["--cross-entropy-loss-fusion", "--kernel-impl", "triton", "--attention-backend", "torch"]
         + ["--normalization-impl", "torch", "--no-rope-fusion", "--no-bias-swiglu-fusion"],
         "pp2": PP2,
+        # the fused head on the last stage, its weight gradient into main_grad (gpt: the embedding tied across
+        # stages), the split backward's WEIGHT steps around it
+        "pp2-vpp2-split-ce-fusion": PP2 + VPP + SPLIT + ["--cross-entropy-loss-fusion"],
         "pp2-vpp2": PP2 + VPP,
         "pp2-vpp2-g4": PP2 + VPP_GROUP4,
         "pp2-uneven": PP2 + UNEVEN,

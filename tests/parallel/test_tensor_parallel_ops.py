@@ -108,7 +108,8 @@ def check_cross_entropy(rank):
 
 def check_fused_cross_entropy(rank):
     """The fused output layer + cross-entropy on this rank's vocabulary rows (140 padded rows, 70 each) and
-    tokens (a sequence shard under SP; chunks of 4 of 15 tokens) gives the one-process losses and gradients."""
+    tokens (a sequence shard under SP; chunks of 4 of 15 tokens) gives the one-process losses and gradients,
+    of a masked loss times a scale (the gradients are computed in the forward from the mask)."""
     s, b, h, padded = 5, 3, 8, 140
     g = torch.Generator().manual_seed(11)
     x, weight = torch.randn(s * WORLD, b, h, generator=g), torch.randn(padded, h, generator=g)
@@ -117,7 +118,8 @@ def check_fused_cross_entropy(rank):
     expected = F.cross_entropy((full_x @ full_w.t()).flatten(0, 1), target.flatten(), reduction="none").view(
         s * WORLD, b
     )
-    expected.sum().backward()
+    mask = (torch.rand(s * WORLD, b, generator=g) > 0.3).float()
+    (expected * mask).sum().mul(0.3).backward()
     rows = slice(rank * padded // WORLD, (rank + 1) * padded // WORLD)
     for impl in ("triton", "torch"):
         for sp in (False, True):
@@ -125,9 +127,16 @@ def check_fused_cross_entropy(rank):
             local_x = x[tokens].clone().requires_grad_()
             local_w = weight[rows].clone().requires_grad_()
             loss = fused_output_cross_entropy(
-                local_x, local_w, target, tp_group=dist.group.WORLD, sequence_parallel=sp, impl=impl, chunk=4
+                local_x,
+                local_w,
+                target,
+                tp_group=dist.group.WORLD,
+                sequence_parallel=sp,
+                impl=impl,
+                loss_mask=mask,
+                chunk=4,
             )
-            loss.sum().backward()
+            (loss * mask).sum().mul(0.3).backward()
             torch.testing.assert_close(loss, expected.detach().float(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(local_x.grad, full_x.grad[tokens].float(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(local_w.grad, full_w.grad[rows].float(), rtol=1e-5, atol=1e-6)

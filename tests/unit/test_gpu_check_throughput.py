@@ -228,3 +228,19 @@ def test_auto_pins_cudnn_where_the_h200_measured_it_fastest():
     assert attention_rule.fastest(attention_rule.MEASURED, (9, 0), 128, "bf16", 4096) == "cudnn"
     assert attention_rule.fastest(attention_rule.MEASURED, (9, 0), 64, "bf16", 8192) is None
     assert attention_rule.fastest(attention_rule.MEASURED, (8, 0), 128, "bf16", 8192) is None
+
+
+def test_ours_over_the_best_peer_of_the_same_run():
+    rows = [
+        dict(name="ours", layers=8, tokens_per_s=34507.3),
+        dict(name="ours-best", layers=8, tokens_per_s="timed out after 30 s"),
+        dict(name="bare-eager", layers=8, tokens_per_s=31909.8),
+        dict(name="bare-compile", layers=8, tokens_per_s=35151.4),
+        dict(name="torchtitan-compile", layers=8, tokens_per_s="skipped: 10 s left, 40 s needed"),
+        dict(name="bare-compile", layers=16, tokens_per_s=99999.0),  # another layer count: not compared
+    ]
+    line = throughput_check.versus_best_peer(rows, 8)
+    assert line.startswith("ours / best peer at 8 layers, tokens/s in this run: ours 0.982x, ours-best not measured")
+    assert "of bare-compile (35,151.4); peers not measured: torchtitan-compile" in line
+    dry = [dict(name=n, layers=1, tokens_per_s=NA) for n in NAMES]
+    assert throughput_check.versus_best_peer(dry, 1).startswith("ours / best peer at 1 layers: no peer measured")

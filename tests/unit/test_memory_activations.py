@@ -194,16 +194,20 @@ def test_first_and_last_stage_extras():
 @pytest.mark.parametrize("device,path", [("cuda", "triton"), ("cpu", "torch")])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fused_cross_entropy_keeps_no_logits(device, path, tp):
-    """--cross-entropy-loss-fusion: the last stage keeps the output layer's input (a sequence shard
-    under SP), the targets (int64) and an fp32 log-sum-exp per token, in place of the unfused
-    path's fp32 softmax over the local vocabulary, its targets and out-of-range mask; both
-    reduction paths keep the same."""
+    """--cross-entropy-loss-fusion (gradients computed in the forward): the last stage keeps the output
+    layer's input gradient in place of its input (the same size), the weight gradient [V/tp, h] in
+    main_grad's fp32 (gradient accumulation fusion, the default) and the loss mask's fp32 weights, in
+    place of the unfused path's fp32 softmax over the local vocabulary, its targets and out-of-range
+    mask; both reduction paths keep the same. With the other fusions off the weight gradient is bf16."""
     fused = dataclasses.replace(LLAMA, cross_entropy_loss_fusion=True)
     assert resolve_kernels(fused, device).cross_entropy == path
     assert resolve_kernels(LLAMA, device).cross_entropy == "unfused"
     sb, vocab = S * B, 128256 // tp
     unfused = _saved(LLAMA, post=True, tp=tp, device=device).bytes
-    assert unfused - _saved(fused, post=True, tp=tp, device=device).bytes == sb * vocab * 4 + sb * 8 + sb - sb * 12
+    for fusion, weight_grad_bytes in ((True, 4), (False, 2)):
+        config = dataclasses.replace(fused, gradient_accumulation_fusion=fusion)
+        kept = vocab * H * weight_grad_bytes + sb * 4
+        assert unfused - _saved(config, post=True, tp=tp, device=device).bytes == sb * vocab * 4 + sb * 8 + sb - kept
 
 
 @pytest.mark.parametrize("cp", [2, 4])

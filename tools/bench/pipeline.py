@@ -122,7 +122,7 @@ class Stage(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.Sequential(*blocks)
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, loss_mask=None):  # the executor passes the mask; this loss ignores it
         y = self.blocks(x)
         if labels is None:
             return y

@@ -70,7 +70,9 @@ class BareLoop:
     def __init__(self, run, device: torch.device):
         torch.manual_seed(run.training.seed)
         model, opt = run.model, run.optimizer
-        self.device, self.model = device, BareLlama(model).to(device)
+        self.device = device
+        with device:  # initialised on the device (the host takes seconds for a billion weights)
+            self.model = BareLlama(model)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         rest = [p for p in self.model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(

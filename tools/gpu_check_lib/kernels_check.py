@@ -187,9 +187,13 @@ def output_cross_entropy_case(section, ctx, sizes, dtype):
         impl = "triton" if path.startswith("triton") else "auto"
         impls = {
             "torch": ("unfused", lambda x, w: vocab_parallel_cross_entropy(F.linear(x, w), target, None, 0)),
-            "ours": (path, lambda x, w: fused_output_cross_entropy(x, w, target, tp_group=None, impl=impl)),
+            # the per-token output gradient as its loss weights: the fused forward computes the gradients
+            "ours": (
+                path,
+                lambda x, w: fused_output_cross_entropy(x, w, target, tp_group=None, impl=impl, loss_mask=dout),
+            ),
         }
-        flops = 2 * tokens * hidden * vocab  # the logits GEMM (the fused backward computes it again: not counted)
+        flops = 2 * tokens * hidden * vocab  # the logits GEMM (the fused forward runs all three: its fwd is slower)
         _rows(section, ctx, case, impls, (x, w), reference, lambda t: t, ("TFLOP/s", flops, 2 * flops), dout)
     except Exception as error:
         section.add(case=case, impl="-", path=f"error: {error_line(error)}")

@@ -157,13 +157,17 @@ class GPTModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
 
         `position_ids` [b, s] (--reset-position-ids): each token's position, for rotary angles
         or learned position embeddings (None: the positions in the sequence); `document_ids`
         [b, s] (--reset-attention-mask): tokens attend only within their document (None: the
-        whole sample). Both are this rank's share of the sequence, like the tokens.
+        whole sample). Both are this rank's share of the sequence, like the tokens. `loss_mask` [b, s]:
+        the weights of the loss that will be backpropagated (sum of mask x per-token loss, times any
+        scalar), which --cross-entropy-loss-fusion needs in the forward (fused_cross_entropy.py; None:
+        all ones); the unfused path leaves the masking to the caller.
         Returns hidden states (not the last stage), the per-token loss [b, s] in fp32
         (last stage, labels given), or the full logits [b, s, vocab] (labels None).
         """
@@ -177,7 +181,8 @@ class GPTModel(torch.nn.Module):
         if labels is not None and self.config.cross_entropy_loss_fusion:
             impl = self.config.kernel_paths(hidden.device.type).cross_entropy.impl
             once = not (self.tied and self.pre_process)  # a tied embedding's gradient also comes from its lookup
-            return self.output_layer(hidden, self.output_weight(), labels.t(), impl, once).t()
+            mask = None if loss_mask is None else loss_mask.t()
+            return self.output_layer(hidden, self.output_weight(), labels.t(), impl, once, mask).t()
         logits = self.output_layer(hidden, self.output_weight())
         if labels is None:
             full = gather_from_tensor_parallel_region(logits, self.tp_group)

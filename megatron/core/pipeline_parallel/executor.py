@@ -207,7 +207,9 @@ class PipelineExecutor:
     """Executes one iteration of the schedule for this rank.
 
     `chunks[c]` is local model chunk c (a ModelChunkBuffers module), called
-    as chunk(inputs, labels, **model_inputs) -> hidden states or per-token loss. `batch(mb)`
+    as chunk(inputs, **model_inputs) -> hidden states, or on the last stage
+    chunk(inputs, labels, loss_mask=..., **model_inputs) -> per-token loss (the mask: the loss's
+    weights, which the fused LM head + cross-entropy needs in its forward). `batch(mb)`
     returns the Microbatch mb (or its first three fields: input ids, labels, loss mask).
     """
 
@@ -304,7 +306,7 @@ class PipelineExecutor:
         chunk = self.chunks[action.chunk]
         if not last:
             return chunk(chunk_input, **model_inputs)
-        token_losses = chunk(chunk_input, data.labels, **model_inputs)
+        token_losses = chunk(chunk_input, data.labels, loss_mask=data.loss_mask, **model_inputs)
         return stats.add_loss(token_losses, data.loss_mask) * (scale / data.loss_mask.numel())
 
     def _backward(self, action, inputs, outputs, received_grads, input_grads):
