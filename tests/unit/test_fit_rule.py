@@ -210,7 +210,7 @@ def test_runtime_allowance_is_the_measured_memory_outside_the_allocator():
     """On CUDA every rank, in every phase, keeps room for what a training process holds outside torch's
     allocator: the 3.86 GiB one process of ours held on an H200 (docs/gpu-check.md), not the 1 GiB
     assumed before, which was under that reading by 2.86 GiB; on CPU nothing."""
-    assert CUDA_RUNTIME_BYTES == round(3.86 * GIB)
+    assert round(3.86 * GIB) == CUDA_RUNTIME_BYTES
     flags = "--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1"
     rank = _estimate(8, flags).worst_rank
     assert rank.uncertain()["runtime allowance"] == CUDA_RUNTIME_BYTES
