@@ -32,8 +32,9 @@ The uncertain part, by name (`Transients.allowances`): what the trace cannot see
 the fit rule keeps (fit_rule.py). Assumptions, not measurements (none on GPU yet):
 - fragmentation: a fixed fraction of the dynamic memory (activations + transients) for the
   CUDA caching allocator's rounding and unusable free blocks (0 on CPU);
-- runtime: the CUDA context and cuBLAS workspaces, which torch's allocator does not see
-  (0 on CPU);
+- runtime: what a CUDA training process holds outside torch's allocator (the CUDA context with the
+  kernels it loads, the libraries' handles and their own device memory): measured, 3.86 GiB in one
+  process of our trainer on an H200 (`CUDA_RUNTIME_BYTES`; 0 on CPU);
 - NCCL buffers: `communicator_bytes` for each communicator the rank runs collectives on
   (communicators.py; 0 on CPU, where gloo keeps no device buffers);
 - document mask: the [b, 1, s, s] bool mask GPTModel builds from the document ids under
@@ -63,7 +64,12 @@ from megatron.planning.parameters import padded_vocab
 
 FP32 = 4
 FRAGMENTATION_FRACTION = 0.10
-CUDA_RUNTIME_BYTES = 1 << 30
+# What one CUDA training process of ours held outside torch's caching allocator: 3.86 GiB (the
+# process's 138.61 GiB in CUDA's out-of-memory message less 134.39 allocated and 0.36 reserved by
+# PyTorch; H200, torch 2.11.0+cu130, one process, no NCCL communicator; docs/gpu-check.md, 2026-11-28).
+# The only reading of our own stack, and the largest we have (Megatron-LM #525: 1.21 GiB on a V100 with
+# torch 2.0.1), so it stands for every CUDA device: an allowance, not a derivation
+CUDA_RUNTIME_BYTES = round(3.86 * (1 << 30))
 # NCCL's buffers per communicator: "about 0.5 GB", the figure Fujii et al.'s later estimator adds
 # per communicator on GPUs (as issue 36 quotes it; not measured here), taken as 0.5 GiB
 NCCL_COMMUNICATOR_BYTES = 1 << 29

@@ -188,7 +188,7 @@ def _llama31_estimate(layout_flags):
 @pytest.mark.parametrize("name", list(TRAINED_LAYOUTS))
 def test_layouts_megatron_trained_fit(name, capsys):
     """Llama-3.1-8B trained at these layouts; the full estimate, NCCL buffers of its three
-    communicators included, is below the device (84.64 GiB of 93.6 for both), the certain part
+    communicators included, is below the device (87.50 GiB of 93.6 for both), the certain part
     well below: the verdict is "fits" (the 80% rule before issue 36 dropped both). Before the
     SwiGLU kernel (issue 43), whose backward recomputes silu(gate) as megatron-core's bias-SwiGLU
     fusion does, the estimate was 93.43 and 92.88 GiB: 7.5 GiB of silu(gate) over 32 layers."""
@@ -203,7 +203,7 @@ def test_layouts_megatron_trained_fit(name, capsys):
 
 def test_warning_names_the_components_and_the_largest_allowance():
     estimate, _ = _llama31_estimate(TRAINED_LAYOUTS["seq16k-mbs1"])
-    device_bytes = 80 * GIB  # below the 84.64 GiB estimate, above its certain part
+    device_bytes = 80 * GIB  # below the 87.50 GiB estimate, above its certain part
     assert estimate.max_total_bytes > device_bytes
     line = check_estimate(estimate, device_bytes, skip=False)
     assert "\n" not in line
@@ -215,7 +215,7 @@ def test_warning_names_the_components_and_the_largest_allowance():
         "saved activations 38.08 GiB",
         "largest first: largest temporary (logits) 5.87 GiB",
         "fragmentation allowance",
-        "runtime allowance 1.00 GiB",
+        "runtime allowance 3.86 GiB",
     ):
         assert part in line, part
 
@@ -304,7 +304,7 @@ def test_real_process_exit_codes():
 
 def test_planner_prints_ranked_layouts(capsys):
     argv = (
-        ["--num-gpus", "8", "--device-memory-gb", "4", "--micro-batch-size", "1", "2"]
+        ["--num-gpus", "8", "--device-memory-gb", "8", "--micro-batch-size", "1", "2"]
         + TINY[:-4]
         + ["--global-batch-size", "16"]
     )
@@ -357,8 +357,9 @@ def test_planner_proposes_host_resident_chunks_when_offload_is_not_enough(capsys
 
 
 def test_planner_proposes_offload_when_nothing_fits(capsys):
-    """Llama-2-7B on one 80 GiB device: no layout fits; with 49% of the optimizer state on host
-    (full recomputation) it does, and the planner prints the flags and host bytes."""
+    """Llama-2-7B on one 80 GiB device: no layout fits; with 53% of the optimizer state on host
+    (full recomputation) it does, and the planner prints the flags and host bytes (49% and 71% with the
+    runtime allowance of 1 GiB before the measured 3.86 GiB)."""
     argv = (
         [
             "--num-gpus",
@@ -377,13 +378,13 @@ def test_planner_proposes_offload_when_nothing_fits(capsys):
     code, out, err = run_tool(plan_tool, argv, capsys)
     assert code == 0, err
     assert "0 fit" in out
-    assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.49" in out
+    assert "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.53" in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert [(row[8], row[16]) for row in rows] == [("full", "0.49"), ("none", "0.71")]
+    assert [(row[8], row[16]) for row in rows] == [("full", "0.53"), ("none", "0.75")]
     assert "offload  host GiB" in out and "leave out the CPU step" in out
     code, out, _ = run_tool(plan_tool, argv + ["--json"], capsys)
     data = json.loads(out)
-    assert code == 0 and [row["offload_fraction"] for row in data] == [0.49, 0.71]
+    assert code == 0 and [row["offload_fraction"] for row in data] == [0.53, 0.75]
     assert all(row["distributed_optimizer"] and row["max_total_bytes"] <= 80 * GIB for row in data)
     assert data[0]["max_host_bytes"] > 0
 
