@@ -10,6 +10,8 @@ wgrad    dW = dY^T X : a = dY^T [out, tokens], bt = X^T [in, tokens]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron.core.fp8.scaling import dequantize
@@ -17,8 +19,9 @@ from megatron.core.fp8.scaling import dequantize
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper and later have FP8 tensor cores
 
 
+@functools.cache
 def device_has_fp8(device: torch.device) -> bool:
-    """Whether `device` multiplies FP8 in hardware (CUDA with compute capability >= 8.9)."""
+    """Whether `device` multiplies FP8 in hardware (CUDA with compute capability >= 8.9); asked once per device."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
@@ -41,14 +44,12 @@ def emulated_mm(a, a_scale_inv, bt, bt_scale_inv, out_dtype: torch.dtype) -> tor
 def fp8_mm(a, a_scale_inv, bt, bt_scale_inv, out_dtype: torch.dtype) -> torch.Tensor:
     """a @ bt^T from FP8 operands with per-tensor (0-d) or per-element scale_inv.
 
-    `torch._scaled_mm` on a device with FP8 when both scales are per tensor; block scales and every
-    other device take `emulated_mm` (the block-scaled `_scaled_mm` of the device's torch is not used:
-    not checked on a GPU yet)."""
+    `torch._scaled_mm` on a device with FP8 when both scales are per tensor, a and bt row-major as the
+    casts write them (kernels/fp8_cast.py: no copy here); block scales and every other device take
+    `emulated_mm` (the block-scaled `_scaled_mm` of the device's torch is not used: not checked on a GPU yet)."""
     per_tensor = a_scale_inv.dim() == 0 and bt_scale_inv.dim() == 0
     if per_tensor and device_has_fp8(a.device):
-        return torch._scaled_mm(
-            a.contiguous(), bt.contiguous().t(), scale_a=a_scale_inv, scale_b=bt_scale_inv, out_dtype=out_dtype
-        )
+        return torch._scaled_mm(a, bt.t(), scale_a=a_scale_inv, scale_b=bt_scale_inv, out_dtype=out_dtype)
     return emulated_mm(a, a_scale_inv, bt, bt_scale_inv, out_dtype)
 
 

@@ -14,11 +14,15 @@ over `weight_group` only where tensor parallelism splits a block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
+from kernels.fp8_cast import quantize, tensor_amax
 from megatron.core.fp8.gemm import fp8_mm
 from megatron.core.fp8.recipe import BLOCK, GRAD, INPUT, WEIGHT, Fp8Recipe
-from megatron.core.fp8.scaling import all_reduce_max, amax, cast, current_scale, quantize_blocks
+from megatron.core.fp8.scaling import all_reduce_max, current_scale, quantize_blocks
 from megatron.core.tensor_parallel.initialization import InitSpec, held_ranges
 
 STATE_BUFFERS = ("fp8_amax_history", "fp8_scale")  # delayed scaling's state, saved in checkpoints
@@ -27,6 +31,23 @@ STATE_BUFFERS = ("fp8_amax_history", "fp8_scale")  # delayed scaling's state, sa
 def is_fp8_state(name: str) -> bool:
     """Whether a checkpoint tensor is delayed scaling's state (optional on load, both ways)."""
     return name.rsplit(".", 1)[-1] in STATE_BUFFERS
+
+
+class Saved(NamedTuple):
+    """What the forward's per-tensor casts leave for backward: the input's and the weight's scales."""
+
+    x_scale: torch.Tensor
+    x_inv: torch.Tensor
+    w_scale: torch.Tensor
+    w_inv: torch.Tensor
+
+
+class QuantizedGrad(NamedTuple):
+    """The output gradient in FP8: row-major for dgrad, transposed for wgrad (None where not needed)."""
+
+    rowwise: torch.Tensor | None
+    columnwise: torch.Tensor | None
+    scale_inv: torch.Tensor
 
 
 def _global_index(shard, size: int, dim: int) -> tuple[list[tuple[int, int]], bool]:
@@ -43,8 +64,19 @@ def _arange(ranges, device) -> torch.Tensor:
 class Fp8Gemms:
     """The FP8 GEMMs of the linear layer `owner` (a module with a 2-D `weight` carrying its InitSpec)."""
 
-    def __init__(self, recipe: Fp8Recipe, owner: torch.nn.Module, *, weight_group, activation_groups, expert: bool):
+    def __init__(
+        self,
+        recipe: Fp8Recipe,
+        owner: torch.nn.Module,
+        *,
+        weight_group,
+        activation_groups,
+        expert: bool,
+        cast_impl: Callable[[str], str] = lambda device_type: "auto",
+    ):
+        """`cast_impl`: device type -> the per-tensor casts' path (kernels/dispatch.py `fp8_cast`)."""
         self.recipe, self.owner, self.expert = recipe, owner, expert
+        self.cast_impl, self._impls = cast_impl, {}
         self.weight_group, self.activation_groups = weight_group, tuple(activation_groups)
         spec = owner.weight.init_spec
         self.full_shape = tuple(spec.full_shape)
@@ -63,13 +95,21 @@ class Fp8Gemms:
             owner.fp8_amax_history.init_spec = InitSpec((recipe.amax_history_len, 3), kind="zeros")
             owner.fp8_scale.init_spec = InitSpec((3,), kind="ones")
             owner.register_buffer("fp8_amax_pending", torch.zeros(3, device=device), persistent=False)
+            owner.register_buffer("fp8_scale_inv", torch.ones(3, device=device), persistent=False)
 
-    # ---- per-tensor scales (delayed and tensorwise)
+    # ---- per-tensor scales (delayed and tensorwise) and the fused casts (kernels/fp8_cast.py)
+    def _impl(self, x: torch.Tensor) -> str:
+        """The cast path ('triton' or 'torch') for tensors on x's device (kernels/dispatch.py's `fp8_cast`)."""
+        impl = self._impls.get(x.device.type)
+        if impl is None:
+            impl = self._impls[x.device.type] = self.cast_impl(x.device.type)
+        return impl
+
     def _record(self, x: torch.Tensor, tensor: int) -> None:
-        """Delayed scaling: fold this cast's amax into the iteration's pending amax (training only)."""
+        """Delayed scaling while calibrating: fold x's amax into the iteration's pending amax (training only)."""
         if self.owner.training:
-            pending = self.owner.fp8_amax_pending
-            pending[tensor] = torch.maximum(pending[tensor], amax(x))
+            pending = self.owner.fp8_amax_pending[tensor : tensor + 1]
+            torch.maximum(pending, tensor_amax(x, self._impl(x)), out=pending)
 
     @property
     def calibrating(self) -> bool:
@@ -77,14 +117,22 @@ class Fp8Gemms:
         amaxes (a fixed first scale, TE's 1, would flush small gradients by a layout-dependent amount)."""
         return self.recipe.delayed and not self.has_history
 
-    def _scale(self, x: torch.Tensor, tensor: int, groups) -> torch.Tensor:
+    def _scale(self, x: torch.Tensor, tensor: int, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) of x: delayed scaling's buffers (views, nothing computed), or the current
+        scale from x's amax (one reduction pass, reduced over `groups`, derived on the device)."""
         if self.recipe.delayed:
-            self._record(x, tensor)
-            return self.owner.fp8_scale[tensor]
-        return current_scale(all_reduce_max(amax(x), *groups), self.recipe.dtype(tensor))
+            return self.owner.fp8_scale[tensor], self.owner.fp8_scale_inv[tensor]
+        scale = current_scale(all_reduce_max(tensor_amax(x, self._impl(x)), *groups), self.recipe.dtype(tensor))
+        return scale, scale.reciprocal()
 
-    def _cast(self, x, scale, tensor):
-        return cast(x, scale, self.recipe.dtype(tensor)), scale.reciprocal()
+    def _quantize(self, x, scale, tensor, *, rowwise=True, columnwise=False, record=False):
+        """(FP8 x, FP8 x^T) in one pass; `record`: delayed scaling folds x's amax into the pending one."""
+        record = record and self.recipe.delayed and self.owner.training
+        pending = self.owner.fp8_amax_pending[tensor : tensor + 1] if record else None
+        dtype = self.recipe.dtype(tensor)
+        return quantize(
+            x.contiguous(), scale, dtype, self._impl(x), rowwise=rowwise, columnwise=columnwise, amax_out=pending
+        )
 
     # ---- block scaling: 1x128 along the contraction dimension for activations and gradients, 128x128 weights
     def _rows(self, x2d: torch.Tensor, tensor: int, cols=None, full_cols=None, group=None):
@@ -100,7 +148,7 @@ class Fp8Gemms:
 
     # ---- the three products
     def forward(self, x2d: torch.Tensor, weight: torch.Tensor):
-        """(x W^T in x's dtype, what backward reuses: the per-tensor scales of x and W)."""
+        """(x W^T in x's dtype, what backward reuses: `Saved` (None calibrating or under block scaling))."""
         if self.calibrating:
             self._record(x2d, INPUT)
             self._record(weight, WEIGHT)
@@ -109,22 +157,27 @@ class Fp8Gemms:
             cols = _arange(self._in, x2d.device)
             xq = self._rows(x2d, INPUT, cols, self.full_shape[1], self._in_group)
             return fp8_mm(*xq, *self._weight_blocks(weight), x2d.dtype), None
-        x_scale = self._scale(x2d, INPUT, self.activation_groups)
-        w_scale = self._scale(weight, WEIGHT, (self.weight_group,))
-        y = fp8_mm(*self._cast(x2d, x_scale, INPUT), *self._cast(weight, w_scale, WEIGHT), x2d.dtype)
-        return y, (x_scale, w_scale)
+        x_scale, x_inv = self._scale(x2d, INPUT, self.activation_groups)
+        w_scale, w_inv = self._scale(weight, WEIGHT, (self.weight_group,))
+        x_data, _ = self._quantize(x2d, x_scale, INPUT, record=True)
+        w_data, _ = self._quantize(weight, w_scale, WEIGHT, record=True)
+        return fp8_mm(x_data, x_inv, w_data, w_inv, x2d.dtype), Saved(x_scale, x_inv, w_scale, w_inv)
 
-    def grad_scale(self, g2d: torch.Tensor):
-        """The output gradient's per-tensor scale, shared by dgrad and wgrad (None under block scaling)."""
+    def quantize_grad(self, g2d: torch.Tensor, dgrad: bool = True) -> QuantizedGrad | None:
+        """The output gradient in FP8 for both backward GEMMs, in one pass: row-major for dgrad (when
+        `dgrad`), transposed for wgrad (under FP8 wgrad). None under block scaling (each GEMM blocks it
+        its own way) and while calibrating (its amax recorded)."""
         if self.recipe.recipe == "blockwise":
             return None
         if self.calibrating:
             self._record(g2d, GRAD)
             return None
-        return self._scale(g2d, GRAD, self.activation_groups)
+        scale, scale_inv = self._scale(g2d, GRAD, self.activation_groups)
+        rowwise, columnwise = self._quantize(g2d, scale, GRAD, rowwise=dgrad, columnwise=self.recipe.wgrad, record=True)
+        return QuantizedGrad(rowwise, columnwise, scale_inv)
 
-    def dgrad(self, g2d: torch.Tensor, weight: torch.Tensor, saved, g_scale) -> torch.Tensor:
-        """dY W, in dY's dtype."""
+    def dgrad(self, g2d: torch.Tensor, weight: torch.Tensor, saved: Saved, grad: QuantizedGrad) -> torch.Tensor:
+        """dY W, in dY's dtype: the weight cast-transposed with its forward scale (one pass, no copy after)."""
         if self.calibrating:
             return g2d.mm(weight)
         if self.recipe.recipe == "blockwise":
@@ -132,15 +185,15 @@ class Fp8Gemms:
             gq = self._rows(g2d, GRAD, cols, self.full_shape[0], self._out_group)
             w_data, w_scale_inv = self._weight_blocks(weight)
             return fp8_mm(*gq, w_data.t(), w_scale_inv.t(), g2d.dtype)
-        w_data, w_scale_inv = self._cast(weight, saved[1], WEIGHT)
-        return fp8_mm(*self._cast(g2d, g_scale, GRAD), w_data.t(), w_scale_inv, g2d.dtype)
+        _, w_t = self._quantize(weight, saved.w_scale, WEIGHT, rowwise=False, columnwise=True)
+        return fp8_mm(grad.rowwise, grad.scale_inv, w_t, saved.w_inv, g2d.dtype)
 
-    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, saved, g_scale) -> torch.Tensor:
-        """dY^T X in fp32 (added into main_grad, or rounded to the weight's dtype for autograd)."""
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, saved: Saved, grad: QuantizedGrad) -> torch.Tensor:
+        """dY^T X in fp32 (added into main_grad, or rounded to the weight's dtype for autograd): the input
+        cast-transposed with its forward scale, the gradient's transpose from `quantize_grad`."""
         if not self.recipe.wgrad or self.calibrating:
             return g2d.t().mm(x2d).float()
         if self.recipe.recipe == "blockwise":  # blocks of 128 tokens (this rank's tokens: see docs/fp8.md)
             return fp8_mm(*self._rows(g2d.t(), GRAD), *self._rows(x2d.t(), INPUT), torch.float32)
-        g_data, g_scale_inv = self._cast(g2d, g_scale, GRAD)
-        x_data, x_scale_inv = self._cast(x2d, saved[0], INPUT)
-        return fp8_mm(g_data.t(), g_scale_inv, x_data.t(), x_scale_inv, torch.float32)
+        _, x_t = self._quantize(x2d, saved.x_scale, INPUT, rowwise=False, columnwise=True)
+        return fp8_mm(grad.columnwise, grad.scale_inv, x_t, saved.x_inv, torch.float32)
