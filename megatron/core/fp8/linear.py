@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.fp8_blocks import quantize_blocks as quantize_whole_blocks
 from kernels.fp8_cast import quantize, tensor_amax
-from megatron.core.fp8.gemm import fp8_mm
+from megatron.core.fp8.gemm import block_mm, fp8_mm
 from megatron.core.fp8.recipe import BLOCK, GRAD, INPUT, WEIGHT, Fp8Recipe
 from megatron.core.fp8.scaling import all_reduce_max, current_scale, quantize_blocks
 from megatron.core.tensor_parallel.initialization import InitSpec, held_ranges
@@ -135,11 +136,16 @@ class Fp8Gemms:
         )
 
     # ---- block scaling: 1x128 along the contraction dimension for activations and gradients, 128x128 weights
-    def _rows(self, x2d: torch.Tensor, tensor: int, cols=None, full_cols=None, group=None):
-        cols = torch.arange(x2d.shape[1], device=x2d.device) if cols is None else cols
+    def _rows(self, x2d: torch.Tensor, tensor: int, cols, full_cols, group):
+        """1x128 blocks of x2d on the full tensor's column grid (`cols`: each local column's full index)."""
         rows = torch.arange(x2d.shape[0], device=x2d.device)
-        shape = (x2d.shape[0], x2d.shape[1] if full_cols is None else full_cols)
+        shape = (x2d.shape[0], full_cols)
         return quantize_blocks(x2d, rows, cols, (1, BLOCK), shape, self.recipe.dtype(tensor), group)
+
+    def _whole_blocks(self, x2d, block_rows, tensor, *, rowwise=True, columnwise=False):
+        """(FP8 x, FP8 x^T, scale_inv grid) of x on its own block grid (kernels/fp8_blocks.py): one pass."""
+        dtype, impl = self.recipe.dtype(tensor), self._impl(x2d)
+        return quantize_whole_blocks(x2d, block_rows, dtype, impl, rowwise=rowwise, columnwise=columnwise)
 
     def _weight_blocks(self, weight: torch.Tensor):
         out, inp = _arange(self._out, weight.device), _arange(self._in, weight.device)
@@ -153,7 +159,11 @@ class Fp8Gemms:
             self._record(x2d, INPUT)
             self._record(weight, WEIGHT)
             return x2d.mm(weight.t()), None
-        if self.recipe.recipe == "blockwise":
+        if self.recipe.recipe == "blockwise" and self._block_group is None:  # blocks whole on this rank
+            x_data, _, x_inv = self._whole_blocks(x2d, 1, INPUT)
+            w_data, _, w_inv = self._whole_blocks(weight, BLOCK, WEIGHT)
+            return block_mm(x_data, x_inv, w_data, w_inv, BLOCK, x2d.dtype), None
+        if self.recipe.recipe == "blockwise":  # blocks cut by tp: the per-element block scales, emulated
             cols = _arange(self._in, x2d.device)
             xq = self._rows(x2d, INPUT, cols, self.full_shape[1], self._in_group)
             return fp8_mm(*xq, *self._weight_blocks(weight), x2d.dtype), None
@@ -180,6 +190,10 @@ class Fp8Gemms:
         """dY W, in dY's dtype: the weight cast-transposed with its forward scale (one pass, no copy after)."""
         if self.calibrating:
             return g2d.mm(weight)
+        if self.recipe.recipe == "blockwise" and self._block_group is None:
+            g_data, _, g_inv = self._whole_blocks(g2d.contiguous(), 1, GRAD)
+            _, w_t, w_inv = self._whole_blocks(weight, BLOCK, WEIGHT, rowwise=False, columnwise=True)
+            return block_mm(g_data, g_inv, w_t, w_inv.t(), BLOCK, g2d.dtype)
         if self.recipe.recipe == "blockwise":
             cols = _arange(self._out, g2d.device)
             gq = self._rows(g2d, GRAD, cols, self.full_shape[0], self._out_group)
@@ -194,6 +208,8 @@ class Fp8Gemms:
         if not self.recipe.wgrad or self.calibrating:
             return g2d.t().mm(x2d).float()
         if self.recipe.recipe == "blockwise":  # blocks of 128 tokens (this rank's tokens: see docs/fp8.md)
-            return fp8_mm(*self._rows(g2d.t(), GRAD), *self._rows(x2d.t(), INPUT), torch.float32)
+            g_t, _, g_inv = self._whole_blocks(g2d.t(), 1, GRAD)  # the transposed views read in place
+            x_t, _, x_inv = self._whole_blocks(x2d.t(), 1, INPUT)
+            return block_mm(g_t, g_inv, x_t, x_inv, 1, torch.float32)
         _, x_t = self._quantize(x2d, saved.x_scale, INPUT, rowwise=False, columnwise=True)
         return fp8_mm(grad.columnwise, grad.scale_inv, x_t, saved.x_inv, torch.float32)
