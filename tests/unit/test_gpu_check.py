@@ -278,3 +278,27 @@ def test_fp8_rows_as_the_issue_names_them(report):
     paths = {(row["op"], row["path"]) for row in ops if row["error"] is None and row["ms"] == NA}
     assert len(paths) == len(ops) and ("linear fwd + bwd", "fp8 delayed, triton casts") in paths
     assert {row["path"] for row in ops if row["op"].startswith("quantise")} >= {"torch", "triton"}
+
+
+def test_fp8_torchtitan_rows_are_the_throughput_jobs_with_torchao_float8():
+    """Part fp8's torchtitan rows: the throughput part's torchtitan job at 2 layers, compiled, with torchtitan
+    0.2.2's float8 converter by recipe name (the output layer left out); parsed by torchtitan where it is here."""
+    from types import SimpleNamespace
+
+    from tools.gpu_check_lib.fp8_check import torchtitan_job
+    from tools.gpu_check_lib.torchtitan_rows import config_argv
+
+    ctx = SimpleNamespace(dry_run=False)
+    bf16 = config_argv(torchtitan_job(ctx, None, None), "/tmp/dump")
+    rowwise = config_argv(torchtitan_job(ctx, "rowwise", None), "/tmp/dump")
+    assert "--model.converters" not in bf16 and "--compile.enable" in bf16
+    pairs = dict(zip(rowwise[-6::2], rowwise[-5::2]))
+    assert pairs == {
+        "--model.converters": "quantize.linear.float8",
+        "--quantize.linear.float8.recipe_name": "rowwise",
+        "--quantize.linear.float8.filter_fqns": "output",
+    }
+    assert rowwise[rowwise.index("--model.flavor") + 1] == "8B-L2"
+    config_manager = pytest.importorskip("torchtitan.config", reason="torchtitan 0.2.2 is carried to the GPU only")
+    config = config_manager.ConfigManager().parse_args(rowwise)
+    assert config.quantize.linear.float8.recipe_name == "rowwise" and config.compile.enable
