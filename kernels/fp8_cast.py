@@ -57,8 +57,9 @@ def _round_to_fp8(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     does not round to nearest even)."""
     bits = y.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
-    quantum = ((tl.maximum(exponent, MIN_EXPONENT) - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
-    steps = tl.abs(y) / quantum  # exact: a power of two
+    step_exponent = tl.maximum(exponent, MIN_EXPONENT) - MANTISSA  # the grid's spacing at y: 2^step_exponent
+    quantum = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    steps = tl.abs(y) * ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)  # exact: powers of two
     steps = (steps + 12582912.0) - 12582912.0  # round to nearest even (steps < 2^22): 1.5 x 2^23 added
     magnitude = (steps * quantum).to(tl.int32, bitcast=True)
     return (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign, -0 included
