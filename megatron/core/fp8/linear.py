@@ -10,6 +10,11 @@ into `fp8_amax_pending`, reduced and folded into the history once per iteration 
 logical tensor before casting (the weight over `weight_group`, activations and gradients over
 `activation_groups`); block scaling lays its blocks on the full tensor's grid, reducing a block's amax
 over `weight_group` only where tensor parallelism splits a block.
+
+Casts: kernels/fp8_cast.py (per tensor: one pass writes the FP8 tensor and/or its transpose, and delayed
+scaling's amax) and kernels/fp8_blocks.py (blocks whole on this rank), Triton or torch by `cast_impl`
+(--kernel-impl). The output gradient is cast once for both backward GEMMs; the weight and the input are
+cast-transposed for them with their forward scales. docs/fp8.md counts the passes.
 """
 
 from __future__ import annotations
@@ -191,7 +196,7 @@ class Fp8Gemms:
         if self.calibrating:
             return g2d.mm(weight)
         if self.recipe.recipe == "blockwise" and self._block_group is None:
-            g_data, _, g_inv = self._whole_blocks(g2d.contiguous(), 1, GRAD)
+            g_data, _, g_inv = self._whole_blocks(g2d, 1, GRAD)
             _, w_t, w_inv = self._whole_blocks(weight, BLOCK, WEIGHT, rowwise=False, columnwise=True)
             return block_mm(g_data, g_inv, w_t, w_inv.t(), BLOCK, g2d.dtype)
         if self.recipe.recipe == "blockwise":
