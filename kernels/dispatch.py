@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kernels.attention_rule import measured_sdpa_backend
 from kernels.cross_entropy import unsupported_reason as cross_entropy_unsupported
 from kernels.flash_attention import unsupported_reason as attention_unsupported
+from kernels.fp8_cast import unsupported_reason as fp8_cast_unsupported
 from kernels.normalization import unsupported_reason as norm_unsupported
 from kernels.rope import unsupported_reason as rope_unsupported
 from kernels.swiglu import unsupported_reason as swiglu_unsupported
@@ -35,7 +36,8 @@ class KernelPaths:
     op's path each (kernels/<op>.py): the norms, RoPE of q and k, SwiGLU; `cross_entropy`: the fused
     LM head + cross-entropy's reductions (--cross-entropy-loss-fusion; None: the output layer and the
     cross-entropy run unfused); `sdpa_backend`: the SDPA backend pinned (kernels/attention_rule.py),
-    None: torch's choice."""
+    None: torch's choice; `fp8_cast`: the FP8 linear layers' per-tensor casts (kernels/fp8_cast.py;
+    None: no FP8)."""
 
     attention: str
     attention_kernel: OpPath
@@ -45,6 +47,7 @@ class KernelPaths:
     sdpa_reason: str = ""
     cross_entropy: OpPath | None = None
     sdpa_backend: str | None = None
+    fp8_cast: OpPath | None = None
 
     @property
     def attention_line(self) -> str:
@@ -89,6 +92,7 @@ def kernel_paths(
     assume_triton=False,
     cross_entropy_impl=None,
     seq_length=None,
+    fp8=False,
 ) -> KernelPaths:
     """The one decision of which path each op takes on `device_type`, for the layers, the start-up
     log and the memory estimate. `attention_impl` / `norm_impl` / `rope_impl` / `swiglu_impl`: each
@@ -99,7 +103,8 @@ def kernel_paths(
     group of size > 1; `document_mask`: --reset-attention-mask; `assume_triton`: as if Triton were
     installed (on CPU: the interpreter on), for an estimate of a run elsewhere; `cross_entropy_impl`:
     the fused LM head + cross-entropy's own switch (None: unfused); `seq_length`: for auto's measured
-    rule (kernels/attention_rule.py), which may pin an SDPA backend measured faster than our kernel."""
+    rule (kernels/attention_rule.py), which may pin an SDPA backend measured faster than our kernel;
+    `fp8`: the model runs FP8 linear layers (--fp8-format), whose casts follow --kernel-impl."""
     unfused = attention_impl == UNFUSED
 
     def resolve(own, unsupported):
@@ -116,6 +121,8 @@ def kernel_paths(
     )
     if cross_entropy_impl is not None:
         ops["cross_entropy"] = resolve(cross_entropy_impl, cross_entropy_unsupported(dtype))
+    if fp8:
+        ops["fp8_cast"] = resolve("auto", fp8_cast_unsupported(dtype))
     if context_parallel:
         return KernelPaths("ring", **ops)
     if unfused:

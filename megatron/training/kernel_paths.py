@@ -31,6 +31,8 @@ def startup_kernel_paths(model, device: torch.device, document_mask: bool = Fals
         ops["rope"] = (paths.rope.line, None, model.rope_impl)
     if model.swiglu:
         ops["swiglu"] = (paths.swiglu.line, None, model.swiglu_impl)
+    if paths.fp8_cast is not None:
+        ops["fp8 casts"] = (paths.fp8_cast.line, None, "auto")
     for path, flag, impl in ops.values():
         if path.startswith("error"):
             raise ValueError(f"{_forcing_flag(flag, impl)} triton cannot run: {path[len('error (') : -1]}")

@@ -75,3 +75,16 @@ def test_startup_names_the_flag_that_forced_triton(monkeypatch):
     paths = startup_kernel_paths(model(), cpu)
     assert list(paths) == ["attention", "normalization", "rope", "swiglu", "lm head + cross entropy"]
     assert paths["swiglu"] == "torch (tensors on CPU)"
+
+
+def test_fp8_casts_follow_kernel_impl():
+    """FP8 linear layers' casts (kernels/fp8_cast.py): Triton on CUDA by default, torch on CPU unless forced;
+    the start-up log names their path; a model without FP8 has none."""
+    assert model().kernel_paths("cuda", assume_triton=True).fp8_cast is None
+    fp8 = model("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert fp8.kernel_paths("cuda", assume_triton=True).fp8_cast.impl == "triton"
+    assert fp8.kernel_paths("cpu").fp8_cast.line == "torch (tensors on CPU)"
+    forced = model("--fp8-format", "hybrid", "--kernel-impl", "triton", "--attention-backend", "torch")
+    assert forced.kernel_paths("cpu").fp8_cast.line == "triton (interpreter)"
+    assert startup_kernel_paths(forced, torch.device("cpu"))["fp8 casts"] == "triton (interpreter)"
+    assert model("--fp8-format", "hybrid", "--kernel-impl", "torch").kernel_paths("cuda").fp8_cast.impl == "torch"

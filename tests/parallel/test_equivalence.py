@@ -98,7 +98,16 @@ FP8 = {
     "fp8-tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
-FP8_LAYOUTS = {"tp2-sp": TP2 + SP, "cp2": CP2, "dp2": [], "pp2-vpp2": PP2 + VPP}
+# tp2-sp-casts-triton: the FP8 casts in Triton (kernels/fp8_cast.py, kernels/fp8_blocks.py: the interpreter; the
+# other ops on torch)
+CASTS_TRITON = ["--kernel-impl", "triton", "--attention-backend", "torch", "--normalization-impl", "torch"]
+FP8_LAYOUTS = {
+    "tp2-sp": TP2 + SP,
+    "cp2": CP2,
+    "dp2": [],
+    "pp2-vpp2": PP2 + VPP,
+    "tp2-sp-casts-triton": TP2 + SP + CASTS_TRITON + ["--no-rope-fusion", "--no-bias-swiglu-fusion"],
+}
 FP8_CASES = [(layout, p) for layout in FP8_LAYOUTS for p in FP8 if not (layout == "cp2" and p == "fp8-blockwise")]
 
 

@@ -46,7 +46,7 @@ def _quantised(rank: int) -> dict:
         RECIPE, _owner((256, 96), row_shard), weight_group=dist.group.WORLD, activation_groups=(), expert=False
     )
     full_w = one._weight_blocks(weight)
-    full_x = one._rows(x, INPUT)
+    full_x = one._rows(x, INPUT, torch.arange(96), 96, None)
     cols = torch.arange(48 * rank, 48 * rank + 48)
     return {
         "weight": [t.float() for t in column._weight_blocks(column_shard.shard(weight))],

@@ -39,6 +39,7 @@ SECTIONS = {
     "moe_models": "Whole MoE models on one GPU",
     "fp8": "FP8 training at the 8B layer shape",
     "fp8_layer": "One layer's FP8 product",
+    "fp8_ops": "FP8 linear layer: GEMM vs quantisation",
 }
 OFFLOAD_CONFIGS = [
     "distributed optimizer, device",
@@ -269,5 +270,35 @@ def test_fp8_rows_as_the_issue_names_them(report):
     assert all(math.isfinite(r["final_loss"]) and r["error"] is None and r["tokens_per_s"] == NA for r in rows[:4])
     assert all(ours[name]["final_loss"] != ours["ours-bf16"]["final_loss"] for name in list(ours)[1:])
     assert all(r["error"] and r["final_loss"] is None for r in rows[4:])
-    (layer,) = report[0]["sections"]["fp8_layer"]["rows"]
-    assert 0 < layer["emulated vs bf16 rel err"] < 0.08 and layer["_scaled_mm vs emulated max abs"] == NA
+    layers = report[0]["sections"]["fp8_layer"]["rows"]
+    assert [layer["scales"] for layer in layers] == ["per tensor", "1x128 / 128x128 blocks"]
+    for layer in layers:
+        assert 0 < layer["emulated vs bf16 rel err"] < 0.08 and layer["_scaled_mm vs emulated max abs"] == NA
+    ops = report[0]["sections"]["fp8_ops"]["rows"]
+    paths = {(row["op"], row["path"]) for row in ops if row["error"] is None and row["ms"] == NA}
+    assert len(paths) == len(ops) and ("linear fwd + bwd", "fp8 delayed, triton casts") in paths
+    assert {row["path"] for row in ops if row["op"].startswith("quantise")} >= {"torch", "triton"}
+
+
+def test_fp8_torchtitan_rows_are_the_throughput_jobs_with_torchao_float8():
+    """Part fp8's torchtitan rows: the throughput part's torchtitan job at 2 layers, compiled, with torchtitan
+    0.2.2's float8 converter by recipe name (the output layer left out); parsed by torchtitan where it is here."""
+    from types import SimpleNamespace
+
+    from tools.gpu_check_lib.fp8_check import torchtitan_job
+    from tools.gpu_check_lib.torchtitan_rows import config_argv
+
+    ctx = SimpleNamespace(dry_run=False)
+    bf16 = config_argv(torchtitan_job(ctx, None, None), "/tmp/dump")
+    rowwise = config_argv(torchtitan_job(ctx, "rowwise", None), "/tmp/dump")
+    assert "--model.converters" not in bf16 and "--compile.enable" in bf16
+    pairs = dict(zip(rowwise[-6::2], rowwise[-5::2]))
+    assert pairs == {
+        "--model.converters": "quantize.linear.float8",
+        "--quantize.linear.float8.recipe_name": "rowwise",
+        "--quantize.linear.float8.filter_fqns": "output",
+    }
+    assert rowwise[rowwise.index("--model.flavor") + 1] == "8B-L2"
+    config_manager = pytest.importorskip("torchtitan.config", reason="torchtitan 0.2.2 is carried to the GPU only")
+    config = config_manager.ConfigManager().parse_args(rowwise)
+    assert config.quantize.linear.float8.recipe_name == "rowwise" and config.compile.enable

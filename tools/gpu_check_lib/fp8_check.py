@@ -1,33 +1,41 @@
 """Part fp8: our BF16 step and each FP8 recipe at the 8B layer shape, beside torchtitan with torchao float8
-(tensorwise, rowwise), and one layer's emulated FP8 product beside torch._scaled_mm's.
+(tensorwise, rowwise), one layer's emulated FP8 products beside torch._scaled_mm's, and where a linear
+layer's time goes (fp8_ops.py).
 
 Section `fp8` has the rows the issue names (`ours-bf16`, `ours-tensorwise`, `ours-delayed`, `ours-blockwise`,
 `torchtitan-bf16`, `torchtitan-tensorwise`, `torchtitan-rowwise`) with `tokens_per_s`, `speedup_vs_bf16`
 (over our BF16 step), `mfu_bf16_equiv` (the model's FLOPs per second over the dense BF16 peak: FP8 counted as
-BF16 work) and `final_loss` (after the timed steps). torchtitan 0.2.2 and torchao come as carried wheels on
-the GPU machine; where they do not import, their rows say why. Section `fp8_layer` compares one linear
-layer's product from the same FP8 operands: our fp32 emulation against torch._scaled_mm.
+BF16 work) and `final_loss` (after the timed steps). The shape is the throughput part's (throughput_jobs.py
+`SHAPE`, seq 8192) with 2 layers and 2 microbatches. torchtitan's rows are the throughput part's torchtitan
+jobs (torchtitan_rows.py: torchtitan 0.2.2's own Trainer, our custom import, compiled as torchtitan runs
+float8) with torchtitan's float8 converter (torchao's `tensorwise` / `rowwise` recipe, the output layer
+left out, as torchtitan's docs do), each in a fresh process; where torchtitan or torchao does not import,
+their rows say why. Section `fp8_layer` compares one linear layer's products from the same FP8 operands: our
+fp32 emulation against torch._scaled_mm, per-tensor and block-scaled. Section `fp8_ops` (fp8_ops.py):
+the GEMM alone vs each quantisation alone, torch ops vs the fused Triton kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
-import torch.nn.functional as F
 
-from megatron.core.fp8.gemm import device_has_fp8, emulated_mm
+from kernels.fp8_blocks import quantize_blocks
+from megatron.core.fp8.gemm import block_mm, device_has_block_scaled_mm, device_has_fp8, emulated_mm, expand_blocks
+from megatron.core.fp8.recipe import BLOCK
 from megatron.core.fp8.scaling import amax, cast, current_scale
 from megatron.core.transformer.flops import flops_per_iteration
+from tools.gpu_check_lib.fp8_ops import check_fp8_ops
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import error_line, free_device_memory, run_config, train
+from tools.gpu_check_lib.throughput_jobs import DRY_SHAPE, SHAPE, Job
 
 BUDGET_S = 240.0
-# Llama-3.1-8B's layer (the throughput part's shape), two layers so that a run fits the part's budget
-REAL = dict(layers=2, hidden=4096, ffn=14336, heads=32, groups=8, seq=4096, vocab=128256, micro_batch=1, mbs=2)
-DRY = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, seq=32, vocab=256, micro_batch=1, mbs=2)
-REAL_ITERS, DRY_ITERS = (3, 10), (1, 2)  # (warm-up, timed)
+# Llama-3.1-8B's layer (the throughput part's shape), two layers and two microbatches so that a run fits the budget
+RUN = dict(layers=2, micro_batch=1, mbs=2)
+REAL, DRY = {**SHAPE, **RUN}, {**DRY_SHAPE, **RUN}
+REAL_ITERS, DRY_ITERS = (2, 6), (1, 2)  # (warm-up, timed)
 RECIPES = {
     "ours-bf16": [],
     "ours-tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
@@ -35,6 +43,7 @@ RECIPES = {
     "ours-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
 TORCHTITAN = {"torchtitan-bf16": None, "torchtitan-tensorwise": "tensorwise", "torchtitan-rowwise": "rowwise"}
+TORCHTITAN_NEED_S = 100  # a fresh process, torch.compile of two layers, 8 steps
 COLUMNS = ["name", "tokens_per_s", "speedup_vs_bf16", "mfu_bf16_equiv", "final_loss", "error"]
 
 
@@ -62,41 +71,53 @@ def _row(name: str, step_s, losses, tokens: int, flops: float, peak, bf16_step) 
     return row
 
 
-def _torchtitan_loop(ctx, m: dict, recipe: str | None, warmup: int, iters: int):
-    """torchtitan's Llama 3 with torchao's float8 training (`recipe`: torchao's recipe name, None: bf16),
-    compiled as torchtitan runs it, bf16 autocast over fp32 weights, AdamW: (losses, step seconds)."""
-    from torchtitan.models.llama3 import Transformer, llama3_configs
+def torchtitan_float8_argv(recipe: str | None) -> list[str]:
+    """torchtitan 0.2.2's flags for torchao float8 training with `recipe` (None: bf16): its converter, the
+    recipe by name, the output layer left in bf16 (as ours keeps the LM head)."""
+    if recipe is None:
+        return []
+    converter = ["--model.converters", "quantize.linear.float8"]
+    return converter + [
+        "--quantize.linear.float8.recipe_name",
+        recipe,
+        "--quantize.linear.float8.filter_fqns",
+        "output",
+    ]
 
-    args = dataclasses.replace(llama3_configs["8B"], n_layers=m["layers"], vocab_size=m["vocab"], max_seq_len=m["seq"])
-    with torch.device(ctx.device):
-        model = Transformer(args)
-        model.init_weights()
-    if recipe is not None:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
-    compiled = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, m["vocab"], (m["micro_batch"], m["seq"] + 1), device=ctx.device)
+def torchtitan_job(ctx, recipe: str | None, torchtitan_path) -> Job:
+    """The throughput part's torchtitan job (torchtitan_rows.py) at this part's layers, batch and iterations."""
+    warmup, iters = DRY_ITERS if ctx.dry_run else REAL_ITERS
+    return Job(
+        "torchtitan",
+        ctx.dry_run,
+        RUN["layers"],
+        micro_batch=RUN["micro_batch"],
+        microbatches=RUN["mbs"],
+        warmup=warmup,
+        iters=iters,
+        extra_argv=torchtitan_float8_argv(recipe),
+        compile=True,
+        torchtitan_path=torchtitan_path,
+    )
 
-    def step():
-        for _ in range(m["mbs"]):
-            with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-                logits = compiled(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / m["mbs"]
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach() * m["mbs"]
 
-    losses = [step() for _ in range(warmup)]
-    ctx.sync()
-    start = time.perf_counter()
-    losses += [step() for _ in range(iters)]
-    ctx.sync()
-    return [x.item() for x in losses], (time.perf_counter() - start) / iters
+def _torchtitan_rows(section, ctx, tokens, flops, peak, bf16_step) -> str:
+    """torchtitan's three rows, each a fresh process (in this one on a dry run); returns where torchtitan came from."""
+    from tools.gpu_check_lib.throughput_check import runner
+    from tools.gpu_check_lib.torchtitan_rows import torchtitan_source
+
+    torchtitan_path, source = torchtitan_source()
+    run = runner(ctx)
+    for name, recipe in TORCHTITAN.items():
+        result = run(torchtitan_job(ctx, recipe, torchtitan_path), TORCHTITAN_NEED_S)
+        step = result["step_s"] if result["error"] is None else None
+        cells = _row(name, step if isinstance(step, float) else None, result["losses"], tokens, flops, peak, bf16_step)
+        if not isinstance(step, float):
+            why = result["error"] or result.get("note") or NA
+            cells.update(tokens_per_s=why, speedup_vs_bf16=why, mfu_bf16_equiv=why)
+        section.add(**cells, error=result["error"])
+    return source
 
 
 def check_fp8(report, ctx, peak) -> None:
@@ -118,72 +139,83 @@ def check_fp8(report, ctx, peak) -> None:
         step = measured.step_s if measured.error is None else None
         bf16_step = step if name == "ours-bf16" else bf16_step
         section.add(**_row(name, step, measured.losses, tokens, flops, peak, bf16_step), error=measured.error)
-    for name, recipe in TORCHTITAN.items():
-        skipped = "not run on CPU (torch.compile and float8 need the GPU)" if ctx.dry_run else ctx.skip(60)
-        if skipped:
-            section.add(name=name, tokens_per_s=NA if ctx.dry_run else None, error=skipped)
-            continue
-        try:
-            losses, step = _torchtitan_loop(ctx, m, recipe, warmup, iters)
-            section.add(**_row(name, step, losses, tokens, flops, peak, bf16_step))
-        except Exception as error:  # not installed, another API, out of memory: the row says which
-            section.add(name=name, error=error_line(error))
-        free_device_memory(ctx)
+    check_fp8_layer(report, ctx)
+    check_fp8_ops(report, ctx, m)
+    free_device_memory(ctx)
+    source = _torchtitan_rows(section, ctx, tokens, flops, peak, bf16_step)
     section.notes += [
         f"shape: {m['layers']} layers of hidden {m['hidden']}, ffn {m['ffn']}, {m['heads']} heads / {m['groups']} "
         f"groups, seq {m['seq']}, vocab {m['vocab']}, micro batch {m['micro_batch']} x {m['mbs']}; "
         f"{warmup} warm-up + {iters} timed iterations",
         f"mfu_bf16_equiv: FLOPs of megatron/core/transformer/flops.py per second / the dense bf16 peak ({peak[1]})",
-        "ours-blockwise multiplies in the fp32 emulation on every device (docs/fp8.md): its speed is not FP8's",
+        "ours-blockwise: torch._scaled_mm with block scales where the device has them (Hopper, CUDA >= 12.9) and "
+        "a layer's blocks are whole, else the fp32 emulation (docs/fp8.md)",
+        f"torchtitan: {source}; its Trainer compiled (torch.compile), torchao float8 through its converter; "
+        "speedup_vs_bf16 is over our BF16 row",
     ]
-    check_fp8_layer(report, ctx)
+
+
+LAYER_COLUMNS = ["layer", "scales", "tokens", "in", "out", "emulated vs bf16 rel err", "_scaled_mm vs emulated max abs",
+                 "rel err", "error"]  # fmt: skip
+
+
+def _per_tensor(x, w):
+    """(emulated product, _scaled_mm of the same operands or None where the device has no FP8): tensorwise e4m3."""
+    e4m3 = torch.float8_e4m3fn
+    xs, ws = current_scale(amax(x), e4m3), current_scale(amax(w), e4m3)
+    xq, wq = cast(x, xs, e4m3), cast(w, ws, e4m3)
+    emulated = emulated_mm(xq, xs.reciprocal(), wq, ws.reciprocal(), torch.float32)
+    if not device_has_fp8(x.device):
+        return emulated, None
+    scaled = torch._scaled_mm(xq, wq.t(), scale_a=xs.reciprocal(), scale_b=ws.reciprocal(), out_dtype=torch.float32)
+    return emulated, scaled
+
+
+def _blocks(x, w):
+    """The same for 1x128 input and 128x128 weight blocks (bf16 output: cuBLAS's block scaling gives no fp32)."""
+    e4m3 = torch.float8_e4m3fn
+    xq, _, x_inv = quantize_blocks(x, 1, e4m3, "torch")
+    wq, _, w_inv = quantize_blocks(w, BLOCK, e4m3, "torch")
+    emulated = emulated_mm(
+        xq, expand_blocks(x_inv, 1, xq.shape), wq, expand_blocks(w_inv, BLOCK, wq.shape), torch.bfloat16
+    ).float()
+    if not device_has_block_scaled_mm(x.device):
+        return emulated, None
+    return emulated, block_mm(xq, x_inv, wq, w_inv, BLOCK, torch.bfloat16).float()
 
 
 def check_fp8_layer(report, ctx) -> None:
-    """One fc1-sized product y = x W^T from the same e4m3 operands, tensorwise scales: emulated vs _scaled_mm."""
-    section = report.section(
-        "fp8_layer",
-        "One layer's FP8 product: emulation vs torch._scaled_mm",
-        [
-            "layer",
-            "tokens",
-            "in",
-            "out",
-            "emulated vs bf16 rel err",
-            "_scaled_mm vs emulated max abs",
-            "rel err",
-            "error",
-        ],
-    )
+    """One fc1-sized product y = x W^T from the same e4m3 operands, per-tensor and block scales: emulated vs
+    torch._scaled_mm."""
+    section = report.section("fp8_layer", "One layer's FP8 product: emulation vs torch._scaled_mm", LAYER_COLUMNS)
     m = shape(ctx.dry_run)
     tokens, k, n = m["seq"], m["hidden"], 2 * m["ffn"]
     generator = torch.Generator(device=ctx.device).manual_seed(0)
     x = torch.randn(tokens, k, device=ctx.device, generator=generator).bfloat16()
     w = (torch.randn(n, k, device=ctx.device, generator=generator) * 0.02).bfloat16()
-    e4m3 = torch.float8_e4m3fn
-    xs, ws = current_scale(amax(x), e4m3), current_scale(amax(w), e4m3)
-    xq, wq = cast(x, xs, e4m3), cast(w, ws, e4m3)
-    emulated = emulated_mm(xq, xs.reciprocal(), wq, ws.reciprocal(), torch.float32)
     exact = x.float() @ w.float().t()
-    row = {
-        "layer": "linear_fc1 (gate and up)",
-        "tokens": tokens,
-        "in": k,
-        "out": n,
-        "emulated vs bf16 rel err": ((emulated - exact).norm() / exact.norm()),
-    }
-    row["emulated vs bf16 rel err"] = row["emulated vs bf16 rel err"].item()
-    if not device_has_fp8(ctx.device):
-        reason = NA if ctx.dry_run else "this GPU has no FP8 (compute capability < 8.9)"
-        section.add(**row, **{"_scaled_mm vs emulated max abs": reason, "rel err": reason})
-        return
-    try:
-        scaled = torch._scaled_mm(xq, wq.t(), scale_a=xs.reciprocal(), scale_b=ws.reciprocal(), out_dtype=torch.float32)
+    for scales, product, missing in (
+        ("per tensor", _per_tensor, "this GPU has no FP8 (compute capability < 8.9)"),
+        (
+            "1x128 / 128x128 blocks",
+            _blocks,
+            "no block-scaled _scaled_mm here (needs compute capability 9.0, CUDA >= 12.9)",
+        ),
+    ):
+        row = dict(layer="linear_fc1 (gate and up)", scales=scales, tokens=tokens, out=n, **{"in": k})
+        try:
+            emulated, scaled = product(x, w)
+        except RuntimeError as error:
+            section.add(**row, error=error_line(error))
+            continue
+        row["emulated vs bf16 rel err"] = ((emulated - exact).norm() / exact.norm()).item()
+        if scaled is None:
+            reason = NA if ctx.dry_run else missing
+            section.add(**row, **{"_scaled_mm vs emulated max abs": reason, "rel err": reason})
+            continue
         diff = (scaled - emulated).abs()
         section.add(
             **row,
             **{"_scaled_mm vs emulated max abs": diff.max().item(), "rel err": (diff.norm() / emulated.norm()).item()},
         )
-    except RuntimeError as error:
-        section.add(**row, error=error_line(error))
     section.notes.append("same FP8 values and scales; the two differ only in accumulation order and where scales apply")

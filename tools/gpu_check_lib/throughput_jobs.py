@@ -41,7 +41,7 @@ class Job:
     microbatches: int = 8
     warmup: int = 1
     iters: int = 2
-    extra_argv: list = field(default_factory=list)  # ours: pretrain_llama.py flags beside the shape's
+    extra_argv: list = field(default_factory=list)  # flags beside the shape's: pretrain_llama.py's or torchtitan's
     compile: bool = False  # bare, torchtitan: under torch.compile
     sdpa_backend: str | None = None  # bare: the SDPA backend pinned (kernels/attention_rule.py)
     torchtitan_path: str | None = None  # torchtitan: where its wheels were unpacked (None: already importable)

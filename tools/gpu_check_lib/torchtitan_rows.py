@@ -56,7 +56,8 @@ def unpack_wheels(wheels: Path = WHEELS) -> tuple[str | None, str]:
 
 def config_argv(job, dump_folder: str) -> list[str]:
     """torchtitan's command line for `job` (throughput_jobs.Job): the flavor of its layer count, its batch,
-    the check's sequence, a constant learning rate, checkpoints and activation checkpointing off."""
+    the check's sequence, a constant learning rate, checkpoints and activation checkpointing off, and the
+    job's own torchtitan flags (`extra_argv`: part fp8's float8 converter)."""
     flavor = f"{'dry' if job.dry_run else '8B'}-L{job.layers}"
     argv = ["--experimental.custom_import", CUSTOM_IMPORT, "--model.name", "gpu_check_llama3"]
     argv += ["--model.flavor", flavor, "--job.dump_folder", dump_folder]
@@ -65,7 +66,7 @@ def config_argv(job, dump_folder: str) -> list[str]:
     argv += ["--training.seq_len", str(job.shape["seq"]), "--training.steps", str(job.warmup + job.iters)]
     argv += ["--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.min_lr_factor", "1.0"]
     argv += ["--activation_checkpoint.mode", "none", "--metrics.log_freq", "1000", "--debug.seed", "1234"]
-    return argv + (["--compile.enable"] if job.compile else [])
+    return argv + (["--compile.enable"] if job.compile else []) + list(job.extra_argv)
 
 
 def _import_failure() -> str | None:

@@ -66,6 +66,7 @@ def _derive_scales(gemms: Fp8Gemms, factor: int) -> None:
     scale = limits / (newest * layout) / 2.0**recipe.margin
     usable = (newest > 0) & torch.isfinite(newest)
     owner.fp8_scale.copy_(torch.where(usable, scale, owner.fp8_scale))
+    owner.fp8_scale_inv.copy_(owner.fp8_scale.reciprocal())  # the GEMMs' scale_inv, once per update
     gemms.has_history = True
 
 

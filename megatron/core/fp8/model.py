@@ -16,11 +16,22 @@ def attach_fp8(layer, config, layer_index: int, *, tp_group, cp_group, expert_gr
     recipe = config.fp8
     if recipe is None or not recipe.layer_in_fp8(layer_index, config.num_layers):
         return
+
+    def cast_impl(device_type: str) -> str:
+        return config.kernel_paths(device_type).fp8_cast.impl
+
     for module in layer.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8 = Fp8Gemms(
-                recipe, module, weight_group=tp_group, activation_groups=(tp_group, cp_group), expert=False
+                recipe,
+                module,
+                weight_group=tp_group,
+                activation_groups=(tp_group, cp_group),
+                expert=False,
+                cast_impl=cast_impl,
             )
         elif isinstance(module, ExpertLinear):
             etp = expert_groups.etp if expert_groups is not None else None
-            module.fp8 = Fp8Gemms(recipe, module, weight_group=etp, activation_groups=(etp,), expert=True)
+            module.fp8 = Fp8Gemms(
+                recipe, module, weight_group=etp, activation_groups=(etp,), expert=True, cast_impl=cast_impl
+            )

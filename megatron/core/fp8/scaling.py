@@ -16,7 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kernels.fp8_blocks import power_of_two_scale
 from megatron.core.fp8.recipe import fp8_max
+
+__all__ = ["power_of_two_scale"]  # the block scales' rule lives beside its kernel (kernels/fp8_blocks.py)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -28,13 +31,6 @@ def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Float8CurrentScaling's scale from this tensor's amax: fp8_max / amax, 1 where amax is 0 or not finite."""
     usable = (amax_value > 0) & torch.isfinite(amax_value)
     return torch.where(usable, fp8_max(dtype) / amax_value, torch.ones_like(amax_value))
-
-
-def power_of_two_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest power of two <= fp8_max / amax (elementwise), 1 where amax is 0 or not finite."""
-    usable = (amax_value > 0) & torch.isfinite(amax_value)
-    exponent = torch.floor(torch.log2(fp8_max(dtype) / torch.where(usable, amax_value, 1.0)))
-    return torch.where(usable, torch.exp2(exponent), torch.ones_like(amax_value))
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -69,8 +69,8 @@ class _Linear(torch.autograd.Function):
         grad_2d = grad_out.flatten(0, -2)
         product = None  # the weight-gradient GEMM: grad^T x in the model's precision, or FP8's
         if ctx.fp8 is not None:
-            g_scale = ctx.fp8.grad_scale(grad_2d)
-            product = functools.partial(ctx.fp8.wgrad, saved=ctx.fp8_saved, g_scale=g_scale)
+            g_fp8 = ctx.fp8.quantize_grad(grad_2d, dgrad=ctx.needs_input_grad[0])
+            product = functools.partial(ctx.fp8.wgrad, saved=ctx.fp8_saved, grad=g_fp8)
         if ctx.param is None:
             total_2d = sequence_input(x, ctx.sp_group).flatten(0, -2)
             grad_weight = grad_2d.t().mm(total_2d) if product is None else product(grad_2d, total_2d).to(weight.dtype)
@@ -88,7 +88,7 @@ class _Linear(torch.autograd.Function):
             if ctx.fp8 is None:
                 grad_input = grad_out.matmul(weight)
             else:
-                grad_input = ctx.fp8.dgrad(grad_2d, weight, ctx.fp8_saved, g_scale).view(*grad_out.shape[:-1], -1)
+                grad_input = ctx.fp8.dgrad(grad_2d, weight, ctx.fp8_saved, g_fp8).view(*grad_out.shape[:-1], -1)
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
         return grad_input, grad_weight, None, None, None, None, None

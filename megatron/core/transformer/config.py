@@ -295,6 +295,7 @@ class TransformerConfig:
             assume_triton=assume_triton,
             cross_entropy_impl=self.cross_entropy_impl if self.cross_entropy_loss_fusion else None,
             seq_length=self.seq_length,
+            fp8=self.fp8 is not None,
         )
 
     @property
