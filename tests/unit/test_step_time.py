@@ -320,6 +320,8 @@ def test_leave_one_source_out_predicts_each_source_from_the_others():
     every = [o for _, _, outcomes in folds for o in outcomes]
     by_source = (summary(folds[0][2])[0] + summary(folds[1][2])[0]) / 2
     assert balanced_summary(every) == pytest.approx((by_source, summary(every)[1]))
+    only = leave_one_source_out(runs, start=CAL, passes=0, held_out=("Korthikanti",))  # --held-out
+    assert [(source, [o.run for o in outcomes]) for source, _, outcomes in only] == [(runs[2].source, runs[2:])]
 
 
 def test_host_traffic_of_host_resident_chunks():
