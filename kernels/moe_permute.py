@@ -48,7 +48,7 @@ def _gather_rows_kernel(X, INDEX, Y, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N
 
 @jit
 def _sum_slots_kernel(
-    ROWS, SLOTS, Y, n_tokens, n_cols, K: tl.constexpr, UNROLL: tl.constexpr, TOKENS: tl.constexpr,
+    X, SLOTS, Y, n_tokens, n_cols, K: tl.constexpr, UNROLL: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -64,7 +64,7 @@ def _sum_slots_kernel(
                 row = tl.load(slots + first + j, mask=in_range & (first + j < K), other=-1)
                 present = (row >= 0)[:, None] & inside  # an empty slot (row < 0) adds nothing
                 offset = tl.maximum(row, 0).to(tl.int64)[:, None] * n_cols
-                acc += tl.load(ROWS + offset + cols, mask=present, other=0.0).to(tl.float32)
+                acc += tl.load(X + offset + cols, mask=present, other=0.0).to(tl.float32)
         tl.store(Y + target_offset + cols, acc.to(Y.dtype.element_ty), mask=in_range[:, None] & inside)
 
 
