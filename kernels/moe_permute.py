@@ -12,7 +12,12 @@ Each is the other's backward (the permute's input gradient sums each token's row
 gradient of a row is its token's), so forward and backward are deterministic on every device: no atomics, the same
 order of additions every run (a scatter-add's order on CUDA is not fixed once a token has 3 or more rows).
 
-Kernels: one program per output row and block of columns, int64 offsets.
+Memory passes: each kernel is one pass, the gather reading every row it writes once, the sum reading a token's k
+rows and writing the token once; the output is allocated empty (padding rows written as zeros by the kernel, no
+separate zero fill). Kernels: a program takes several rows (tokens) and a tile of up to TILE_ELEMENTS values, the
+whole hidden row when it fits; the row indices (int32, or int64) are loaded once per program and turned into int64
+offsets outside the loop over column tiles; the sum issues SLOT_UNROLL rows' loads before adding them, in slot
+order. Tile and warps are a rule (16 values per thread), not yet tuned on a GPU.
 """
 
 import torch
@@ -20,52 +25,83 @@ import torch
 from . import triton_support
 from .triton_support import jit, tl
 
-BLOCK_COLUMNS = 1024
+TILE_ELEMENTS = 4096  # values one program moves per column step
+VALUES_PER_THREAD = 16
+SLOT_UNROLL = 8  # slots whose loads are issued together: all of them up to 8, else groups of 4 (fp16 spills at 8)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
 @jit
-def _gather_rows_kernel(X, INDEX, Y, n_cols, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    source = tl.load(INDEX + row).to(tl.int64)
-    present = cols < tl.where(source >= 0, n_cols, 0)  # a padding row (source < 0) reads nothing
-    x = tl.load(X + tl.maximum(source, 0) * n_cols + cols, mask=present, other=0.0)
-    tl.store(Y + row * n_cols + cols, x, mask=mask)
+def _gather_rows_kernel(X, INDEX, Y, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = rows < n_rows
+    source = tl.load(INDEX + rows, mask=in_range, other=-1)
+    present = (source >= 0)[:, None]  # a padding row (source < 0) reads nothing and is written zero
+    source_offset = tl.maximum(source, 0).to(tl.int64)[:, None] * n_cols
+    target_offset = rows.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)[None, :]
+        inside = cols < n_cols
+        x = tl.load(X + source_offset + cols, mask=present & inside, other=0.0)
+        tl.store(Y + target_offset + cols, x, mask=in_range[:, None] & inside)
 
 
 @jit
-def _sum_slots_kernel(ROWS, SLOTS, Y, n_slots, n_cols, BLOCK_N: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, n_slots):
-        row = tl.load(SLOTS + token * n_slots + j).to(tl.int64)
-        present = cols < tl.where(row >= 0, n_cols, 0)  # an empty slot (row < 0) adds nothing
-        acc += tl.load(ROWS + tl.maximum(row, 0) * n_cols + cols, mask=present, other=0.0).to(tl.float32)
-    tl.store(Y + token * n_cols + cols, acc.to(Y.dtype.element_ty), mask=mask)
+def _sum_slots_kernel(
+    X, SLOTS, Y, n_tokens, n_cols, K: tl.constexpr, UNROLL: tl.constexpr, TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    in_range = tokens < n_tokens
+    slots = SLOTS + tokens.to(tl.int64) * K
+    target_offset = tokens.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)[None, :]
+        inside = cols < n_cols
+        acc = tl.zeros((TOKENS, BLOCK_N), dtype=tl.float32)
+        for first in range(0, K, UNROLL):
+            for j in tl.static_range(UNROLL):  # loads issued together, added in slot order
+                row = tl.load(slots + first + j, mask=in_range & (first + j < K), other=-1)
+                present = (row >= 0)[:, None] & inside  # an empty slot (row < 0) adds nothing
+                offset = tl.maximum(row, 0).to(tl.int64)[:, None] * n_cols
+                acc += tl.load(X + offset + cols, mask=present, other=0.0).to(tl.float32)
+        tl.store(Y + target_offset + cols, acc.to(Y.dtype.element_ty), mask=in_range[:, None] & inside)
 
 
-def _grid(rows: int, n_cols: int):
-    block = min(BLOCK_COLUMNS, max(16, 1 << (n_cols - 1).bit_length()))
-    return (rows, -(-n_cols // block)), block
+def launch_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(rows per program, BLOCK_N, num_warps): the whole row in one tile up to TILE_ELEMENTS values, as many rows
+    as fill the tile (narrow rows), VALUES_PER_THREAD values per thread."""
+    block_n = min(TILE_ELEMENTS, max(16, 1 << (n_cols - 1).bit_length()))
+    rows = max(1, min(TILE_ELEMENTS // block_n, 1 << max(n_rows - 1, 0).bit_length()))
+    return rows, block_n, max(1, min(16, rows * block_n // (32 * VALUES_PER_THREAD)))
+
+
+def _unroll(k: int) -> int:
+    return max(1, k) if k <= SLOT_UNROLL else SLOT_UNROLL // 2
 
 
 def _gather_rows_triton(x, index):
     y = triton_support.empty((index.shape[0], x.shape[1]), x.dtype, x.device)
     if not triton_support.shape_only(x) and y.numel():
-        grid, block = _grid(index.shape[0], x.shape[1])
-        _gather_rows_kernel[grid](x.contiguous(), index.contiguous(), y, x.shape[1], BLOCK_N=block)
+        rows, block, warps = launch_config(index.shape[0], x.shape[1])
+        grid = (-(-index.shape[0] // rows),)
+        _gather_rows_kernel[grid](
+            x.contiguous(), index.contiguous(), y, index.shape[0], x.shape[1], ROWS=rows, BLOCK_N=block,
+            num_warps=warps,
+        )  # fmt: skip
     return y
 
 
 def _sum_slots_triton(rows, slots):
     y = triton_support.empty((slots.shape[0], rows.shape[1]), rows.dtype, rows.device)
     if not triton_support.shape_only(rows) and y.numel():
-        grid, block = _grid(slots.shape[0], rows.shape[1])
-        _sum_slots_kernel[grid](rows.contiguous(), slots.contiguous(), y, slots.shape[1], rows.shape[1], BLOCK_N=block)
+        tokens, block, warps = launch_config(slots.shape[0], rows.shape[1])
+        k = slots.shape[1]
+        grid = (-(-slots.shape[0] // tokens),)
+        _sum_slots_kernel[grid](
+            rows.contiguous(), slots.contiguous(), y, slots.shape[0], rows.shape[1], K=k,
+            UNROLL=_unroll(k), TOKENS=tokens, BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
     return y
 
 

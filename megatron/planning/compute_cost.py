@@ -51,8 +51,8 @@ class Calibration:
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.05
     # MoE (moe_cost.py): an expert's GEMM of `rows` rows takes the dense roofline x (rows + r0) / rows. Fitted
-    # on the 2 published MoE rows (one source, tools/bench/published_runs.py MOE_RUNS): it absorbs all the
-    # MoE layer leaves out, not only small GEMMs
+    # on 2 published MoE rows (one source, tools/bench/published_runs.py MOE_FIT_RUNS): it absorbs all the
+    # MoE layer leaves out, not only small GEMMs; the rows added to check it (MOE_CHECK_RUNS) do not confirm it
     expert_rows_half: float = 1280.0
     comm_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100)
     hbm_efficiency: float = 0.80  # achieved / spec HBM bandwidth of streaming kernels

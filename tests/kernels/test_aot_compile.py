@@ -10,7 +10,7 @@ launch with a recorder and calls the real host functions on meta tensors (see _l
 attention for every GPU dtype x head dim x causal x lse-gradient; norms for every dtype x flag
 combination at two tile sizes and every tile size for the heaviest variant; the cross-entropy
 reductions for every dtype at two vocabulary sizes; RoPE and SwiGLU for every dtype at Llama-3-8B's
-shapes and odd ones, each flag both ways). Each recorded
+shapes and odd ones, each flag both ways; the MoE permutation at the GPU check's shapes). Each recorded
 launch becomes a signature with the JIT's default specialisation (pointers and multiples of 16
 marked 16-divisible, ints equal to 1 made constant) and is compiled with
 `triton.compile(ASTSource(...), target=...)`. The test also fails if a kernel in the modules
@@ -107,6 +107,23 @@ def _launch_cases():
             for bias in (None, torch.empty(2 * width, dtype=dtype, **meta)):
                 sg._launch(sg._swiglu_fwd_kernel, 4096, width, h, bias, y)
                 sg._launch(sg._swiglu_bwd_kernel, 4096, width, h, bias, y, h)
+    _moe_permute_cases()
+
+
+def _moe_permute_cases():
+    """The expert permutation at the GPU check's shapes (hidden 4096 and 2048, top-2/6/8 and capacity padding's
+    all-expert slots), a hidden wider than one tile and a narrow one, int32 indices."""
+    import torch
+
+    from kernels import moe_permute as mp
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for hidden, k in ((4096, 2), (2048, 6), (2048, 8), (6144, 2), (40, 3), (2048, 64)):
+            tokens = torch.empty(1024, hidden, dtype=dtype, device="meta")
+            slots = torch.empty(1024, k, dtype=torch.int32, device="meta")
+            index = torch.empty(1024 * k, dtype=torch.int32, device="meta")
+            mp._gather_rows_triton(tokens, index)
+            mp._sum_slots_triton(mp._gather_rows_triton(tokens, index), slots)
 
 
 def _signature(kernel, args, kwargs):
@@ -116,6 +133,7 @@ def _signature(kernel, args, kwargs):
     names = kernel.arg_names
     bound = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
     pointer_types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
+    pointer_types[torch.int32] = "*i32"
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(names, kernel.params)):
         value = bound[name]
@@ -161,6 +179,7 @@ def _compile_all():
 
     from kernels import cross_entropy as ce
     from kernels import flash_attention as fa
+    from kernels import moe_permute as mp
     from kernels import normalization as nm
     from kernels import rope as rp
     from kernels import swiglu as sg
@@ -169,7 +188,7 @@ def _compile_all():
     assert not triton_support.INTERPRETER, "the compile worker must run with TRITON_INTERPRET=0"
     kernels = {
         name: obj
-        for module in (fa, nm, ce, rp, sg)
+        for module in (fa, nm, ce, rp, sg, mp)
         for name, obj in vars(module).items()
         if isinstance(obj, JITFunction) and name.endswith("_kernel")
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_permute import gather_rows_torch, permute_rows, sum_slots_torch, unpermute_rows
+from kernels.moe_permute import gather_rows_torch, launch_config, permute_rows, sum_slots_torch, unpermute_rows
 from megatron.core.transformer.moe.token_dispatcher import permute, unpermute
 from tests.kernels.checks import TOL, assert_close
 
@@ -81,3 +81,40 @@ def test_references_skip_negative_indices():
     x = torch.arange(6.0).view(3, 2)
     assert gather_rows_torch(x, torch.tensor([2, -1, 0])).tolist() == [[4.0, 5.0], [0.0, 0.0], [0.0, 1.0]]
     assert sum_slots_torch(x, torch.tensor([[0, 2], [-1, -1]])).tolist() == [[4.0, 6.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "tokens_n, hidden, experts, topk, padding",
+    [(1, 8, 2, 1, 0), (7, 24, 3, 2, 3), (33, 72, 16, 6, 0), (5, 4104, 4, 3, 1), (9, 40, 10, 10, 2)],
+)
+def test_odd_shapes_match_the_reference_exactly(tokens_n, hidden, experts, topk, padding):
+    """Odd token counts, hidden sizes that are not a power of two or wider than one tile (4104 > TILE_ELEMENTS:
+    two column steps), one expert per token, every expert per token (slots = experts, more than one unrolled
+    group of loads), padding rows: int32 indices, the Triton kernels equal to the torch reference bit for bit
+    (float32: the same order of additions) in forward and backward."""
+    g = torch.Generator().manual_seed(tokens_n * 1000 + hidden)
+    scores = torch.rand(tokens_n, experts, generator=g)
+    routing_map = torch.zeros(tokens_n, experts, dtype=torch.bool).scatter(1, scores.topk(topk, dim=1).indices, True)
+    x = torch.randn(tokens_n, hidden, generator=g)
+    routes = int(routing_map.sum())
+    _, row_probs, perm = permute(x, routing_map, torch.where(routing_map, scores, 0), routes + padding, topk)
+    assert perm.token_of_row.dtype == perm.slots.dtype == torch.int32
+    assert torch.equal(row_probs[:routes], scores.T[routing_map.T])  # each row's weight, expert-major
+    grad = torch.randn(tokens_n, hidden, generator=g)
+    results = {}
+    for impl in ("triton", "torch"):
+        tokens = x.clone().requires_grad_()
+        rows = permute_rows(tokens, perm.token_of_row, perm.slots, impl)
+        out = unpermute_rows(rows * 0.75, perm.token_of_row, perm.slots, impl)
+        out.backward(grad)
+        results[impl] = (rows.detach(), out.detach(), tokens.grad)
+    assert all(torch.equal(a, b) for a, b in zip(results["triton"], results["torch"]))
+    assert torch.equal(results["triton"][0][:routes], x[perm.token_of_row[:routes].long()])
+    assert torch.count_nonzero(results["triton"][0][routes:]) == 0
+
+
+def test_launch_config_fills_a_tile_with_whole_rows():
+    assert launch_config(16384, 4096) == (1, 4096, 8)  # Mixtral's hidden: one row, 16 values per thread
+    assert launch_config(16384, 2048) == (2, 2048, 8)  # two rows per program
+    assert launch_config(100, 6144) == (1, 4096, 8)  # wider than a tile: two column steps
+    assert launch_config(3, 40) == (4, 64, 1)  # no more rows per program than there are rows

@@ -59,10 +59,13 @@ def test_grouped_linear_matches_one_gemm_per_expert_in_the_input_dtype(dtype):
         torch.testing.assert_close(mine, loop, rtol=tol, atol=tol, msg=name)
 
 
-def test_experts_without_rows_get_zero_weight_gradients():
+@pytest.mark.parametrize("host_counts", [False, True])
+def test_experts_without_rows_get_zero_weight_gradients(host_counts):
+    """Device offsets alone (every expert's slice masked in place) or the host counts too (the empty experts'
+    slices zeroed alone): the same gradients."""
     x, w, grad = _inputs(torch.float32)
     w.grad = None
-    grouped_linear(x, w, offsets_of(COUNTS, x.device)).backward(grad)
+    grouped_linear(x, w, offsets_of(COUNTS, x.device), counts=COUNTS if host_counts else None).backward(grad)
     assert torch.count_nonzero(w.grad[1]) == 0
     assert all(torch.count_nonzero(w.grad[e]) > 0 for e in (0, 2, 3))
 

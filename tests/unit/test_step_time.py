@@ -50,7 +50,7 @@ from tools.bench.planner_calibration import (
     print_table,
     summary,
 )
-from tools.bench.published_runs import ALL_RUNS, RUNS
+from tools.bench.published_runs import ALL_RUNS, MOE_CHECK_RUNS, RUNS
 
 A100 = DEVICES["a100-80gb"]
 CAL = Calibration()
@@ -296,8 +296,9 @@ def test_calibration_against_published_runs():
     Megatron-Core's 177B; 4.7% and 15.5%, Llama 3 405B at 8K on 8,192 GPUs, before its parameter
     gathers per microbatch and exposed context-parallel all-gather); no
     calibration-set layout dropped by the memory estimate on its device (two of NVIDIA's DGX Cloud
-    layouts are: docs/planner.md)."""
-    outcomes = evaluate_all(runs=ALL_RUNS)
+    layouts are: docs/planner.md). Not here: the two MoE rows added to check r0 (projected about 21% slow,
+    tests/unit/test_moe_step_time.py)."""
+    outcomes = evaluate_all(runs=[run for run in ALL_RUNS if run not in MOE_CHECK_RUNS])
     print_table(outcomes)
     calibration = [o for o in outcomes if o.run in RUNS]
     mean, worst = summary(outcomes)
@@ -320,6 +321,8 @@ def test_leave_one_source_out_predicts_each_source_from_the_others():
     every = [o for _, _, outcomes in folds for o in outcomes]
     by_source = (summary(folds[0][2])[0] + summary(folds[1][2])[0]) / 2
     assert balanced_summary(every) == pytest.approx((by_source, summary(every)[1]))
+    only = leave_one_source_out(runs, start=CAL, passes=0, held_out=("Korthikanti",))  # --held-out
+    assert [(source, [o.run for o in outcomes]) for source, _, outcomes in only] == [(runs[2].source, runs[2:])]
 
 
 def test_host_traffic_of_host_resident_chunks():

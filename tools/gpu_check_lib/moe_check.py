@@ -4,8 +4,11 @@ Section `moe`, per shape (e8-top2 at Mixtral's 4096/14336, e64-top6 at 2048/1408
 2048/768; 16k tokens of top-k routes) and routing (balanced: every expert the mean rows; skewed: half the experts
 1.5x the mean, the other half 0.5x): bf16 forward + backward (input and weight gradients) of the experts alone,
 grouped (`GroupedExperts`, torch's grouped GEMM) and loop (`SequentialExperts`) on the same weights and rows; the
-speedup loop / grouped; the grouped forward's TFLOP/s (6 rows h f per forward with SwiGLU); the permutation's
-effective GB/s (permute + unpermute of the tokens: tokens and rows each read once and written once); host syncs
+speedup loop / grouped; the grouped forward's TFLOP/s (6 rows h f per forward with SwiGLU); the parts apart, to
+show what limits a shape: the experts' two linears alone (no activation, no routing weights), forward + backward,
+as grouped GEMMs and as one GEMM per expert on the same weights (`grouped_gemm_ms`, `loop_gemm_ms`), the permute
+(index bookkeeping + row gather, `permute_ms`) and the unpermute (`unpermute_ms`); the permutation's effective GB/s
+(permute + unpermute of the tokens: tokens and rows each read once and written once); host syncs
 per MoE layer (forward + backward with the allgather dispatcher and grouped experts: the reads counted by
 token_dispatcher.HOST_SYNCS; the alltoall dispatcher's count and CUDA's own sync-debug warnings in the notes).
 
@@ -26,6 +29,7 @@ from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.flops import flops_per_iteration
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.experts import GroupedExperts, SequentialExperts
+from megatron.core.transformer.moe.grouped_gemm import grouped_linear, looped_linear, offsets_of
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from tools.gpu_check_lib.report import NA
 from tools.gpu_check_lib.runs import SyncCounter, error_line, free_device_memory, run_config, train
@@ -118,16 +122,37 @@ def _experts_ms(ctx, experts, rows, counts, probs) -> tuple:
     return _time_ms(ctx, forward_backward), _time_ms(ctx, forward)
 
 
-def _permute_gbps(ctx, tokens, mapping, probs, topk) -> object:
+def _gemms_ms(ctx, experts, rows, counts) -> tuple:
+    """(grouped, loop) ms of the experts' two linears alone, forward + backward (input and weight gradients), on
+    the grouped weights: torch's grouped GEMM vs one F.linear per expert (looped_linear)."""
+    fc1, fc2 = experts.linear_fc1.weight, experts.linear_fc2.weight
+    offsets = offsets_of(counts, rows.device)
+    mid = torch.randn(rows.shape[0], fc2.shape[-1], dtype=rows.dtype, device=rows.device, requires_grad=True)
+    grads = [torch.randn(rows.shape[0], w.shape[1], dtype=rows.dtype, device=rows.device) for w in (fc1, fc2)]
+
+    def grouped():
+        outs = [grouped_linear(x, w, offsets, counts=counts) for x, w in ((rows, fc1), (mid, fc2))]
+        torch.autograd.grad(outs, [rows, mid, fc1, fc2], grads)
+
+    def loop():
+        outs = [looped_linear(x, w, counts) for x, w in ((rows, fc1), (mid, fc2))]
+        torch.autograd.grad(outs, [rows, mid, fc1, fc2], grads)
+
+    return _time_ms(ctx, grouped), _time_ms(ctx, loop)
+
+
+def _permutation(ctx, tokens, mapping, probs, topk) -> dict:
+    """permute_ms, unpermute_ms (forward) and the effective GB/s of the two."""
     routes = int(mapping.sum())
-
-    def both():
-        rows, _, permutation = token_dispatcher.permute(tokens, mapping, probs, routes, topk)
-        return token_dispatcher.unpermute(rows, permutation)
-
-    ms = _time_ms(ctx, both)
+    permute_ms = _time_ms(ctx, lambda: token_dispatcher.permute(tokens, mapping, probs, routes, topk))
+    rows, _, permutation = token_dispatcher.permute(tokens, mapping, probs, routes, topk)
+    unpermute_ms = _time_ms(ctx, lambda: token_dispatcher.unpermute(rows, permutation))
+    if ctx.dry_run:
+        return dict(permute_ms=NA, unpermute_ms=NA, permute_gbps=NA)
     moved = 2 * (tokens.shape[0] + routes) * tokens.shape[1] * tokens.element_size()
-    return NA if ctx.dry_run else moved / ms / 1e6
+    return dict(
+        permute_ms=permute_ms, unpermute_ms=unpermute_ms, permute_gbps=moved / (permute_ms + unpermute_ms) / 1e6
+    )
 
 
 def _host_syncs(ctx, experts: int, topk: int, hidden: int, ffn: int, dispatcher: str, tokens: int) -> tuple:
@@ -168,7 +193,7 @@ def check_moe(report, ctx) -> None:
         "moe",
         "MoE experts (bf16, forward + backward): grouped GEMM vs the loop, permutation, host syncs",
         ["shape", "routing", "grouped_ms", "loop_ms", "speedup", "grouped_fwd_tflops", "permute_gbps",
-         "host_syncs_per_layer"],
+         "host_syncs_per_layer", "grouped_gemm_ms", "loop_gemm_ms", "permute_ms", "unpermute_ms"],
     )  # fmt: skip
     tokens = DRY_TOKENS if ctx.dry_run else TOKENS
     sync_notes, agreement = [], []
@@ -205,11 +230,18 @@ def check_moe(report, ctx) -> None:
     section.notes += [
         f"{tokens} tokens x top-k routes per shape; skewed: half the experts {SKEW}x the mean rows, half 0.5x; "
         "ms: median of 5 after a warm-up (CUDA events); grouped_fwd_tflops: 6 x rows x hidden x ffn / forward time",
-        "permute_gbps: (tokens + routes) x hidden x 2 bytes, read and written, / permute + unpermute time",
+        "permute_gbps: (tokens + routes) x hidden x 2 bytes, read and written, / (permute_ms + unpermute_ms); "
+        "permute_ms: the dispatch's permute (index bookkeeping from the routing map + the row gather), unpermute_ms: "
+        "the combine's gather-sum, forward each",
+        "grouped_gemm_ms / loop_gemm_ms: the experts' two linears alone (no activation, no routing weights), "
+        "forward + backward, torch's grouped GEMM vs one F.linear per expert on the same weights",
         "grouped vs loop output, max abs difference / the loop's max (bf16): " + ", ".join(agreement),
         "host_syncs_per_layer: routing reads to the host (token_dispatcher.HOST_SYNCS) in one MoE layer's forward "
         "+ backward, allgather dispatcher, grouped experts; " + "; ".join(sync_notes),
     ]
+
+
+_TIMED = ("grouped_ms", "loop_ms", "speedup", "grouped_fwd_tflops", "grouped_gemm_ms", "loop_gemm_ms")
 
 
 def _shape_row(ctx, kinds: dict, topk: int, hidden: int, tokens: int, routing: str) -> tuple[dict, float]:
@@ -226,14 +258,16 @@ def _shape_row(ctx, kinds: dict, topk: int, hidden: int, tokens: int, routing: s
         del grouped_out, loop_out
     grouped_ms, grouped_fwd = _experts_ms(ctx, kinds["grouped"], rows, counts, probs)
     loop_ms, _ = _experts_ms(ctx, kinds["loop"], rows, counts, probs)
+    gemms = _gemms_ms(ctx, kinds["grouped"], rows, counts)
     del rows, probs
     free_device_memory(ctx)
     token_rows = torch.randn(tokens, hidden, device=ctx.device, dtype=torch.bfloat16)
     mapping = routing_map(tokens, counts, ctx.device)
-    gbps = _permute_gbps(ctx, token_rows, mapping, torch.rand(mapping.shape, device=ctx.device), topk)
+    figures = _permutation(ctx, token_rows, mapping, torch.rand(mapping.shape, device=ctx.device), topk)
     if ctx.dry_run:
-        return dict(grouped_ms=NA, loop_ms=NA, speedup=NA, grouped_fwd_tflops=NA, permute_gbps=gbps), error
-    figures = dict(grouped_ms=grouped_ms, loop_ms=loop_ms, speedup=loop_ms / grouped_ms, permute_gbps=gbps)
+        return figures | dict.fromkeys(_TIMED, NA), error
+    figures |= dict(grouped_ms=grouped_ms, loop_ms=loop_ms, speedup=loop_ms / grouped_ms)
+    figures |= dict(grouped_gemm_ms=gemms[0], loop_gemm_ms=gemms[1])
     return figures | dict(grouped_fwd_tflops=6 * rows_n * hidden * ffn / grouped_fwd / 1e9), error
 
 

@@ -124,7 +124,7 @@ class _GroupedWeight(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | None, counts, mask_tail: bool) -> torch.Tensor:
         if offsets is not None:
-            return grouped_linear(x, self.weight, offsets, mask_tail)
+            return grouped_linear(x, self.weight, offsets, mask_tail, None if mask_tail else counts)
         return looped_linear(x, self.weight, counts)
 
 

@@ -14,7 +14,9 @@ ours, so that each of its limits is handled here, not left to the kernel:
   `looped_linear` over the same weights, with a start-up note);
 - rows past the last offset: the kernel leaves them uninitialised; `mask_tail=True` sets them (and their input
   gradient) to zero, for callers whose row buffer is larger than the routed rows;
-- experts with no rows: their weight gradient is set to zero explicitly (the kernel need not write it);
+- experts with no rows: their weight gradient is set to zero explicitly (the kernel need not write it): with the
+  rows per expert known on the host (`empty`), only those experts' slices; else one in-place pass over the weight
+  gradient on the device (no host sync);
 - no bias: the grouped call takes none (MoE layers refuse --add-bias-linear, see validation.py).
 
 `looped_linear` is the reference: one `F.linear` per expert on the same [experts, out, in] weight.
@@ -74,37 +76,44 @@ def _valid_rows(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offsets, mask_tail):
+    def forward(ctx, x, weight, offsets, mask_tail, empty):
         ctx.save_for_backward(x, weight, offsets)
-        ctx.mask_tail = mask_tail
+        ctx.mask_tail, ctx.empty = mask_tail, empty
         out = _grouped_mm(x, weight.transpose(-2, -1), offsets, (x.shape[0], weight.shape[1]))
-        return torch.where(_valid_rows(x, offsets), out, 0) if mask_tail else out
+        return out.masked_fill_(~_valid_rows(x, offsets), 0) if mask_tail else out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
+        if ctx.mask_tail:  # the kernel reads the rows of its groups only, but be exact about what they hold
+            grad = torch.where(_valid_rows(x, offsets), grad, 0)
         if ctx.needs_input_grad[0]:
             grad_x = _grouped_mm(grad, weight, offsets, tuple(x.shape))
             if ctx.mask_tail:
-                grad_x = torch.where(_valid_rows(x, offsets), grad_x, 0)
+                grad_x.masked_fill_(~_valid_rows(x, offsets), 0)
         if ctx.needs_input_grad[1]:
-            if ctx.mask_tail:  # the kernel reads the rows of its groups only, but be exact about what they hold
-                grad = torch.where(_valid_rows(x, offsets), grad, 0)
             grad_w = _grouped_mm(grad.transpose(0, 1), x, offsets, tuple(weight.shape))
-            counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-            grad_w = torch.where((counts > 0).view(-1, 1, 1), grad_w, 0)
-        return grad_x, grad_w, None, None
+            if ctx.empty is None:  # rows per expert on the device: every expert's slice, masked in place
+                counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+                grad_w.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+            for e in ctx.empty or ():
+                grad_w[e].zero_()
+        return grad_x, grad_w, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mask_tail: bool = False):
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mask_tail: bool = False, counts=None
+) -> torch.Tensor:
     """x [rows, in] grouped by expert (expert i's rows end at offsets[i]) times weight [experts, out, in]^T ->
     [rows, out] in x's dtype, through torch's grouped GEMM; rows past offsets[-1] zero when `mask_tail`, else
-    undefined."""
+    undefined. `counts`: the rows per expert as a host list, when known (the experts without rows are then
+    zeroed alone in the weight gradient)."""
     if offsets.dtype != torch.int32 or offsets.shape != (weight.shape[0],):
         raise ValueError(f"offsets: int32 of shape ({weight.shape[0]},), got {offsets.dtype} {tuple(offsets.shape)}")
-    return _GroupedLinear.apply(x, weight, offsets, mask_tail)
+    empty = None if counts is None else [e for e, n in enumerate(counts) if n == 0]
+    return _GroupedLinear.apply(x, weight, offsets, mask_tail, empty)
 
 
 def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:

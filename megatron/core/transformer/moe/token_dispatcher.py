@@ -71,7 +71,8 @@ def allgather_row_bound(config, tokens: int, sources: int, local: int) -> int:
 @dataclass
 class Permutation:
     """Where each routed row of a dispatch comes from: `token_of_row` [rows] (-1: a padding row), and `slots`
-    [tokens, k] the rows of each token in expert order (-1: none), which the combine sums in that order."""
+    [tokens, k] the rows of each token in expert order (-1: none), which the combine sums in that order; both
+    int32."""
 
     token_of_row: torch.Tensor
     slots: torch.Tensor
@@ -92,14 +93,15 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     (rows past the routes are padding: zero, weight 0); `max_routes`: a bound on the routes of one token (top-k, or
     the experts when capacity padding adds routes). No value is read back to the host."""
     num_tokens, num_experts = routing_map.shape
-    by_expert = routing_map.T.contiguous().flatten()  # expert-major
-    route = by_expert.nonzero_static(size=num_rows, fill_value=-1).squeeze(1)
-    token_of_row = torch.where(route >= 0, route % num_tokens, -1)
-    row_of_route = torch.where(by_expert, by_expert.cumsum(0) - 1, -1).view(num_experts, num_tokens).T
+    by_expert = routing_map.T  # [E, T], expert-major
+    expert_token = by_expert.nonzero_static(size=num_rows, fill_value=-1)  # [rows, 2]: (expert, token), -1: padding
+    token_of_row = expert_token[:, 1].to(torch.int32)
+    row_of_route = by_expert.reshape(-1).cumsum(0, dtype=torch.int32).view(num_experts, num_tokens).T
+    row_of_route = torch.where(routing_map, row_of_route - 1, -1)
     k = min(max_routes, num_experts)
     slots = row_of_route if k == num_experts else row_of_route.topk(k, dim=1, sorted=True).values  # rows descending
     permutation = Permutation(token_of_row, slots.contiguous())
-    row_probs = torch.where(route >= 0, probs.T.flatten().index_select(0, route.clamp_min(0)), 0)
+    row_probs = torch.where(token_of_row >= 0, probs[expert_token[:, 1], expert_token[:, 0]], 0)
     return permute_rows(tokens, token_of_row, permutation.slots), row_probs, permutation
 
 
