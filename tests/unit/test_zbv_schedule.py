@@ -12,6 +12,7 @@ from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
 from megatron.core.pipeline_parallel.zbv import zbv_compute_order
 from megatron.planning.pipeline_simulator import bubble_fraction, peak_in_flight, simulate, simulate_steps
+from megatron.planning.step_time import least_idle, pipeline_idle
 from megatron.training.arguments.parser import LLAMA_DEFAULTS, parse_run_config
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
@@ -147,3 +148,17 @@ def test_layouts_zbv_cannot_run_are_one_line(flags, message):
     with pytest.raises(ValueError) as info:
         parse_run_config(BASE + flags + PP2_ZBV, LLAMA_DEFAULTS, 2)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_step_time_model_extrapolates_zbv_exactly_and_keeps_its_lower_bound(p):
+    """The planner simulates two microbatch counts and extrapolates (`pipeline_idle`); for zbv that equals
+    the full simulation, and no zbv run idles less than the bound the pruned search relies on."""
+    for m in (1, p, 3 * p + 1, 7 * p + 2):
+        for backward, weight, transfer in ((2.0, 1.0, 0.0), (2.3, 0.9, 0.1)):
+            full = simulate(
+                p, 2, m, kind="zbv", backward_time=backward, weight_time=weight, transfer_time=transfer
+            ).makespan - 2 * m * (1 + backward)
+            idle = pipeline_idle(p, 2, m, None, 1.0, backward, transfer, "zbv", weight)
+            assert idle == pytest.approx(full)
+            assert idle >= least_idle(p, 1.0, backward, "zbv") - 1e-9
