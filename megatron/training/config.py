@@ -104,6 +104,11 @@ def _zbv_virtual_stages(args, pp: int, virtual: int) -> int:
     """zbv runs exactly two model chunks per rank (the V): implied when no virtual-stage flag is given."""
     if pp == 1:
         raise ValueError("--pipeline-schedule zbv needs --pipeline-model-parallel-size > 1")
+    if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
+        raise ValueError(
+            "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedules, "
+            "not to --pipeline-schedule zbv (its order is fixed by the V)"
+        )
     given = (
         args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None
     )

@@ -132,6 +132,10 @@ def test_zbv_implies_two_chunks_per_rank():
         ),
         (["--num-layers", "6"], "--pipeline-schedule zbv splits --num-layers (6) over 2 x"),
         (
+            ["--num-layers", "4", "--microbatch-group-size-per-virtual-pipeline-stage", "2"],
+            "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedules, not to",
+        ),
+        (
             [
                 "--num-layers",
                 "6",
