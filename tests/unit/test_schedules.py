@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.schedules import (
     Action,
     ActionKind,
-    Placement,
     build_schedule,
     interleaved_order,
     num_warmup_microbatches,

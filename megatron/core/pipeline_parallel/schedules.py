@@ -51,7 +51,6 @@ around the ring are received earlier (see `_interleaved_receives`).
 from __future__ import annotations
 
 from megatron.core.pipeline_parallel.actions import Action, ActionKind, Step, peer_rank
-from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.zbv import zbv_compute_order, zbv_steps
 
 KINDS = ("auto", "none", "1f1b", "interleaved", "zb-h1", "zbv", "interleaved-zb")
@@ -61,7 +60,7 @@ DEFERRED = {"zb-h1": ("1f1b", lambda rank: rank), "interleaved-zb": ("interleave
 # Every kind that splits each backward into BACKWARD and WEIGHT steps and moves the WEIGHT steps.
 ZERO_BUBBLE = (*DEFERRED, "zbv")
 
-__all__ = ["Action", "ActionKind", "Placement", "Step", "peer_rank"]  # re-exported: the schedules' vocabulary
+__all__ = ["Action", "ActionKind", "Step", "peer_rank"]  # re-exported from actions.py: the schedules' vocabulary
 
 
 def _validate(p: int, v: int, m: int, rank: int, kind: str, group_size: int | None) -> tuple[str, int]:
