@@ -97,8 +97,19 @@ def test_bubble_at_p4_m8_is_at_most_a_third_of_1f1b():
 
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_activations_in_flight_are_p_microbatches_on_every_rank(p):
-    """2p microbatch-chunks of half a stage each: 1F1B's rank-0 peak of p stages' worth, on every rank."""
-    assert [peak_in_flight(build_schedule(p, 2, 3 * p, r, kind="zbv")) for r in range(p)] == [2 * p] * p
+    """2p microbatch-chunks of half a stage each: 1F1B's rank-0 peak of p stages' worth, on every rank.
+    Apart from them, the WEIGHT steps waiting after their backward (their inputs and output gradients):
+    at most 2r + 1 on rank r, as in interleaved-zb."""
+    lists = [build_schedule(p, 2, 3 * p, r, kind="zbv") for r in range(p)]
+    assert [peak_in_flight(steps) for steps in lists] == [2 * p] * p
+    pending = []
+    for steps in lists:
+        waiting = most = 0
+        for step in steps:
+            waiting += {B: 1, W: -1}.get(step[0].kind, 0)
+            most = max(most, waiting)
+        pending.append(most)
+    assert pending == [2 * r + 1 for r in range(p)]
 
 
 def test_layers_fill_the_v_in_stage_order():
