@@ -23,7 +23,7 @@ Transfers: after each computation one batch sends its result (unless it is the l
 loss, the first stage's input gradient, or the local hand-off from stage p-1 to stage p on rank
 p-1, which the executor passes directly) and posts the receives of what the neighbours send in
 the same slot of that lockstep (`_receive_slots`). Any number of microbatches runs (below 2p - 1
-the V is not filled and the bubble grows); `tests/unit/test_zero_bubble_schedules.py` checks on
+the V is not filled and the bubble grows); `tests/unit/test_zbv_schedule.py` checks on
 the simulator that the lists match up and cannot deadlock.
 """
 
