@@ -16,8 +16,8 @@ stage 2p-1-r (chunk 1). Every backward is split into BACKWARD (input gradient) a
 
 With equal F, B and W times the ranks run in lockstep a unit apart and the only idle time is
 the fill of the V's first half and the drain of its last. Weight steps of a chunk stay in
-microbatch order, so gradients add up as in 1F1B. Activation memory peaks at 2p microbatch-chunks on
-every rank (p microbatches of full-model activations, as the paper says), against 1F1B's p on rank 0.
+microbatch order, so gradients add up as in 1F1B. Activation memory peaks at 2p microbatch-chunks of
+L/(2p) layers on every rank: what 1F1B's rank 0 holds (p microbatches of L/p layers), on every rank.
 
 Transfers: after each computation one batch sends its result (unless it is the last stage's
 loss, the first stage's input gradient, or the local hand-off from stage p-1 to stage p on rank
