@@ -116,10 +116,10 @@ def _parser():
     parser.add_argument(
         "--pipeline-schedule",
         nargs="+",
-        choices=[kind for kind in PIPELINE_SCHEDULES if kind != "zbv"],
+        choices=PIPELINE_SCHEDULES,
         dest="schedules",
         help="plan only these pipeline schedules (and pp > 1); default: each pipeline layout with the "
-        "schedule its virtual stages imply and with its zero-bubble variant (zbv is not built)",
+        "schedule its virtual stages imply and with its zero-bubble variants (zbv where a rank holds 2 chunks)",
     )
     parser.add_argument("--micro-batch-size", type=int, nargs="+", dest="mbs", default=[1, 2, 4, 8])
     parser.add_argument("--recompute-granularity", nargs="+", choices=sorted(RECOMPUTE), dest="recompute")

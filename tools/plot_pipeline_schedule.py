@@ -285,10 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     if args.weight_time is not None and args.schedule not in ZERO_BUBBLE:
-        parser.error("--weight-time applies to the zero-bubble schedules (--schedule zb-h1 or interleaved-zb)")
+        parser.error("--weight-time applies to the zero-bubble schedules (--schedule zb-h1, zbv or interleaved-zb)")
     simulated = max(bubble_fraction(timeline))
     analytic = analytic_bubble_fraction(args.pp, args.vpp, args.microbatches)
-    group = f" group-size={args.group_size or args.pp}" if args.vpp > 1 else ""
+    group = f" group-size={args.group_size or args.pp}" if args.vpp > 1 and args.schedule != "zbv" else ""
     setup = (
         f"pp={args.pp} vpp={args.vpp} microbatches={args.microbatches}{group} "
         f"forward={args.forward_time:g} backward={args.backward_time:g} schedule={args.schedule}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from megatron.core.distributed.model_chunk_buffers import DDPConfig
 from megatron.core.parallel_state import DEFAULT_ORDER, ParallelDims
 from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
+from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE
 
 
@@ -55,10 +56,26 @@ class ParallelConfig:
         """Pipeline stages: pipeline ranks x virtual stages per rank."""
         return self.pp * self.virtual_stages
 
+    @property
+    def placement(self) -> Placement:
+        """Where each pipeline stage runs (the V placement under zbv, else the loop)."""
+        return Placement.for_schedule(self.pp, self.virtual_stages, self.pipeline_schedule)
+
     def chunk_position(self, pp_rank: int, chunk: int) -> tuple[bool, bool]:
         """(first stage?, last stage?) of local model chunk `chunk` on pipeline rank `pp_rank`."""
-        stage = chunk * self.pp + pp_rank
-        return stage == 0, stage == self.stages - 1
+        return self.placement.is_first(pp_rank, chunk), self.placement.is_last(pp_rank, chunk)
+
+    def layer_ids(self, num_layers: int, pp_rank: int) -> list[list[int]]:
+        """Global layer indices of each local model chunk of `pp_rank` (layer_split.py)."""
+        return stage_layer_ids(
+            num_layers,
+            self.pp,
+            self.virtual_stages,
+            pp_rank,
+            self.first_stage_layers,
+            self.last_stage_layers,
+            self.placement.kind,
+        )
 
     @property
     def dims(self) -> ParallelDims:
@@ -68,4 +85,4 @@ class ParallelConfig:
 
     def validate_layers(self, num_layers: int) -> None:
         """Every pipeline rank gets a whole number of layers per virtual stage (raises one line)."""
-        stage_layer_ids(num_layers, self.pp, self.virtual_stages, 0, self.first_stage_layers, self.last_stage_layers)
+        self.layer_ids(num_layers, 0)

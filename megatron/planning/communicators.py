@@ -34,7 +34,8 @@ def _groups(par, pp_rank: int, tied: bool) -> dict[str, int]:
         "cp": par.cp,
         "dp x cp": par.dp * par.cp,
         "pp": par.pp,
-        "embedding": 2 if tied and par.pp > 1 and end_stage else 1,
+        # the V placement (zbv) holds both copies on rank 0 and adds them there: no group
+        "embedding": 2 if tied and par.pp > 1 and end_stage and par.placement.kind == "loop" else 1,
     }
 
 

@@ -248,7 +248,13 @@ def estimate_rank(
             traced, setting, layout, pp_rank, chunks, dims.residual_bytes, inflight.activations_bytes
         ),
     )
-    has_copy = tied and par.stages > 1 and any(c.pre_process or c.post_process for c in chunks)
+    # the all-reduce of a copy tied across ranks (under zbv both copies are on rank 0, added in place)
+    has_copy = (
+        tied
+        and par.stages > 1
+        and par.placement.kind == "loop"
+        and any(c.pre_process or c.post_process for c in chunks)
+    )
     after = after_backward_temporary(
         dims, layout, optimizer_step_temporary(buffers, layout.offload_fractions.optimizer), has_copy
     )

@@ -8,7 +8,10 @@ rules (megatron/core/pipeline_parallel/executor.py):
   forward consumes it (from then on it is part of that chunk's activations);
 - RECV_BACKWARD allocates the output-gradient buffer, alive until the backward ends;
 - BACKWARD of a non-first chunk produces the input gradient, alive until SEND_BACKWARD;
-- a transfer step allocates all its receives before any send buffer is released.
+- a transfer step allocates all its receives before any send buffer is released;
+- at the V placement's turn (zbv, rank p-1) chunk 0's output is chunk 1's input without a
+  transfer: a buffer until chunk 1's forward, then part of its activations, and again a buffer
+  from chunk 1's backward (whose input gradient waits for chunk 0's backward) to chunk 0's.
 The peak is taken over every point, so unequal chunks (the first stage's
 embedding, the last stage's logits) and the interleaved order are exact, not
 "peak count x largest chunk". A rank's schedule is reduced once to the set of
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE, ActionKind, build_schedule
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
@@ -39,10 +43,13 @@ class InFlight:
         return self.peak_with_p2p_bytes - self.activations_bytes
 
 
-def profiles(steps, v: int, first_chunk: int | None, last_chunk: int | None) -> frozenset:
+def profiles(
+    steps, v: int, first_chunk: int | None, last_chunk: int | None, turn: tuple[int, int] | None = None
+) -> frozenset:
     """Every distinct (microbatches alive per local chunk, p2p buffers alive) the rank passes through,
     taken after each forward, during each backward and inside each transfer step.
-    `first_chunk`/`last_chunk`: the local chunk that is the pipeline's first / last stage here, if any."""
+    `first_chunk`/`last_chunk`: the local chunk that is the pipeline's first / last stage here, if any;
+    `turn`: (chunk, next chunk) when consecutive stages run on this rank (zbv's rank p-1)."""
     counts, buffers, seen = [0] * v, 0, set()
     pending_input, unsent = set(), set()
     for step in steps:
@@ -53,16 +60,23 @@ def profiles(steps, v: int, first_chunk: int | None, last_chunk: int | None) -> 
             if key in pending_input:  # the received input now belongs to the chunk's activations
                 pending_input.discard(key)
                 buffers -= 1
-            if first.chunk != last_chunk:  # the output, until sent
+            if turn is not None and first.chunk == turn[0]:  # the next chunk's input, handed over
+                pending_input.add((first.microbatch, turn[1]))
+                buffers += 1
+            elif first.chunk != last_chunk:  # the output, until sent
                 unsent.add((SF, key))
                 buffers += 1
             seen.add((tuple(counts), buffers))
         elif first.kind is B:
-            if first.chunk != first_chunk:  # the input gradient, until sent
+            if first.chunk != first_chunk:  # the input gradient, until sent (or handed back)
                 unsent.add((SB, key))
                 buffers += 1
             seen.add((tuple(counts), buffers))
             counts[first.chunk] -= 1
+            if turn is not None and first.chunk == turn[1]:  # its input, still the previous chunk's output
+                buffers += 1
+            if turn is not None and first.chunk == turn[0]:  # that output, released with its backward
+                buffers -= 1
             if first.chunk != last_chunk:  # the received output gradient
                 buffers -= 1
         else:
@@ -99,14 +113,21 @@ def equivalent_microbatches(p: int, m: int, group_size: int | None) -> int:
     return m if group_size is not None or m <= 4 * p else 4 * p + m % p
 
 
-def rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) -> frozenset:
-    return _rank_profiles(p, v, equivalent_microbatches(p, m, group_size), rank, group_size)
+def rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None, kind: str = "auto") -> frozenset:
+    """`kind`: the schedule; the zero-bubble kinds but zbv hold the activations of the schedule they defer."""
+    kind = kind if kind == "zbv" else "auto"
+    return _rank_profiles(p, v, equivalent_microbatches(p, m, group_size), rank, group_size, kind)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None) -> frozenset:
-    steps = build_schedule(p, v, m, rank, group_size=group_size)
-    return profiles(steps, v, 0 if rank == 0 else None, v - 1 if rank == p - 1 else None)
+def _rank_profiles(p: int, v: int, m: int, rank: int, group_size: int | None, kind: str) -> frozenset:
+    steps = build_schedule(p, v, m, rank, group_size=group_size, kind=kind)
+    where = Placement.for_schedule(p, v, kind)
+    chunks = range(v)
+    first = next((c for c in chunks if where.is_first(rank, c)), None)
+    last = next((c for c in chunks if where.is_last(rank, c)), None)
+    turn = next(((c, where.neighbour(rank, c, 1)[1]) for c in chunks if where.is_local(rank, c, +1)), None)
+    return profiles(steps, v, first, last, turn)
 
 
 def peak_pending_weight_steps(layout, pp_rank: int) -> int:
@@ -133,5 +154,6 @@ def rank_in_flight(layout, pp_rank: int, chunk_bytes: list[int], p2p_bytes: int,
         layout.num_microbatches,
         pp_rank,
         layout.parallel.microbatch_group_size,
+        layout.parallel.pipeline_schedule,
     )
     return peaks(states, chunk_bytes, p2p_bytes, shared_bytes)

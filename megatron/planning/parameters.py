@@ -12,7 +12,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.core.pipeline_parallel.layer_split import stage_layer_ids
 from megatron.core.transformer.config import padded_vocab_size
 from megatron.planning.trace import chunk_parameter_shapes
 
@@ -36,11 +35,7 @@ class ModelChunk:
 def rank_chunks(config, layout, pp_rank: int) -> list[ModelChunk]:
     """The model chunks of `pp_rank` (layers from pipeline_parallel.layer_split, as the model builds them)."""
     chunks, par = [], layout.parallel
-    for c, layer_ids in enumerate(
-        stage_layer_ids(
-            config.num_layers, par.pp, par.virtual_stages, pp_rank, par.first_stage_layers, par.last_stage_layers
-        )
-    ):
+    for c, layer_ids in enumerate(par.layer_ids(config.num_layers, pp_rank)):
         first, last = par.chunk_position(pp_rank, c)
         chunks.append(ModelChunk(c, tuple(layer_ids), first, last))
     return chunks

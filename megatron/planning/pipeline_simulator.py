@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from megatron.core.pipeline_parallel.placement import Placement, placement_of
 from megatron.core.pipeline_parallel.schedules import Action, ActionKind, Step, build_schedule, peer_rank
 
 _FORWARD_MSG = (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
@@ -93,8 +94,10 @@ class _Simulator:
         backward_time: float,
         transfer_time: float,
         weight_time: float,
+        placement: str,
     ):
         self.schedules, self.p, self.v = schedules, len(schedules), v
+        self.placement = Placement(self.p, v, placement)
         split = any(a.kind is ActionKind.WEIGHT for steps in schedules for step in steps for a in step)
         self.duration = {
             ActionKind.FORWARD: forward_time,
@@ -113,7 +116,7 @@ class _Simulator:
         self.changed = False
 
     def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.p + rank
+        return self.placement.stage(rank, chunk)
 
     def run(self) -> Timeline:
         self.changed = True
@@ -173,12 +176,12 @@ class _Simulator:
         done = self.done[rank]
         if (a.kind, a.microbatch, a.chunk) in done:
             raise self._fail(rank, a, "runs twice")
-        if a.kind is ActionKind.FORWARD and not first and (ActionKind.RECV_FORWARD, a.microbatch, a.chunk) not in done:
+        if a.kind is ActionKind.FORWARD and not first and not self._has_input(rank, a, ActionKind.FORWARD, -1):
             raise self._fail(rank, a, "its input has not been received")
         if a.kind is ActionKind.BACKWARD:
             if (ActionKind.FORWARD, a.microbatch, a.chunk) not in done:
                 raise self._fail(rank, a, "runs before its forward")
-            if not last and (ActionKind.RECV_BACKWARD, a.microbatch, a.chunk) not in done:
+            if not last and not self._has_input(rank, a, ActionKind.BACKWARD, +1):
                 raise self._fail(rank, a, "its output gradient has not been received")
         if a.kind is ActionKind.WEIGHT and (ActionKind.BACKWARD, a.microbatch, a.chunk) not in done:
             raise self._fail(rank, a, "runs before its backward")
@@ -192,6 +195,14 @@ class _Simulator:
         self.events[rank].append(Event(rank, start, self.clock[rank], a))
         done.add((a.kind, a.microbatch, a.chunk))
         return True
+
+    def _has_input(self, rank: int, a: Action, computed: ActionKind, offset: int) -> bool:
+        """Whether what `a` consumes is here: received, or computed on this rank by the neighbouring
+        stage when that stage is local (the V placement's turn on rank p-1 passes it directly)."""
+        if self.placement.is_local(rank, a.chunk, offset):
+            chunk = self.placement.neighbour(rank, a.chunk, offset)[1]
+            return (computed, a.microbatch, chunk) in self.done[rank]
+        return (_CONSUMES[a.kind], a.microbatch, a.chunk) in self.done[rank]
 
     def _post_batch(self, rank: int, step: Step) -> None:
         batch = _Batch(rank, self.pos[rank], self.clock[rank])
@@ -217,7 +228,9 @@ class _Simulator:
                 raise self._fail(rank, a, f"sends before its {computed.name} ran")
         else:
             self.received[rank][(a.kind, a.microbatch, a.chunk)] = batch
-        peer = peer_rank(a.kind, rank, self.p)
+        if self.placement.is_local(rank, a.chunk, +1 if a.kind in _TO_NEXT_STAGE else -1):
+            raise self._fail(rank, a, "the neighbouring stage is on this rank: nothing to transfer")
+        peer = peer_rank(a, rank, self.placement)
         sends, recvs = self.channels[(rank, peer) if send else (peer, rank)]
         op = _Posted(batch, a)
         mine, theirs = (sends, recvs) if send else (recvs, sends)
@@ -272,8 +285,11 @@ def simulate_steps(
     backward_time: float = 2.0,
     transfer_time: float = 0.0,
     weight_time: float | None = None,
+    placement: str = "loop",
 ) -> Timeline:
     """Run the action lists of all p = len(schedules) ranks; raise ScheduleError on deadlock or inconsistency.
+
+    `placement`: where the stages run (placement.PLACEMENTS; 'v' for zbv).
 
     `transfer_time`: how long a batch takes once all its ops have met (0: the exact bubble of the
     schedule; above 0: how much of the p2p latency the schedule hides behind computation).
@@ -286,7 +302,7 @@ def simulate_steps(
             f"weight time inside the backward time, got {forward_time}, {backward_time}, "
             f"{transfer_time}, {weight_time}"
         )
-    return _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time).run()
+    return _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time, placement).run()
 
 
 def simulate(
@@ -313,6 +329,7 @@ def simulate(
         backward_time=backward_time,
         transfer_time=transfer_time,
         weight_time=weight_time,
+        placement=placement_of(kind),
     )
 
 

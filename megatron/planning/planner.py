@@ -212,18 +212,31 @@ def enumerate_layouts(config, num_gpus: int, global_batch_size: int, search: Sea
                         etp=etp,
                         pipeline_schedule=schedule,
                     )
+                    if schedule == "zbv" and not _splits_into_the_v(parallel, cfg.num_layers):
+                        continue
                     yield cfg, MemoryLayout(parallel, mbs, m, device_type=search.device_type), name
 
 
 def _schedules(pp: int, v: int, search: Search) -> list[str]:
     """The pipeline schedules (ParallelConfig.pipeline_schedule) to try for (pp, v): the one the layout
-    implies ('auto') and its zero-bubble variant, or those of `search.schedules` that run (pp, v)."""
+    implies ('auto') and its zero-bubble variants (zbv where v is 2), or those of `search.schedules`
+    that run (pp, v)."""
     if pp == 1:  # no pipeline: what 1f1b is with one stage
         return ["auto"] if search.schedules is None or "1f1b" in search.schedules else []
-    plain, zero_bubble = ("1f1b", "zb-h1") if v == 1 else ("interleaved", "interleaved-zb")
+    plain, *zero_bubble = ("1f1b", "zb-h1") if v == 1 else ("interleaved", "interleaved-zb")
+    zero_bubble += ["zbv"] if v == 2 else []
     if search.schedules is None:
-        return ["auto", zero_bubble]
-    return [kind for kind in (plain, zero_bubble) if kind in search.schedules]
+        return ["auto", *zero_bubble]
+    return [kind for kind in (plain, *zero_bubble) if kind in search.schedules]
+
+
+def _splits_into_the_v(parallel: ParallelConfig, num_layers: int) -> bool:
+    """Whether zbv's V placement splits the layers (layer_split.py: first and last stage, rest even)."""
+    try:
+        parallel.validate_layers(num_layers)
+    except ValueError:
+        return False
+    return True
 
 
 def _estimate_unless_bounded(cfg, layout: MemoryLayout, device_bytes: int) -> MemoryEstimate | None:

@@ -33,6 +33,7 @@ import functools
 from dataclasses import dataclass, fields
 
 from megatron.core.pipeline_parallel.layer_split import layers_per_rank as layer_counts
+from megatron.core.pipeline_parallel.layer_split import rank_layer_counts
 from megatron.core.pipeline_parallel.schedules import ZERO_BUBBLE
 from megatron.core.transformer.flops import flops_per_iteration
 from megatron.planning.comm_volume import (
@@ -327,9 +328,16 @@ def slowest_rank_work(
             backward.total + recompute.total + tp_bwd + cp_bwd + ep_bwd,
         )
 
-    par = layout.parallel
-    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
-    return max((work(n, r == par.pp - 1) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+    counts, output_rank = _rank_layers(config, layout.parallel)
+    return max((work(n, r == output_rank) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+
+
+def _rank_layers(config, par) -> tuple[list[int], int]:
+    """Layers of each pipeline rank (all its chunks) and the rank holding the output layer: the last
+    rank, or rank 0 in the V placement of zbv (which also holds the embedding there)."""
+    if par.placement.kind == "v":
+        return rank_layer_counts(config.num_layers, par.placement, par.first_stage_layers, par.last_stage_layers), 0
+    return layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers), par.pp - 1
 
 
 def transfer_seconds(config, layout, hw: Hardware, cal: Calibration) -> float:
@@ -350,8 +358,9 @@ def rank_parameter_split(config, layout) -> tuple[float, float]:
     embeddings = 2 if config.untie_embeddings_and_output_weights else 1
     experts = expert_parameters_per_layer(config)
     per_layer = (total_parameters(config, par.tp) - embeddings * embedding) / config.num_layers - experts
-    counts = layer_counts(config.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
-    return (max(counts) * per_layer + embedding) / par.tp, max(counts) * experts / (par.ep * par.dims.etp)
+    counts, _ = _rank_layers(config, par)
+    ends = embeddings if par.placement.kind == "v" else 1  # the V's rank 0 holds the embedding and the output layer
+    return (max(counts) * per_layer + ends * embedding) / par.tp, max(counts) * experts / (par.ep * par.dims.etp)
 
 
 def rank_parameters(config, layout) -> float:

@@ -37,6 +37,8 @@ def parallel_config_from_args(args, world_size: int) -> ParallelConfig:
         etp=args.expert_tensor_parallel_size,
     )
     virtual = _virtual_stages(args, dims.pp)
+    if args.pipeline_schedule == "zbv":
+        virtual = _zbv_virtual_stages(args, dims.pp, virtual)
     if args.distributed_timeout_minutes < 1:
         raise ValueError("--distributed-timeout-minutes must be >= 1")
     if not args.heartbeat_timeout_seconds >= 0:
@@ -79,13 +81,10 @@ def _pipeline_schedule(name: str | None, pp: int, virtual: int) -> str:
     """--pipeline-schedule checked against the layout (None: 'auto', the schedule the layout implies)."""
     if name is None:
         return "auto"
-    if name == "zbv":
-        raise ValueError(
-            "--pipeline-schedule zbv (two model chunks per rank in V placement) is not built yet; "
-            "use zb-h1 or interleaved-zb"
-        )
     if pp == 1:
         raise ValueError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size > 1")
+    if name == "zbv":
+        return name
     interleaved = name.startswith("interleaved")
     if interleaved and virtual == 1:
         raise ValueError(
@@ -99,6 +98,27 @@ def _pipeline_schedule(name: str | None, pp: int, virtual: int) -> str:
             f"are given ({virtual} per rank); use --pipeline-schedule {other}"
         )
     return name
+
+
+def _zbv_virtual_stages(args, pp: int, virtual: int) -> int:
+    """zbv runs exactly two model chunks per rank (the V): implied when no virtual-stage flag is given."""
+    if pp == 1:
+        raise ValueError("--pipeline-schedule zbv needs --pipeline-model-parallel-size > 1")
+    if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
+        raise ValueError(
+            "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedules, "
+            "not to --pipeline-schedule zbv (its order is fixed by the V)"
+        )
+    given = (
+        args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None
+    )
+    if given and virtual != 2:
+        raise ValueError(
+            f"--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank (V placement), but "
+            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank give {virtual}; "
+            "leave them out or give 2 virtual stages"
+        )
+    return 2
 
 
 def _virtual_stages(args, pp: int) -> int:

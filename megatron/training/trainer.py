@@ -70,6 +70,7 @@ class Trainer:
                 device,
                 parallel.first_stage_layers,
                 parallel.last_stage_layers,
+                parallel.placement.kind,
             )
         eager = [name for module in modules for name, p in module.named_parameters() if not is_deferred(p)]
         if eager:  # it would keep the value it was built with, not its InitSpec's
@@ -109,6 +110,7 @@ class Trainer:
             model_cfg.params_dtype,
             training.num_microbatches,
             bool(model_inputs),
+            parallel.pipeline_schedule,
         )
         self.datasets = dict(zip(("train", "valid", "test"), build_run_datasets(run)))
         workers = run.data.num_workers if run.data is not None else 1

@@ -42,7 +42,13 @@ SAVED_LAYOUT = [
 ]
 LOAD_LAYOUTS = {
     1: [[]],
-    4: [["--tensor-model-parallel-size", "4"], ["--pipeline-model-parallel-size", "2"], SAVED_LAYOUT],
+    4: [
+        ["--tensor-model-parallel-size", "4"],
+        ["--pipeline-model-parallel-size", "2"],
+        SAVED_LAYOUT,
+        # zbv's V placement: layers 0 and 3 (and both ends of GPT's tied embedding) on pp rank 0
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
+    ],
 }
 MODELS = ("gpt", "llama")
 

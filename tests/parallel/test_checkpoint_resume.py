@@ -41,6 +41,8 @@ RESUME_CASES = {
             "gpt",
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"] + DROPOUT,
         ),
+        # zbv: both copies of the tied embedding (and their optimizer state) on pp rank 0
+        ("gpt", ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--bf16"] + DIST_OPT + DROPOUT),
     ],
     4: [
         (

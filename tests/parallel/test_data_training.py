@@ -53,7 +53,8 @@ MODEL = [
 ]
 LAYOUTS = {
     1: [[]],
-    2: [[], ["--context-parallel-size", "2"]],
+    # zbv: validation's forward-only pass through the V (the loss on pp rank 0, the turn on rank 1)
+    2: [[], ["--context-parallel-size", "2"], ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]],
     4: [
         [
             "--tensor-model-parallel-size",

@@ -2,7 +2,8 @@
 
 Tiny GPT (dropout on: CPU attention takes the math path) and Llama (GQA, RoPE, SwiGLU,
 RMSNorm; CPU flash path) under DP, TP, TP+SP, CP (ring attention, also with TP+SP), PP,
-interleaved and uneven PP, recomputation, bf16, the distributed optimizer (bucket padding,
+interleaved and uneven PP, ZB-V's V placement (also DP2 with the distributed optimizer),
+recomputation, bf16, the distributed optimizer (bucket padding,
 several buckets, an embedding tied across stages, sharded over dp x cp), the offload
 optimizer (full, and f = 0.5 whose whole chunks the static policy picks, also under pp x vpp)
 and Megatron-FSDP's sharding strategies (optim_grads; optim_grads_params at DP2, TP2+SP x DP2,

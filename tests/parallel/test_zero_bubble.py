@@ -1,10 +1,11 @@
-"""Zero-bubble pipeline schedules (--pipeline-schedule zb-h1 / interleaved-zb) reproduce the one-process run.
+"""Zero-bubble pipeline schedules (--pipeline-schedule zb-h1 / interleaved-zb / zbv) reproduce the one-process run.
 
 Their weight-gradient (W) steps run after later microbatches' backwards, so these layouts check what
 deferral could break: gradients of one chunk added in microbatch order, data-parallel buckets reduced
 only after each chunk's last W step (with --overlap-grad-reduce, the distributed optimizer and
 sharded gradients), tied embeddings (GPT), uneven first/last stages, sequence and context
-parallelism, and MoE experts under expert parallelism. Losses of 5 iterations, the iteration-1 grad
+parallelism, and MoE experts under expert parallelism; under zbv's V placement also the local hand-off
+on the last rank and both ends of a tied embedding on rank 0. Losses of 5 iterations, the iteration-1 grad
 norm and gradients (only this rank's shard of them is whole with the distributed optimizer and sharded
 gradients: there, every parameter after the last step), within 1e-5 relative (tests/parallel/layouts.py),
 and some rank really deferred a W step past a later backward.
@@ -23,6 +24,7 @@ PP4 = ["--pipeline-model-parallel-size", "4"]
 VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 ZBH1 = ["--pipeline-schedule", "zb-h1"]
 IZB = ["--pipeline-schedule", "interleaved-zb"]
+ZBV = ["--pipeline-schedule", "zbv"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CP2 = ["--context-parallel-size", "2"]
 UNEVEN = ["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"]
@@ -38,6 +40,9 @@ LAYOUTS = {
         "pp2-vpp2-izb": ("llama", PP2 + VPP + IZB),
         "gpt-pp2-vpp2-izb-tied": ("gpt", PP2 + VPP + IZB),
         "pp2-uneven-zbh1": ("llama", PP2 + UNEVEN + ZBH1),
+        "pp2-zbv": ("llama", PP2 + ZBV),
+        "gpt-pp2-zbv-tied": ("gpt", PP2 + ZBV),
+        "pp2-uneven-zbv": ("llama-8", PP2 + UNEVEN + ZBV),  # stages of 3, 2, 2 and 1 layers; 8 microbatches
     },
     4: {
         "pp4-zbh1": ("llama", PP4 + ZBH1),
@@ -46,20 +51,33 @@ LAYOUTS = {
         "pp2-dp2-distopt-izb": ("llama", PP2 + VPP + DIST_OPT + IZB),
         "pp2-dp2-sharded-grads-zbh1": ("llama", PP2 + SHARDED_GRADS + ZBH1),
         "moe-ep2-pp2-zbh1": ("llama-moe", PP2 + EP2 + ZBH1),
+        "pp4-zbv": ("llama-8", PP4 + ZBV),
+        "tp2-sp-pp2-zbv": ("llama", TP2_SP + PP2 + ZBV),
+        "cp2-pp2-zbv": ("llama", CP2 + PP2 + ZBV),
+        "pp2-dp2-distopt-zbv": ("llama-gbs16", PP2 + DIST_OPT + ZBV),  # 4 microbatches per dp rank: some W deferred
+        "moe-ep2-pp2-zbv": ("llama-moe-gbs16", PP2 + EP2 + ZBV),
     },
 }
-REFERENCES = {"llama": [], "gpt": [], "llama-moe": MOE}
+GBS16 = ["--global-batch-size", "16"]
+REFERENCES = {
+    "llama": [],
+    "gpt": [],
+    "llama-moe": MOE,
+    "llama-8": ["--num-layers", "8"] + GBS16,
+    "llama-gbs16": GBS16,
+    "llama-moe-gbs16": MOE + GBS16,
+}
 
 
 def _model(name: str) -> str:
-    return name.removesuffix("-moe")
+    return name.split("-")[0]
 
 
 def _runs(rank: int, runs: list) -> list[dict]:
     out = []
     for model, flags in runs:
-        result = train(_model(model), (MOE if model.endswith("-moe") else []) + flags)
-        steps = build_trainer(_model(model), (MOE if model.endswith("-moe") else []) + flags).executor.steps
+        result = train(_model(model), REFERENCES[model] + flags)
+        steps = build_trainer(_model(model), REFERENCES[model] + flags).executor.steps
         result["deferred"] = _deferred_weight_steps(steps)
         out.append(result)
     return out
@@ -80,7 +98,7 @@ def _deferred_weight_steps(steps) -> int:
 @pytest.fixture(scope="module")
 def results():
     out = {}
-    references = run_distributed(1, _runs, [(model, flags) for model, flags in REFERENCES.items()])[0]
+    references = run_distributed(1, _runs, [(model, []) for model in REFERENCES])[0]
     for model, reference in zip(REFERENCES, references):
         out[("reference", model)] = reference
     for world, layouts in LAYOUTS.items():

@@ -327,6 +327,9 @@ def test_planner_plans_zero_bubble_schedules_as_asked(capsys):
     code, out, err = run_tool(plan_tool, argv + ["--pipeline-schedule", "zb-h1"], capsys)
     assert code == 0, err
     assert {line.split()[-1] for line in out.splitlines() if line.strip() and line.split()[0].isdigit()} == {"zb-h1"}
+    code, out, err = run_tool(plan_tool, argv + ["--num-layers", "4", "--pipeline-schedule", "zbv"], capsys)
+    assert code == 0, err  # 4 layers fill the V of pp 2 (4 stages, 2 chunks per rank)
+    assert {line.split()[-1] for line in out.splitlines() if line.strip() and line.split()[0].isdigit()} == {"zbv"}
     argv[argv.index("--pipeline-model-parallel-size") + 1] = "1"
     code, _, err = run_tool(plan_tool, argv + ["--pipeline-schedule", "zb-h1"], capsys)
     assert code == 2 and "--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size > 1" in err

@@ -44,14 +44,18 @@ def test_unequal_chunks_are_weighted_exactly():
     assert heavy_first.activations_bytes == max(c[0] * 100 + c[1] for c, _ in states)
 
 
-@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2), (3, 3), (4, 2)])
-def test_long_schedules_visit_the_same_states(p, v):
+@pytest.mark.parametrize(
+    "p,v,kind",
+    [(2, 1, "auto"), (4, 1, "auto"), (2, 2, "auto"), (3, 3, "auto"), (4, 2, "auto")]
+    + [(2, 2, "zbv"), (3, 2, "zbv"), (4, 2, "zbv")],
+)
+def test_long_schedules_visit_the_same_states(p, v, kind):
     """`equivalent_microbatches` is exact: more microbatches repeat the steady state."""
     for m in (5 * p, 6 * p, 7 * p + (2 if v == 1 else 0)):
         short = equivalent_microbatches(p, m, None)
         assert short < m
         for rank in range(p):
-            assert _rank_profiles(p, v, m, rank, None) == _rank_profiles(p, v, short, rank, None)
+            assert _rank_profiles(p, v, m, rank, None, kind) == _rank_profiles(p, v, short, rank, None, kind)
 
 
 def test_explicit_group_size_is_not_shortened():

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.core.pipeline_parallel.placement import Placement
 from megatron.core.pipeline_parallel.schedules import (
     Action,
     ActionKind,
@@ -71,7 +72,7 @@ def test_every_unit_forwarded_and_backwarded_once(p, v, m):
         check_coverage(steps, p, v, m, rank)
 
 
-def messages(steps, p, rank, sending):
+def messages(steps, p, v, rank, sending):
     """Per peer rank: (is forward, microbatch, sender's stage) of each message sent or received, in posting order."""
     per_peer = {}
     for step in steps:
@@ -81,7 +82,7 @@ def messages(steps, p, rank, sending):
             forward = a.kind in (SF, RF)
             own = stage(p, rank, a.chunk)
             sender_stage = own if sending else (own - 1 if forward else own + 1)
-            per_peer.setdefault(peer_rank(a.kind, rank, p), []).append((forward, a.microbatch, sender_stage))
+            per_peer.setdefault(peer_rank(a, rank, Placement(p, v)), []).append((forward, a.microbatch, sender_stage))
     return per_peer
 
 
@@ -90,8 +91,8 @@ def test_sends_and_receives_pair_up_in_order(p, v, m):
     """Between each pair of ranks the receiver posts the sender's messages in the sender's order, across
     directions too (p == 2 has forward and backward messages on one pair), so order-only matching works."""
     lists = schedules(p, v, m)
-    sent = [messages(s, p, r, sending=True) for r, s in enumerate(lists)]
-    received = [messages(s, p, r, sending=False) for r, s in enumerate(lists)]
+    sent = [messages(s, p, v, r, sending=True) for r, s in enumerate(lists)]
+    received = [messages(s, p, v, r, sending=False) for r, s in enumerate(lists)]
     for src in range(p):
         for dst in range(p):
             assert sent[src].get(dst, []) == received[dst].get(src, []), (src, dst)

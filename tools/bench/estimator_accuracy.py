@@ -117,6 +117,7 @@ SELECTIVE = ["--recompute-granularity", "selective"]
 BF16 = ["--bf16"]
 CP2, DISTOPT = ["--context-parallel-size", "2"], ["--use-distributed-optimizer"]
 BUCKETS = ["--ddp-bucket-size", "3000"]  # several buckets per chunk, each padded to dp x cp x 64 elements
+ZBV = ["--pipeline-schedule", "zbv"]  # two chunks per rank in V placement, the turn on the last rank local
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]  # pp2: 1 layer on the first rank, 3 on the last
 NO_ATTN_DROPOUT = ["--attention-dropout", "0"]  # the ring attention has no dropout
 TRITON = ["--kernel-impl", "triton"]  # attention, norms, RoPE and SwiGLU
@@ -153,6 +154,7 @@ LAYOUTS = {
         ("pp2-vpp2-full-uniform", "gpt", PP2 + VPP2 + FULL_UNIFORM),
         ("pp2-full-block-bf16", "llama", PP2 + FULL_BLOCK + BF16),
         ("pp2-uneven-1-3", "llama", PP2 + UNEVEN),
+        ("pp2-zbv", "gpt", PP2 + ZBV),  # V placement: both ends of the tied embedding on rank 0
         ("dp2-distopt", "gpt", DISTOPT),
         ("dp2-distopt-bf16-buckets", "llama", DISTOPT + BF16 + BUCKETS),
         ("cp2", "llama", CP2),
@@ -189,6 +191,7 @@ LAYOUTS = {
         ("pp4", "llama", ["--pipeline-model-parallel-size", "4"]),
         ("dp2-pp2-bf16", "gpt", PP2 + BF16),
         ("dp2-pp2-distopt-bf16", "gpt", PP2 + DISTOPT + BF16),
+        ("dp2-pp2-zbv-distopt-bf16", "gpt", PP2 + ZBV + DISTOPT + BF16),
         ("cp2-dp2-distopt-bf16", "llama", CP2 + DISTOPT + BF16),
         ("cp2-tp2-sp", "llama", CP2 + TP2 + SP),
         ("cp2-tp2-sp", "gpt", CP2 + TP2 + SP + NO_ATTN_DROPOUT),

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Pipeline schedules on CPU: ours vs torch.distributed.pipelining's, schedule by schedule.
 
-    python tools/bench/pipeline.py [--schedules 1f1b,interleaved,zb-h1,interleaved-zb] [--pp 2 4]
+    python tools/bench/pipeline.py [--schedules 1f1b,interleaved,zb-h1,zbv,interleaved-zb] [--pp 2 4]
         [--microbatches 8 16] [--vpp 2] [--quick] [--trace FILE] [--json FILE]
 
 Schedules and torch's counterpart of each: 1f1b (Schedule1F1B), interleaved (ScheduleInterleaved1F1B),
-interleaved-zb (ScheduleInterleavedZeroBubble), zb-h1 (torch has no class: its
-`_PipelineScheduleRuntime` runs our action list, compute only, torch adding the transfers); zbv is
-refused (ours is not built; torch's ScheduleZBVZeroBubble needs the V placement).
+interleaved-zb (ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble: two chunks per rank in
+V placement on both sides, rank r holding stages r and 2p-1-r, so --vpp must be 2 when zbv runs),
+zb-h1 (torch has no class: its `_PipelineScheduleRuntime` runs our action list, compute only, torch
+adding the transfers).
 
 For every (pp, microbatches) pair, launches pp forked gloo ranks (one intra-op thread each) that hold a stack of
 identical residual MLP blocks split into equal-cost stages: p stages for 1F1B,
@@ -57,6 +58,7 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core.distributed.model_chunk_buffers import DDPConfig, ModelChunkBuffers  # noqa: E402
 from megatron.core.parallel_state import ParallelDims, ParallelMesh  # noqa: E402
 from megatron.core.pipeline_parallel.executor import COMPUTE_SPANS, PipelineExecutor, PipelineSpec  # noqa: E402
+from megatron.core.pipeline_parallel.placement import Placement  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.planning.pipeline_simulator import bubble_fraction, simulate  # noqa: E402
@@ -71,14 +73,15 @@ TORCH_SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zb-h1": None,
+    "zbv": "ScheduleZBVZeroBubble",
     "interleaved-zb": "ScheduleInterleavedZeroBubble",
 }
 ONE_CHUNK = ("1f1b", "zb-h1")
-ZERO_BUBBLE = ("zb-h1", "interleaved-zb")
+ZERO_BUBBLE = ("zb-h1", "zbv", "interleaved-zb")
 
 
 def chunks_per_rank(schedule: str, v: int) -> int:
-    return 1 if schedule in ONE_CHUNK else v
+    return 1 if schedule in ONE_CHUNK else 2 if schedule == "zbv" else v
 
 
 def simulated_bubble(schedule: str, p: int, v: int, m: int) -> float:
@@ -147,7 +150,7 @@ class Ours:
             schedule=schedule,
         )
         self.executor = PipelineExecutor(self.chunks, mesh, spec)
-        self.last = mesh.is_last_stage
+        self.last = any(self.executor.placement.is_last(mesh.pp_rank, c) for c in range(len(stages)))
         self.spans = []  # per step: the executor's spans, seconds since the step's start
 
     def step(self, data) -> float | None:
@@ -250,7 +253,7 @@ class Theirs:
 
 
 def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
-    """Every rank's compute order of our `schedule` as torch's compute-only actions (stage c*p + r)."""
+    """Every rank's compute order of our `schedule` (a loop-placed one) as torch's compute-only actions."""
     from torch.distributed.pipelining import schedules
 
     kinds = {
@@ -268,10 +271,12 @@ def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
     }
 
 
-def _stages_for(blocks: list, p: int, v: int, rank: int, build=copy.deepcopy) -> tuple[list, list]:
-    """Fresh copies (`build(block)`) of the blocks of this rank's v chunks; chunk c is global stage c*p + rank."""
+def _stages_for(blocks: list, p: int, v: int, rank: int, schedule: str, build=copy.deepcopy) -> tuple[list, list]:
+    """Fresh copies (`build(block)`) of the blocks of this rank's v chunks, each at its global stage
+    (c*p + rank; under zbv the V placement's)."""
     per_stage = len(blocks) // (p * v)
-    indices = [c * p + rank for c in range(v)]
+    placement = Placement.for_schedule(p, v, schedule)
+    indices = [placement.stage(rank, c) for c in range(v)]
     stages = [Stage([build(b) for b in blocks[i * per_stage : (i + 1) * per_stage]]) for i in indices]
     return stages, indices
 
@@ -298,8 +303,8 @@ def worker(rank: int, args) -> dict:
     runs = {}
     for name in args.schedules:
         chunks = chunks_per_rank(name, v)
-        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank, ours)[0], mesh, args, name)
-        runs[(name, "torch")] = Theirs(*_stages_for(blocks, p, chunks, rank), mesh, args, name)
+        runs[(name, "ours")] = Ours(_stages_for(blocks, p, chunks, rank, name, ours)[0], mesh, args, name)
+        runs[(name, "torch")] = Theirs(*_stages_for(blocks, p, chunks, rank, name), mesh, args, name)
 
     # correctness: the same losses (last rank) and gradients (every rank) on both sides
     check = {}
@@ -354,8 +359,6 @@ def _positive(text: str) -> int:
 
 def _schedules(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    if "zbv" in names:
-        raise argparse.ArgumentTypeError("zbv: our ZB-V schedule is not built yet (docs/pipeline.md)")
     unknown = [name for name in names if name not in TORCH_SCHEDULES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
@@ -435,6 +438,8 @@ def _parser() -> argparse.ArgumentParser:
 def _validate(parser: argparse.ArgumentParser, args) -> None:
     if args.vpp < 2:
         parser.error(f"--vpp must be >= 2 for the interleaved schedules, got {args.vpp}")
+    if "zbv" in args.schedules and args.vpp != 2:
+        parser.error(f"--schedules zbv runs 2 model chunks per rank (V placement): --vpp must be 2, got {args.vpp}")
     if args.json and (len(args.pp) > 1 or len(args.microbatches) > 1):
         parser.error("--json needs one --pp and one --microbatches value")
     for p in args.pp:
@@ -483,7 +488,7 @@ def breakdown(spans: list, times: list) -> dict:
 def check_lines(result: dict, names: tuple) -> tuple[list, bool]:
     lines, ok = [], True
     for name in names:
-        c = result["checks"][-1][name]  # the last rank holds the losses
+        c = result["checks"][0 if name == "zbv" else -1][name]  # the rank of the last stage holds the losses
         grad = max(r[name]["grad_diff"] for r in result["checks"])
         good = c["loss_diff"] <= LOSS_RTOL and grad <= GRAD_RTOL
         ok &= good

@@ -287,13 +287,25 @@ def read_pieces(pieces: list[TensorPiece], directory: str, process_group=None) -
     CheckpointError before any rank reads. Each rank then reads its own boxes, knowing every file
     from the global `.metadata`: DCP's load without its collectives (a gather and a scatter of the
     plans, which a read does not need, and an all-gather), which cost more than the reading at 4 ranks
-    on 2 cores. A rank whose read fails raises CheckpointError on every rank alike."""
+    on 2 cores. A rank whose read fails raises CheckpointError on every rank alike. A box this rank
+    holds twice (both copies of a tied embedding on one rank, zbv's rank 0) is read once and copied."""
     check_pieces_match(pieces, directory, process_group)
+    first: dict[tuple, TensorPiece] = {}  # the box -> the piece read into
+    again: list[tuple[TensorPiece, TensorPiece]] = []  # (piece read, piece copied from it)
+    for piece in pieces:
+        key = _key(_index(piece))
+        if key in first:
+            again.append((first[key], piece))
+        else:
+            first[key] = piece
     problem = None
     try:
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: here, one rank's reads
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=_Reader(directory), planner=_PieceLoadPlanner(pieces), no_dist=True)
+            planner = _PieceLoadPlanner(list(first.values()))
+            dcp.load({}, storage_reader=_Reader(directory), planner=planner, no_dist=True)
+        for original, copy in again:
+            copy.tensor().copy_(original.tensor())
     except Exception as error:  # noqa: BLE001 - shared with every rank below
         if not dist.is_initialized():
             raise

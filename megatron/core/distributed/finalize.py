@@ -38,7 +38,8 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = N
       Python float);
     - sum the gradients of replicated weights that saw only a sequence shard
       (`sequence_parallel` norm weights and row-parallel biases) across tp;
-    - sum the two copies of tied embeddings across the first and last pipeline stage.
+    - sum the two copies of tied embeddings across the first and last pipeline stage (on one rank
+      when the V placement puts both ends on rank 0).
     """
     for chunk in chunks:
         chunk.finish_grad_sync()
@@ -50,6 +51,16 @@ def finalize_model_grads(chunks: list, mesh, grad_scale: torch.Tensor | None = N
     _all_reduce_flat(
         [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "sequence_parallel", False))], mesh.tp_group
     )
-    shared = [g for b in buffers for g in b.local_grads(lambda p: getattr(p, "shared_embedding", False))]
-    if shared:
-        _all_reduce_flat(shared, mesh.embedding_group)
+    holders = [
+        shared
+        for chunk in chunks
+        if (
+            shared := [g for b in chunk.buffers for g in b.local_grads(lambda p: getattr(p, "shared_embedding", False))]
+        )
+    ]
+    if len(holders) == 2:  # both copies on this rank (the V placement's rank 0): add them here
+        for embedding, output in zip(*holders):
+            embedding.add_(output)
+            output.copy_(embedding)
+    elif holders:
+        _all_reduce_flat(holders[0], mesh.embedding_group)

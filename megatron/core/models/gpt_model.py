@@ -127,6 +127,7 @@ class GPTModel(torch.nn.Module):
             )
             if self.tied and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.tied_output_copy = True  # the embedding's copy: one gradient, counted once
         if self.tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         # the global positions of this rank's tokens: all of them, or a cp rank's load-balanced share

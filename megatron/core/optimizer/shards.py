@@ -32,10 +32,10 @@ def is_embedding_or_output(name: str) -> bool:
 
 def counts_in_grad_norm(param, mesh) -> bool:
     """Whether this rank's copy counts in the global norm: weights replicated across tp count on
-    tp rank 0 only; the tied output-layer copy on the last stage not at all; expert weights on every
-    rank (the ranks of an expert-tensor x expert-parallel group hold different pieces, their replicas
-    are counted by `FlatShard.replicas`)."""
-    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
+    tp rank 0 only; the tied output-layer copy (on the last stage, or beside the embedding on rank 0
+    under the V placement) not at all; expert weights on every rank (the ranks of an expert-tensor x
+    expert-parallel group hold different pieces, their replicas are counted by `FlatShard.replicas`)."""
+    if getattr(param, "tied_output_copy", False):
         return False
     if getattr(param, "is_expert", False):
         return True

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.microbatch import Microbatch
-from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule
+from megatron.core.pipeline_parallel.placement import Placement
+from megatron.core.pipeline_parallel.schedules import ActionKind, build_schedule, peer_rank
 
 
 @dataclass
@@ -216,6 +217,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list, mesh, spec: PipelineSpec):
         self.chunks, self.mesh, self.spec = chunks, mesh, spec
         self.p, self.v, self.rank = mesh.pp_size, len(chunks), mesh.pp_rank
+        self.placement = Placement.for_schedule(self.p, self.v, spec.schedule)
         self.steps = build_schedule(
             self.p,
             self.v,
@@ -239,10 +241,16 @@ class PipelineExecutor:
         return last
 
     def _is_first(self, chunk: int) -> bool:
-        return self.rank == 0 and chunk == 0
+        return self.placement.is_first(self.rank, chunk)
 
     def _is_last(self, chunk: int) -> bool:
-        return self.rank == self.p - 1 and chunk == self.v - 1
+        return self.placement.is_last(self.rank, chunk)
+
+    def _local_neighbour(self, chunk: int, offset: int) -> int | None:
+        """The local chunk of the stage `offset` away, when it runs on this rank (the V's turn)."""
+        if not self.placement.is_local(self.rank, chunk, offset):
+            return None
+        return self.placement.neighbour(self.rank, chunk, offset)[1]
 
     def run(self, batch, loss_scale: float = 1.0, zero_grads: bool = False) -> StepStats:
         """One iteration. Each microbatch's backward starts from its masked loss sum times
@@ -259,13 +267,19 @@ class PipelineExecutor:
             action = step[0]
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.FORWARD:
-                if not self._is_first(action.chunk):
+                previous = self._local_neighbour(action.chunk, -1)
+                if previous is not None:  # the previous stage's output, handed over on this rank
+                    inputs[key] = outputs[(action.microbatch, previous)].detach().requires_grad_()
+                elif not self._is_first(action.chunk):
                     self._wait(transfers, ActionKind.RECV_FORWARD, key, timer)
                 started = timer.start()
                 outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / self.spec.num_microbatches)
                 timer.stop("forward", started, action)
             elif action.kind is ActionKind.BACKWARD:
-                if not self._is_last(action.chunk):
+                following = self._local_neighbour(action.chunk, +1)
+                if following is not None:  # the next stage's input gradient, handed over on this rank
+                    received_grads[key] = input_grads.pop((action.microbatch, following))
+                elif not self._is_last(action.chunk):
                     self._wait(transfers, ActionKind.RECV_BACKWARD, key, timer)
                 started = timer.start()
                 if action.chunk in unzeroed:
@@ -326,18 +340,19 @@ class PipelineExecutor:
         for action in step:
             key = (action.microbatch, action.chunk)
             kind = action.kind
+            peer = self.mesh.pp_peer(peer_rank(action, self.rank, self.placement) - self.rank)
             if kind is ActionKind.SEND_FORWARD:
-                ops.append(dist.P2POp(dist.isend, outputs[key].detach(), self.mesh.pp_peer(+1), group))
+                ops.append(dist.P2POp(dist.isend, outputs[key].detach(), peer, group))
             elif kind is ActionKind.SEND_BACKWARD:
-                ops.append(dist.P2POp(dist.isend, input_grads.pop(key), self.mesh.pp_peer(-1), group))
+                ops.append(dist.P2POp(dist.isend, input_grads.pop(key), peer, group))
             elif kind is ActionKind.RECV_FORWARD:
                 buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device, requires_grad=True)
                 inputs[key] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer.data, self.mesh.pp_peer(-1), group))
+                ops.append(dist.P2POp(dist.irecv, buffer.data, peer, group))
             else:
                 buffer = torch.empty(self.spec.p2p_shape, dtype=self.spec.p2p_dtype, device=device)
                 received_grads[key] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.pp_peer(+1), group))
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
         transfers.post(step, dist.batch_isend_irecv(ops))
         for action in step:
             if action.kind is ActionKind.SEND_FORWARD:  # the posted send holds the data until it completes

@@ -2,7 +2,8 @@
 
 The action list is the trivial schedule: every microbatch in order, and for each
 the local model chunks in order of their global stage, each as receive (unless the
-first stage), forward, send (unless the last stage). Every rank's list follows the
+first stage), forward, send (unless the last stage; neither when the neighbouring stage is
+on the same rank, as at the V placement's turn: the output is passed on). Every rank's list follows the
 same global order of (microbatch, stage), so each send meets a receive that is
 already posted or is the peer's next action: no deadlock, no bubble accounting.
 """
@@ -14,18 +15,18 @@ import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.executor import StepStats
 from megatron.core.pipeline_parallel.microbatch import Microbatch
+from megatron.core.pipeline_parallel.placement import Placement
 
 
-def forward_only_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+def forward_only_actions(placement: Placement, m: int, rank: int) -> list[tuple[str, int, int]]:
     """(kind, microbatch, local chunk) with kind 'recv', 'forward' or 'send'."""
     actions = []
     for microbatch in range(m):
-        for chunk in range(v):
-            stage = chunk * p + rank
-            if stage > 0:
+        for chunk in placement.chunks_in_stage_order(rank):
+            if not placement.is_first(rank, chunk) and not placement.is_local(rank, chunk, -1):
                 actions.append(("recv", microbatch, chunk))
             actions.append(("forward", microbatch, chunk))
-            if stage < p * v - 1:
+            if not placement.is_last(rank, chunk) and not placement.is_local(rank, chunk, +1):
                 actions.append(("send", microbatch, chunk))
     return actions
 
@@ -46,33 +47,41 @@ class ForwardOnlyExecutor:
         p2p_dtype: torch.dtype,
         num_microbatches: int,
         every_stage_reads: bool = False,
+        schedule: str = "auto",
     ):
         self.chunks, self.mesh = chunks, mesh
         self.p2p_shape, self.p2p_dtype, self.every_stage_reads = p2p_shape, p2p_dtype, every_stage_reads
-        self.actions = forward_only_actions(mesh.pp_size, len(chunks), num_microbatches, mesh.pp_rank)
+        self.placement = Placement.for_schedule(mesh.pp_size, len(chunks), schedule)
+        self.actions = forward_only_actions(self.placement, num_microbatches, mesh.pp_rank)
 
     @torch.no_grad()
     def run(self, batch) -> StepStats:
         device = next(self.chunks[0].parameters()).device
         stats = StepStats.zeros(device)
-        p, v, rank = self.mesh.pp_size, len(self.chunks), self.mesh.pp_rank
-        hidden = {}
+        rank, where = self.mesh.pp_rank, self.placement
+        hidden = {}  # (microbatch, local chunk) -> its input (received or handed over), then its output to send
         for kind, microbatch, chunk in self.actions:
-            stage = chunk * p + rank
             if kind == "recv":
                 buffer = torch.empty(self.p2p_shape, dtype=self.p2p_dtype, device=device)
-                dist.recv(buffer, self.mesh.pp_peer(-1), group=self.mesh.pp_group)
+                dist.recv(buffer, self._peer(chunk, -1), group=self.mesh.pp_group)
                 hidden[(microbatch, chunk)] = buffer
             elif kind == "send":
-                dist.send(hidden.pop((microbatch, chunk)).contiguous(), self.mesh.pp_peer(+1), group=self.mesh.pp_group)
+                dist.send(hidden.pop((microbatch, chunk)).contiguous(), self._peer(chunk, +1), group=self.mesh.pp_group)
             else:
-                first, last = stage == 0, stage == p * v - 1
+                first, last = where.is_first(rank, chunk), where.is_last(rank, chunk)
                 data = Microbatch(*batch(microbatch)) if first or last or self.every_stage_reads else None
                 model_inputs = data.model_inputs() if data is not None else {}
                 inputs = data.tokens if first else hidden.pop((microbatch, chunk))
                 if not last:
-                    hidden[(microbatch, chunk)] = self.chunks[chunk](inputs, **model_inputs)
+                    output = self.chunks[chunk](inputs, **model_inputs)
+                    following = where.neighbour(rank, chunk, +1)
+                    hidden[(microbatch, following[1] if following[0] == rank else chunk)] = output
                     continue
                 token_losses = self.chunks[chunk](inputs, data.labels, **model_inputs)
                 stats.add_loss(token_losses, data.loss_mask)
         return stats
+
+    def _peer(self, chunk: int, offset: int) -> int:
+        """Global rank of the rank holding the stage `offset` from local `chunk`."""
+        peer = self.placement.neighbour(self.mesh.pp_rank, chunk, offset)[0]
+        return self.mesh.pp_peer(peer - self.mesh.pp_rank)

@@ -12,9 +12,10 @@ training iteration as a list of *steps*. A step is either
   receive posted before other computations overlaps them, and a send never
   holds its rank back.
 
-Chunk c on rank r is global stage c*p + r. Stage s sends its forward output to
-stage s+1 and its input gradient to stage s-1, so forward messages always go
-to rank (r+1) % p and backward messages to rank (r-1) % p. A transfer action
+Where a stage runs is `placement.Placement`'s: in the loop placement of every
+schedule here but ZB-V, chunk c on rank r is global stage c*p + r. Stage s sends its forward output to
+stage s+1 and its input gradient to stage s-1, so in the loop placement forward messages go
+to rank (r+1) % p and backward messages to rank (r-1) % p (ZB-V's V placement: zbv.py). A transfer action
 names the microbatch and the *local* chunk on the rank that runs it (the
 sender's chunk for a send, the receiver's chunk for a receive). The first stage
 reads data (no RECV_FORWARD), the last computes the loss (no SEND_FORWARD, no
@@ -49,49 +50,17 @@ around the ring are received earlier (see `_interleaved_receives`).
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from megatron.core.pipeline_parallel.actions import Action, ActionKind, Step, peer_rank
+from megatron.core.pipeline_parallel.zbv import zbv_compute_order, zbv_steps
 
-KINDS = ("auto", "none", "1f1b", "interleaved", "zb-h1", "interleaved-zb")
-# The zero-bubble kinds: the schedule they defer weight-gradient steps of, and how many WEIGHT
-# steps rank r may keep pending (see `_defer_weights`).
-ZERO_BUBBLE = {"zb-h1": ("1f1b", lambda rank: rank), "interleaved-zb": ("interleaved", lambda rank: 2 * rank)}
+KINDS = ("auto", "none", "1f1b", "interleaved", "zb-h1", "zbv", "interleaved-zb")
+# The zero-bubble kinds that defer the weight-gradient steps of another schedule: that schedule,
+# and how many WEIGHT steps rank r may keep pending (see `_defer_weights`).
+DEFERRED = {"zb-h1": ("1f1b", lambda rank: rank), "interleaved-zb": ("interleaved", lambda rank: 2 * rank)}
+# Every kind that splits each backward into BACKWARD and WEIGHT steps and moves the WEIGHT steps.
+ZERO_BUBBLE = (*DEFERRED, "zbv")
 
-
-class ActionKind(enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    SEND_FORWARD = "SF"
-    RECV_FORWARD = "RF"
-    SEND_BACKWARD = "SB"
-    RECV_BACKWARD = "RB"
-    WEIGHT = "W"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: ActionKind
-    microbatch: int
-    chunk: int  # local model chunk on the rank that runs the action, 0..v-1
-
-    def __str__(self) -> str:
-        return f"{self.kind.name}(mb={self.microbatch}, chunk={self.chunk})"
-
-
-Step = list[Action]
-
-
-def peer_rank(kind: ActionKind, rank: int, p: int) -> int:
-    """The rank on the other end of a transfer run by `rank`."""
-    if kind in (ActionKind.SEND_FORWARD, ActionKind.RECV_BACKWARD):
-        return (rank + 1) % p
-    if kind in (ActionKind.RECV_FORWARD, ActionKind.SEND_BACKWARD):
-        return (rank - 1) % p
-    raise ValueError(f"{kind.name} is a compute action and has no peer rank")
+__all__ = ["Action", "ActionKind", "Step", "peer_rank"]  # re-exported from actions.py: the schedules' vocabulary
 
 
 def _validate(p: int, v: int, m: int, rank: int, kind: str, group_size: int | None) -> tuple[str, int]:
@@ -108,6 +77,12 @@ def _validate(p: int, v: int, m: int, rank: int, kind: str, group_size: int | No
         kind = "none" if p == 1 and v == 1 else "1f1b" if v == 1 else "interleaved"
     if kind in ZERO_BUBBLE and p < 2:
         raise ValueError(f"schedule {kind!r} needs --pipeline-model-parallel-size > 1, got {p}")
+    if kind == "zbv":
+        if v != 2:
+            raise ValueError(f"schedule 'zbv' runs exactly 2 model chunks per rank (V placement), got v={v}")
+        if group_size is not None:
+            raise ValueError("--microbatch-group-size-per-virtual-pipeline-stage does not apply to schedule 'zbv'")
+        return kind, 1
     if kind == "zb-h1" and v != 1:
         raise ValueError(f"schedule 'zb-h1' runs one model chunk per rank, got v={v}; use 'interleaved-zb'")
     if kind == "interleaved-zb":
@@ -171,7 +146,10 @@ def num_warmup_microbatches(
     The peak number of forwards awaiting their backward is min(warm-up + 1, v * m).
     """
     kind, g = _validate(p, v, m, rank, kind, group_size)
-    kind = ZERO_BUBBLE.get(kind, (kind,))[0]
+    kind = DEFERRED.get(kind, (kind,))[0]
+    if kind == "zbv":
+        order = zbv_compute_order(p, m, rank)
+        return next(k for k, action in enumerate(order) if action.kind is ActionKind.BACKWARD)
     if kind == "none":
         return 0
     if kind == "1f1b":
@@ -353,14 +331,17 @@ def build_schedule(
 
     kind: 'none' (p == 1), '1f1b' (v == 1), 'interleaved' (v > 1, needs
     p <= group_size <= m; group_size defaults to p), 'auto' to pick by p, v, or a zero-bubble
-    kind: 'zb-h1' (1F1B with deferred WEIGHT steps) or 'interleaved-zb' (the interleaved
-    schedule with deferred WEIGHT steps); those split every backward whatever `split_backward`.
+    kind: 'zb-h1' (1F1B with deferred WEIGHT steps), 'interleaved-zb' (the interleaved
+    schedule with deferred WEIGHT steps) or 'zbv' (v == 2 in V placement, zbv.py); those split
+    every backward whatever `split_backward`.
     `split_backward`: each BACKWARD is followed by its WEIGHT step (see the module docstring).
     Raises ValueError with a one-line message on bad arguments.
     """
     kind, g = _validate(p, v, m, rank, kind, group_size)
-    if kind in ZERO_BUBBLE:
-        base, pending = ZERO_BUBBLE[kind]
+    if kind == "zbv":
+        return zbv_steps(p, m, rank)
+    if kind in DEFERRED:
+        base, pending = DEFERRED[kind]
         steps = build_schedule(p, v, m, rank, kind=base, group_size=group_size, split_backward=True)
         return _defer_weights(steps, pending(rank))
     if kind == "none":

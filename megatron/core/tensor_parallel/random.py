@@ -33,7 +33,7 @@ def _seed_from(*parts) -> int:
 
 def dropout_seeds(seed: int, *, stage: int, cp_rank: int, tp_rank: int) -> tuple[int, int]:
     """(replicated stream seed, tensor-parallel stream seed) of global pipeline stage `stage`
-    (chunk c of pipeline rank r is stage c * pp + r). The only place dropout seeds come from."""
+    (pipeline_parallel.placement gives each chunk's stage). The only place dropout seeds come from."""
     return _seed_from("dropout", seed, stage, cp_rank), _seed_from("dropout-tp", seed, stage, cp_rank, tp_rank)
 
 

@@ -39,8 +39,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         choices=PIPELINE_SCHEDULES,
         help="1f1b (default with one model chunk per rank), interleaved (default with virtual stages), "
         "zb-h1 (1F1B whose weight-gradient steps fill the cool-down: zero-bubble's ZB-H1), "
-        "interleaved-zb (the interleaved schedule with deferred weight-gradient steps); zbv is "
-        "refused: not built yet (docs/pipeline.md)",
+        "interleaved-zb (the interleaved schedule with deferred weight-gradient steps), "
+        "zbv (zero-bubble's ZB-V: two model chunks per rank in V placement, the loss on rank 0; "
+        "layers split over 2 x pp stages, docs/pipeline.md)",
     )
     g.add_argument(
         "--split-backward",

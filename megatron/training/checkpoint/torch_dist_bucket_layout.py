@@ -129,7 +129,8 @@ def our_layout(trainer, directory: str) -> SavingLayout:
     if parallel.virtual_stages > 1 or parallel.first_stage_layers or parallel.last_stage_layers:
         raise CheckpointError(
             f"{directory}: the distributed optimizer's torch_dist form is written only for even pipeline stages "
-            "without virtual stages; save with --ckpt-format canonical (or without --use-distributed-optimizer)"
+            "without virtual stages (--pipeline-schedule zbv has two per rank); save with --ckpt-format canonical "
+            "(or without --use-distributed-optimizer)"
         )
     _experts("our run", dims.ep, dims.etp, dims.tp, directory)
     return SavingLayout(
