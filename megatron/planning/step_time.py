@@ -45,9 +45,9 @@ from megatron.planning.comm_volume import (
 from megatron.planning.compute_cost import Calibration, PassTime, layer_time, output_layer_time
 from megatron.planning.hardware import Hardware
 from megatron.planning.kernels import dtype_bytes, resolve_kernels
+from megatron.planning.makespan import makespan
 from megatron.planning.moe_cost import expert_parameters_per_layer, moe_layer_average
 from megatron.planning.parameters import padded_vocab, total_parameters
-from megatron.planning.pipeline_simulator import simulate
 
 # Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
 OPTIMIZER_BYTES_PER_PARAMETER = 38
@@ -191,7 +191,7 @@ def _unit_makespan(
     simulations give it for any m."""
 
     def run(microbatches: int) -> float:
-        return simulate(
+        return makespan(
             p,
             v,
             microbatches,
@@ -201,7 +201,7 @@ def _unit_makespan(
             backward_time=backward,
             transfer_time=transfer,
             weight_time=weight if kind in ZERO_BUBBLE else None,
-        ).makespan
+        )
 
     base = 2 * p + m % p
     if group_size is not None or m <= base + p:
