@@ -15,6 +15,7 @@ building the lists or checking them again.
 from __future__ import annotations
 
 import functools
+from array import array
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.schedules import ActionKind
@@ -26,21 +27,27 @@ _KIND = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.WEIGHT: 2}
 
 @dataclass(frozen=True)
 class Tape:
-    """The simulator's timing rules in the order it applied them, over numbered batches:
-    (_COMPUTE, rank, kind 0/1/2 for F/B/W, batch of its input or -1), (_POST, rank, batch, None),
-    (_START, batch, the rank's previous batch or -1, None), (_COMPLETE, batch, its peers' batches, None)."""
+    """The simulator's timing rules in the order it applied them, over numbered batches, as four
+    columns (`code`, `a`, `b`, `c`): (_COMPUTE, rank, kind 0/1/2 for F/B/W, batch of its input or -1),
+    (_POST, rank, batch, 0), (_START, batch, the rank's previous batch or -1, 0), (_COMPLETE, batch,
+    the first of its peers' batches in `peers`, their number)."""
 
     ranks: int
     batches: int
     split: bool  # WEIGHT steps run apart: a BACKWARD takes the backward time less the weight time
-    rules: tuple[tuple, ...]
+    code: array
+    a: array
+    b: array
+    c: array
+    peers: array
 
     def makespan(self, forward: float, backward: float, transfer: float, weight: float) -> float:
         """The simulated makespan with these durations (`weight`: already checked and defaulted)."""
         duration = (forward, backward - weight if self.split else backward, weight)
         clock = [0.0] * self.ranks
         posted, started, completed = [0.0] * self.batches, [0.0] * self.batches, [0.0] * self.batches
-        for code, a, b, c in self.rules:
+        peers = self.peers
+        for code, a, b, c in zip(self.code, self.a, self.b, self.c):
             if code == _COMPUTE:
                 start = clock[a] if c < 0 else max(clock[a], completed[c])
                 clock[a] = start + duration[b]
@@ -49,7 +56,7 @@ class Tape:
             elif code == _START:
                 started[a] = max(posted[a], completed[b] if b >= 0 else 0.0)
             else:
-                completed[a] = max([started[a], *(started[peer] for peer in b)]) + transfer
+                completed[a] = max([started[a], *(started[peer] for peer in peers[b : b + c])]) + transfer
         return max(clock, default=0.0)
 
 
@@ -62,21 +69,26 @@ def record(p: int, v: int, m: int, kind: str, group_size: int | None) -> Tape:
     def index(batch) -> int:
         return -1 if batch is None else number.setdefault(id(batch), len(number))
 
-    rules = []
+    columns = [array("q") for _ in range(4)]
+    peers = array("q")
     for name, first, *rest in raw:
         if name == "compute":
-            rules.append((_COMPUTE, first, _KIND[rest[0]], index(rest[1])))
+            rule = (_COMPUTE, first, _KIND[rest[0]], index(rest[1]))
         elif name == "post":
-            rules.append((_POST, first, index(rest[0]), None))
+            rule = (_POST, first, index(rest[0]), 0)
         elif name == "start":
-            rules.append((_START, index(first), index(rest[0]), None))
+            rule = (_START, index(first), index(rest[0]), 0)
         else:
-            rules.append((_COMPLETE, index(first), tuple(index(peer) for peer in rest[0]), None))
-    split = any(rule[0] == _COMPUTE and rule[2] == _KIND[ActionKind.WEIGHT] for rule in rules)
-    return Tape(p, len(number), split, tuple(rules))
+            rule = (_COMPLETE, index(first), len(peers), len(rest[0]))
+            peers.extend(index(peer) for peer in rest[0])
+        for column, value in zip(columns, rule):
+            column.append(value)
+    code, a, b, c = columns
+    split = any(k == _COMPUTE and kind == _KIND[ActionKind.WEIGHT] for k, kind in zip(code, b))
+    return Tape(p, len(number), split, code, a, b, c, peers)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)  # a tape of p 64, m 192 (121,536 rules) holds 4 MB
 def _tape(p: int, v: int, m: int, kind: str, group_size: int | None) -> Tape:
     return record(p, v, m, kind, group_size)
 
