@@ -1,12 +1,16 @@
 """The planner's replayed makespans against full simulations."""
 
+import dataclasses
 import random
 
 import pytest
 
 from megatron.core.pipeline_parallel.schedules import KINDS
+from megatron.planning import step_time
 from megatron.planning.makespan import makespan, record
 from megatron.planning.pipeline_simulator import simulate
+from megatron.planning.planner import Search, plan_fastest
+from tests.unit.test_memory_planner import GIB, MODEL
 
 SHAPES = [(1, 1, 3, None), (2, 1, 1, None), (4, 1, 3, None), (4, 1, 9, None), (8, 1, 16, None)]
 SHAPES += [(2, 2, 4, None), (4, 2, 8, None), (4, 3, 12, None), (4, 2, 10, 5), (8, 2, 16, None)]
@@ -39,3 +43,20 @@ def test_replay_refuses_durations_as_the_simulator_does():
         makespan(4, 1, 8, kind="zb-h1", backward_time=2.0, weight_time=2.0)
     with pytest.raises(ValueError, match="must be positive"):
         makespan(4, 1, 8, forward_time=0.0)
+
+
+def test_plan_is_the_one_full_simulations_give(monkeypatch):
+    """plan_fastest over the pipelines of 8 CPU ranks (each with and without deferred weight gradients):
+    the same layouts, step times and counts when every makespan is simulated in full, not replayed."""
+    search = Search(pps=(2, 4, 8), micro_batch_sizes=(1, 2), device_type="cpu")
+
+    def planned():
+        step_time._unit_makespan.cache_clear()
+        top, counts = plan_fastest(MODEL, 8, 32, 5 * GIB // 2, search=search, top=8)
+        return [(c.layout, c.recompute, c.time) for c in top], dataclasses.replace(counts, traces=0)
+
+    replayed = planned()
+    monkeypatch.setattr(step_time, "makespan", lambda p, v, m, **timing: simulate(p, v, m, **timing).makespan)
+    assert planned() == replayed
+    assert {"auto", "interleaved-zb"} <= {layout.parallel.pipeline_schedule for layout, _, _ in replayed[0]}
+    step_time._unit_makespan.cache_clear()
