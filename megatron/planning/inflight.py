@@ -137,11 +137,15 @@ def peak_pending_weight_steps(layout, pp_rank: int) -> int:
     if par.pipeline_schedule not in ZERO_BUBBLE:
         return 0
     m = equivalent_microbatches(par.pp, layout.num_microbatches, par.microbatch_group_size)
-    steps = build_schedule(
-        par.pp, par.virtual_stages, m, pp_rank, kind=par.pipeline_schedule, group_size=par.microbatch_group_size
-    )
+    return _peak_pending(par.pp, par.virtual_stages, m, pp_rank, par.pipeline_schedule, par.microbatch_group_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_pending(p: int, v: int, m: int, rank: int, kind: str, group_size: int | None) -> int:
+    """`peak_pending_weight_steps` of one rank's list, once per schedule (a search estimates the same
+    pipeline under many layouts)."""
     pending = peak = 0
-    for step in steps:
+    for step in build_schedule(p, v, m, rank, kind=kind, group_size=group_size):
         pending += {B: 1, W: -1}.get(step[0].kind, 0)
         peak = max(peak, pending)
     return peak

@@ -9,11 +9,12 @@ optimizer's padding) depend on; experts' parameters apart from the others, as th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
-from megatron.core.transformer.config import padded_vocab_size
-from megatron.planning.trace import chunk_parameter_shapes
+from megatron.core.transformer.config import TransformerConfig, padded_vocab_size
+from megatron.planning.trace import chunk_parameter_shapes, config_key
 
 Shape = tuple[int, ...]
 
@@ -64,6 +65,14 @@ def _whole_model_parameters(config, tp: int, expert: bool | None = None) -> int:
     """Parameters of the one-rank model with the vocabulary padded for `tp` (tp shards summed, every
     expert, norms and replicated biases once, no tied output-layer copy): all, or only the experts'
     (`expert` True) or the others' (False)."""
+    return _counted_parameters(config_key(config), tp, expert)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counted_parameters(key: tuple, tp: int, expert: bool | None) -> int:
+    """`_whole_model_parameters` of the config `key` holds (trace.config_key): once per config, tp and
+    part (a search asks for it per layout)."""
+    config = TransformerConfig(*key)
     whole = dataclasses.replace(
         config,
         tensor_model_parallel_size=1,

@@ -114,6 +114,7 @@ class _Simulator:
         self.done = [set() for _ in range(self.p)]  # (kind, mb, chunk) of the actions the rank has run or posted
         self.events: list[list[Event]] = [[] for _ in range(self.p)]
         self.changed = False
+        self.tape: list | None = None  # when a list: the timing rules in the order applied (makespan.py replays it)
 
     def stage(self, rank: int, chunk: int) -> int:
         return self.placement.stage(rank, chunk)
@@ -193,6 +194,8 @@ class _Simulator:
             start = max(start, batch.completed)
         self.clock[rank] = start + self.duration[a.kind]
         self.events[rank].append(Event(rank, start, self.clock[rank], a))
+        if self.tape is not None:
+            self.tape.append(("compute", rank, a.kind, batch))
         done.add((a.kind, a.microbatch, a.chunk))
         return True
 
@@ -207,6 +210,8 @@ class _Simulator:
     def _post_batch(self, rank: int, step: Step) -> None:
         batch = _Batch(rank, self.pos[rank], self.clock[rank])
         self.batches[rank].append(batch)
+        if self.tape is not None:
+            self.tape.append(("post", rank, batch))
         batch.ops = [self._post(rank, batch, a) for a in step]
 
     def _post(self, rank: int, batch: _Batch, a: Action) -> _Posted:
@@ -263,10 +268,16 @@ class _Simulator:
                         previous = batches[self.pending[rank] - 1].completed if self.pending[rank] else 0.0
                         batch.started = max(batch.posted, previous)
                         moved = True
+                        if self.tape is not None:
+                            self.tape.append(
+                                ("start", batch, batches[self.pending[rank] - 1] if self.pending[rank] else None)
+                            )
                     peers = [op.peer.batch.started for op in batch.ops if op.peer is not None]
                     if len(peers) < len(batch.ops) or None in peers:
                         break
                     batch.completed = max([batch.started, *peers]) + self.transfer_time
+                    if self.tape is not None:
+                        self.tape.append(("complete", batch, [op.peer.batch for op in batch.ops]))
                     self.pending[rank] += 1
                     moved = True
             any_moved |= moved
@@ -281,6 +292,7 @@ def simulate_steps(
     schedules: list[list[Step]],
     v: int,
     *,
+    tape: list | None = None,
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     transfer_time: float = 0.0,
@@ -294,7 +306,16 @@ def simulate_steps(
     `transfer_time`: how long a batch takes once all its ops have met (0: the exact bubble of the
     schedule; above 0: how much of the p2p latency the schedule hides behind computation).
     `weight_time`: the part of `backward_time` a split backward's WEIGHT step takes (default half:
-    a linear layer's input and weight gradients are one matrix product each)."""
+    a linear layer's input and weight gradients are one matrix product each).
+    `tape`: a list to append the timing rules to, in the order the simulator applies them (makespan.py)."""
+    weight_time = checked_weight_time(forward_time, backward_time, transfer_time, weight_time)
+    simulator = _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time, placement)
+    simulator.tape = tape
+    return simulator.run()
+
+
+def checked_weight_time(forward_time: float, backward_time: float, transfer_time: float, weight_time: float | None):
+    """The WEIGHT step's time (default: half the backward); ValueError on durations that cannot be."""
     weight_time = backward_time / 2 if weight_time is None else weight_time
     if forward_time <= 0 or backward_time <= 0 or transfer_time < 0 or not 0 < weight_time < backward_time:
         raise ValueError(
@@ -302,7 +323,7 @@ def simulate_steps(
             f"weight time inside the backward time, got {forward_time}, {backward_time}, "
             f"{transfer_time}, {weight_time}"
         )
-    return _Simulator(schedules, v, forward_time, backward_time, transfer_time, weight_time, placement).run()
+    return weight_time
 
 
 def simulate(
@@ -310,6 +331,7 @@ def simulate(
     v: int,
     m: int,
     *,
+    tape: list | None = None,
     kind: str = "auto",
     group_size: int | None = None,
     forward_time: float = 1.0,
@@ -325,6 +347,7 @@ def simulate(
     return simulate_steps(
         schedules,
         v,
+        tape=tape,
         forward_time=forward_time,
         backward_time=backward_time,
         transfer_time=transfer_time,

@@ -46,9 +46,9 @@ from megatron.planning.comm_volume import (
 from megatron.planning.compute_cost import Calibration, PassTime, layer_time, output_layer_time
 from megatron.planning.hardware import Hardware
 from megatron.planning.kernels import dtype_bytes, resolve_kernels
+from megatron.planning.makespan import makespan
 from megatron.planning.moe_cost import expert_parameters_per_layer, moe_layer_average
 from megatron.planning.parameters import padded_vocab, total_parameters
-from megatron.planning.pipeline_simulator import simulate
 
 # Adam on fp32 master, m, v: read the gradient and 3 states, write 3 states and the weight, zero the gradient
 OPTIMIZER_BYTES_PER_PARAMETER = 38
@@ -192,7 +192,7 @@ def _unit_makespan(
     simulations give it for any m."""
 
     def run(microbatches: int) -> float:
-        return simulate(
+        return makespan(
             p,
             v,
             microbatches,
@@ -202,7 +202,7 @@ def _unit_makespan(
             backward_time=backward,
             transfer_time=transfer,
             weight_time=weight if kind in ZERO_BUBBLE else None,
-        ).makespan
+        )
 
     base = 2 * p + m % p
     if group_size is not None or m <= base + p:
@@ -235,14 +235,32 @@ def pipeline_idle(
     return forward * (makespan - v * m * (1.0 + ratio_b))
 
 
-def least_idle(p: int, forward: float, backward: float, kind: str = "auto") -> float:
+def least_idle(p: int, forward: float, backward: float, kind: str = "auto", weight: float = 0.0, m: int = 0) -> float:
     """Idle time the pipeline schedule `kind` of p stages has, at least, with these per-chunk
     durations (as `pipeline_idle` rounds them): the first chunk forward reaches the last stage after
     p - 1 others, and, but in the zero-bubble schedules (whose weight-gradient steps fill that
-    time), the last backward returns to the first stage after p - 1 others."""
+    time), the last backward returns to the first stage after p - 1 others. ZB-H1 (`weight`: the
+    weight-gradient part of `backward`; m microbatches) also idles as rank 0 does, which defers no
+    weight step: `_zb_h1_rank0_idle`."""
+    if kind == "zb-h1":
+        ratio_b, ratio_w = _two_digits(backward / forward), _two_digits(weight / forward)
+        return forward * max(p - 1.0, _zb_h1_rank0_idle(p, m, ratio_b, ratio_w))
     if kind in ZERO_BUBBLE:
         return (p - 1) * forward
     return (p - 1) * forward * (1.0 + _two_digits(backward / forward))
+
+
+def _zb_h1_rank0_idle(p: int, m: int, backward: float, weight: float) -> float:
+    """Rank 0's idle time under ZB-H1 with forward 1 (`backward` includes `weight`), at least, less a
+    relative 1e-9 for the simulation's rounding. Its first backward starts after microbatch 0's
+    p forwards and p - 1 input-gradient steps (one after another, stage after stage) and, for m > p,
+    the forward of microbatch m-1 ends after m - p of its backwards, weight steps and forwards more;
+    from there microbatch m-1 makes p - 1 forwards, p input-gradient steps and rank 0's weight step.
+    Less rank 0's work: (p - 1)(1 + backward - 2 weight), ZB-H1's bubble in the paper's terms; for
+    m <= p, (p - m) + (p - 1)(backward - weight)."""
+    grad = backward - weight
+    idle = (p - 1) * (1.0 + grad - weight) if m > p else (p - m) + (p - 1) * grad
+    return idle - 1e-9 * m * (1.0 + backward)
 
 
 def pipeline_seconds(
@@ -451,7 +469,7 @@ def step_time(
     f_chunk, b_chunk = work.forward_s / v, work.backward_s / v
     kind = par.pipeline_schedule
     w_chunk = work.backward.gemm / 2 / v  # the weight gradients: half the backward's products
-    idle = bubble = least_idle(pp, f_chunk, b_chunk, kind) if pp > 1 else 0.0
+    idle = bubble = least_idle(pp, f_chunk, b_chunk, kind, w_chunk, m) if pp > 1 else 0.0
     if pipeline and pp > 1:
         transfer = transfer_seconds(config, layout, hw, cal)
         idle = pipeline_idle(pp, v, m, par.microbatch_group_size, f_chunk, b_chunk, transfer, kind, w_chunk)

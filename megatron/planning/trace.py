@@ -188,7 +188,7 @@ def _moe_pattern(config: TransformerConfig, layer_ids) -> tuple[bool, ...]:
 _FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 
 
-def _key(config: TransformerConfig) -> tuple:
+def config_key(config: TransformerConfig) -> tuple:
     """The config's field values: a cache key from which `TransformerConfig(*key)` rebuilds it (a list,
     --moe-layer-freq's, as a tuple)."""
     return tuple(_hashable(getattr(config, name)) for name in _FIELDS)
@@ -218,10 +218,10 @@ def _without_recompute(config: TransformerConfig) -> TransformerConfig:
 
 
 @functools.lru_cache(maxsize=8192)
-def _trace(config_key: tuple, setting: Setting, kind: str, pattern: tuple[bool, ...] = ()) -> _Piece:
+def _trace(key: tuple, setting: Setting, kind: str, pattern: tuple[bool, ...] = ()) -> _Piece:
     """kind: "embedding" (token ids in, hidden states out), "layers" (a middle chunk of layers, MoE
     where `pattern` says so) or "head" (final norm, output layer, the loss accounted as the executor does)."""
-    config = TransformerConfig(*config_key)
+    config = TransformerConfig(*key)
     b, s = setting.micro_batch_size, config.seq_length // setting.cp
     rows = s // setting.tp if config.sequence_parallel else s  # of the residual stream: a layer's tokens
     pre, post = kind == "embedding", kind == "head"
@@ -305,18 +305,18 @@ def chunk_saved(config: TransformerConfig, setting: Setting, pre: bool, post: bo
     """Saved bytes of one microbatch on a chunk of the layers `layer_ids` (module docstring): its pieces'
     own tensors, each storage passed between two pieces once when either keeps it (a received input
     is kept by the executor in any case), and the block's shared inputs once."""
-    key = _key(_for_device(config, setting.device_type))
+    key = config_key(_for_device(config, setting.device_type))
     return _chunk_saved(key, setting, pre, post, _moe_pattern(config, layer_ids))
 
 
 @functools.lru_cache(maxsize=65536)
-def _chunk_saved(config_key: tuple, setting: Setting, pre: bool, post: bool, pattern: tuple[bool, ...]) -> Saved:
-    config = TransformerConfig(*config_key)
-    plain = _key(_without_recompute(config))
+def _chunk_saved(key: tuple, setting: Setting, pre: bool, post: bool, pattern: tuple[bool, ...]) -> Saved:
+    config = TransformerConfig(*key)
+    plain = config_key(_without_recompute(config))
     units = _units(config, pattern)
     unrouted = dataclasses.replace(setting, routing_load=1.0)  # pieces without MoE layers: one trace for any load
     kinds = {
-        kind: _trace(_key(_unit_config(config, *kind)), setting if any(kind[0]) else unrouted, "layers", kind[0])
+        kind: _trace(config_key(_unit_config(config, *kind)), setting if any(kind[0]) else unrouted, "layers", kind[0])
         for kind in set(units)
     }
     pieces = ([_trace(plain, unrouted, "embedding")] if pre else []) + [kinds[kind] for kind in units]
@@ -332,10 +332,10 @@ Parameter = tuple[tuple[int, ...], bool]  # (shape, an expert's?)
 
 
 @functools.lru_cache(maxsize=8192)
-def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple, dict, tuple]:
+def _parameter_shapes(key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple, dict, tuple]:
     """(the parameters before the layers, {MoE layer?: one such layer's}, those after), each a
     `Parameter` in named_parameters() order, from a chunk with one layer of each kind."""
-    config = TransformerConfig(*config_key)
+    config = TransformerConfig(*key)
     kinds = sorted({config.is_moe_layer(i) for i in range(config.num_layers)})
     with _fake_run("cpu", "flash"):
         model = _build(config, tp, 1, pre, post, _layer_ids(config, tuple(kinds)))
@@ -352,7 +352,7 @@ def _parameter_shapes(config_key: tuple, tp: int, pre: bool, post: bool) -> tupl
 def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: bool, layer_ids) -> list[Parameter]:
     """This tp rank's parameters of a chunk of the layers `layer_ids`, in named_parameters() order
     (the gradient buffers' bucket layouts depend on it), each with whether it is an expert's."""
-    before, layers, after = _parameter_shapes(_key(_without_recompute(config)), tp, pre, post)
+    before, layers, after = _parameter_shapes(config_key(_without_recompute(config)), tp, pre, post)
     return [*before, *(p for i in layer_ids for p in layers[config.is_moe_layer(i)]), *after]
 
 

@@ -55,6 +55,22 @@ def test_no_schedule_idles_less_than_the_least_idle():
                 assert idle >= least_idle(p, 1.0, backward) - 1e-9, (p, v, m, backward, transfer)
 
 
+def test_no_zero_bubble_schedule_idles_less_than_its_least_idle():
+    """The same for the zero-bubble kinds, with the weight gradients' share of the backward: ZB-H1's
+    bound (rank 0's idle, the paper's bubble for m > p) is met with equality at free transfers."""
+    for p in (2, 3, 4, 8):
+        for m in (1, 2, p - 1, p, p + 1, 2 * p, 3 * p + 1):
+            for backward, weight, transfer in ((2.0, 1.0, 0.0), (2.0, 0.8, 0.0), (1.9, 0.76, 0.03), (3.0, 0.5, 0.2)):
+                idle = pipeline_idle(p, 1, max(m, 1), None, 1.0, backward, transfer, "zb-h1", weight)
+                bound = least_idle(p, 1.0, backward, "zb-h1", weight, max(m, 1))
+                assert idle >= bound, (p, m, backward, weight, transfer, idle, bound)
+                if m > p and transfer == 0.0 and backward - weight >= weight:
+                    assert idle == pytest.approx(bound, abs=1e-6), (p, m, backward, weight)
+        for m in (p, 2 * p):
+            idle = pipeline_idle(p, 2, m, None, 1.0, 2.0, 0.1, "interleaved-zb", 0.8)
+            assert idle >= least_idle(p, 1.0, 2.0, "interleaved-zb", 0.8, m)
+
+
 @pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (4, 2), (2, 4)])
 def test_bubble_is_proportional_and_stops_growing_with_m(p, v):
     """What `bubble_units` relies on: idle time = units x (forward + backward) for any backward/forward

@@ -120,7 +120,7 @@ def test_chunks_composed_from_pieces_equal_one_trace_of_the_chunk(monkeypatch, k
     trace_cache_clear()
     config = dataclasses.replace(LLAMA, params_dtype=torch.float32)
     setting = trace.Setting(1, 1, B, "cpu", "flash")
-    whole = trace._trace(trace._key(config), setting, "layers", (False,) * 3)
+    whole = trace._trace(trace.config_key(config), setting, "layers", (False,) * 3)
     assert (whole.block_inputs_bytes > 0) == keep_angles
     expected = (
         trace._residual_bytes(config, setting)

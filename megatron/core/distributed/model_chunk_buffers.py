@@ -242,6 +242,8 @@ class ModelChunkBuffers(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         hooks = [h for h in (self.bucket_hooks, self.expert_bucket_hooks) if h is not None]
+        if not hooks:  # gradients not sharded: nothing to gather around the pass
+            return self.module(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             for hook in hooks:
                 stack.enter_context(hook.forward_pass())

@@ -110,7 +110,8 @@ def _all_reduce_out_of_place(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _region(name: str, forward_op, backward_op, doc: str):
-    """An autograd Function applying `forward_op` forward and `backward_op` to the gradient."""
+    """An autograd Function applying `forward_op` forward and `backward_op` to the gradient; over a
+    group of one rank (both ops the identity) the input itself, without a node in the graph."""
 
     class _Region(torch.autograd.Function):
         @staticmethod
@@ -124,7 +125,13 @@ def _region(name: str, forward_op, backward_op, doc: str):
 
     _Region.__name__ = _Region.__qualname__ = name
     _Region.__doc__ = doc
-    return _Region.apply
+
+    def region(x: torch.Tensor, group) -> torch.Tensor:
+        return x if _size(group) == 1 else _Region.apply(x, group)
+
+    region.__name__ = region.__qualname__ = name
+    region.__doc__ = doc
+    return region
 
 
 copy_to_tensor_parallel_region = _region(
