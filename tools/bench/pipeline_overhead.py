@@ -95,8 +95,8 @@ def worker(rank: int, args) -> dict:
     blocks = [bench.torch_block(args.hidden, args.ffn) for _ in range(p * args.vpp * args.blocks_per_stage)]
     ours = functools.partial(bench.our_block, tp_group=mesh.tp_group, fusion=True)
     runs = {
-        "ours": bench.Ours(bench._stages_for(blocks, p, v, rank, ours)[0], mesh, args, args.schedule),
-        "torch": bench.Theirs(*bench._stages_for(blocks, p, v, rank), mesh, args, args.schedule),
+        "ours": bench.Ours(bench._stages_for(blocks, p, v, rank, args.schedule, ours)[0], mesh, args, args.schedule),
+        "torch": bench.Theirs(*bench._stages_for(blocks, p, v, rank, args.schedule), mesh, args, args.schedule),
     }
     x = torch.randn(args.microbatches, args.tokens, 1, args.hidden)
     data = (x, torch.randn_like(x), torch.ones(args.tokens, 1))
