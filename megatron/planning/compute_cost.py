@@ -42,7 +42,8 @@ class Calibration:
     """The step-time model's constants. Fitted (tools/bench/planner_calibration.py --fit --all) on
     the 50 dense published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
     weighted equally: the GEMM curve, flash efficiency and the host overheads; then `expert_rows_half`
-    on its MoE runs alone, the others held. Taken from public
+    on its MoE runs alone and `fp8_gemm_peak_fraction` on the 36 FP8 runs of published_fp8_runs.py alone,
+    the others held. Taken from public
     measurements, not fitted: the share of link and HBM bandwidth reached.
 
     The fit on the calibration set alone (19 rows, 2 sources) gave flash 0.25 and 0.4 ms per layer;

@@ -70,7 +70,8 @@ def moe_part_time(
     config, tokens: int, tp: int, ep: int, etp: int, hw: Hardware, cal: Calibration
 ) -> tuple[PassTime, PassTime]:
     """(forward, backward) of the router, experts, shared expert and permutation of one MoE layer
-    (the backward: twice the GEMMs and elementwise bytes, as the dense layer's)."""
+    (the backward: twice the GEMMs and elementwise bytes, as the dense layer's; under FP8 the experts' and the
+    shared expert's GEMMs are FP8 linears, `linear_seconds`, the router stays BF16)."""
     h, e = config.hidden_size, dtype_bytes(config.params_dtype)
     mats = 2 if config.swiglu else 1
     f = config.moe_ffn_hidden_size // etp

@@ -21,7 +21,7 @@ from megatron.planning.step_time import bf16_layer_counts, step_time
 from tests.unit.test_memory_cli import plan_tool, run_tool
 from tools.bench.planner_calibration import FP8_GRID, _descend, evaluate_all, projection_for, run_layouts, summary
 from tools.bench.published_fp8_runs import DGXC_FP8_RUNS, FP8_RUNS, bf16_twin
-from tools.bench.published_runs import ALL_RUNS
+from tools.bench.published_runs import ALL_RUNS, MOE_CHECK_RUNS
 
 H100, A100 = DEVICES["h100-80gb"], DEVICES["a100-80gb"]
 CAL = Calibration()
@@ -75,6 +75,19 @@ def test_fp8_moves_only_the_linear_layers_gemms():
     assert output_layer_time(config, 128256, 4096, 4, H100, CAL) == output_layer_time(
         bf16_config, 128256, 4096, 4, H100, CAL
     )
+
+
+def test_fp8_experts_run_fp8_linears_and_the_dispatch_is_unchanged():
+    """An MoE row (Mixtral-8x22B's layout, the expert loop: FP8 refuses grouped GEMMs) in FP8: its GEMMs faster,
+    the token dispatch, attention and elementwise work as in BF16."""
+    flags = tuple(flag for flag in MOE_CHECK_RUNS[0].flags if flag != "--moe-grouped-gemm")
+    bf16_run = dataclasses.replace(MOE_CHECK_RUNS[0], flags=flags)
+    fp8_run = dataclasses.replace(bf16_run, flags=flags + ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"))
+    (config, layout), (bf16_config, _) = _config(fp8_run), _config(bf16_run)
+    fp8, bf16 = step_time(config, layout, H100, CAL), step_time(bf16_config, layout, H100, CAL)
+    for part in ("ep_comm_s", "attention_s", "elementwise_s", "tp_comm_s"):
+        assert getattr(fp8, part) == getattr(bf16, part), part
+    assert fp8.gemm_s < 0.75 * bf16.gemm_s
 
 
 def test_first_last_layers_bf16_stay_on_the_ranks_holding_them():
@@ -150,6 +163,10 @@ def test_planner_ranks_by_the_fp8_projection(capsys):
         assert row["breakdown"]["attention_s"] == other["attention_s"]
     code, _, err = run_tool(plan_tool, argv + fp8_flags + ["--device", "a100-80gb"], capsys)
     assert code == 2 and err.count("\n") == 1 and "error: --fp8-format: --device a100-80gb has no FP8" in err
+    code, out, err = run_tool(
+        plan_tool, argv + fp8_flags + ["--device", "a100-80gb", "--fp8-peak-tflops", "624"], capsys
+    )
+    assert code == 0 and json.loads(out), err  # an FP8 peak given by hand
 
 
 def _key(row):
