@@ -18,8 +18,10 @@ layout); the summary says how many layouts were pruned, not estimated, estimated
 and of those how many fit, fit with a margin only (the start-up check would start them) or not.
 --device picks a GPU preset (megatron/planning/hardware.py, docs/planner.md;
 default h100-80gb for the step time; its memory unless --device-memory-gb is given);
---peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and --gpus-per-node
-override its figures. --explain prints the step-time breakdown of the first layout;
+--peak-tflops, --fp8-peak-tflops, --hbm-gbps, --intra-node-gbps, --inter-node-gbps, --host-link-gbps and
+--gpus-per-node override its figures. With --fp8-format (and the other FP8 flags of training) the linear
+layers' GEMMs are projected at the FP8 rate (docs/planner.md, "FP8"); a device without FP8 is refused.
+--explain prints the step-time breakdown of the first layout;
 --json gives per layout predicted_step_time_s, predicted_tokens_per_s,
 predicted_model_tflops_per_gpu, predicted_hardware_tflops_per_gpu and the breakdown.
 --overlap-grad-reduce / --overlap-param-gather (pretrain flags) decide what of the
@@ -151,6 +153,7 @@ def _parser():
     )
     for name, help_text in (
         ("peak-tflops", "dense fp16/bf16 peak TFLOP/s per GPU"),
+        ("fp8-peak-tflops", "dense FP8 peak TFLOP/s per GPU (what --fp8-format's GEMMs run at)"),
         ("hbm-gbps", "GB/s of device memory"),
         ("intra-node-gbps", "NVLink GB/s per GPU"),
         ("inter-node-gbps", "network GB/s per GPU across nodes"),
@@ -253,7 +256,8 @@ def explain(c, hw: Hardware) -> list[str]:
     """The step-time breakdown of one layout, one line per part (or why there is none)."""
     t = c.time
     lines = [
-        f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s, "
+        f"> step time of {c.layout.describe()}, recompute {c.recompute}, on {hw.peak_tflops:g} TFLOP/s"
+        f"{'' if c.config.fp8 is None else f' (FP8 {c.config.fp8.recipe} GEMMs at {hw.fp8_tflops:g})'}, "
         f"{hw.hbm_gbps:g} GB/s HBM, {hw.intra_node_gbps:g} GB/s NVLink, {hw.inter_node_gbps:g} GB/s network "
         f"per GPU, {hw.gpus_per_node} GPUs per node (slowest pipeline rank):"
     ]
@@ -291,6 +295,8 @@ def _hardware(args) -> Hardware:
         for name in ("peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "host_link_gbps", "gpus_per_node")
         if getattr(args, name) is not None
     }
+    if args.fp8_peak_tflops is not None:
+        given["fp8_tflops"] = args.fp8_peak_tflops
     return dataclasses.replace(base, **given)
 
 
@@ -327,6 +333,12 @@ def main(argv: list[str]) -> int:
         if (args.eps or args.etps) and run.model.num_moe_experts is None:
             raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
         hw = _hardware(args)
+        if run.model.fp8 is not None and hw.fp8_tflops is None:
+            raise ArgumentError(
+                f"--fp8-format: --device {args.device} has no FP8 tensor cores (compute capability below 8.9: "
+                "training refuses FP8 there); plan on an FP8 device (h100-80gb, h200, b200, ...) or give "
+                "--fp8-peak-tflops"
+            )
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device_bytes = device_memory_bytes(device, args.device_memory_gb, args.device)
         if device_bytes is None:

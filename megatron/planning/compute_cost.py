@@ -16,6 +16,11 @@ Three kinds of work, each timed from first principles:
   passes over the [heads, s, s] scores at HBM bandwidth.
 * elementwise (norms, bias + activation, dropout + residual, rotary): bytes read and written
   at `hbm_efficiency` of the HBM bandwidth.
+* FP8 (`config.fp8`, the trainer's `--fp8-format`): the linear layers' GEMMs (QKV, projection, MLP,
+  experts; not the logits, not attention) take FP8 operands at the device's FP8 peak x
+  `fp8_gemm_peak_fraction` (the same roofline, its own constant), plus the fused casts' bytes per
+  operand (docs/fp8.md's pass counts) at HBM bandwidth; the three GEMMs of a linear (forward, input
+  gradient, weight gradient) each timed at its own output.
 * `layer_overhead_s` per layer and forward (twice per backward): the host's time to launch a
   layer's kernels, which the GPU waits for when they are short (small models, small micro batches).
 
@@ -37,7 +42,8 @@ class Calibration:
     """The step-time model's constants. Fitted (tools/bench/planner_calibration.py --fit --all) on
     the 50 dense published runs of tools/bench/published_runs.py ALL_RUNS, each of their 5 sources
     weighted equally: the GEMM curve, flash efficiency and the host overheads; then `expert_rows_half`
-    on its MoE runs alone, the others held. Taken from public
+    on its MoE runs alone and `fp8_gemm_peak_fraction` on the 36 FP8 runs of published_fp8_runs.py alone,
+    the others held. Taken from public
     measurements, not fitted: the share of link and HBM bandwidth reached.
 
     The fit on the calibration set alone (19 rows, 2 sources) gave flash 0.25 and 0.4 ms per layer;
@@ -47,6 +53,9 @@ class Calibration:
     exposed context-parallel all-gather (tools/bench/published_runs.py `_llama3`)."""
 
     gemm_peak_fraction: float = 0.80
+    # FP8 GEMMs: the share of the FP8 peak (Hardware.fp8_tflops) the same roofline reaches; fitted on the published
+    # FP8 rows alone (tools/bench/published_runs.py FP8_RUNS), the other constants held: it moves no BF16 row
+    fp8_gemm_peak_fraction: float = 0.90
     flash_fraction: float = 0.25
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.05
@@ -87,6 +96,46 @@ def gemm_seconds(m: float, n: float, k: float, element_bytes: int, hw: Hardware,
     """An [m, k] x [k, n] product: its FLOPs at the GEMM peak plus its matrices' bytes at HBM bandwidth."""
     flops = 2.0 * m * n * k / (hw.peak_tflops * 1e12 * cal.gemm_peak_fraction)
     return flops + element_bytes * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+
+
+# Bytes per element a fused FP8 linear reads and writes to quantise its operands (docs/fp8.md, "What a FP8 linear
+# does per GEMM", the fused path), per recipe: (the input and the weight in the forward, the output gradient for
+# the input gradient, what the weight gradient adds to it); the backward's cast-transposes of the weight (input
+# gradient) and of the input (weight gradient) with their forward scales read 2 bytes and write 1 each
+FP8_CAST_BYTES = {"tensorwise": (5, 5, 1), "delayed": (3, 3, 1), "blockwise": (3, 3, 3)}
+FP8_TRANSPOSE_CAST_BYTES = 3
+
+
+def fp8_gemm_seconds(m: float, n: float, k: float, out_bytes: int, hw: Hardware, cal: Calibration) -> float:
+    """An [m, k] x [k, n] product of FP8 operands (1 byte an element) into `out_bytes` an output element: its
+    FLOPs at `fp8_gemm_peak_fraction` of the FP8 peak plus its matrices' bytes at HBM bandwidth."""
+    if hw.fp8_tflops is None:
+        raise ValueError(
+            "--fp8-format: the device has no FP8 tensor cores (compute capability below 8.9, where training "
+            "refuses FP8): plan on an FP8 device (h100-80gb, h200, ...) or give --fp8-peak-tflops"
+        )
+    flops = 2.0 * m * n * k / (hw.fp8_tflops * 1e12 * cal.fp8_gemm_peak_fraction)
+    return flops + (m * k + k * n + out_bytes * m * n) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+
+
+def linear_seconds(m: int, n: int, k: int, config, hw: Hardware, cal: Calibration) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of a linear layer y [m, n] = x [m, k] W^T (W [n, k]): in the model's
+    precision, the forward and twice it (input and weight gradients, the same three dimensions); under FP8
+    (`config.fp8`), y = x W^T, dX = dY W (both in the model's dtype) and dW = dY^T x (fp32 for main_grad;
+    in the model's precision with --no-fp8-wgrad) at the FP8 rate, plus the casts of x, W and dY."""
+    element = dtype_bytes(config.params_dtype)
+    recipe = config.fp8
+    if recipe is None:
+        seconds = gemm_seconds(m, n, k, element, hw, cal)
+        return seconds, 2 * seconds
+    per_byte = 1 / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    operands, grad, grad_for_wgrad = FP8_CAST_BYTES[recipe.recipe]
+    forward = fp8_gemm_seconds(m, n, k, element, hw, cal) + operands * (m * k + n * k) * per_byte
+    dgrad = fp8_gemm_seconds(m, k, n, element, hw, cal) + (grad * m * n + FP8_TRANSPOSE_CAST_BYTES * n * k) * per_byte
+    if not recipe.wgrad:
+        return forward, dgrad + gemm_seconds(n, k, m, element, hw, cal)
+    casts = (grad_for_wgrad * m * n + FP8_TRANSPOSE_CAST_BYTES * m * k) * per_byte
+    return forward, dgrad + fp8_gemm_seconds(n, k, m, 4, hw, cal) + casts
 
 
 def gemm_efficiency(m: float, n: float, k: float, element_bytes: int, hw: Hardware, cal: Calibration) -> float:
@@ -161,17 +210,17 @@ def layer_time(
     config, kernel: str, batch: int, cp: int, tp: int, hw: Hardware, cal: Calibration, mlp: bool = True
 ) -> tuple[PassTime, PassTime]:
     """(forward, backward) of one transformer layer on one rank; the backward costs twice the
-    forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out).
+    forward's GEMMs and elementwise bytes (input and weight gradients; gradients in and out; under FP8
+    the linear layers' own backward GEMMs and casts: `linear_seconds`).
     `mlp` False: without the dense MLP (an MoE layer: moe_cost.py adds its experts)."""
     tokens = batch * config.seq_length // cp
-    element = dtype_bytes(config.params_dtype)
-    gemm = sum(gemm_seconds(m, n, k, element, hw, cal) for m, n, k in layer_gemm_shapes(config, tokens, tp, mlp))
+    linears = [linear_seconds(m, n, k, config, hw, cal) for m, n, k in layer_gemm_shapes(config, tokens, tp, mlp)]
     elementwise = elementwise_bytes(config, tokens, tp, mlp) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
     attn_f, attn_b = attention_time(config, kernel, batch, cp, tp, hw, cal)
     overhead = cal.layer_overhead_s
     return (
-        PassTime(gemm=gemm, elementwise=elementwise, overhead=overhead) + attn_f,
-        PassTime(gemm=2 * gemm, elementwise=2 * elementwise, overhead=2 * overhead) + attn_b,
+        PassTime(gemm=sum(f for f, _ in linears), elementwise=elementwise, overhead=overhead) + attn_f,
+        PassTime(gemm=sum(b for _, b in linears), elementwise=2 * elementwise, overhead=2 * overhead) + attn_b,
     )
 
 

@@ -4,6 +4,8 @@ Every figure is the vendor's spec sheet (sources in docs/planner.md); bandwidths
 GPU and per direction:
 
 * `peak_tflops`: dense fp16/bf16 tensor-core peak (no sparsity);
+* `fp8_tflops`: dense FP8 tensor-core peak (no sparsity), None where the device has no FP8 tensor cores
+  (A100: compute capability 8.0; the trainer refuses FP8 below 8.9);
 * `hbm_gbps`: device-memory bandwidth;
 * `intra_node_gbps`: NVLink bandwidth of one GPU (half the bidirectional figure);
 * `inter_node_gbps`: the network bandwidth of one GPU: DGX A100 / DGX H100 nodes have one
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Hardware:
     peak_tflops: float = 989.0
+    fp8_tflops: float | None = 1979.0
     hbm_gbps: float = 3350.0
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
@@ -47,11 +50,14 @@ class Hardware:
         for name, flag in flags.items():
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag} must be > 0, got {getattr(self, name)}")
+        if self.fp8_tflops is not None and self.fp8_tflops <= 0:
+            raise ValueError(f"--fp8-peak-tflops must be > 0, got {self.fp8_tflops}")
 
 
 DEVICES = {
     "a100-40gb": Hardware(
         peak_tflops=312.0,
+        fp8_tflops=None,
         hbm_gbps=1555.0,
         intra_node_gbps=300.0,
         inter_node_gbps=25.0,
@@ -61,6 +67,7 @@ DEVICES = {
     ),
     "a100-80gb": Hardware(
         peak_tflops=312.0,
+        fp8_tflops=None,
         hbm_gbps=2039.0,
         intra_node_gbps=300.0,
         inter_node_gbps=25.0,
@@ -70,6 +77,7 @@ DEVICES = {
     ),
     "h100-80gb": Hardware(
         peak_tflops=989.0,
+        fp8_tflops=1979.0,
         hbm_gbps=3350.0,
         intra_node_gbps=450.0,
         inter_node_gbps=50.0,
@@ -79,6 +87,7 @@ DEVICES = {
     ),
     "h200": Hardware(
         peak_tflops=989.0,
+        fp8_tflops=1979.0,
         hbm_gbps=4800.0,
         intra_node_gbps=450.0,
         inter_node_gbps=50.0,
@@ -89,6 +98,7 @@ DEVICES = {
 }
 DEVICES["h100-nvl"] = Hardware(
     peak_tflops=835.5,
+    fp8_tflops=1670.5,
     hbm_gbps=3900.0,
     intra_node_gbps=300.0,
     inter_node_gbps=50.0,
@@ -99,6 +109,7 @@ DEVICES["h100-nvl"] = Hardware(
 DEVICES["h800"] = dataclasses.replace(DEVICES["h100-80gb"], intra_node_gbps=200.0)
 DEVICES["b200"] = Hardware(
     peak_tflops=2250.0,
+    fp8_tflops=4500.0,
     hbm_gbps=8000.0,
     intra_node_gbps=900.0,
     inter_node_gbps=50.0,
@@ -108,6 +119,7 @@ DEVICES["b200"] = Hardware(
 )
 DEVICES["gb200"] = Hardware(
     peak_tflops=2500.0,
+    fp8_tflops=5000.0,
     hbm_gbps=8000.0,
     intra_node_gbps=900.0,
     inter_node_gbps=50.0,

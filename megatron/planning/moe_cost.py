@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.planning.comm_volume import group_bandwidth, ring_share
-from megatron.planning.compute_cost import Calibration, PassTime, gemm_seconds, layer_time
+from megatron.planning.compute_cost import Calibration, PassTime, gemm_seconds, layer_time, linear_seconds
 from megatron.planning.hardware import Hardware
 from megatron.planning.kernels import dtype_bytes
 from megatron.planning.moe_routing import imbalance_load, routes_per_expert
@@ -57,35 +57,45 @@ def expert_rows(config, tokens: int, tp: int, ep: int, etp: int) -> ExpertRows:
     return ExpertRows(routed, config.num_moe_experts // ep, sources * routes_per_expert(config, routed, load), load)
 
 
-def grouped_gemm_seconds(rows: int, n: int, k: int, element_bytes: int, hw: Hardware, cal: Calibration) -> float:
-    """One expert's [rows, k] x [k, n] product inside a grouped GEMM: the dense roofline x (rows + r0) / rows."""
+def grouped_gemm_seconds(rows: int, n: int, k: int, config, hw: Hardware, cal: Calibration) -> tuple[float, float]:
+    """(forward, backward) of one expert's [rows, k] x [k, n] linear inside a grouped GEMM: the dense linear's
+    (`linear_seconds`: FP8 under --fp8-format) x (rows + r0) / rows."""
     if rows == 0:
-        return 0.0
-    return gemm_seconds(rows, n, k, element_bytes, hw, cal) * (rows + cal.expert_rows_half) / rows
+        return 0.0, 0.0
+    forward, backward = linear_seconds(rows, n, k, config, hw, cal)
+    return forward * (rows + cal.expert_rows_half) / rows, backward * (rows + cal.expert_rows_half) / rows
 
 
 def moe_part_time(
     config, tokens: int, tp: int, ep: int, etp: int, hw: Hardware, cal: Calibration
 ) -> tuple[PassTime, PassTime]:
     """(forward, backward) of the router, experts, shared expert and permutation of one MoE layer
-    (the backward: twice the GEMMs and elementwise bytes, as the dense layer's)."""
+    (the backward: twice the GEMMs and elementwise bytes, as the dense layer's; under FP8 the experts' and the
+    shared expert's GEMMs are FP8 linears, `linear_seconds`, the router stays BF16)."""
     h, e = config.hidden_size, dtype_bytes(config.params_dtype)
     mats = 2 if config.swiglu else 1
     f = config.moe_ffn_hidden_size // etp
     work = expert_rows(config, tokens, tp, ep, etp)
-    per_expert = grouped_gemm_seconds(work.rows, mats * f, h, e, hw, cal) + grouped_gemm_seconds(
-        work.rows, h, f, e, hw, cal
-    )
-    gemm = gemm_seconds(work.routed_tokens, config.num_moe_experts, h, e, hw, cal) + work.local_experts * per_expert
+    expert_in = grouped_gemm_seconds(work.rows, mats * f, h, config, hw, cal)
+    expert_out = grouped_gemm_seconds(work.rows, h, f, config, hw, cal)
+    router = gemm_seconds(work.routed_tokens, config.num_moe_experts, h, e, hw, cal)  # the router stays BF16
     shared = config.moe_shared_expert_intermediate_size or 0
-    if shared:
-        gemm += gemm_seconds(tokens, mats * shared // tp, h, e, hw, cal) + gemm_seconds(
-            tokens, h, shared // tp, e, hw, cal
+    shared_in, shared_out = (
+        (
+            linear_seconds(tokens, mats * shared // tp, h, config, hw, cal),
+            linear_seconds(tokens, h, shared // tp, config, hw, cal),
         )
+        if shared
+        else ((0.0, 0.0), (0.0, 0.0))
+    )
+    gemm_f, gemm_b = (
+        router * scale + work.local_experts * (expert_in[i] + expert_out[i]) + (shared_in[i] + shared_out[i])
+        for i, scale in ((0, 1), (1, 2))
+    )
     activation = (mats + 1) * e * (work.local_experts * work.rows * f + tokens * shared // tp)
     permute = 2 * 2 * work.routed_tokens * config.moe_router_topk * h * e  # into expert order and back
     elementwise = (activation + permute) / (hw.hbm_gbps * 1e9 * cal.hbm_efficiency)
-    return PassTime(gemm=gemm, elementwise=elementwise), PassTime(gemm=2 * gemm, elementwise=2 * elementwise)
+    return PassTime(gemm=gemm_f, elementwise=elementwise), PassTime(gemm=gemm_b, elementwise=2 * elementwise)
 
 
 def all_to_all_seconds(volume: float, size: int, stride: int, hw: Hardware, cal: Calibration) -> float:

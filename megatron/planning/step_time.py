@@ -2,8 +2,9 @@
 
 Per microbatch and model chunk, on the pipeline rank with the most work (layers, plus the
 output layer on the last rank), the forward F and backward B are the sum of:
-computation (megatron/planning/compute_cost.py: GEMMs by shape, attention, elementwise
-by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
+computation (megatron/planning/compute_cost.py: GEMMs by shape -- the linear layers' at the
+FP8 rate under --fp8-format, but the layers --first-last-layers-bf16 keeps on the ranks holding
+them --, attention, elementwise by HBM bytes), recomputation's extra forward (in B), tensor-parallel collectives
 (comm_volume.py volumes at the tp group's bandwidth; not overlapped) and the context-
 parallel ring (overlapped with the attention it feeds: only what exceeds it counts).
 The pipeline is our own schedule run by the simulator with F, B and the p2p transfer
@@ -29,6 +30,7 @@ expert-data-parallel group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, fields
 
@@ -309,27 +311,35 @@ def slowest_rank_work(
     element = dtype_bytes(config.params_dtype)
     tokens = layout.micro_batch_size * config.seq_length // cp
     kernel = resolve_kernels(config, layout.device_type, attention).attention
-    layer_f, layer_b = layer_time(config, kernel, layout.micro_batch_size, cp, tp, hw, cal)
     out_f, out_b = output_layer_time(config, padded_vocab(config, tp), tokens, tp, hw, cal)
-    tp_layer = tp_bytes_per_layer(tokens, config.hidden_size, element, tp) / (
+    tp_dense = tp_bytes_per_layer(tokens, config.hidden_size, element, tp) / (
         group_bandwidth(hw, tp, 1) * cal.comm_efficiency
     )
     cp_layer = cp_bytes_per_layer(tokens, config.num_query_groups * config.kv_channels // tp, element, cp) / (
         group_bandwidth(hw, cp, tp) * cal.comm_efficiency
     )
-    ep_layer = 0.0
-    if config.num_moe_experts is not None:
-        layer_f, layer_b, tp_layer, ep_layer = moe_layer_average(
-            config, layout, kernel, (layer_f, layer_b), tp_layer, hw, cal
-        )
+
+    def average_layer(cfg) -> tuple[PassTime, PassTime, float, float]:
+        """(forward, backward, tp seconds, dispatch seconds) of the model's average layer under `cfg`."""
+        layer = layer_time(cfg, kernel, layout.micro_batch_size, cp, tp, hw, cal)
+        if cfg.num_moe_experts is None:
+            return *layer, tp_dense, 0.0
+        return moe_layer_average(cfg, layout, kernel, layer, tp_dense, hw, cal)
+
+    layer_f, layer_b, tp_layer, ep_layer = average_layer(config)
+    bf16_counts = bf16_layer_counts(config, layout.parallel)
+    # --first-last-layers-bf16: those layers' GEMMs in the model's precision (the same communication)
+    bf16_f, bf16_b = average_layer(dataclasses.replace(config, fp8=None))[:2] if any(bf16_counts) else (None, None)
     cp_f = max(0.0, cp_layer - layer_f.attention)  # the ring hides behind the attention blocks it feeds
     cp_b = max(0.0, 2 * cp_layer - layer_b.attention)
     if cp_all_gather:
         cp_f, cp_b = cp_layer, 2 * cp_layer
 
-    def work(layers: int, last: bool) -> RankWork:
-        forward = layer_f.scaled(layers) + (out_f if last else PassTime())
-        backward = layer_b.scaled(layers) + (out_b if last else PassTime())
+    def work(layers: int, last: bool, bf16: int) -> RankWork:
+        forward = layer_f.scaled(layers) if not bf16 else layer_f.scaled(layers - bf16) + bf16_f.scaled(bf16)
+        backward = layer_b.scaled(layers) if not bf16 else layer_b.scaled(layers - bf16) + bf16_b.scaled(bf16)
+        forward += out_f if last else PassTime()
+        backward += out_b if last else PassTime()
         recompute = _recomputed(config, layer_f, layers)
         again = recomputed_layers(config, layers)
         tp_fwd, cp_fwd, ep_fwd = tp_layer * layers, cp_f * layers, ep_layer * layers
@@ -347,7 +357,25 @@ def slowest_rank_work(
         )
 
     counts, output_rank = _rank_layers(config, layout.parallel)
-    return max((work(n, r == output_rank) for r, n in enumerate(counts)), key=lambda w: w.forward_s + w.backward_s)
+    return max(
+        (work(n, r == output_rank, bf16_counts[r]) for r, n in enumerate(counts)),
+        key=lambda w: w.forward_s + w.backward_s,
+    )
+
+
+def bf16_layer_counts(config, par) -> list[int]:
+    """Layers of each pipeline rank kept out of FP8 by --first-last-layers-bf16 (all zero without it)."""
+    recipe = config.fp8
+    if recipe is None or not recipe.first_last_layers_bf16:
+        return [0] * par.pp
+    return [
+        sum(
+            not recipe.layer_in_fp8(i, config.num_layers)
+            for chunk in par.layer_ids(config.num_layers, r)
+            for i in chunk
+        )
+        for r in range(par.pp)
+    ]
 
 
 def _rank_layers(config, par) -> tuple[list[int], int]:

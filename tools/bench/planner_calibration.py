@@ -30,9 +30,12 @@ from megatron.planning.planner import Search, enumerate_layouts, plan  # noqa: E
 from megatron.planning.step_time import DEFAULT_CALIBRATION, Overlap, Practice, Projection  # noqa: E402
 from megatron.training.arguments.tool_command_line import run_config_for_tool  # noqa: E402
 from megatron.training.memory_check import layout_from_run  # noqa: E402
-from tools.bench.published_runs import ALL_RUNS, RUNS, SOURCES  # noqa: E402
+from tools.bench.published_fp8_runs import FP8_RUNS  # noqa: E402
+from tools.bench.published_runs import ALL_RUNS, RUNS  # noqa: E402
 
 PROG = "tools/bench/planner_calibration.py"
+# every published row: BF16 dense and MoE (published_runs.py), FP8 (published_fp8_runs.py)
+EVERY_RUN = ALL_RUNS + FP8_RUNS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Outcome:
             "hardware": t.hardware_tflops_per_gpu,
             "model": t.model_tflops_per_gpu,
             "step_s": t.total_s,
+            "tokens_per_gpu": t.tokens_per_s / t.world_size,
         }[self.run.metric]
 
     @property
@@ -166,6 +170,8 @@ GRID = {
 }
 # fitted on the MoE rows alone, after GRID on the dense rows (`fit`)
 MOE_GRID = {"expert_rows_half": (0.0, 256.0, 512.0, 1024.0, 1280.0, 1536.0, 2048.0, 4096.0)}
+# fitted on the FP8 rows alone, after the others (`fit`)
+FP8_GRID = {"fp8_gemm_peak_fraction": (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)}
 
 
 # where a fit that should not inherit the fitted defaults starts (--holdout, --leave-one-source-out)
@@ -178,13 +184,18 @@ def is_moe(run) -> bool:
     return "--num-experts" in run.flags
 
 
+def is_fp8(run) -> bool:
+    return "--fp8-format" in run.flags
+
+
 def fit(start: Calibration = DEFAULT_CALIBRATION, passes: int = 2, runs=RUNS, verbose: bool = True) -> Calibration:
-    """Coordinate descent over GRID on the dense rows of `runs`: each constant in turn takes the grid
+    """Coordinate descent over GRID on the dense BF16 rows of `runs`: each constant in turn takes the grid
     value with the smallest (mean |error|, max |error|) (the mean taken by source: `balanced_summary`),
-    the others held; `passes` rounds. Then MOE_GRID on the MoE rows, the others held: the MoE constant
-    moves no dense row, and the few MoE rows (one source) do not move the dense constants."""
-    best = _descend(start, passes, [run for run in runs if not is_moe(run)], GRID, verbose)
+    the others held; `passes` rounds. Then MOE_GRID on the MoE rows and FP8_GRID on the FP8 rows, the
+    others held: neither constant moves a dense BF16 row, and their few rows do not move the dense constants."""
+    best = _descend(start, passes, [run for run in runs if not is_moe(run) and not is_fp8(run)], GRID, verbose)
     best = _descend(best, 1, [run for run in runs if is_moe(run)], MOE_GRID, verbose)
+    best = _descend(best, 1, [run for run in runs if is_fp8(run)], FP8_GRID, verbose)
     if verbose:
         print(f"fitted: {best}")
     return best
@@ -213,7 +224,7 @@ def _short_source(source: str) -> str:
 
 
 def leave_one_source_out(
-    runs=ALL_RUNS, start: Calibration = NEUTRAL, passes: int = 2, held_out: tuple[str, ...] = ()
+    runs=EVERY_RUN, start: Calibration = NEUTRAL, passes: int = 2, held_out: tuple[str, ...] = ()
 ) -> list[tuple[str, object]]:
     """For each source of `runs` (those whose short name contains one of `held_out`, when given): fit the
     constants (`fit` from `start`) on the other sources' rows, predict the source's own rows. Returns (source,
@@ -237,7 +248,7 @@ def _constants_text(cal: Calibration) -> str:
     return (
         f"(gemm {cal.gemm_peak_fraction:g}, flash {cal.flash_fraction:g}, "
         f"layer {1e3 * cal.layer_overhead_s:g} ms, step {cal.step_overhead_s:g} s, "
-        f"expert rows r0 {cal.expert_rows_half:g})"
+        f"expert rows r0 {cal.expert_rows_half:g}, fp8 gemm {cal.fp8_gemm_peak_fraction:g})"
     )
 
 
@@ -359,7 +370,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--leave-one-source-out",
         action="store_true",
-        help="for each source of every published run (tools/bench/published_runs.py ALL_RUNS): fit the constants "
+        help="for each source of every published run (tools/bench/published_runs.py ALL_RUNS and "
+        "published_fp8_runs.py FP8_RUNS): fit the constants "
         "on the other sources (from a neutral start) and report the error on the source left out",
     )
     parser.add_argument(
@@ -368,7 +380,8 @@ def main(argv: list[str]) -> int:
         default=(),
         metavar="NAME",
         help="with --leave-one-source-out: hold out only the sources whose short name contains NAME (e.g. "
-        "'MoE' 'Automodel': the MoE folds alone, about 1 min each instead of the whole run)",
+        "'MoE' 'Automodel': the MoE folds alone; 'FP8': the FP8 folds alone; about 1 min each instead of the "
+        "whole run)",
     )
     parser.add_argument("--passes", type=int, default=2, help="coordinate-descent passes of each fit (default 2)")
     parser.add_argument(
@@ -377,9 +390,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-search-timing", action="store_true", help="skip timing the 1,000-layout search")
     parser.add_argument("--markdown", action="store_true", help="print the table in markdown (docs/planner.md)")
     args = parser.parse_args(argv)
-    runs = ALL_RUNS if args.all else RUNS
+    runs = EVERY_RUN if args.all else RUNS
     if args.leave_one_source_out:
-        print(f"leave-one-source-out over {len(SOURCES)} sources, {len(ALL_RUNS)} rows ({args.passes} passes per fit):")
+        sources = len({run.source for run in EVERY_RUN})
+        print(f"leave-one-source-out over {sources} sources, {len(EVERY_RUN)} rows ({args.passes} passes per fit):")
         print_folds(leave_one_source_out(passes=args.passes, held_out=tuple(args.held_out)), markdown=args.markdown)
         return 0
     cal = fit(passes=args.passes, runs=runs) if args.fit else Calibration()

@@ -49,11 +49,12 @@ Left out, the layout not pinned down: MegaScale (Jiang et al. 2024) Table 2's Me
 baseline (micro batch, recomputation, optimizer sharding, attention kernel, GPU memory and
 network of its "Ampere GPUs" unpublished); BLOOM-176B (ALiBi, Omni-Path network with 4
 links per 8-GPU node, CUDA_LAUNCH_BLOCKING=1: outside what the model describes); NeMo's
-performance tables (FP8 only for dense models on H100). No second source of BF16 throughput at
-long context (16K and more, context parallelism) from a Megatron-based stack was found: NeMo's
-long-sequence tables are FP8, Megatron-Bridge's summaries stop at 8K for dense models, the rest
-lacks an absolute figure or a layout (what was searched, and why each is out: docs/planner.md,
-"Searched for and not found"), so Llama 3's 128K row is the only long-context row.
+performance tables (FP8 only for dense models on H100: rows of tools/bench/published_fp8_runs.py).
+No second source of BF16 throughput at long context (16K and more, context parallelism) from a
+Megatron-based stack was found: NeMo's long-sequence tables are FP8, Megatron-Bridge's summaries
+stop at 8K for dense models, the rest lacks an absolute figure or a layout (what was searched, and
+why each is out: docs/planner.md, "Searched for and not found"), so Llama 3's 128K row is the only
+long-context row.
 """
 
 from __future__ import annotations
