@@ -394,6 +394,21 @@ MOE_ZOO = (
 )
 
 
+def _qwen3_moe_flags(layers, hidden, ffn, heads, expert_ffn, ep):
+    """The model flags both Qwen3-MoE rows share (their Hugging Face configs): heads of 128, 4 query groups,
+    seq 4096, vocabulary 151,936 untied, no biases or dropout, bf16, 128 experts top-8 as a grouped GEMM
+    behind the all-to-all dispatcher, ep experts-parallel ranks without expert tensor parallelism."""
+    return [
+        "--num-layers", layers, "--hidden-size", hidden, "--ffn-hidden-size", ffn, "--num-attention-heads", heads,
+        "--kv-channels", 128, "--group-query-attention", "--num-query-groups", 4, "--seq-length", 4096,
+        "--max-position-embeddings", 4096, "--vocab-size", 151936, "--untie-embeddings-and-output-weights",
+        "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear", "--bf16",
+        "--num-experts", 128, "--moe-ffn-hidden-size", expert_ffn, "--moe-router-topk", 8, "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", ep,
+        "--expert-tensor-parallel-size", 1,
+    ]  # fmt: skip
+
+
 def _moe_zoo(dispatcher, tp, ep, pp, vpp, tflops):
     """Qwen3-235B-A22B on 256 H100 80 GB (NVLink 4, 8 x 50 GB/s InfiniBand per node), BF16, Megatron-Core,
     seq 4096, micro batch 1, global batch 2048, dropless routing (not force-balanced). Published: tp, ep,
@@ -407,14 +422,8 @@ def _moe_zoo(dispatcher, tp, ep, pp, vpp, tflops):
     bytes than projected), the recomputation of the norms and the experts' activation ("norm, act": an
     extra elementwise pass) not projected."""
     per_stage, name = 96 // pp, f"t{tp} e{ep} p{pp} v{vpp}"
-    flags = [
-        "--num-layers", 94, "--hidden-size", 4096, "--ffn-hidden-size", 12288, "--num-attention-heads", 64,
-        "--kv-channels", 128, "--group-query-attention", "--num-query-groups", 4, "--seq-length", 4096,
-        "--max-position-embeddings", 4096, "--vocab-size", 151936, "--untie-embeddings-and-output-weights",
-        "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear", "--bf16",
-        "--num-experts", 128, "--moe-ffn-hidden-size", 1536, "--moe-router-topk", 8, "--moe-grouped-gemm",
-        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", ep,
-        "--expert-tensor-parallel-size", 1, "--tensor-model-parallel-size", tp, "--sequence-parallel",
+    flags = _qwen3_moe_flags(layers=94, hidden=4096, ffn=12288, heads=64, expert_ffn=1536, ep=ep) + [
+        "--tensor-model-parallel-size", tp, "--sequence-parallel",
         "--pipeline-model-parallel-size", pp, "--decoder-first-pipeline-num-layers", per_stage - 1,
         "--decoder-last-pipeline-num-layers", per_stage - 1, "--micro-batch-size", 1, "--global-batch-size", 2048,
         "--use-distributed-optimizer", "--cross-entropy-loss-fusion",
@@ -489,14 +498,8 @@ def _automodel_qwen3_30b():
     (the same NVLink bytes), the experts as our grouped GEMM. Not published and assumed: no activation
     recomputation, gradients reduced in bf16, the reduce-scatter and all-gather overlapped with computation;
     qk-layernorm left out (two per-head norms, elementwise)."""
-    flags = [
-        "--num-layers", 48, "--hidden-size", 2048, "--ffn-hidden-size", 6144, "--num-attention-heads", 32,
-        "--kv-channels", 128, "--group-query-attention", "--num-query-groups", 4, "--seq-length", 4096,
-        "--max-position-embeddings", 4096, "--vocab-size", 151936, "--untie-embeddings-and-output-weights",
-        "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear", "--bf16",
-        "--num-experts", 128, "--moe-ffn-hidden-size", 768, "--moe-router-topk", 8, "--moe-grouped-gemm",
-        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", 8,
-        "--expert-tensor-parallel-size", 1, "--micro-batch-size", 4, "--global-batch-size", 512,
+    flags = _qwen3_moe_flags(layers=48, hidden=2048, ffn=6144, heads=32, expert_ffn=768, ep=8) + [
+        "--micro-batch-size", 4, "--global-batch-size", 512,
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
     ]  # fmt: skip
     return PublishedRun(
