@@ -253,7 +253,8 @@ class Theirs:
 
 
 def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
-    """Every rank's compute order of our `schedule` (a loop-placed one) as torch's compute-only actions."""
+    """Every rank's compute order of our `schedule` as torch's compute-only actions (stages numbered by the
+    schedule's placement)."""
     from torch.distributed.pipelining import schedules
 
     kinds = {
@@ -261,9 +262,10 @@ def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
         ActionKind.BACKWARD: schedules.BACKWARD_INPUT,
         ActionKind.WEIGHT: schedules.BACKWARD_WEIGHT,
     }
+    placement = Placement.for_schedule(p, v, schedule)
     return {
         rank: [
-            schedules._Action(step[0].chunk * p + rank, kinds[step[0].kind], step[0].microbatch)
+            schedules._Action(placement.stage(rank, step[0].chunk), kinds[step[0].kind], step[0].microbatch)
             for step in build_schedule(p, v, m, rank, kind=schedule)
             if step[0].kind in kinds
         ]
