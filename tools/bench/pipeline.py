@@ -25,7 +25,8 @@ gradient is sent; torch's 1F1B and interleaved schedules have no such option; th
 zero-bubble schedules always split, on both sides). Before timing, one step
 of each checks that both produce the same losses and gradients: equal work is
 the precondition for comparing time. Then the runs alternate (warm-up
-first, the order rotated each round); a step's time is the slowest rank's, and
+first; each round rotates the schedules, runs each schedule's two sides back to
+back and alternates which side goes first); a step's time is the slowest rank's, and
 the table shows medians next to the simulated bubble of our schedule (idle / busy, F = 1,
 B = 2 of which W = 1 in the zero-bubble ones, free transfers). A second table says where each rank's step time
 goes on both sides: compute (forward, backward), posting transfers, waiting for
@@ -273,6 +274,16 @@ def torch_actions(schedule: str, p: int, v: int, m: int) -> dict:
     }
 
 
+def round_order(names: list, round_index: int) -> list:
+    """The runs of one timed round: the schedules rotated by one each round, each schedule's two runs
+    back to back, and the side that runs first alternating between rounds. The first run of a pair
+    follows another schedule's run, the second follows its twin; with a fixed order inside the pair
+    that difference would count against one side in every round."""
+    shift = round_index % len(names)
+    sides = ("ours", "torch") if round_index % 2 == 0 else ("torch", "ours")
+    return [(name, side) for name in names[shift:] + names[:shift] for side in sides]
+
+
 def _stages_for(blocks: list, p: int, v: int, rank: int, schedule: str, build=copy.deepcopy) -> tuple[list, list]:
     """Fresh copies (`build(block)`) of the blocks of this rank's v chunks, each at its global stage
     (c*p + rank; under zbv the V placement's)."""
@@ -320,15 +331,14 @@ def worker(rank: int, args) -> dict:
             "grad_diff": _max_rel_diff(ours.grads(), theirs.grads()),
         }
 
-    # timing: warm-up, then rounds of all runs in rotating order
+    # timing: warm-up, then rounds of all runs (round_order)
     order = list(runs)
     for _ in range(args.warmup):
         for key in order:
             runs[key].step(data)
     times = torch.zeros(len(order), args.iters, dtype=torch.float64)
     for it in range(args.iters):
-        shift = it % len(order)
-        for key in order[shift:] + order[:shift]:
+        for key in round_order(args.schedules, it):
             dist.barrier(group=mesh.pp_group)
             start = CLOCKS[args.clock]()
             runs[key].step(data)

@@ -118,7 +118,19 @@ def linear(
     else:
         fuse = gradient_accumulation_fusion and param is not None
         y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable, fp8)
-    return y if bias is None else y + bias
+    return add_bias(y, bias)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y + bias, the product rounded before the bias is added (megatron-core's order). In place
+    when that changes no dtype: y is the fresh output of the product or of a reduction, saved by no
+    autograd node, so the sum needs no second activation-sized tensor (on CPU an allocation, its
+    page faults and a free per layer and microbatch)."""
+    if bias is None:
+        return y
+    if torch.result_type(y, bias) != y.dtype or y._is_view():
+        return y + bias
+    return y.add_(bias)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -257,7 +269,7 @@ class RowParallelLinear(torch.nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_parallel_region(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        return add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
