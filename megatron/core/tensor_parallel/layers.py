@@ -124,8 +124,9 @@ def linear(
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y + bias, the product rounded before the bias is added (megatron-core's order). In place
     when that changes no dtype: y is the fresh output of the product or of a reduction, saved by no
-    autograd node, so the sum needs no second activation-sized tensor (on CPU an allocation, its
-    page faults and a free per layer and microbatch)."""
+    autograd node, so the sum needs no second activation-sized tensor (on CPU an allocation and a
+    free per layer and microbatch; docs/pipeline.md "1F1B against torch"). A view keeps `+`:
+    autograd refuses in-place changes to views made inside a custom Function (FP8's output)."""
     if bias is None:
         return y
     if torch.result_type(y, bias) != y.dtype or y._is_view():
