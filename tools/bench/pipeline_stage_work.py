@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The work of one pipeline stage, ours against torch's, by CPU time: no pipeline, no transfers.
 
-    python tools/bench/pipeline_stage_work.py [--blocks 2] [--microbatches 8] [--rounds 60] [--quick]
+    python tools/bench/pipeline_stage_work.py [--blocks 2] [--microbatches 8] [--rounds 50] [--quick]
 
 tools/bench/pipeline.py times whole schedules; with more ranks than cores (p = 4 on two) a step
 lasts as long as the ranks' summed work takes, so a difference in work shows there first. This
@@ -79,22 +79,17 @@ def worker(rank: int, args) -> dict:
     return {"grad_diff": grad_diff, **{name: statistics.median(samples) for name, samples in seconds.items()}}
 
 
-def _positive(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--blocks", type=_positive, default=2, help="blocks in the stage (default 2: 1F1B's at v = 2)")
-    parser.add_argument("--hidden", type=_positive, default=512)
-    parser.add_argument("--ffn", type=_positive, default=None, help="MLP inner size (default 2 * hidden)")
-    parser.add_argument("--tokens", type=_positive, default=256, help="tokens per microbatch (default 256)")
-    parser.add_argument("--microbatches", type=_positive, default=8)
-    parser.add_argument("--warmup", type=_positive, default=10, help="untimed rounds (default 10)")
-    parser.add_argument("--rounds", type=_positive, default=50, help="timed rounds (default 50)")
+    parser.add_argument(
+        "--blocks", type=bench._positive, default=2, help="blocks in the stage (default 2: 1F1B's at v = 2)"
+    )
+    parser.add_argument("--hidden", type=bench._positive, default=512)
+    parser.add_argument("--ffn", type=bench._positive, default=None, help="MLP inner size (default 2 * hidden)")
+    parser.add_argument("--tokens", type=bench._positive, default=256, help="tokens per microbatch (default 256)")
+    parser.add_argument("--microbatches", type=bench._positive, default=8)
+    parser.add_argument("--warmup", type=bench._positive, default=10, help="untimed rounds (default 10)")
+    parser.add_argument("--rounds", type=bench._positive, default=50, help="timed rounds (default 50)")
     parser.add_argument("--quick", action="store_true", help="2 warm-up and 4 timed rounds")
     parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     parser.add_argument("--seed", type=int, default=1234)
