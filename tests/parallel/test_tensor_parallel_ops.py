@@ -229,18 +229,18 @@ def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tu
     )
     layer = TransformerLayer(config, tp_group=tp_group, rng_tracker=RNGTracker("cpu", 0, tp_rank=rank % tp))
     initialize_parameters(layer, seed=0)
-    by_layers = set()
+    through_autograd = set()  # parameters autograd gave a gradient (the others' layers added theirs)
 
     def record(name):
         def hook(param):
-            if param.grad_added_to_main_grad:
-                by_layers.add(name)
+            if param.grad is not None:  # autograd calls the hook of a parameter it gave none, too
+                through_autograd.add(name)
 
         return hook
 
     chunk = None
     if mode != "autograd":
-        for name, param in layer.named_parameters():  # registered first, so it runs before the buffers' hook
+        for name, param in layer.named_parameters():
             param.register_post_accumulate_grad_hook(record(name))
         chunk = ModelChunkBuffers(layer, DDPConfig(), dp_group)
         chunk.zero_grad_buffer()
@@ -261,8 +261,9 @@ def _accumulated_grads(mode: str, tp_group, dp_group, sp: bool, rank: int) -> tu
         grads = {n: p.grad for n, p in layer.named_parameters()}
         for grad in grads.values():
             dist.all_reduce(grad.div_(dist.get_world_size(dp_group)), group=dp_group)
-        return grads, by_layers
+        return grads, set()
     chunk.finish_grad_sync()
+    by_layers = {n for n, _ in layer.named_parameters()} - through_autograd
     return {n: p.main_grad.clone() for n, p in layer.named_parameters()}, by_layers
 
 

@@ -1,7 +1,8 @@
 """One model chunk (a pipeline stage's slice of layers) with its flat parameter and gradient buffers.
 
-Gradient hooks add each parameter's gradient to its fp32 `main_grad` view (unless the linear
-layer already added it there, or queued it: tensor_parallel/layers.py) and, on the last
+Gradient hooks add each parameter's gradient to its fp32 `main_grad` view (a linear layer adds
+its weight's there itself, or queues it, and autograd never sees it: tensor_parallel/layers.py;
+either way the chunk's WeightGradQueue learns the gradient is complete) and, on the last
 microbatch of the iteration, start the reduction of each bucket as soon as backward has
 completed it, so the dp x cp reduction overlaps the rest of backward (`overlap_grad_reduce`;
 without it every bucket is reduced when backward has finished). With the distributed
@@ -150,7 +151,7 @@ class ModelChunkBuffers(torch.nn.Module):
         self.module = module
         self.config = config
         self.sync_now = True
-        self.weight_grads = WeightGradQueue()
+        self.weight_grads = WeightGradQueue(self._gradient_final)
         named = _trained_params(module)
         shared = [] if reducing is None else reducing  # by this chunk's buffers at least
         common = dict(grad_dtype=config.grad_dtype, strategy=config.sharding_strategy, init_seed=init_seed)
@@ -193,18 +194,14 @@ class ModelChunkBuffers(torch.nn.Module):
         self._hooks = []
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        if param.grad_added_to_main_grad:  # param.grad is the linear layer's placeholder
-            param.grad_added_to_main_grad = False
-        else:
-            buffer = self._buffer_of[param]
-            buffer.prepare_grad(buffer.bucket_of[param])
-            param.main_grad.add_(param.grad)
+        """A gradient autograd accumulated into `param.grad`. Linear layers' weights get none (their
+        layers add it into main_grad and tell the queue themselves), yet autograd calls this hook."""
+        if param.grad is None:
+            return
+        self._prepare_grad(param)
+        param.main_grad.add_(param.grad)
         param.grad = None
-        if self.weight_grads.active:  # a split backward: final at the microbatch's WEIGHT step
-            if not self.weight_grads.queued(param):
-                self.weight_grads.note_final(param)
-        else:
-            self._gradient_final(param)
+        self.weight_grads.added(param)
 
     def _gradient_final(self, param: torch.Tensor) -> None:
         if self.buffer.shards_grads:  # every microbatch; parameters are no longer needed once all are final

@@ -285,7 +285,6 @@ class ParamAndGradBuffer:
             view.copy_(param.detach())
         param.data = view
         param.main_grad = bucket.grad[start:end].view(param.shape)
-        param.grad_added_to_main_grad = False
 
     @property
     def shards_grads(self) -> bool:
@@ -329,6 +328,12 @@ class ParamAndGradBuffer:
         `reduce` False (accumulating unsharded): the complete bucket is returned but keeps its
         whole gradient for the next microbatch."""
         bucket = self.bucket_of[param]
+        if param in bucket.ready:  # its bucket may be reducing already: a later addition would be lost
+            name = next(n for n, p in self.params.items() if p is param)
+            raise RuntimeError(
+                f"{name}: gradient reported complete twice in one backward (a weight used twice per forward "
+                "must reach its linear layers as another module's, owned=False, so autograd sums its uses)"
+            )
         bucket.ready.add(param)
         if len(bucket.ready) < len(bucket.params) or bucket.reducing:
             return None

@@ -26,7 +26,9 @@ only per direction but across directions: when p == 2 both neighbours are one
 rank, and a batch may hold a forward and a backward message to it; they are
 listed forward first on both sides, so the lists work whether the transport
 matches by tag or only by posting order (NCCL). Within a step the order is
-SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD. `megatron/planning/pipeline_simulator.py` checks
+SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD; the executor posts a batch's sends
+first, which keeps each direction's messages in order, all that either transport matches by
+within a batch. `megatron/planning/pipeline_simulator.py` checks
 on the lists that they match up, cannot deadlock even under NCCL's strictest
 reading (a rank's batches run one after another, each completing only when all
 its transfers have met their peers), and computes their bubble.

@@ -25,8 +25,8 @@ shard, the size of the input); without it the caller's region all-reduces it in 
 
 The weight gradient is summed over the chunks in the dtype of the weight's fp32 `main_grad` with
 gradient accumulation fusion (in the weight's dtype without) and goes where the unfused layers put it:
-into `main_grad` when the weight is used once per backward (tensor_parallel/layers.py `_Linear`'s
-placeholder protocol), else (a tied embedding in one stage) to autograd in the weight's dtype. Saved
+into `main_grad` when the weight is used once per backward (autograd then gets none, as from
+tensor_parallel/layers.py `_Linear`), else (a tied embedding in one stage) to autograd in the weight's dtype. Saved
 for backward: the input gradient (the input's size), the weight gradient and w.
 """
 
@@ -96,13 +96,6 @@ def _loss_scale(grad_loss, weights):
     return scale
 
 
-def _placeholder(buffer, weight):
-    """The weight-shaped gradient autograd must receive (the buffer's hook discards it) over `buffer`'s
-    memory, no longer needed: no allocation of the weight's size."""
-    size = weight.numel() * weight.element_size()
-    return buffer.view(-1).view(torch.uint8)[:size].view(weight.dtype).view(weight.shape)
-
-
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, weights, tp_group, sp_group, vocab_start, param, grad_dtype, impl, chunk):
@@ -136,8 +129,10 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
         scale = _loss_scale(grad_loss, weights)
         if ctx.param is not None:
             ctx.param.main_grad.addcmul_(grad_weight, scale)
-            ctx.param.grad_added_to_main_grad = True
-            grad_weight = _placeholder(grad_weight, ctx.param)  # runs the buffer's hook
+            queue = getattr(ctx.param, "weight_grad_queue", None)  # None: a main_grad outside gradient buffers
+            if queue is not None:
+                queue.added(ctx.param)
+            grad_weight = None
         elif grad_weight.dtype == ctx.weight_dtype:
             grad_weight = grad_weight.mul_(scale)
         else:

@@ -45,12 +45,15 @@ class _Linear(torch.autograd.Function):
     `param` is the layer's own weight when it has a `main_grad` buffer (ModelChunkBuffers):
     backward then adds the weight gradient into `main_grad` itself, with one addmm when
     `fuse` (Megatron's gradient accumulation fusion: no weight-gradient tensor is made and
-    added later), or queues it during a split backward (weight_grads.py). Autograd still
-    receives an uninitialised placeholder of the weight's shape so that the buffer's
-    post-accumulate hook runs (it sees `grad_added_to_main_grad` and skips the add); the
-    placeholder is why only a weight used once per backward goes this way. The parameter
-    itself is kept in ctx (saved tensors may come back as plain tensors without
-    `main_grad`, e.g. from activation recomputation).
+    added later), or queues it during a split backward, and tells the chunk's queue that the
+    gradient is complete (`param.weight_grad_queue`, weight_grads.py). Autograd gets no weight
+    gradient: megatron-core hands it an uninitialised placeholder of the weight's size so that
+    its buffer's hook runs, free from CUDA's caching allocator but on CPU an allocation, an
+    AccumulateGrad and a Python hook per layer and microbatch (docs/pipeline.md "1F1B against
+    torch"). So the weight must be used by this one call per forward: a second use would report
+    its gradient complete twice (the buffer refuses that). The parameter itself is kept in ctx
+    (saved tensors may come back as plain tensors without `main_grad`, e.g. from activation
+    recomputation).
     """
 
     @staticmethod
@@ -71,18 +74,17 @@ class _Linear(torch.autograd.Function):
         if ctx.fp8 is not None:
             g_fp8 = ctx.fp8.quantize_grad(grad_2d, dgrad=ctx.needs_input_grad[0])
             product = functools.partial(ctx.fp8.wgrad, saved=ctx.fp8_saved, grad=g_fp8)
+        grad_weight, queue = None, None
         if ctx.param is None:
             total_2d = sequence_input(x, ctx.sp_group).flatten(0, -2)
             grad_weight = grad_2d.t().mm(total_2d) if product is None else product(grad_2d, total_2d).to(weight.dtype)
         else:
             weight_grad = WeightGrad(ctx.param, grad_2d, x, ctx.sp_group, ctx.fuse, product)
             queue = getattr(ctx.param, "weight_grad_queue", None)
-            if queue is not None and queue.active and ctx.deferrable:
-                queue.add(weight_grad)
-            else:
+            if queue is None:  # a main_grad outside gradient buffers (the memory trace's, a test's)
                 weight_grad.accumulate()
-            ctx.param.grad_added_to_main_grad = True
-            grad_weight = torch.empty_like(weight)
+            else:
+                queue.take(weight_grad, ctx.deferrable)
         grad_input = None
         if ctx.needs_input_grad[0]:  # not for a first layer fed with data
             if ctx.fp8 is None:
@@ -91,6 +93,8 @@ class _Linear(torch.autograd.Function):
                 grad_input = ctx.fp8.dgrad(grad_2d, weight, ctx.fp8_saved, g_fp8).view(*grad_out.shape[:-1], -1)
             if ctx.sp_group is not None:
                 grad_input = reduce_scatter_sequence(grad_input, ctx.sp_group)
+        if queue is not None:  # only now: a sharded weight may be released once its gradient is complete
+            queue.added(ctx.param)
         return grad_input, grad_weight, None, None, None, None, None
 
 

@@ -65,14 +65,17 @@ def accumulate_in_main_grad_dtype(main_grad: torch.Tensor, a: torch.Tensor, b: t
 
 
 class WeightGradQueue:
-    """The weight gradients split backwards left for later, per microbatch, and their parameters.
+    """Where a model chunk's gradients of a backward go once added into `main_grad`: final now
+    (`on_final`, the buffers' readiness accounting), or, in a split backward, queued with the weight
+    gradients that backward left for later, per microbatch.
 
     Zero-bubble schedules run a microbatch's WEIGHT step after later microbatches' backwards, so
     the queue keeps each microbatch's work apart. While deferring it also notes the parameters
-    whose gradients that backward completed (`note_final`): their gradients count as final only
+    whose gradients that backward completed (`added`): their gradients count as final only
     at the microbatch's WEIGHT step, so a bucket's reduction sees whole microbatches."""
 
-    def __init__(self):
+    def __init__(self, on_final: Callable[[torch.Tensor], None]):
+        self.on_final = on_final
         self.pending: dict[int, list[WeightGrad]] = {}
         self.finished: dict[int, list] = {}  # microbatch -> parameters its backward completed
         self.params: dict[int, set] = {}  # microbatch -> parameters with a weight gradient queued
@@ -91,17 +94,22 @@ class WeightGradQueue:
         finally:
             self.microbatch = None
 
-    def queued(self, param) -> bool:
-        """Whether the deferring microbatch queued a weight gradient of `param`."""
-        return param in self.params.get(self.microbatch, ())
+    def take(self, weight_grad: WeightGrad, deferrable: bool) -> None:
+        """A linear layer's weight gradient in backward: queued while deferring (when `deferrable`),
+        else added into main_grad now. The layer then calls `added`."""
+        if self.active and deferrable:
+            self.pending.setdefault(self.microbatch, []).append(weight_grad)
+            self.params.setdefault(self.microbatch, set()).add(weight_grad.param)
+        else:
+            weight_grad.accumulate()
 
-    def add(self, weight_grad: WeightGrad) -> None:
-        self.pending.setdefault(self.microbatch, []).append(weight_grad)
-        self.params.setdefault(self.microbatch, set()).add(weight_grad.param)
-
-    def note_final(self, param) -> None:
-        """`param`'s gradient of the deferring microbatch is complete; final at its WEIGHT step."""
-        self.finished.setdefault(self.microbatch, []).append(param)
+    def added(self, param) -> None:
+        """`param`'s gradient of the backward in progress is in its main_grad: final now, or while
+        deferring at the microbatch's WEIGHT step (unless queued: its weight gradient is still to come)."""
+        if not self.active:
+            self.on_final(param)
+        elif param not in self.params.get(self.microbatch, ()):
+            self.finished.setdefault(self.microbatch, []).append(param)
 
     def compute(self, microbatch: int = 0, prepare=None) -> list[torch.Tensor]:
         """Add `microbatch`'s queued gradients into their main_grad (`prepare(param)` first, if
