@@ -35,7 +35,7 @@ from megatron.planning.kernels import KernelChoice, resolve_kernels
 from megatron.planning.layout import MemoryLayout
 from megatron.planning.model_states import chunk_buffers, model_states, optimizer_step_temporary
 from megatron.planning.moe_routing import describe, imbalance_label, imbalance_load
-from megatron.planning.parameters import chunk_shapes, numel, rank_chunks, total_parameters
+from megatron.planning.parameters import numel, rank_chunks, total_parameters, weight_gradient_shapes
 from megatron.planning.trace import Setting, chunk_saved
 from megatron.planning.transients import (
     Allowances,
@@ -204,7 +204,6 @@ def estimate_rank(
 ) -> RankEstimate:
     par = layout.parallel
     chunks = rank_chunks(config, layout, pp_rank)
-    shapes = {s for c in chunks for expert in (False, True) for s in chunk_shapes(config, par.tp, c, expert)}
     per_chunk = [chunk_buffers(config, layout, c) for c in chunks]
     buffers = [b for c in per_chunk for b in c]
     states = model_states(config, layout, per_chunk)
@@ -217,10 +216,11 @@ def estimate_rank(
     )
     moe = any(config.is_moe_layer(i) for c in chunks for i in c.layer_ids)
     tied = not config.untie_embeddings_and_output_weights
+    gradients = {s for c in chunks for s in weight_gradient_shapes(config, par.tp, c)}
     largest = largest_temporary(
         dims,
         config,
-        max(map(numel, shapes), default=0),
+        max(map(numel, gradients), default=0),
         has_last=any(c.post_process for c in chunks),
         tied_in_one_stage=tied and any(c.pre_process and c.post_process for c in chunks),
         recompute_working=max(a.recompute_bytes for a in activations),

@@ -46,7 +46,17 @@ def chunk_shapes(config, tp: int, chunk: ModelChunk, expert: bool = False) -> li
     """Shapes of the chunk's parameters outside experts, or (`expert`) of its experts' (local experts,
     split over etp)."""
     parameters = chunk_parameter_shapes(config, tp, chunk.pre_process, chunk.post_process, chunk.layer_ids)
-    return [shape for shape, is_expert in parameters if is_expert == expert]
+    return [p.shape for p in parameters if p.is_expert == expert]
+
+
+def weight_gradient_shapes(config, tp: int, chunk: ModelChunk) -> list[Shape]:
+    """Shapes of the chunk's parameters (experts' too) that have a whole gradient tensor in backward
+    before it is added to main_grad: autograd's, for all but the linear layers' own weights; those
+    add grad^T x into main_grad themselves, by one addmm with gradient accumulation fusion (no FP8),
+    else through a product of the weight's size (tensor_parallel/weight_grads.py)."""
+    parameters = chunk_parameter_shapes(config, tp, chunk.pre_process, chunk.post_process, chunk.layer_ids)
+    products = not config.gradient_accumulation_fusion or config.fp8 is not None
+    return [p.shape for p in parameters if products or not p.linear_weight]
 
 
 def shared_embedding_index(config, layout, chunk: ModelChunk) -> int | None:
@@ -85,7 +95,7 @@ def _counted_parameters(key: tuple, tp: int, expert: bool | None) -> int:
 
     def count(layer_ids: list[int]) -> int:
         parameters = chunk_parameter_shapes(whole, 1, True, True, layer_ids)
-        return sum(numel(shape) for shape, is_expert in parameters if expert in (None, is_expert))
+        return sum(numel(p.shape) for p in parameters if expert in (None, p.is_expert))
 
     kinds = [config.is_moe_layer(i) for i in range(config.num_layers)]
     ends = count([])

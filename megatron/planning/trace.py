@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -48,6 +49,7 @@ from kernels.dispatch import UNFUSED
 from megatron.core.models.gpt_model import GPTModel
 from megatron.core.parallel_state import ExpertGroups
 from megatron.core.pipeline_parallel.executor import StepStats
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.block import layer_groups
 from megatron.core.transformer.config import TransformerConfig
 from megatron.planning.cuda_ops import CudaOps
@@ -328,7 +330,10 @@ def _chunk_saved(key: tuple, setting: Setting, pre: bool, post: bool, pattern: t
     return Saved(total, sum(p.shared_bytes for p in pieces), max(p.recompute_bytes for p in pieces))
 
 
-Parameter = tuple[tuple[int, ...], bool]  # (shape, an expert's?)
+class Parameter(NamedTuple):
+    shape: tuple[int, ...]
+    is_expert: bool
+    linear_weight: bool  # a linear layer's own weight: its gradient goes into main_grad, never to autograd
 
 
 @functools.lru_cache(maxsize=8192)
@@ -339,9 +344,11 @@ def _parameter_shapes(key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple
     kinds = sorted({config.is_moe_layer(i) for i in range(config.num_layers)})
     with _fake_run("cpu", "flash"):
         model = _build(config, tp, 1, pre, post, _layer_ids(config, tuple(kinds)))
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    linear_weights = {id(m.weight) for m in linears if m.weight is not None}  # None: a tied output layer's
     before, layers, after = [], {moe: [] for moe in kinds}, []
     for name, p in model.named_parameters():
-        parameter = (tuple(p.shape), getattr(p, "is_expert", False))
+        parameter = Parameter(tuple(p.shape), getattr(p, "is_expert", False), id(p) in linear_weights)
         if name.startswith(LAYER_PREFIX):
             layers[config.is_moe_layer(int(name[len(LAYER_PREFIX) :].split(".")[0]))].append(parameter)
         else:
@@ -351,7 +358,8 @@ def _parameter_shapes(key: tuple, tp: int, pre: bool, post: bool) -> tuple[tuple
 
 def chunk_parameter_shapes(config: TransformerConfig, tp: int, pre: bool, post: bool, layer_ids) -> list[Parameter]:
     """This tp rank's parameters of a chunk of the layers `layer_ids`, in named_parameters() order
-    (the gradient buffers' bucket layouts depend on it), each with whether it is an expert's."""
+    (the gradient buffers' bucket layouts depend on it), each with whether it is an expert's and a
+    linear layer's own weight."""
     before, layers, after = _parameter_shapes(config_key(_without_recompute(config)), tp, pre, post)
     return [*before, *(p for i in layer_ids for p in layers[config.is_moe_layer(i)]), *after]
 

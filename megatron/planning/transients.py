@@ -19,10 +19,10 @@ code allocates and are NOT validated by measurement yet:
 - the largest temporary during forward/backward, the max of: the last stage's
   logits (and their fp32 copy in the cross entropy when they are bf16/fp16; with
   --cross-entropy-loss-fusion one chunk's, beside the input gradient the chunks fill), a
-  weight gradient before it is added to `main_grad` (with gradient accumulation
-  fusion the layer's placeholder of the same size; two of them for an
-  embedding tied within one stage: the output layer's gradient waits for the
-  embedding's), the MLP's activation gradients (an MoE layer's: its local experts' rows at
+  weight gradient before it is added to `main_grad` (the largest parameter's that has one:
+  parameters.py `weight_gradient_shapes`, none of a linear layer's own weight with gradient
+  accumulation fusion; two of them for an embedding tied within one stage: the output layer's
+  gradient waits for the embedding's), the MLP's activation gradients (an MoE layer's: its local experts' rows at
   the balanced load), and the recomputed activations of one recomputed group;
 - after backward (a separate phase: activations are gone): the optimizer step's
   temporaries, and the concatenated tied-embedding gradient all-reduced between
@@ -278,7 +278,8 @@ def largest_temporary(
     moe: bool,
     cross_entropy: str = "unfused",
 ) -> tuple[int, str]:
-    """`largest_param`: elements of the rank's largest parameter; `moe`: whether the rank has MoE layers;
+    """`largest_param`: elements of the rank's largest weight-sized gradient tensor (`weight_gradient_shapes`);
+    `moe`: whether the rank has MoE layers;
     `cross_entropy`: KernelChoice.cross_entropy ("unfused", or the fused pass's reductions)."""
     activation_gradients = 3 if config.swiglu else 2
     candidates = {
