@@ -145,8 +145,8 @@ class ColumnParallelLinear(torch.nn.Module):
     (SwiGLU's [gate; up]) so every rank holds matching gate and up rows.
     `skip_weight` leaves the weight to be passed to forward (a tied output layer);
     `real_rows`/`weight_seed_name` shape an output layer's init (see InitSpec).
-    `gradient_accumulation_fusion`: see `_Linear` (a weight passed to forward, which may be
-    used elsewhere too -- the tied embedding -- gets its gradient through autograd).
+    `gradient_accumulation_fusion`: see `_Linear` (another module's weight passed to forward, which
+    may be used elsewhere too -- the tied embedding -- gets its gradient through autograd).
     `split_backward_defers=False` keeps the weight gradient in the backward even in a split
     backward (the output layer: deferring it would hold the logits' gradient).
     """
@@ -208,7 +208,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
         """`weight`: another module's (a tied output layer); `add_bias` False: the caller adds
         `self.bias` itself (inside the SwiGLU kernel)."""
-        owned = weight is None
+        owned = weight is None or weight is self.weight  # the untied output layer is handed its own
         weight = self.weight if owned else weight
         bias = self.bias if add_bias else None
         grad_options = dict(
