@@ -133,3 +133,16 @@ def test_benchmark_runs_every_schedule_against_torch_with_equal_work(tmp_path):
         text=True,
     )
     assert refused.returncode == 2 and "--schedules zbv runs 2 model chunks per rank" in refused.stderr
+
+
+def test_benchmark_one_process_times_the_step_work_of_1f1b_only():
+    """--pp 1: both sides' whole step (executor or torch's schedule, layers, loss, gradients) in one
+    process without transfers, after the same equal-work check; the other schedules need a pipeline."""
+    bench = [sys.executable, str(REPO / "tools/bench/pipeline.py"), "--pp", "1"]
+    small = ["--microbatches", "4", "--hidden", "32", "--tokens", "8", "--quick"]
+    result = subprocess.run([*bench, *small, "--schedules", "1f1b"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"equal work, 1f1b: .* -> match", result.stdout), result.stdout
+    assert re.search(r"^ 1   4 1f1b ", result.stdout, re.MULTILINE), result.stdout
+    refused = subprocess.run([*bench, "--schedules", "1f1b,zbv"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--pp 1 runs one process with --schedules 1f1b only" in refused.stderr
