@@ -194,8 +194,9 @@ class ModelChunkBuffers(torch.nn.Module):
         self._hooks = []
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        """A gradient autograd accumulated into `param.grad`. Linear layers' weights get none (their
-        layers add it into main_grad and tell the queue themselves), yet autograd calls this hook."""
+        """A gradient autograd accumulated into `param.grad` (linear layers' own weights never reach
+        autograd: their layers add it into main_grad and tell the queue themselves). Autograd also
+        calls this hook when the backward gave the parameter no gradient."""
         if param.grad is None:
             return
         self._prepare_grad(param)

@@ -229,6 +229,12 @@ class PipelineExecutor:
         )
         self.split = any(a.kind is ActionKind.WEIGHT for step in self.steps for a in step)
         self.last_backward = self._last_backward_index()
+        # per local chunk, looked up by every compute step (local_*: the chunk of the neighbouring
+        # stage when it is on this rank, else None)
+        self.holds_first_stage = [self.placement.is_first(self.rank, c) for c in range(self.v)]
+        self.holds_last_stage = [self.placement.is_last(self.rank, c) for c in range(self.v)]
+        self.local_previous = [self._local_neighbour(c, -1) for c in range(self.v)]
+        self.local_following = [self._local_neighbour(c, +1) for c in range(self.v)]
 
     def _last_backward_index(self) -> dict:
         """Microbatch of each chunk's final backward: the data-parallel reduction of that
@@ -239,12 +245,6 @@ class PipelineExecutor:
                 if action.kind is ActionKind.BACKWARD:
                     last[action.chunk] = action.microbatch
         return last
-
-    def _is_first(self, chunk: int) -> bool:
-        return self.placement.is_first(self.rank, chunk)
-
-    def _is_last(self, chunk: int) -> bool:
-        return self.placement.is_last(self.rank, chunk)
 
     def _local_neighbour(self, chunk: int, offset: int) -> int | None:
         """The local chunk of the stage `offset` away, when it runs on this rank (the V's turn)."""
@@ -267,19 +267,19 @@ class PipelineExecutor:
             action = step[0]
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.FORWARD:
-                previous = self._local_neighbour(action.chunk, -1)
+                previous = self.local_previous[action.chunk]
                 if previous is not None:  # the previous stage's output, handed over on this rank
                     inputs[key] = outputs[(action.microbatch, previous)].detach().requires_grad_()
-                elif not self._is_first(action.chunk):
+                elif not self.holds_first_stage[action.chunk]:
                     self._wait(transfers, ActionKind.RECV_FORWARD, key, timer)
                 started = timer.start()
                 outputs[key] = self._forward(action, inputs, batch, stats, loss_scale / self.spec.num_microbatches)
                 timer.stop("forward", started, action)
             elif action.kind is ActionKind.BACKWARD:
-                following = self._local_neighbour(action.chunk, +1)
+                following = self.local_following[action.chunk]
                 if following is not None:  # the next stage's input gradient, handed over on this rank
                     received_grads[key] = input_grads.pop((action.microbatch, following))
-                elif not self._is_last(action.chunk):
+                elif not self.holds_last_stage[action.chunk]:
                     self._wait(transfers, ActionKind.RECV_BACKWARD, key, timer)
                 started = timer.start()
                 if action.chunk in unzeroed:
@@ -312,7 +312,7 @@ class PipelineExecutor:
 
     def _forward(self, action, inputs, batch, stats, scale):
         key = (action.microbatch, action.chunk)
-        first, last = self._is_first(action.chunk), self._is_last(action.chunk)
+        first, last = self.holds_first_stage[action.chunk], self.holds_last_stage[action.chunk]
         # the first and last stage read data (input ids, labels); every stage reads per-sample positions
         data = Microbatch(*batch(action.microbatch)) if first or last or self.spec.every_stage_reads else None
         model_inputs = data.model_inputs() if data is not None else {}
@@ -328,10 +328,10 @@ class PipelineExecutor:
         chunk = self.chunks[action.chunk]
         chunk.set_is_last_microbatch(self.last_backward[action.chunk] == action.microbatch)
         output = outputs[key]
-        grad = None if self._is_last(action.chunk) else received_grads.pop(key)
+        grad = None if self.holds_last_stage[action.chunk] else received_grads.pop(key)
         with chunk.deferring_weight_grads(action.microbatch) if self.split else contextlib.nullcontext():
             _run_backward(output, grad)
-        if not self._is_first(action.chunk):
+        if not self.holds_first_stage[action.chunk]:
             input_grads[key] = inputs[key].grad
 
     def _post(self, step, transfers, inputs, outputs, received_grads, input_grads, device):

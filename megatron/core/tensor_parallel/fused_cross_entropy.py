@@ -173,6 +173,8 @@ def fused_output_cross_entropy(
         weights = torch.ones(target.numel(), dtype=torch.float32, device=x.device)
     else:
         weights = loss_mask.reshape(-1).to(torch.float32, copy=True)
+    if param is not None:  # its gradient goes into main_grad: autograd gets no node or buffer hook to run for it
+        weight = weight.detach()
     return _FusedOutputCrossEntropy.apply(
         x, weight, target, weights, tp_group, sp_group, vocab_start, param, grad_dtype, impl, chunk
     )

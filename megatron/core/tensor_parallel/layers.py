@@ -46,14 +46,15 @@ class _Linear(torch.autograd.Function):
     backward then adds the weight gradient into `main_grad` itself, with one addmm when
     `fuse` (Megatron's gradient accumulation fusion: no weight-gradient tensor is made and
     added later), or queues it during a split backward, and tells the chunk's queue that the
-    gradient is complete (`param.weight_grad_queue`, weight_grads.py). Autograd gets no weight
-    gradient: megatron-core hands it an uninitialised placeholder of the weight's size so that
-    its buffer's hook runs, free from CUDA's caching allocator but on CPU an allocation, an
-    AccumulateGrad and a Python hook per layer and microbatch (docs/pipeline.md "1F1B against
-    torch"). So the weight must be used by this one call per forward: a second use would report
-    its gradient complete twice (the buffer refuses that). The parameter itself is kept in ctx
-    (saved tensors may come back as plain tensors without `main_grad`, e.g. from activation
-    recomputation).
+    gradient is complete (`param.weight_grad_queue`, weight_grads.py). Autograd never sees such a
+    weight: `weight` is then a detached alias of it, so backward has no AccumulateGrad node and no
+    buffer hook to run for it (megatron-core hands autograd an uninitialised placeholder of the
+    weight's size so that its buffer's hook runs, free from CUDA's caching allocator but on CPU an
+    allocation, an AccumulateGrad and a Python hook per layer and microbatch: docs/pipeline.md
+    "1F1B against torch"). So the weight must be used by this one call per forward: a second use
+    would report its gradient complete twice (the buffer refuses that). The parameter itself is
+    kept in ctx (saved tensors may come back as plain tensors without `main_grad`, e.g. from
+    activation recomputation).
     """
 
     @staticmethod
@@ -119,9 +120,10 @@ def linear(
     param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
     if sp_group is None and param is None and fp8 is None:
         y = F.linear(x, weight)
-    else:
-        fuse = gradient_accumulation_fusion and param is not None
-        y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable, fp8)
+    elif param is None:
+        y = _Linear.apply(x, weight, sp_group, None, False, deferrable, fp8)
+    else:  # its gradient goes into main_grad, not through autograd
+        y = _Linear.apply(x, weight.detach(), sp_group, param, gradient_accumulation_fusion, deferrable, fp8)
     return add_bias(y, bias)
 
 
