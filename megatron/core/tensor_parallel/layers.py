@@ -120,10 +120,10 @@ def linear(
     param = weight if (owned and main_grad is not None and weight.requires_grad and torch.is_grad_enabled()) else None
     if sp_group is None and param is None and fp8 is None:
         y = F.linear(x, weight)
-    elif param is None:
-        y = _Linear.apply(x, weight, sp_group, None, False, deferrable, fp8)
-    else:  # its gradient goes into main_grad, not through autograd
-        y = _Linear.apply(x, weight.detach(), sp_group, param, gradient_accumulation_fusion, deferrable, fp8)
+    else:
+        fuse = gradient_accumulation_fusion and param is not None
+        weight = weight if param is None else weight.detach()  # its gradient goes into main_grad, not through autograd
+        y = _Linear.apply(x, weight, sp_group, param, fuse, deferrable, fp8)
     return add_bias(y, bias)
 
 
